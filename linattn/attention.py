@@ -1,0 +1,179 @@
+"""Attention blocks with q/k/v/out projections: (B, N, dim) -> (B, N, dim).
+
+Both blocks share one interface: `forward(x, offset=0, return_state=False)` for whole sequences
+and `step(x_t, state) -> (y_t, state)` for decoding one token at a time (`state=None` starts).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from .feature_maps import FeatureMap, make_feature_map
+from .functional import DEFAULT_CHUNK_SIZE, LinearState, linear_attention, linear_attention_step
+from .rotary import DEFAULT_BASE, apply_rotary
+
+ROPE_PLACEMENTS = ("post", "pre", "none")
+SOFTMAX_BACKENDS = ("sdpa", "xformers")
+
+
+class KVCache(NamedTuple):
+    """Softmax decoding state: rotated keys and values of every token so far, (B, H, T, D)."""
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def _head_dim(dim: int, heads: int) -> int:
+    if dim < 1 or heads < 1 or dim % heads:
+        raise ValueError(f"dim ({dim}) must be a positive multiple of heads ({heads})")
+    return dim // heads
+
+
+class _Projections(nn.Module):
+    """q/k/v/out projections and the (B, N, dim) <-> (B, H, N, head_dim) reshapes."""
+
+    def __init__(self, dim: int, heads: int, bias: bool):
+        super().__init__()
+        self.dim, self.heads, self.head_dim = dim, heads, _head_dim(dim, heads)
+        self.to_qkv = nn.Linear(dim, 3 * dim, bias=bias)
+        self.to_out = nn.Linear(dim, dim, bias=bias)
+
+    def _qkv(self, x: torch.Tensor, expected_rank: int):
+        if x.dim() != expected_rank or x.shape[-1] != self.dim:
+            shape = "(batch, seq_len, dim)" if expected_rank == 3 else "(batch, dim) for one token"
+            raise ValueError(f"{type(self).__name__} expects input of shape {shape} with "
+                             f"dim={self.dim}, got {tuple(x.shape)}")
+        if expected_rank == 2:
+            x = x.unsqueeze(1)
+        q, k, v = self.to_qkv(x).chunk(3, dim=-1)
+        return (rearrange(t, "b n (h d) -> b h n d", h=self.heads) for t in (q, k, v))
+
+    def _merge(self, out: torch.Tensor) -> torch.Tensor:
+        return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
+
+
+class LinearAttention(_Projections):
+    """Linear attention with a registered (or given) feature map and RoPE placement:
+
+    * `post` (RoFormer Eq. 19): rotate phi(q), phi(k) in the numerator only;
+    * `pre`: rotate q, k before the feature map (what performer-pytorch does);
+    * `none`: no rotation.
+    """
+
+    def __init__(self, dim: int, heads: int, *, feature_map: str | FeatureMap = "favor",
+                 rope: str = "post", causal: bool = True, feature_map_options: dict | None = None,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, rope_base: float = DEFAULT_BASE,
+                 bias: bool = False):
+        super().__init__(dim, heads, bias)
+        if rope not in ROPE_PLACEMENTS:
+            raise ValueError(f"rope must be one of {ROPE_PLACEMENTS}, got {rope!r}")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+        self.feature_map = make_feature_map(feature_map, self.head_dim, **(feature_map_options or {}))
+        rotated_dim = {"post": self.feature_map.num_features, "pre": self.head_dim}.get(rope, 0)
+        if rotated_dim % 2:
+            what = "num_features M" if rope == "post" else "head_dim"
+            raise ValueError(f"rope={rope!r} rotates pairs of coordinates, so {what} must be even, "
+                             f"got {rotated_dim}; pick an even value or rope='none'")
+        self.rope, self.causal, self.chunk_size, self.rope_base = rope, causal, chunk_size, rope_base
+
+    def _features(self, q, k, offset: int):
+        if self.rope == "pre":
+            q = apply_rotary(q, offset=offset, base=self.rope_base)
+            k = apply_rotary(k, offset=offset, base=self.rope_base)
+        return self.feature_map(q, is_query=True), self.feature_map(k, is_query=False)
+
+    def forward(self, x: torch.Tensor, *, offset: int = 0, return_state: bool = False):
+        q, k, v = self._qkv(x, 3)
+        phi_q, phi_k = self._features(q, k, offset)
+        result = linear_attention(phi_q, phi_k, v, causal=self.causal, rotary=self.rope == "post",
+                                  offset=offset, chunk_size=self.chunk_size,
+                                  rope_base=self.rope_base, return_state=return_state)
+        if return_state:
+            return self._merge(result[0]), result[1]
+        return self._merge(result)
+
+    def step(self, x_t: torch.Tensor, state: LinearState | None = None):
+        """Decode one token (B, dim) in O(1) time and memory; `state=None` starts a sequence."""
+        if not self.causal:
+            raise ValueError("step() decodes autoregressively and needs causal=True")
+        position = 0 if state is None else state.position
+        q, k, v = self._qkv(x_t, 2)
+        phi_q, phi_k = self._features(q, k, position)
+        out, state = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], state,
+                                           rotary=self.rope == "post", rope_base=self.rope_base)
+        return self._merge(out.unsqueeze(2))[:, 0], state
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, rope={self.rope!r}, causal={self.causal}, chunk_size={self.chunk_size}"
+
+
+def _xformers_ops():
+    try:
+        import xformers.ops as xops
+    except ImportError as err:
+        raise ImportError(
+            "backend='xformers' needs the xformers package, which runs on CUDA only: "
+            "pip install 'linattn[xformers]' on a GPU machine, or use backend='sdpa'") from err
+    return xops
+
+
+class SoftmaxAttention(_Projections):
+    """Softmax attention with optional RoPE on q and k (RoFormer Eq. 16).
+
+    backend='sdpa' uses torch's scaled_dot_product_attention (any device); backend='xformers'
+    uses xformers' memory_efficient_attention (CUDA only)."""
+
+    def __init__(self, dim: int, heads: int, *, rope: bool = True, causal: bool = True,
+                 backend: str = "sdpa", rope_base: float = DEFAULT_BASE, bias: bool = False):
+        super().__init__(dim, heads, bias)
+        if backend not in SOFTMAX_BACKENDS:
+            raise ValueError(f"backend must be one of {SOFTMAX_BACKENDS}, got {backend!r}")
+        if not isinstance(rope, bool):
+            raise ValueError(f"rope must be True or False for softmax attention, got {rope!r}")
+        if rope and self.head_dim % 2:
+            raise ValueError(f"rope=True rotates pairs of coordinates, so head_dim must be even, "
+                             f"got {self.head_dim}")
+        self._xops = _xformers_ops() if backend == "xformers" else None
+        self.rope, self.causal, self.backend, self.rope_base = rope, causal, backend, rope_base
+
+    def _rotate(self, q, k, offset: int):
+        if not self.rope:
+            return q, k
+        return (apply_rotary(q, offset=offset, base=self.rope_base),
+                apply_rotary(k, offset=offset, base=self.rope_base))
+
+    def _attend(self, q, k, v, causal: bool):
+        if self._xops is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        if not q.is_cuda:
+            raise ValueError("backend='xformers' runs on CUDA tensors only, got a tensor on "
+                             f"{q.device}; move the model to a GPU or use backend='sdpa'")
+        bias = self._xops.LowerTriangularMask() if causal else None
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))   # xformers wants (B, N, H, D)
+        return self._xops.memory_efficient_attention(q, k, v, attn_bias=bias).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, *, offset: int = 0, return_state: bool = False):
+        q, k, v = self._qkv(x, 3)
+        q, k = self._rotate(q, k, offset)
+        out = self._merge(self._attend(q, k, v, self.causal))
+        return (out, KVCache(k, v)) if return_state else out
+
+    def step(self, x_t: torch.Tensor, state: KVCache | None = None):
+        """Decode one token (B, dim) against the KV cache; `state=None` starts a sequence."""
+        if not self.causal:
+            raise ValueError("step() decodes autoregressively and needs causal=True")
+        position = 0 if state is None else state.k.shape[-2]
+        q, k, v = self._qkv(x_t, 2)
+        q, k = self._rotate(q, k, position)
+        if state is not None:
+            k, v = torch.cat((state.k, k), dim=-2), torch.cat((state.v, v), dim=-2)
+        # The new token sees every cached token, so no mask is needed.
+        out = self._merge(self._attend(q, k, v, causal=False))
+        return out[:, 0], KVCache(k, v)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, rope={self.rope}, causal={self.causal}, backend={self.backend!r}"

@@ -1,0 +1,151 @@
+"""The chunked fast path and the recurrent step against the plain O(N^2) reference."""
+import pytest
+import torch
+
+from linattn import make_feature_map
+from linattn.functional import (linear_attention, linear_attention_reference, linear_attention_step)
+from linattn.rotary import apply_rotary
+
+FEATURE_MAPS = ["elu", "favor", "softmax"]
+PLACEMENTS = ["post", "pre", "none"]
+B, H, D, DV = 2, 2, 8, 6
+
+
+def feature_map(name):
+    return make_feature_map(name, D, **({"num_features": 16} if name == "favor" else {})).double()
+
+
+def features(fm, q, k, rope, offset=0):
+    """(phi_q, phi_k, rotary flag) for a placement, the way LinearAttention computes them."""
+    if rope == "pre":
+        q, k = apply_rotary(q, offset=offset), apply_rotary(k, offset=offset)
+    return fm(q, is_query=True), fm(k, is_query=False), rope == "post"
+
+
+def inputs(n, requires_grad=False):
+    return [torch.randn(B, H, n, d, dtype=torch.float64, requires_grad=requires_grad)
+            for d in (D, D, DV)]
+
+
+@pytest.mark.parametrize("name", FEATURE_MAPS)
+@pytest.mark.parametrize("rope", PLACEMENTS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("n,chunk", [(1, 4), (17, 4), (31, 16), (64, 64), (65, 8), (40, 128)])
+def test_chunked_matches_reference_values_and_gradients(name, rope, causal, n, chunk):
+    q, k, v = inputs(n, requires_grad=True)
+    fm, results = feature_map(name), []
+    for fast in (True, False):
+        phi_q, phi_k, rotary = features(fm, q, k, rope, offset=3)
+        if fast:
+            out = linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=3, chunk_size=chunk)
+        else:
+            out = linear_attention_reference(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=3)
+        weights = torch.randn_like(out, generator=torch.Generator().manual_seed(1))
+        grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+        results.append((out, *grads))
+    for fast, ref in zip(*results):
+        torch.testing.assert_close(fast, ref, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("rotary", [True, False])
+def test_gradcheck_float64(causal, rotary):
+    phi_q, phi_k = (torch.rand(1, 2, 11, 6, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, 2, 11, 3, dtype=torch.float64, requires_grad=True)
+    fn = lambda a, b, c: linear_attention(a, b, c, causal=causal, rotary=rotary, chunk_size=4)
+    assert torch.autograd.gradcheck(fn, (phi_q, phi_k, v))
+
+
+@pytest.mark.parametrize("rotary", [True, False])
+def test_recurrent_step_matches_parallel_outputs_and_state(rotary):
+    phi_q, phi_k = (torch.rand(B, H, 23, 10, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, H, 23, DV, dtype=torch.float64)
+    parallel, final = linear_attention(phi_q, phi_k, v, causal=True, rotary=rotary, chunk_size=8,
+                                       return_state=True)
+    state, steps = None, []
+    for t in range(23):
+        y, state = linear_attention_step(phi_q[:, :, t], phi_k[:, :, t], v[:, :, t], state, rotary=rotary)
+        steps.append(y)
+    torch.testing.assert_close(torch.stack(steps, dim=2), parallel, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(state.kv, final.kv)
+    torch.testing.assert_close(state.k_sum, final.k_sum)
+    assert state.position == final.position == 23
+
+
+def test_prefill_state_continues_with_steps():
+    """A parallel prefill followed by recurrent steps equals one parallel pass."""
+    phi_q, phi_k = (torch.rand(1, 2, 30, 8, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, 2, 30, 4, dtype=torch.float64)
+    full = linear_attention(phi_q, phi_k, v, causal=True, rotary=True)
+    _, state = linear_attention(phi_q[:, :, :20], phi_k[:, :, :20], v[:, :, :20], causal=True,
+                                rotary=True, return_state=True)
+    tail = []
+    for t in range(20, 30):
+        y, state = linear_attention_step(phi_q[:, :, t], phi_k[:, :, t], v[:, :, t], state, rotary=True)
+        tail.append(y)
+    torch.testing.assert_close(torch.stack(tail, dim=2), full[:, :, 20:], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("rotary", [True, False])
+def test_float32_chunked_close_to_float64_reference(rotary):
+    phi_q, phi_k = (torch.rand(1, 4, 300, 32, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, 4, 300, 16, dtype=torch.float64)
+    ref = linear_attention_reference(phi_q, phi_k, v, causal=True, rotary=rotary)
+    fast = linear_attention(phi_q.float(), phi_k.float(), v.float(), causal=True, rotary=rotary)
+    assert fast.dtype == torch.float32
+    torch.testing.assert_close(fast.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_post_rotation_is_relative():
+    """Eq. 19: shifting every position by the same offset leaves the output unchanged."""
+    phi_q, phi_k = (torch.rand(1, 2, 40, 16, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, 2, 40, 4, dtype=torch.float64)
+    for causal in (True, False):
+        at_zero = linear_attention(phi_q, phi_k, v, causal=causal, rotary=True, offset=0)
+        shifted = linear_attention(phi_q, phi_k, v, causal=causal, rotary=True, offset=1234)
+        torch.testing.assert_close(at_zero, shifted, rtol=1e-9, atol=1e-10)
+    # ...and the rotation really does something
+    plain = linear_attention(phi_q, phi_k, v, causal=True, rotary=False)
+    assert (plain - at_zero).abs().max() > 1e-3
+
+
+def test_post_numerator_rotated_denominator_not():
+    """Check Eq. 19 term by term on one query: rotated numerator, unrotated denominator."""
+    phi_q, phi_k = (torch.rand(1, 1, 5, 4, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, 1, 5, 3, dtype=torch.float64)
+    theta = torch.tensor([1.0, 1e-2], dtype=torch.float64)     # 10000^(-2i/4), i = 0, 1
+
+    def rotate(x, pos):
+        out = x.clone()
+        for i, t in enumerate(theta):
+            c, s = torch.cos(pos * t), torch.sin(pos * t)
+            out[2 * i], out[2 * i + 1] = c * x[2 * i] - s * x[2 * i + 1], s * x[2 * i] + c * x[2 * i + 1]
+        return out
+
+    m = 4
+    q_m = phi_q[0, 0, m]
+    numerator = sum((rotate(q_m, m) @ rotate(phi_k[0, 0, n], n)) * v[0, 0, n] for n in range(m + 1))
+    denominator = sum(q_m @ phi_k[0, 0, n] for n in range(m + 1))
+    out = linear_attention(phi_q, phi_k, v, causal=True, rotary=True)
+    torch.testing.assert_close(out[0, 0, m], numerator / denominator)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(phi_q=torch.rand(2, 8, 4)), "must have 4 dimensions"),
+    (dict(v=torch.rand(1, 2, 9, 3)), "disagree"),
+    (dict(phi_k=torch.rand(1, 2, 8, 6)), "same shape"),
+    (dict(phi_q=torch.rand(1, 2, 8, 5), phi_k=torch.rand(1, 2, 8, 5)), "must be even"),
+    (dict(chunk_size=0), "chunk_size"),
+])
+def test_bad_input_raises_clear_value_error(bad, message):
+    args = dict(phi_q=torch.rand(1, 2, 8, 4), phi_k=torch.rand(1, 2, 8, 4), v=torch.rand(1, 2, 8, 3),
+                causal=True, rotary=True)
+    args.update(bad)
+    with pytest.raises(ValueError, match=message):
+        linear_attention(**args)
+
+
+def test_step_bad_rank_raises():
+    with pytest.raises(ValueError, match="for one token"):
+        linear_attention_step(torch.rand(1, 2, 1, 4), torch.rand(1, 2, 1, 4), torch.rand(1, 2, 1, 3),
+                              None, rotary=False)
