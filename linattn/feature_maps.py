@@ -13,6 +13,7 @@ Add a map in a few lines:
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 import torch.nn.functional as F
@@ -165,12 +166,14 @@ class FavorFeatureMap(FeatureMap):
             x = _float(x) * self.head_dim ** -0.25
             projection = self.projection.to(x.dtype)
             logits = x @ projection.T
+            # One per-row shift holds the stabiliser and the 1/sqrt(M) factor: a single pass.
+            log_ratio = -0.5 * math.log(self.num_features)
             if is_query:
-                logits = logits - logits.amax(dim=-1, keepdim=True).detach()
+                shift = logits.detach().amax(dim=-1, keepdim=True) - log_ratio
             else:
                 ceiling = (projection.square().sum(-1).amax() / 2 - self.KEY_LOGIT_CEILING).clamp_min(0)
-                logits = logits - x.square().sum(-1, keepdim=True) / 2 - ceiling
-            return logits.exp() * self.num_features ** -0.5
+                shift = x.square().sum(-1, keepdim=True) / 2 + (ceiling - log_ratio)
+            return logits.sub_(shift).exp_()
 
     # The redraw schedule travels in checkpoints (state_dict), so a resumed run redraws on time.
     def get_extra_state(self):

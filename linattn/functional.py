@@ -81,21 +81,21 @@ def _exclusive_scan(x: torch.Tensor, *, reverse: bool = False) -> torch.Tensor:
     return out
 
 
-def _causal_product_forward(q, k, v, chunk: int) -> torch.Tensor:
+def _causal_product_forward(q, k, v, chunk: int):
+    """Output plus what backward reuses: the masked chunk scores (N x chunk) and the state before
+    each chunk (N/chunk x M x Dv), both linear in N; no per-token M x Dv products."""
     n = q.shape[-2]
     q, k, v = (_chunked(t, chunk) for t in (q, k, v))
     earlier = _exclusive_scan(k.transpose(-1, -2) @ v)               # (B, H, C, M, Dv)
     scores = (q @ k.transpose(-1, -2)).tril_()                        # (B, H, C, chunk, chunk)
     out = torch.baddbmm((q @ earlier).flatten(0, 2), scores.flatten(0, 2), v.flatten(0, 2))
-    return out.view(q.shape[:-1] + v.shape[-1:]).flatten(2, 3)[:, :, :n]
+    return out.view(q.shape[:-1] + v.shape[-1:]).flatten(2, 3)[:, :, :n], scores, earlier
 
 
-def _causal_product_backward(q, k, v, grad, chunk: int):
+def _causal_product_backward(q, k, v, scores, earlier, grad, chunk: int):
     n = q.shape[-2]
     q, k, v, grad = (_chunked(t, chunk) for t in (q, k, v, grad))
-    earlier = _exclusive_scan(k.transpose(-1, -2) @ v)                # sum_{n before} k_n v_n^T
     later = _exclusive_scan(q.transpose(-1, -2) @ grad, reverse=True)  # sum_{m after} q_m g_m^T
-    scores = (q @ k.transpose(-1, -2)).tril_()
     d_scores = (grad @ v.transpose(-1, -2)).tril_()
     flat = lambda t: t.flatten(0, 2)
     dq = torch.baddbmm(flat(grad @ earlier.transpose(-1, -2)), flat(d_scores), flat(k))
@@ -106,20 +106,59 @@ def _causal_product_backward(q, k, v, grad, chunk: int):
 
 class _CausalProduct(torch.autograd.Function):
     """sum_{n<=m} (q_m . k_n) v_n, block-parallel: exact products inside chunks of `chunk` tokens
-    plus the running M x Dv state of earlier chunks.  Only q, k, v are kept for backward; the chunk
-    states are recomputed there, so memory stays O(N (M + Dv))."""
+    plus the running M x Dv state of earlier chunks.  Memory stays O(N (M + Dv + chunk))."""
 
     @staticmethod
     def forward(ctx, q, k, v, chunk):
-        ctx.save_for_backward(q, k, v)
+        out, scores, earlier = _causal_product_forward(q, k, v, chunk)
+        ctx.save_for_backward(q, k, v, scores, earlier)
         ctx.chunk = chunk
-        return _causal_product_forward(q, k, v, chunk)
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        q, k, v = ctx.saved_tensors
-        return (*_causal_product_backward(q, k, v, grad.contiguous(), ctx.chunk), None)
+        q, k, v, scores, earlier = ctx.saved_tensors
+        return (*_causal_product_backward(q, k, v, scores, earlier, grad.contiguous(), ctx.chunk), None)
+
+
+def _scan_tokens(x: torch.Tensor, chunk: int, *, reverse: bool = False) -> torch.Tensor:
+    """Inclusive cumulative sum over tokens (dim -2), or suffix sums with reverse=True: a loop over
+    the positions inside a chunk, then a loop adding each chunk's offset.  Several times faster on
+    CPU than torch.cumsum along a non-last dimension."""
+    n = x.shape[-2]
+    y = _chunked(x, chunk).clone()                                   # (B, H, C, chunk, M)
+    for j in (range(chunk - 2, -1, -1) if reverse else range(1, chunk)):
+        y[:, :, :, j] += y[:, :, :, j + 1 if reverse else j - 1]
+    totals = (y[:, :, :, 0] if reverse else y[:, :, :, -1]).clone()
+    running = torch.zeros_like(totals[:, :, 0])
+    for c in (range(y.shape[2] - 2, -1, -1) if reverse else range(1, y.shape[2])):
+        running += totals[:, :, c + 1 if reverse else c - 1]
+        y[:, :, c] += running.unsqueeze(-2)
+    return y.flatten(2, 3)[:, :, :n]
+
+
+class _CausalDenominator(torch.autograd.Function):
+    """sum_{n<=m} q_m . k_n = q_m . cumsum(k)_m, in O(N M) work: no chunk scores needed."""
+
+    @staticmethod
+    def forward(ctx, q, k, chunk):
+        k_prefix = _scan_tokens(k, chunk)
+        ctx.save_for_backward(q, k_prefix)
+        ctx.chunk = chunk
+        return torch.einsum("bhnm,bhnm->bhn", q, k_prefix)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        q, k_prefix = ctx.saved_tensors
+        grad = grad.unsqueeze(-1)
+        return grad * k_prefix, _scan_tokens(grad * q, ctx.chunk, reverse=True), None
+
+
+def causal_denominator(q: torch.Tensor, k: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Causal sum_{n<=m} q_m . k_n of (B, H, N, M) features, shape (B, H, N)."""
+    return _CausalDenominator.apply(q, k, chunk)
 
 
 def causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -147,8 +186,8 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
         q_num, k_num = _numerator_features(phi_q, phi_k, rotary=rotary, offset=offset, base=rope_base)
         if causal and rotary:
             numerator = causal_product(q_num, k_num, v, chunk_size)
-            denominator = causal_product(phi_q, phi_k, v.new_ones(v.shape[:-1] + (1,)), chunk_size)[..., 0]
-        elif causal:  # unrotated: the denominator is one more value column of ones
+            denominator = causal_denominator(phi_q, phi_k, chunk_size)
+        elif causal:  # unrotated features serve both: the denominator is a value column of ones
             both = causal_product(phi_q, phi_k, F.pad(v, (0, 1), value=1.0), chunk_size)
             numerator, denominator = both[..., :-1], both[..., -1]
         else:
