@@ -1,0 +1,130 @@
+"""The byte-level LM: configuration checks, recurrent decoding == parallel forward, sampling,
+position limits, FAVOR+ layer seeds."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lm_testing import small_config
+from models import ByteLM, ModelConfig, favor_layer_seed
+
+VARIANTS = {
+    "linear-favor-post": dict(feature_map="favor", rope="post"),
+    "linear-favor-pre": dict(feature_map="favor", rope="pre"),
+    "linear-favor-none": dict(feature_map="favor", rope="none"),
+    "linear-elu-post-abs": dict(feature_map="elu", rope="post", abs_pos=True),
+    "linear-softmax-post": dict(feature_map="softmax", rope="post"),
+    "softmax-rope": dict(attention="softmax", rope="post"),
+    "softmax-abs": dict(attention="softmax", rope="none", abs_pos=True),
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)   # tiny models: one thread is faster and robust on a shared CPU
+
+
+def make_model(seq_len: int = 32, **overrides) -> ByteLM:
+    torch.manual_seed(0)
+    return ByteLM(small_config(seq_len=seq_len, **overrides)).eval()
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_prefill_and_steps_match_full_forward(name: str) -> None:
+    model = make_model(**VARIANTS[name])
+    idx = torch.randint(0, 256, (2, 24))
+    with torch.no_grad():
+        full = model(idx)
+        logits, state = model.prefill(idx[:, :9])
+        stepped = [logits]
+        for position in range(9, 24):
+            step_logits, state = model.step(idx[:, position], state)
+            stepped.append(step_logits[:, None])
+    torch.testing.assert_close(torch.cat(stepped, dim=1), full, atol=2e-5, rtol=1e-4)
+    assert state.position == 24
+
+
+@pytest.mark.parametrize("name", ["linear-favor-post", "softmax-rope"])
+def test_generate_is_reproducible_and_greedy_matches_argmax(name: str) -> None:
+    model = make_model(**VARIANTS[name])
+    prompt = torch.tensor([72, 101, 108, 108, 111])
+    draw = lambda seed: model.generate(prompt, 20, temperature=1.0, top_k=50,
+                                       generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(draw(3), draw(3))
+    assert not torch.equal(draw(3), draw(4))
+    greedy = model.generate(prompt, 6, temperature=0)
+    ids = prompt.clone()
+    for _ in range(6):   # greedy decoding by full forward passes
+        ids = torch.cat((ids, model(ids[None])[0, -1].argmax()[None]))
+    assert torch.equal(greedy, ids[len(prompt):])
+
+
+def test_top_k_one_is_greedy() -> None:
+    model = make_model()
+    prompt = torch.tensor([1, 2, 3])
+    sampled = model.generate(prompt, 8, temperature=1.0, top_k=1, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sampled, model.generate(prompt, 8, temperature=0))
+
+
+def test_generate_keeps_training_mode_and_favor_schedule() -> None:
+    model = make_model().train()
+    calls = [fm.training_calls for fm in model.feature_maps()]
+    model.generate(torch.tensor([1, 2]), 5)
+    assert model.training and [fm.training_calls for fm in model.feature_maps()] == calls
+
+
+def test_learned_positions_refuse_beyond_training_length() -> None:
+    model = make_model(seq_len=16, **VARIANTS["softmax-abs"])
+    model(torch.zeros(1, 16, dtype=torch.long))
+    with pytest.raises(ValueError, match="absolute positions for 16 tokens"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+    with pytest.raises(ValueError, match="absolute positions"):
+        model.generate(torch.zeros(10, dtype=torch.long), 8)
+    assert model.generate(torch.zeros(10, dtype=torch.long), 7).shape == (7,)
+
+
+@pytest.mark.parametrize("name", ["linear-favor-post", "softmax-rope", "linear-favor-none"])
+def test_rope_and_no_positions_extrapolate(name: str) -> None:
+    model = make_model(seq_len=16, **VARIANTS[name])
+    assert model(torch.zeros(1, 64, dtype=torch.long)).shape == (1, 64, 256)
+    assert model.generate(torch.zeros(10, dtype=torch.long), 40).shape == (40,)
+
+
+def test_favor_layer_seeds_differ_per_layer_and_reproduce() -> None:
+    projections = lambda model: [fm.projection.clone() for fm in model.feature_maps()]
+    first, again = projections(make_model(seed=5)), projections(make_model(seed=5))
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not torch.equal(first[0], first[1])
+    assert not torch.equal(first[0], projections(make_model(seed=6))[0])
+    seeds = [fm.seed for fm in make_model(seed=5).feature_maps()]
+    assert seeds == [favor_layer_seed(5, 0), favor_layer_seed(5, 1)]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(attention="softmax", rope="pre", feature_map="", num_features=0, redraw_interval=0), "'pre'"),
+    (dict(attention="softmax", feature_map="favor"), "no feature map"),
+    (dict(feature_map="elu", num_features=64, redraw_interval=0), "favor map only"),
+    (dict(feature_map="nope"), "unknown feature map"),
+    (dict(d_model=30, n_head=4), "multiple"),
+    (dict(n_layer=0), "n_layer must be positive"),
+    (dict(dropout=1.0), "dropout"),
+    (dict(attention="rnn"), "attention must be one of"),
+])
+def test_config_errors(overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**overrides)
+
+
+def test_variant_names() -> None:
+    assert small_config(num_features=256).variant == "linear-favor-post-M256"
+    assert small_config(feature_map="elu", rope="pre", abs_pos=True).variant == "linear-elu-pre-abs"
+    assert small_config(attention="softmax").variant == "softmax-rope"
+    assert small_config(attention="softmax", rope="none", abs_pos=True).variant == "softmax-abs"
+    assert small_config(attention="softmax", rope="none").variant == "softmax-none"
+
+
+def test_config_round_trips_through_a_plain_dict() -> None:
+    config = small_config(feature_map="elu", abs_pos=True)
+    values = config.to_dict()
+    assert all(isinstance(v, (str, int, float, bool)) for v in values.values())
+    assert ModelConfig.from_dict({**values, "lr": 0.1}) == config
