@@ -32,7 +32,6 @@ import multiprocessing
 import os
 import platform
 import statistics
-import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -45,6 +44,8 @@ import torch.nn.functional as F
 import linattn
 from linattn.feature_maps import FEATURE_MAPS
 from linattn.functional import DEFAULT_CHUNK_SIZE
+from models.lm import ByteLM, ModelConfig, lm_loss
+from models.runtime import autocast, keep_freed_memory, peak_memory_mb, reset_peak_memory, resolve_device, write_atomically
 
 SECTIONS = ("attention", "efficiency", "decode", "model")
 FULL_LENGTHS = tuple(2 ** p for p in range(8, 16))          # 256 .. 32768
@@ -242,39 +243,17 @@ def saved_tensor_bytes(forward: Callable[[], torch.Tensor]) -> int:
     return sum(storages.values())
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size (VmHWM); a forked child starts at its RSS at fork."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("VmHWM not found in /proc/self/status")
-
-
-def reset_peak_rss() -> None:
-    """Lower VmHWM to the current RSS (Linux >= 4.0); where that is refused the baseline simply
-    stays at the earlier peak, which is at worst the small priming run's."""
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
-
-
 class PeakMemory:
     """Peak memory above a baseline taken at construction: VmHWM on CPU (the process's own peak
     RSS, so run one config per fresh process), max_memory_allocated on CUDA."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            self.baseline = torch.cuda.memory_allocated(device)
-        else:
-            reset_peak_rss()
-            self.baseline = peak_rss_bytes()
+        reset_peak_memory(device)
+        self.baseline = peak_memory_mb(device)
 
     def peak_above_baseline(self) -> int:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) - self.baseline
-        return peak_rss_bytes() - self.baseline
+        return int((peak_memory_mb(self.device) - self.baseline) * MB)
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -367,7 +346,6 @@ MODEL_SIZE = {"n_layer": 4, "d_model": 256, "n_head": 4}
 
 def lm_config(kind: str, context: int, num_features: int):
     """The same small LM with softmax or favor+post attention (models/lm.py)."""
-    from models.lm import ModelConfig
 
     if kind == "softmax":
         return ModelConfig(**MODEL_SIZE, seq_len=context, attention="softmax", feature_map="",
@@ -377,8 +355,6 @@ def lm_config(kind: str, context: int, num_features: int):
 
 
 def model_task(task: dict) -> dict:
-    from models.lm import ByteLM, lm_loss
-    from models.runtime import autocast
 
     device, context = torch.device(task["device"]), task["context"]
     model = ByteLM(lm_config(task["model"], context, task["num_features"])).to(device).train()
@@ -586,14 +562,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is available; use --device cpu")
-    return torch.device(name)
-
-
 def settings_from_args(args: argparse.Namespace) -> Settings:
     def pick(value, full, quick):
         return value if value is not None else (quick if args.quick else full)
@@ -635,25 +603,10 @@ def print_section(title: str) -> None:
     print(f"\n## {title}\n", flush=True)
 
 
-def write_atomically(path: Path, write: Callable[[str], None]) -> None:
-    """write(tmp_path) fills a temporary file next to `path`, which then replaces `path` at once."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(handle)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def write_json(path: Path, results: dict) -> None:
-    def dump(tmp: str) -> None:
+    def dump(tmp: Path) -> None:
         with open(tmp, "w") as out:
             json.dump(results, out, indent=1, default=str)
-            out.flush()
-            os.fsync(out.fileno())
     write_atomically(path, dump)
 
 
@@ -665,7 +618,9 @@ def machine_info(settings: Settings) -> dict:
                      if line.startswith("model name")), platform.processor())
     return {"device": str(settings.device), "name": name, "torch": torch.__version__,
             "python": platform.python_version(), "threads": settings.threads,
-            "cpus_allowed": len(os.sched_getaffinity(0)), "dtype": "float32"}
+            "cpus_allowed": len(os.sched_getaffinity(0)), "dtype": "float32",
+            # set before the measuring processes fork, so every method runs with the same allocator
+            "malloc_keeps_freed_memory": keep_freed_memory()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1019,9 +974,6 @@ def decode_table(records: list[dict], contexts: tuple[int, ...]) -> str:
 
 def run_model(settings: Settings, runner: ChildRunner) -> list[dict]:
     print_section("Model: LM training throughput (forward + backward + AdamW step)")
-    if importlib.util.find_spec("models") is None:
-        print("skipped: models/lm.py not found (run from the repository root)")
-        return []
     print(f"{MODEL_SIZE['n_layer']} layers, d_model {MODEL_SIZE['d_model']}, {MODEL_SIZE['n_head']} "
           f"heads, {settings.model_tokens} tokens per batch at every context; median of "
           f"{settings.model_steps} steps after 1 warm-up.\n")
@@ -1068,7 +1020,8 @@ def print_header(settings: Settings, machine: dict) -> None:
     shape = settings.shape
     print(f"# linattn benchmark ({time.strftime('%Y-%m-%d %H:%M')})\n")
     print(f"device: {machine['device']} ({machine['name']}), torch {machine['torch']}, "
-          f"threads: {settings.threads} (of {machine['cpus_allowed']} CPUs allowed), fp32")
+          f"threads: {settings.threads} (of {machine['cpus_allowed']} CPUs allowed), fp32, "
+          f"malloc keeps freed memory: {machine['malloc_keeps_freed_memory']} (see models.runtime)")
     print(f"attention shape: b={shape.batch}, h={shape.heads}, D={shape.head_dim}, "
           f"M={shape.num_features}, causal chunk C={settings.chunk_size}")
     print(f"timing: median of {settings.repeats} after {settings.warmup} warm-up; budget "

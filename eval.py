@@ -23,7 +23,8 @@ import torch
 
 from linattn.data import SPLITS, DataError, SequentialWindows, load_split
 from models import ByteLM, CheckpointError, bits_per_byte, checkpoint_path, load_checkpoint, model_from_checkpoint
-from models.runtime import autocast, decode_bytes, encode_text, resolve_device, summed_loss
+from models.runtime import (autocast, decode_bytes, encode_text, keep_freed_memory, resolve_device,
+                            summed_loss)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
+    keep_freed_memory()   # large CPU temporaries reuse freed memory instead of page-faulting
     try:
         device = resolve_device(args.device)
         if args.threads:

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import csv
 import io
-import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import matplotlib
 
@@ -31,6 +30,7 @@ import linattn  # noqa: E402
 import train  # noqa: E402
 from linattn.data import DataError  # noqa: E402
 from models import CheckpointError  # noqa: E402
+from models.runtime import keep_freed_memory, write_atomically  # noqa: E402
 
 DEFAULT_VARIANTS = ["softmax-rope", "softmax-abs"] + [
     f"linear-{feature_map}-{rope}"
@@ -69,12 +69,6 @@ def variant_configs(given: dict[str, Any], variants: list[str]) -> dict[str, tra
             flags.pop("chunk_size", None)
         configs[name] = train.config_from_flags(flags)
     return configs
-
-
-def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 def result_rows(results: dict[str, train.TrainResult]) -> list[dict[str, Any]]:
@@ -156,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", help="comma-separated variants (default: "
                                            f"{','.join(DEFAULT_VARIANTS)})")
     args = vars(parser.parse_args(argv))
+    keep_freed_memory()   # large CPU temporaries reuse freed memory instead of page-faulting
     resume = args.pop("resume")
     listed = args.pop("variants")
     variants = DEFAULT_VARIANTS if listed is None else [v.strip() for v in listed.split(",") if v.strip()]

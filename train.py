@@ -39,7 +39,7 @@ from linattn.data import DataError, RandomWindows, load_split
 from models import (CHECKPOINT_NAME, ByteLM, CheckpointError, ModelConfig, bits_per_byte, config_differences,
                     lm_loss, load_checkpoint, save_checkpoint)
 from models.lm import BITS_PER_NAT
-from models.runtime import (autocast, decode_bytes, peak_memory_mb, reset_peak_memory,
+from models.runtime import (autocast, decode_bytes, keep_freed_memory, peak_memory_mb, reset_peak_memory,
                             resolve_device, summed_loss)
 
 # ----------------------------------------------------------------------------- presets
@@ -656,6 +656,7 @@ EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    keep_freed_memory()   # large CPU temporaries reuse freed memory instead of page-faulting
     try:
         config = config_from_flags(vars(args))
     except ValueError as error:

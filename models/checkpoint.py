@@ -5,7 +5,6 @@ optimizer, loader (RandomWindows state), rng (per-rank torch states), stats, dat
 """
 from __future__ import annotations
 
-import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import torch
 
 from .lm import ByteLM, ModelConfig
+from .runtime import write_atomically
 
 CHECKPOINT_NAME = "ckpt.pt"
 CHECKPOINT_FORMAT = "linattn-byte-lm"
@@ -30,15 +30,9 @@ def checkpoint_path(path: Path | str) -> Path:
 
 
 def save_checkpoint(path: Path | str, payload: dict[str, Any]) -> None:
-    """torch.save to `<path>.tmp`, fsync, then rename: a crash never leaves a half-written ckpt.pt."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as file:
-        torch.save({"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, **payload}, file)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(tmp, path)
+    """Written to a temporary file, fsynced, then renamed: a crash never leaves a half-written ckpt.pt."""
+    checkpoint = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, **payload}
+    write_atomically(Path(path), lambda tmp: torch.save(checkpoint, tmp))
 
 
 def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu") -> dict[str, Any]:
