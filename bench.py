@@ -385,6 +385,7 @@ TASKS: dict[str, Callable[[dict], dict]] = {
 def child_main(task: dict, connection) -> None:
     """Entry point of a forked child: run one task and send back its result dict (or an error)."""
     start = time.perf_counter()
+    keep_freed_memory()   # the forkserver is a fresh process: set the allocator in each child
     try:
         torch.set_num_threads(task["threads"])
         torch.manual_seed(0)
@@ -619,7 +620,7 @@ def machine_info(settings: Settings) -> dict:
     return {"device": str(settings.device), "name": name, "torch": torch.__version__,
             "python": platform.python_version(), "threads": settings.threads,
             "cpus_allowed": len(os.sched_getaffinity(0)), "dtype": "float32",
-            # set before the measuring processes fork, so every method runs with the same allocator
+            # every measuring child sets it too (child_main), so all methods share one allocator
             "malloc_keeps_freed_memory": keep_freed_memory()}
 
 
