@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import inspect
 import io
@@ -951,10 +952,13 @@ def run_decode(settings: Settings, runner: ChildRunner) -> list[dict]:
     return records
 
 
-def decode_table(records: list[dict], contexts: tuple[int, ...]) -> str:
-    def value(kind: str, context: int, key: str) -> float | None:
-        return next((r.get(key) for r in records if r["block"] == kind and r["context"] == context), None)
+def record_value(records: list[dict], group: str, kind: str, context: int, key: str) -> float | None:
+    """`key` of the record whose `group` field is `kind` at `context` (None if absent or skipped)."""
+    return next((r.get(key) for r in records if r[group] == kind and r["context"] == context), None)
 
+
+def decode_table(records: list[dict], contexts: tuple[int, ...]) -> str:
+    value = functools.partial(record_value, records, "block")
     rows = []
     for context in contexts:
         linear, softmax = value("linear", context, "step_s"), value("softmax", context, "step_s")
@@ -998,9 +1002,7 @@ def run_model(settings: Settings, runner: ChildRunner) -> list[dict]:
 
 
 def model_table(records: list[dict], contexts: tuple[int, ...]) -> str:
-    def value(kind: str, context: int, key: str) -> float | None:
-        return next((r.get(key) for r in records if r["model"] == kind and r["context"] == context), None)
-
+    value = functools.partial(record_value, records, "model")
     rows = []
     for context in contexts:
         softmax, linear = value("softmax", context, "tokens_per_s"), value("linear", context, "tokens_per_s")

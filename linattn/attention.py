@@ -51,6 +51,10 @@ class _Projections(nn.Module):
         q, k, v = self.to_qkv(x).chunk(3, dim=-1)
         return (rearrange(t, "b n (h d) -> b h n d", h=self.heads) for t in (q, k, v))
 
+    def _check_decodable(self) -> None:
+        if not self.causal:
+            raise ValueError("step() decodes autoregressively and needs causal=True")
+
     def _merge(self, out: torch.Tensor) -> torch.Tensor:
         return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
 
@@ -98,8 +102,7 @@ class LinearAttention(_Projections):
 
     def step(self, x_t: torch.Tensor, state: LinearState | None = None):
         """Decode one token (B, dim) in O(1) time and memory; `state=None` starts a sequence."""
-        if not self.causal:
-            raise ValueError("step() decodes autoregressively and needs causal=True")
+        self._check_decodable()
         position = 0 if state is None else state.position
         q, k, v = self._qkv(x_t, 2)
         phi_q, phi_k = self._features(q, k, position)
@@ -164,8 +167,7 @@ class SoftmaxAttention(_Projections):
 
     def step(self, x_t: torch.Tensor, state: KVCache | None = None):
         """Decode one token (B, dim) against the KV cache; `state=None` starts a sequence."""
-        if not self.causal:
-            raise ValueError("step() decodes autoregressively and needs causal=True")
+        self._check_decodable()
         position = 0 if state is None else state.k.shape[-2]
         q, k, v = self._qkv(x_t, 2)
         q, k = self._rotate(q, k, position)

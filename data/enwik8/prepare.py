@@ -31,6 +31,9 @@ from typing import Any, Callable
 import numpy as np
 from tqdm import tqdm
 
+# The loader owns the format's names and the error users see; this script writes what it reads.
+from linattn.data import META_NAME, SPLITS, DataError
+
 URL = "http://mattmahoney.net/dc/enwik8.zip"
 SCRIPT_DIR = Path(__file__).resolve().parent
 REPO_ROOT = SCRIPT_DIR.parents[1]
@@ -39,9 +42,7 @@ DEFAULT_OUT_DIR = SCRIPT_DIR
 SAMPLE_SOURCE = REPO_ROOT.parent / "shared" / "data" / "enwik8-head.gz"
 SAMPLE_SHA256 = "d8b3b95fb4993726ea7dcc93ae3c9e08a1a04cc540d05d7656fd267cc8ab5d6a"
 
-SPLIT_NAMES = ("train", "val", "test")
 SPLIT_END_PERCENTS = (90, 95, 100)  # on 100,000,000 bytes: the standard 90M / 5M / 5M split
-META_NAME = "meta.json"
 ZIP_CACHE_NAME = "enwik8.zip"
 PART_SUFFIX = ".part"
 TMP_SUFFIX = ".tmp"
@@ -72,10 +73,6 @@ CANONICAL = Expected(
     member_md5="a1fa5ffddb56f4953e226637dabbb36a",
     member_sha256="2b49720ec4d78c3c9fabaee6e4179a5e997302b3a70029f30f2d582218c024a8",
 )
-
-
-class DataError(ValueError):
-    """A data problem the user can act on; main() prints it as `error: ...` without a traceback."""
 
 
 @dataclass(frozen=True)
@@ -374,7 +371,7 @@ def build_meta(source: SourceBytes, digest: Digest, canonical: bool) -> dict[str
     splits = {
         name: {"file": f"{name}.bin", "start": start, "end": end, "size": end - start,
                "sha256": hashlib.sha256(view[start:end]).hexdigest()}
-        for name, (start, end) in zip(SPLIT_NAMES, boundaries)
+        for name, (start, end) in zip(SPLITS, boundaries)
     }
     byte_counts = np.bincount(np.frombuffer(source.data, dtype=np.uint8), minlength=256)
     return {
@@ -416,7 +413,7 @@ def read_meta(out_dir: Path) -> dict[str, Any] | None:
 
 
 def split_size_problem(out_dir: Path, meta: dict[str, Any]) -> str | None:
-    for name in SPLIT_NAMES:
+    for name in SPLITS:
         path = out_dir / f"{name}.bin"
         expected = meta["splits"][name]["size"]
         if not path.is_file():
@@ -447,7 +444,7 @@ def request_mismatch(
 def hash_problem(out_dir: Path, meta: dict[str, Any]) -> str | None:
     """Re-hash the splits: each against meta.json, and their concatenation against the source checksums."""
     whole_sha, whole_md5 = hashlib.sha256(), hashlib.md5()
-    for name in SPLIT_NAMES:
+    for name in SPLITS:
         split_sha = hashlib.sha256()
         with open(out_dir / f"{name}.bin", "rb") as f:
             while chunk := f.read(CHUNK_BYTES):
@@ -515,7 +512,7 @@ def write_prepared(out_dir: Path, data: bytes, meta: dict[str, Any]) -> None:
     are renamed into place and the new meta.json is renamed last. Temp files are removed on any failure.
     """
     view = memoryview(data)
-    split_temps = {name: out_dir / f"{name}.bin{TMP_SUFFIX}" for name in SPLIT_NAMES}
+    split_temps = {name: out_dir / f"{name}.bin{TMP_SUFFIX}" for name in SPLITS}
     meta_temp = out_dir / f"{META_NAME}{TMP_SUFFIX}"
     try:
         for name, temp in split_temps.items():
@@ -552,7 +549,7 @@ def report(out_dir: Path, meta: dict[str, Any], log: Log) -> None:
     log(f"md5:       {source['md5']}")
     log(f"canonical: {canonical}")
     log(f"distinct bytes: {meta['distinct_bytes']} (vocab_size {meta['vocab_size']})")
-    for name in SPLIT_NAMES:
+    for name in SPLITS:
         split = meta["splits"][name]
         log(f"{name + '.bin':<10} {split['size']:>12,} bytes  [{split['start']:,}, {split['end']:,})")
     log(f"wrote {out_dir}/{{train,val,test}}.bin and {META_NAME}")
