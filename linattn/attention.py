@@ -13,7 +13,7 @@ from einops import rearrange
 from torch import nn
 
 from .feature_maps import FeatureMap, make_feature_map
-from .functional import DEFAULT_CHUNK_SIZE, LinearState, linear_attention, linear_attention_step
+from .functional import BACKENDS, DEFAULT_CHUNK_SIZE, LinearState, linear_attention, linear_attention_step
 from .rotary import DEFAULT_BASE, apply_rotary
 
 ROPE_PLACEMENTS = ("post", "pre", "none")
@@ -70,8 +70,10 @@ class LinearAttention(_Projections):
     def __init__(self, dim: int, heads: int, *, feature_map: str | FeatureMap = "favor",
                  rope: str = "post", causal: bool = True, feature_map_options: dict | None = None,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, rope_base: float = DEFAULT_BASE,
-                 bias: bool = False):
+                 bias: bool = False, backend: str = "auto"):
         super().__init__(dim, heads, bias)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if rope not in ROPE_PLACEMENTS:
             raise ValueError(f"rope must be one of {ROPE_PLACEMENTS}, got {rope!r}")
         if chunk_size < 1:
@@ -83,6 +85,7 @@ class LinearAttention(_Projections):
             raise ValueError(f"rope={rope!r} rotates pairs of coordinates, so {what} must be even, "
                              f"got {rotated_dim}; pick an even value or rope='none'")
         self.rope, self.causal, self.chunk_size, self.rope_base = rope, causal, chunk_size, rope_base
+        self.backend = backend
 
     def _features(self, q, k, offset: int):
         if self.rope == "pre":
@@ -95,7 +98,8 @@ class LinearAttention(_Projections):
         phi_q, phi_k = self._features(q, k, offset)
         result = linear_attention(phi_q, phi_k, v, causal=self.causal, rotary=self.rope == "post",
                                   offset=offset, chunk_size=self.chunk_size,
-                                  rope_base=self.rope_base, return_state=return_state)
+                                  rope_base=self.rope_base, return_state=return_state,
+                                  backend=self.backend)
         if return_state:
             return self._merge(result[0]), result[1]
         return self._merge(result)
@@ -111,7 +115,8 @@ class LinearAttention(_Projections):
         return self._merge(out.unsqueeze(2))[:, 0], state
 
     def extra_repr(self) -> str:
-        return f"heads={self.heads}, rope={self.rope!r}, causal={self.causal}, chunk_size={self.chunk_size}"
+        return (f"heads={self.heads}, rope={self.rope!r}, causal={self.causal}, "
+                f"chunk_size={self.chunk_size}, backend={self.backend!r}")
 
 
 def _xformers_ops():

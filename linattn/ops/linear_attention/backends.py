@@ -1,0 +1,36 @@
+"""Choosing the backend of a linear-attention call: "torch", "triton" or "auto"."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """Triton's interpreter runs kernels on CPU tensors; it must be switched on before the kernel
+    module is imported, because @triton.jit reads the variable when it decorates."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def resolve(backend: str, device: torch.device) -> str:
+    """The backend that runs on `device`, or a ValueError that says how to get the one asked for."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_installed() else "torch"
+    if backend == "triton":
+        if not triton_installed():
+            raise ValueError("backend='triton' needs the triton package: pip install 'linattn[triton]' "
+                             "(or use backend='torch')")
+        if device.type != "cuda" and not interpreting():
+            raise ValueError(f"backend='triton' runs on CUDA tensors, got tensors on {device}; move them "
+                             "to a GPU, set TRITON_INTERPRET=1 before importing linattn to run the kernels "
+                             "in Triton's CPU interpreter, or use backend='torch'")
+    return backend

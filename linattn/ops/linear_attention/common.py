@@ -1,0 +1,39 @@
+"""What every backend of linear attention shares: input checks, compute dtype, the guarded division
+and the numerator's rotation."""
+from __future__ import annotations
+
+import torch
+
+from ...rotary import apply_rotary
+
+
+def check_features(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *, rank: int) -> None:
+    names = "(B, H, N, M) features and (B, H, N, Dv) values" if rank == 4 else \
+        "(B, H, M) features and (B, H, Dv) values for one token"
+    for name, t in (("phi_q", phi_q), ("phi_k", phi_k), ("v", v)):
+        if t.dim() != rank:
+            raise ValueError(f"{name} must have {rank} dimensions, got shape {tuple(t.shape)}; "
+                             f"linear attention takes {names}")
+    if phi_q.shape != phi_k.shape:
+        raise ValueError(f"phi_q and phi_k must have the same shape, got {tuple(phi_q.shape)} and "
+                         f"{tuple(phi_k.shape)}; map queries and keys with the same feature map")
+    if phi_q.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"features {tuple(phi_q.shape)} and values {tuple(v.shape)} disagree before "
+                         f"the last dimension; expected {names}")
+
+
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    # Features are non-negative, so the denominator is >= 0.  Clamp it only where (nearly) every
+    # key feature underflowed; sqrt(tiny) keeps 1/den^2 finite in the backward pass.
+    guard = torch.finfo(denominator.dtype).tiny ** 0.5
+    return numerator / denominator.clamp_min(guard).unsqueeze(-1)
+
+
+def numerator_features(phi_q, phi_k, *, rotary: bool, offset: int, base: float):
+    if not rotary:
+        return phi_q, phi_k
+    return apply_rotary(phi_q, offset=offset, base=base), apply_rotary(phi_k, offset=offset, base=base)
