@@ -1,0 +1,75 @@
+"""python -m benchmarks: run the chosen sections, print their tables, write OUT.json/.md/.png."""
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from .report import Report, write_outputs
+from .sections import run_attention, run_decode, run_efficiency, run_model, selected_methods
+from .settings import Settings, parse_settings
+from .timing import ChildRunner
+
+
+def machine_info(device: torch.device) -> dict:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name")), platform.processor())
+    return {"device": str(device), "name": name, "torch": torch.__version__, "python": platform.python_version(),
+            "cpus_allowed": len(os.sched_getaffinity(0)), "torch_default_threads": torch.get_num_threads()}
+
+
+def header(settings: Settings, machine: dict) -> str:
+    threads = settings.threads or f"torch's default, {machine['torch_default_threads']}"
+    return "\n".join([
+        f"# linattn benchmark ({time.strftime('%Y-%m-%d %H:%M')})\n",
+        f"device: {machine['device']} ({machine['name']}), torch {machine['torch']}, threads: {threads} "
+        f"(of {machine['cpus_allowed']} CPUs allowed); as imported: no allocator or other process-wide setting",
+        f"attention: b={settings.batch}, h={settings.heads}, D={settings.head_dim}, M={settings.num_features}, "
+        f"causal chunk C={settings.chunk_size}, dtypes {','.join(settings.dtypes)}, "
+        f"masks {','.join(settings.masks)}, passes {','.join(settings.passes)}",
+        f"methods: {', '.join(m.name for m in selected_methods(settings))}",
+        f"timing: median of {settings.repeats} after {settings.warmup} warm-up, each config in a fresh "
+        f"process; budget {settings.budget_s:g} s per config; sections: {','.join(settings.sections)}"])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    settings = parse_settings(argv)
+    device, out = torch.device(settings.device), Path(settings.out)
+    machine = machine_info(device)
+    results: dict = {"machine": machine, "settings": asdict(settings)}
+    report = Report()
+    report.add(header(settings, machine))
+    started = time.perf_counter()
+    runner = ChildRunner()
+    records: list[dict] = []
+    if "attention" in settings.sections:
+        results["attention"] = run_attention(settings, device, runner, report)
+        records = results["attention"]["records"]
+        if any("elapsed_s" in r for r in records):
+            from .plots import plot_scaling
+            plot_scaling(records, out.with_name(out.name + ".png"))
+        write_outputs(out, results, report)
+    if "efficiency" in settings.sections:
+        results["efficiency"] = run_efficiency(settings, device, runner, report, records)
+        write_outputs(out, results, report)
+    if "decode" in settings.sections:
+        results["decode"] = run_decode(settings, device, runner, report)
+        write_outputs(out, results, report)
+    if "model" in settings.sections:
+        results["model"] = run_model(settings, device, runner, report)
+    results["elapsed_s"] = time.perf_counter() - started
+    write_outputs(out, results, report)
+    print(f"\nresults: {out}.json, {out}.md" + (f", {out}.png" if records else "")
+          + f"; total {results['elapsed_s']:.0f} s")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,358 @@
+"""The four sections.  Each has a task, run in a fresh process per config (`*_task(task) -> dict`),
+and a runner that sweeps the configs in the parent and prints its tables.
+
+  attention   forward and forward+backward time and peak memory vs N: softmax (SDPA, flash,
+              xformers), every linattn feature map with RoPE post/none, performer-pytorch, fla-chunk
+  efficiency  achieved GFLOP/s of causal favor-post next to the measured matmul peak
+  decode      per-token `step` latency vs context: LinearAttention's state vs softmax's KV cache
+  model       training tokens/s of the byte-level LM, softmax vs favor-post
+"""
+from __future__ import annotations
+
+import fnmatch
+import functools
+from dataclasses import replace
+
+import torch
+
+import linattn
+from models.lm import ByteLM, ModelConfig, lm_loss
+from models.runtime import autocast
+
+from . import report as tables
+from .methods import (DTYPES, MASKS, Method, Shape, build_attention, forward_call, make_inputs,
+                      method_table, runs_with, train_call, unavailable)
+from .report import Report, fmt, markdown_table, measured
+from .settings import PASSES, Settings
+from .timing import (MB, ChildRunner, History, PeakMemory, child_timeout, median_time, run_budgeted,
+                     saved_tensor_bytes, time_call)
+
+QUADRATIC_FAMILIES = ("softmax", "performer")   # the budget assumes time ~ N^2 for these
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention: time and memory vs N
+# ---------------------------------------------------------------------------------------------
+
+def prime(attend, shape: Shape, device: torch.device, dtype: torch.dtype) -> None:
+    """One tiny forward + backward, so that one-time lazy set-up (thread pool, BLAS buffers, CUDA
+    kernels) is paid before the memory baseline and not counted as the config's peak."""
+    train_call(attend, *make_inputs(shape, 64, device, dtype))()
+
+
+def attention_task(task: dict) -> dict:
+    device, shape, n = torch.device(task["device"]), task["shape"], task["n"]
+    dtype = DTYPES[task["dtype"]]
+    attend = build_attention(task["method"], shape, device, MASKS[task["mask"]], task["chunk_size"])
+    prime(attend, shape, device, dtype)
+    q, k, v, grad = make_inputs(shape, n, device, dtype)
+    memory = PeakMemory(device)
+    timing = dict(repeats=task["repeats"], warmup=task["warmup"], device=device)
+    result = {"baseline_bytes": memory.baseline}
+    if "fwd" in task["passes"]:
+        result["forward_s"] = median_time(forward_call(attend, q, k, v), **timing)
+        result["forward_peak_bytes"] = memory.peak_above_baseline()   # VmHWM only grows: read it before backward
+    if "fwd+bwd" in task["passes"]:
+        result["train_s"] = median_time(train_call(attend, q, k, v, grad), **timing)
+        result["train_peak_bytes"] = memory.peak_above_baseline()
+        result["saved_bytes"] = saved_tensor_bytes(lambda: attend(q, k, v))
+    return result
+
+
+def selected_methods(settings: Settings) -> list[Method]:
+    """The methods whose names match a --methods pattern, in table order."""
+    return [m for m in method_table(settings.backends)
+            if any(fnmatch.fnmatchcase(m.name, pattern) for pattern in settings.methods)]
+
+
+def attention_configs(settings: Settings, device: torch.device, report: Report) -> list[tuple[Method, str, str]]:
+    """(method, mask, dtype) of every selected method that can run here; a note for the rest."""
+    configs = []
+    for method in selected_methods(settings):
+        reason = unavailable(method, device)
+        if reason:
+            report.add(f"- {method.name}: skipped ({reason})")
+            continue
+        wanted = [(mask, dtype) for mask in settings.masks for dtype in settings.dtypes]
+        runnable = [(mask, dtype) for mask, dtype in wanted if runs_with(method, MASKS[mask], dtype)]
+        if len(runnable) < len(wanted):
+            limits = f"dtypes {','.join(method.dtypes)}" + (", causal only" if method.causal_only else "")
+            report.add(f"- {method.name}: runs with {limits}; "
+                       f"not run for {', '.join(' '.join(c) for c in wanted if c not in runnable)}")
+        configs += [(method, mask, dtype) for mask, dtype in runnable]
+    return configs
+
+
+def progress_line(record: dict) -> str:
+    head = f"  N={record['n']:>6}  {record['label']:<32}"
+    if "elapsed_s" not in record:
+        return f"{head} {tables.note(record)}"
+    parts = [f"fwd {record['forward_s'] * 1e3:9.1f} ms" if "forward_s" in record else "",
+             f"fwd+bwd {record['train_s'] * 1e3:9.1f} ms" if "train_s" in record else ""]
+    peak = record.get("train_peak_bytes", record.get("forward_peak_bytes", 0))
+    return f"{head} {'  '.join(p for p in parts if p)}  peak {peak / MB:7.0f} MB  ({record['elapsed_s']:.1f} s)"
+
+
+def attention_sweep(settings: Settings, device: torch.device, runner: ChildRunner, report: Report,
+                    configs: list[tuple[Method, str, str]]) -> list[dict]:
+    """Every config at every N, small N first, so that every config's history grows together."""
+    histories = {config: History(assume_quadratic=config[0].family in QUADRATIC_FAMILIES) for config in configs}
+    shape = Shape(settings.batch, settings.heads, settings.head_dim, settings.num_features)
+    peak = "train_peak_bytes" if "fwd+bwd" in settings.passes else "forward_peak_bytes"
+    records = []
+    for n in settings.lengths:
+        for config in configs:
+            method, mask, dtype = config
+            task = {"device": str(device), "threads": settings.threads, "method": method, "shape": shape,
+                    "mask": mask, "dtype": dtype, "n": n, "passes": settings.passes,
+                    "chunk_size": settings.chunk_size, "repeats": settings.repeats, "warmup": settings.warmup}
+            result = run_budgeted(runner, attention_task, task, histories[config], n, settings.budget_s,
+                                  device, peak)
+            record = {"method": method.name, "mask": mask, "dtype": dtype, "label": f"{method.name} {mask} {dtype}",
+                      "linear": method.is_linear, "n": n, **result}
+            report.progress(progress_line(record))
+            records.append(record)
+    return records
+
+
+PEAK_MEMORY_NOTE = {
+    "cpu": "peak MB: rise of the child process's VmHWM (peak RSS) above its baseline after imports, "
+           "a tiny priming run and input creation (baseline_bytes in the JSON); fwd peak is read "
+           "before any backward ran.",
+    "cuda": "peak MB: torch.cuda.max_memory_allocated above memory_allocated after a tiny priming "
+            "run and input creation (reset_peak_memory_stats first).",
+}
+
+
+def run_attention(settings: Settings, device: torch.device, runner: ChildRunner, report: Report) -> dict:
+    report.section(f"Attention: time and memory vs N in {list(settings.lengths)}")
+    configs = attention_configs(settings, device, report)
+    records = attention_sweep(settings, device, runner, report, configs)
+    report.add(f"\nfwd: forward under no_grad; fwd+bwd: forward + backward to q, k, v. Medians of "
+               f"{settings.repeats} runs after {settings.warmup} warm-up. {PEAK_MEMORY_NOTE[device.type]} "
+               "saved MB: distinct storages autograd keeps for backward (deterministic).\n")
+    report.add(tables.results_table(records))
+    summary = {"peak_memory": PEAK_MEMORY_NOTE[device.type], "records": records,
+               "targets": tables.target_summary(records, device.type),
+               "slopes": tables.slope_summary(records)}
+    report.section("Targets of issue 8 (ratios measured in this run)")
+    report.add(tables.targets_table(summary["targets"]))
+    report.section("Log-log slopes vs N (linear = 1, quadratic = 2)")
+    report.add(tables.slopes_table(summary["slopes"]))
+    for peer in ("sdpa", "sdpa-flash", "performer", "fla-chunk"):
+        speedups = tables.speedup_summary(records, peer)
+        if speedups:
+            crossovers = tables.crossover_summary(records, peer)
+            report.section(f"Speed-up over {peer} (its time / ours, same mask and dtype)")
+            report.add(tables.speedup_table(speedups, settings.lengths))
+            report.add("\n" + markdown_table(["method", f"faster than {peer} from N"],
+                                             [[c["label"], c["text"]] for c in crossovers]))
+            summary[f"speedup_over_{peer}"] = speedups
+            summary[f"crossover_with_{peer}"] = crossovers
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# Efficiency of the causal favor-post path
+# ---------------------------------------------------------------------------------------------
+
+def causal_favor_flops(n: int, shape: Shape, chunk_size: int) -> tuple[float, float]:
+    """Matmul FLOPs (forward, forward+backward) of fm(q), fm(k) + causal linear_attention, counted
+    from the torch backend's causal product.  Per head, with C = chunk_size, M features,
+    D = Dv = head_dim:
+        forward:  feature maps 2 * 2NDM (x @ projection^T for q and k), chunk scores q k^T 2NCM,
+                  scores @ v 2NCDv, q @ earlier state 2NMDv, per-chunk k^T v 2NMDv
+        backward: feature maps 2 * 2NDM (grad w.r.t. x only), grad scores g v^T 2NCDv,
+                  d_scores @ k and d_scores^T @ q 2 * 2NCM, scores^T @ g 2NCDv,
+                  q^T g, g @ earlier^T, v @ later^T, k @ later 4 * 2NMDv
+    (chunk scores and states kept from the forward pass, not recomputed).  Elementwise work
+    (exp, RoPE, the O(NM) denominator scan, division) is not counted."""
+    m, d, c = shape.num_features, shape.head_dim, chunk_size
+    forward = 4 * n * d * m + 2 * n * c * m + 2 * n * c * d + 4 * n * m * d
+    backward = 4 * n * d * m + 4 * n * c * m + 4 * n * c * d + 8 * n * m * d
+    heads = shape.batch * shape.heads
+    return forward * heads, (forward + backward) * heads
+
+
+def matmul_task(task: dict) -> dict:
+    device, size = torch.device(task["device"]), task["size"]
+    a, b = (torch.randn(size, size, device=device, dtype=DTYPES[task["dtype"]]) for _ in range(2))
+    seconds = median_time(lambda: a @ b, repeats=task["repeats"], warmup=task["warmup"], device=device)
+    return {"size": size, "seconds": seconds, "gflops": 2 * size ** 3 / seconds / 1e9}
+
+
+def run_efficiency(settings: Settings, device: torch.device, runner: ChildRunner, report: Report,
+                   attention_records: list[dict]) -> dict:
+    method = next(m for m in method_table(settings.backends) if m.name.startswith("favor-post"))
+    dtype = settings.dtypes[0]
+    label = f"{method.name} causal {dtype}"
+    records = [r for r in measured(attention_records, label) if "train_s" in r]
+    if not records:
+        sweep = replace(settings, passes=PASSES)
+        records = measured(attention_sweep(sweep, device, runner, report, [(method, "causal", dtype)]), label)
+    size = 4096 if device.type == "cuda" else 2048
+    peak = runner.run(matmul_task, {"device": str(device), "threads": settings.threads, "size": size,
+                                    "dtype": dtype, "repeats": max(settings.repeats, 5), "warmup": 2},
+                      child_timeout(settings.budget_s))
+    peak_gflops = peak.get("gflops")
+    rows = []
+    for r in records:
+        forward_flops, train_flops = causal_favor_flops(r["n"], Shape(settings.batch, settings.heads,
+                                                                      settings.head_dim, settings.num_features),
+                                                        settings.chunk_size)
+        rows.append({"n": r["n"], "forward_s": r.get("forward_s"), "train_s": r["train_s"],
+                     "forward_gflops": forward_flops / r["forward_s"] / 1e9 if "forward_s" in r else None,
+                     "train_gflops": train_flops / r["train_s"] / 1e9})
+    report.section(f"Efficiency: {label} vs the {dtype} matmul peak")
+    error = f"; error: {peak['error']}" if "error" in peak else ""
+    report.add(f"{dtype} matmul peak: {fmt(peak_gflops)} GFLOP/s ({size}³ torch.matmul, median{error}). "
+               f"FLOPs count matmuls only (see causal_favor_flops), chunk C={settings.chunk_size}.\n")
+
+    def share_of_peak(gflops: float | None) -> str:
+        return fmt(gflops / peak_gflops if gflops and peak_gflops else None, 100, suffix="%")
+
+    report.add(markdown_table(
+        ["N", "fwd ms", "fwd GFLOP/s", "fwd % peak", "fwd+bwd ms", "fwd+bwd GFLOP/s", "fwd+bwd % peak"],
+        [[r["n"], fmt(r["forward_s"], 1e3), fmt(r["forward_gflops"]), share_of_peak(r["forward_gflops"]),
+          fmt(r["train_s"], 1e3), fmt(r["train_gflops"]), share_of_peak(r["train_gflops"])] for r in rows]))
+    return {"method": label, "chunk_size": settings.chunk_size, "matmul_peak": peak, "rows": rows}
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+# ---------------------------------------------------------------------------------------------
+
+DECODE_DIM, DECODE_HEADS = 512, 8
+DECODE_BLOCKS = {"linear": "LinearAttention favor-post", "softmax": "SoftmaxAttention + KV cache"}
+
+
+def decode_block(kind: str, num_features: int) -> torch.nn.Module:
+    if kind == "linear":
+        return linattn.LinearAttention(DECODE_DIM, DECODE_HEADS, feature_map="favor", rope="post", causal=True,
+                                       feature_map_options={"num_features": num_features})
+    return linattn.SoftmaxAttention(DECODE_DIM, DECODE_HEADS, rope=True, causal=True)
+
+
+def decode_task(task: dict) -> dict:
+    device, context = torch.device(task["device"]), task["n"]
+    block = decode_block(task["block"], task["num_features"]).to(device).eval()
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randn(1, context, DECODE_DIM, generator=generator).to(device)
+    token = torch.randn(1, DECODE_DIM, generator=generator).to(device)
+    with torch.no_grad():
+        outputs = []
+        prefill_s = time_call(lambda: outputs.append(block(prompt, return_state=True)), device)
+        _, state = outputs[0]
+        # Every timed step extends the same state, so the context length stays `context`.
+        step_s = median_time(lambda: block.step(token, state), repeats=task["repeats"], warmup=3, device=device)
+    state_bytes = sum(t.numel() * t.element_size() for t in state if isinstance(t, torch.Tensor))
+    return {"prefill_s": prefill_s, "step_s": step_s, "state_bytes": state_bytes}
+
+
+def record_value(records: list[dict], group: str, kind: str, context: int, key: str) -> float | None:
+    """`key` of the record whose `group` field is `kind` at `context` (None if absent or skipped)."""
+    return next((r.get(key) for r in records if r[group] == kind and r["n"] == context), None)
+
+
+def run_decode(settings: Settings, device: torch.device, runner: ChildRunner, report: Report) -> list[dict]:
+    report.section("Decoding: per-token step latency vs context length")
+    report.add(f"b=1, dim {DECODE_DIM}, heads {DECODE_HEADS}, M={settings.num_features}; state from "
+               f"forward(prompt, return_state=True); median of {settings.decode_steps} steps.\n")
+    # The softmax prefill is quadratic in the context, so it is what the budget guards.
+    histories = {kind: History(assume_quadratic=kind == "softmax") for kind in DECODE_BLOCKS}
+    records = []
+    for context in settings.decode_contexts:
+        for kind in DECODE_BLOCKS:
+            task = {"device": str(device), "threads": settings.threads, "block": kind, "n": context,
+                    "num_features": settings.num_features, "repeats": settings.decode_steps}
+            result = run_budgeted(runner, decode_task, task, histories[kind], context, settings.budget_s,
+                                  device, "state_bytes")
+            records.append({"block": kind, "n": context, **result})
+            report.progress(f"  context={context:>6}  {DECODE_BLOCKS[kind]:<28} " + (
+                f"step {result['step_s'] * 1e3:.3f} ms  prefill {result['prefill_s'] * 1e3:.0f} ms"
+                if "step_s" in result else tables.note(result)))
+    value = functools.partial(record_value, records, "block")
+    rows = []
+    for context in settings.decode_contexts:
+        linear, softmax = value("linear", context, "step_s"), value("softmax", context, "step_s")
+        rows.append([context, fmt(linear, 1e3, 3), fmt(softmax, 1e3, 3),
+                     fmt(softmax / linear if linear and softmax else None, digits=2, suffix="×"),
+                     fmt(value("linear", context, "state_bytes"), 1 / MB, 2),
+                     fmt(value("softmax", context, "state_bytes"), 1 / MB, 2),
+                     fmt(value("linear", context, "prefill_s"), 1e3, 0),
+                     fmt(value("softmax", context, "prefill_s"), 1e3, 0)])
+    report.add(markdown_table(["context", "linear step ms", "softmax step ms", "softmax/linear",
+                               "linear state MB", "KV cache MB", "linear prefill ms", "softmax prefill ms"], rows))
+    return records
+
+
+# ---------------------------------------------------------------------------------------------
+# LM training throughput
+# ---------------------------------------------------------------------------------------------
+
+MODEL_KINDS = {"softmax": "softmax + RoPE", "linear": "linear favor-post"}
+MODEL_SIZE = {"n_layer": 4, "d_model": 256, "n_head": 4}
+
+
+def lm_config(kind: str, context: int, num_features: int) -> ModelConfig:
+    """The same small LM with softmax or favor-post attention."""
+    if kind == "softmax":
+        return ModelConfig(**MODEL_SIZE, seq_len=context, attention="softmax", feature_map="",
+                           rope="post", num_features=0, redraw_interval=0)
+    return ModelConfig(**MODEL_SIZE, seq_len=context, attention="linear", feature_map="favor",
+                       rope="post", num_features=num_features)
+
+
+def model_task(task: dict) -> dict:
+    device, context = torch.device(task["device"]), task["n"]
+    model = ByteLM(lm_config(task["model"], context, task["num_features"])).to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = max(1, task["tokens"] // context)
+    data = torch.randint(256, (batch, context + 1), generator=torch.Generator().manual_seed(0))
+    inputs, targets = data[:, :-1].to(device), data[:, 1:].to(device)
+
+    def train_step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with autocast(device):    # the precision training uses: fp32 on CPU, bf16 on CUDA
+            loss = lm_loss(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+
+    memory = PeakMemory(device)
+    step_s = median_time(train_step, repeats=task["repeats"], warmup=1, device=device)
+    return {"step_s": step_s, "batch": batch, "tokens_per_step": batch * context,
+            "tokens_per_s": batch * context / step_s, "peak_bytes": memory.peak_above_baseline(),
+            "parameters": model.num_parameters()}
+
+
+def run_model(settings: Settings, device: torch.device, runner: ChildRunner, report: Report) -> list[dict]:
+    report.section("Model: LM training throughput (forward + backward + AdamW step)")
+    report.add(f"{MODEL_SIZE['n_layer']} layers, d_model {MODEL_SIZE['d_model']}, {MODEL_SIZE['n_head']} heads, "
+               f"{settings.model_tokens} tokens per batch at every context; median of {settings.model_steps} "
+               "steps after 1 warm-up.\n")
+    # Same tokens per batch: a step's cost grows at most linearly with context, softmax included.
+    histories = {kind: History(assume_quadratic=False) for kind in MODEL_KINDS}
+    records = []
+    for context in settings.model_contexts:
+        for kind in MODEL_KINDS:
+            task = {"device": str(device), "threads": settings.threads, "model": kind, "n": context,
+                    "tokens": settings.model_tokens, "num_features": settings.num_features,
+                    "repeats": settings.model_steps}
+            result = run_budgeted(runner, model_task, task, histories[kind], context, settings.budget_s,
+                                  device, "peak_bytes")
+            records.append({"model": kind, "n": context, **result})
+            report.progress(f"  context={context:>6}  {MODEL_KINDS[kind]:<18} " + (
+                f"{result['tokens_per_s']:9.0f} tokens/s  step {result['step_s'] * 1e3:.0f} ms"
+                if "step_s" in result else tables.note(result)))
+    value = functools.partial(record_value, records, "model")
+    rows = []
+    for context in settings.model_contexts:
+        softmax, linear = value("softmax", context, "tokens_per_s"), value("linear", context, "tokens_per_s")
+        rows.append([context, value("linear", context, "batch") or value("softmax", context, "batch") or "—",
+                     fmt(softmax, digits=0), fmt(linear, digits=0),
+                     fmt(linear / softmax if linear and softmax else None, digits=2, suffix="×"),
+                     fmt(value("softmax", context, "peak_bytes"), 1 / MB, 0),
+                     fmt(value("linear", context, "peak_bytes"), 1 / MB, 0)])
+    report.add(markdown_table(["context", "batch", "softmax tokens/s", "favor-post tokens/s", "linear/softmax",
+                               "softmax peak MB", "favor-post peak MB"], rows))
+    return records

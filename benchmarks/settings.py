@@ -1,0 +1,196 @@
+"""The benchmark's settings: declared once in `Settings`, presets as data, flags generated from the
+fields.  Every flag is checked here, so bad input ends in one line and exit status 2."""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import math
+import os
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .methods import DTYPES, MASKS, method_table
+
+SECTIONS = ("attention", "efficiency", "decode", "model")
+PASSES = ("fwd", "fwd+bwd")
+LINATTN_BACKENDS = ("auto", "torch", "triton")
+DEFAULT_LENGTHS = {"cpu": tuple(2 ** p for p in range(8, 16)),      # 256 .. 32768
+                   "cuda": tuple(2 ** p for p in range(10, 17))}    # 1024 .. 65536
+
+
+class BadSetting(ValueError):
+    """A setting that cannot work, with what to do instead."""
+
+
+def _number(text: str, convert: Callable[[str], float], ok: Callable[[float], bool], expected: str):
+    try:
+        value = convert(text)
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise ValueError(f"expected {expected}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _number(text, int, lambda value: value >= 1, "a positive integer")
+
+
+def count(text: str) -> int:
+    return _number(text, int, lambda value: value >= 0, "0 or a positive integer")
+
+
+def seconds(text: str) -> float:
+    return _number(text, float, lambda value: math.isfinite(value) and value > 0, "a positive number of seconds")
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """'1024,256,1024' -> (256, 1024): sweeps run small to large, which the budget relies on."""
+    try:
+        return tuple(sorted({positive_int(item) for item in text.split(",") if item.strip()}))
+    except ValueError:
+        raise ValueError(f"expected comma-separated positive integers, got {text!r}") from None
+
+
+def names(choices: tuple[str, ...] | None = None) -> Callable[[str], tuple[str, ...]]:
+    """A parser of comma-separated names, each one of `choices` when given."""
+    def parse(text: str) -> tuple[str, ...]:
+        items = tuple(dict.fromkeys(item.strip() for item in text.split(",") if item.strip()))
+        unknown = [item for item in items if choices and item not in choices]
+        if not items or unknown:
+            raise ValueError(f"expected comma-separated names from {','.join(choices or ())}, got {text!r}")
+        return items
+    return parse
+
+
+def one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}, got {text!r}")
+        return text
+    return parse
+
+
+def option(default, help: str, parse: Callable[[str], object]):
+    return field(default=default, metadata={"help": help, "parse": parse})
+
+
+@dataclass(frozen=True)
+class Settings:
+    sections: tuple[str, ...] = option(SECTIONS, "sections to run", names(SECTIONS))
+    device: str = option("auto", "auto (CUDA when available), cpu or cuda", one_of(("auto", "cpu", "cuda")))
+    threads: int = option(0, "torch CPU threads in each measuring process; 0 keeps torch's default", count)
+    methods: tuple[str, ...] = option(("*",), "attention methods, by name or shell pattern "
+                                      "(e.g. 'sdpa,favor-*'); the header lists them", names())
+    backends: tuple[str, ...] = option(("auto",), "linattn backends to compare; methods other than "
+                                       "auto are named <map>-<rope>-<backend>", names(LINATTN_BACKENDS))
+    masks: tuple[str, ...] = option(tuple(MASKS), "causal and/or full (non-causal) attention", names(tuple(MASKS)))
+    dtypes: tuple[str, ...] = option(("fp32",), "input dtypes", names(tuple(DTYPES)))
+    passes: tuple[str, ...] = option(PASSES, "fwd (no_grad forward) and/or fwd+bwd", names(PASSES))
+    lengths: tuple[int, ...] = option((), "sequence lengths N [CPU: 256..32768, CUDA: 1024..65536]", int_list)
+    batch: int = option(1, "attention batch b", positive_int)
+    heads: int = option(8, "attention heads h", positive_int)
+    head_dim: int = option(64, "head dimension D", positive_int)
+    num_features: int = option(256, "random features M of favor, performer and fla-chunk", positive_int)
+    chunk_size: int = option(64, "chunk C of linattn's torch causal path", positive_int)
+    repeats: int = option(5, "timed runs per config and pass (at most 3 for runs over 1 s)", positive_int)
+    warmup: int = option(1, "untimed runs before timing", count)
+    budget_s: float = option(90.0, "skip a config predicted to take longer than this many seconds", seconds)
+    decode_contexts: tuple[int, ...] = option(tuple(1024 * 2 ** p for p in range(6)),
+                                              "context lengths of the decode section", int_list)
+    decode_steps: int = option(30, "timed decode steps", positive_int)
+    model_contexts: tuple[int, ...] = option((256, 1024, 4096), "LM context lengths of the model section", int_list)
+    model_tokens: int = option(4096, "LM tokens per training batch, the same at every context", positive_int)
+    model_steps: int = option(3, "timed LM optimizer steps", positive_int)
+    out: str = option("bench_results/bench", "output prefix: writes OUT.json, OUT.md and OUT.png", str)
+
+
+PRESETS: dict[str, dict[str, object]] = {
+    "full": {},
+    "quick": dict(lengths=(256, 1024, 2048), repeats=2, budget_s=10.0, decode_contexts=(1024, 2048),
+                  decode_steps=10, model_contexts=(128, 256), model_tokens=256, model_steps=2),
+    # Issue 8's CPU table: causal favor+post and favor+none beside torch SDPA, fwd+bwd, 2 threads.
+    "cpu-targets": dict(sections=("attention",), device="cpu", threads=2, methods=("sdpa", "favor-post", "favor-none"),
+                        masks=("causal",), passes=("fwd+bwd",), lengths=(2048, 8192, 16384), budget_s=600.0),
+}
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def show(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Benchmark linattn: attention time and memory vs N beside softmax and peers, "
+                    "matmul efficiency, decoding, LM throughput.  Defaults in [brackets]; a preset "
+                    "changes them, explicit flags override the preset.")
+    parser.add_argument("--preset", choices=PRESETS, default="full",
+                        help="; ".join(f"{name}: {show_preset(values)}" for name, values in PRESETS.items()))
+    for spec in fields(Settings):
+        parser.add_argument(flag(spec.name), type=_argparse_type(spec.metadata["parse"]), default=spec.default,
+                            metavar=spec.name.upper(), help=spec.metadata["help"] + (f" [{show(spec.default)}]" if spec.default != () else ""))
+    return parser
+
+
+def show_preset(values: dict) -> str:
+    return " ".join(f"{flag(key)} {show(value)}" for key, value in values.items()) or "the defaults"
+
+
+def _argparse_type(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """argparse reports ArgumentTypeError's message; a ValueError's would be lost."""
+    def wrapped(text: str):
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    wrapped.__name__ = parse.__name__
+    return wrapped
+
+
+def parse_settings(argv: list[str] | None = None) -> Settings:
+    parser = build_parser()
+    preset, _ = parser.parse_known_args(argv)
+    parser.set_defaults(**PRESETS[preset.preset])
+    args = vars(parser.parse_args(argv))
+    del args["preset"]
+    settings = Settings(**args)
+    try:
+        return resolve(settings)
+    except BadSetting as error:
+        parser.error(str(error))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise BadSetting("--device cuda asked for, but CUDA is not available here; use --device cpu")
+    return torch.device(name)
+
+
+def resolve(settings: Settings) -> Settings:
+    """Device-dependent defaults filled in, and an output place that can be written."""
+    device = resolve_device(settings.device)
+    out = Path(settings.out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise BadSetting(f"--out {settings.out}: cannot create {out.parent} ({error.strerror}); "
+                         "choose a writable place") from None
+    if out.is_dir() or not os.access(out.parent, os.W_OK):
+        raise BadSetting(f"--out {settings.out}: {out.parent} is not writable or OUT is a directory; "
+                         "give a writable file prefix such as bench_results/bench")
+    known = [m.name for m in method_table(settings.backends)]
+    unmatched = [p for p in settings.methods if not fnmatch.filter(known, p)]
+    if unmatched:
+        raise BadSetting(f"--methods {','.join(unmatched)} matches no method; with --backends "
+                         f"{','.join(settings.backends)} the methods are: {', '.join(known)}")
+    return replace(settings, device=str(device), lengths=settings.lengths or DEFAULT_LENGTHS[device.type])

@@ -1,0 +1,222 @@
+"""How it is measured: timers, peak memory, one fresh process per config, and the time budget.
+
+Nothing here changes process-wide settings (allocator, environment): each config runs as a user who
+imports the library gets it.  The only setting a child takes is `torch.set_num_threads`, and only
+when --threads asks for it.
+"""
+from __future__ import annotations
+
+import math
+import multiprocessing
+import statistics
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from models.runtime import peak_memory_mb, reset_peak_memory
+
+SLOW_RUN_S = 1.0               # runs longer than this are timed at most SLOW_RUN_REPEATS times
+SLOW_RUN_REPEATS = 3
+MEMORY_HEADROOM = 0.7          # skip configs predicted to need more than this share of free memory
+MB = 2 ** 20
+
+
+def time_call(call: Callable[[], object], device: torch.device) -> float:
+    """Seconds one call takes: CUDA events around it on a GPU, wall time on CPU."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        call()
+        return time.perf_counter() - start
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    start.record()
+    call()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def interleaved_samples(calls: dict[Any, Callable[[], object]], *, repeats: int, warmup: int,
+                        device: torch.device) -> dict[Any, list[float]]:
+    """Times in seconds of each call, run round-robin so that a slow spell of a shared machine
+    hits every call alike; `warmup` rounds are run first and discarded."""
+    samples: dict[Any, list[float]] = {key: [] for key in calls}
+    for round_index in range(warmup + repeats):
+        for key, call in calls.items():
+            seconds = time_call(call, device)
+            if round_index >= warmup:
+                samples[key].append(seconds)
+    return samples
+
+
+def median_time(call: Callable[[], object], *, repeats: int, warmup: int, device: torch.device) -> float:
+    """Median of `repeats` runs after `warmup` untimed ones.  When the last warm-up run took over
+    SLOW_RUN_S, at most SLOW_RUN_REPEATS runs are timed: such runs are long enough that noise is
+    small relative to them, and they dominate the length of a full sweep."""
+    if warmup:
+        last_warmup = interleaved_samples({0: call}, repeats=warmup, warmup=0, device=device)[0][-1]
+        if last_warmup > SLOW_RUN_S:
+            repeats = min(repeats, SLOW_RUN_REPEATS)
+    return statistics.median(interleaved_samples({0: call}, repeats=repeats, warmup=0, device=device)[0])
+
+
+def saved_tensor_bytes(forward: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the distinct storages autograd keeps for backward of `forward()` (inputs it saves
+    included): a deterministic measure of activation memory, free of allocator and OS noise."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        forward()
+    return sum(storages.values())
+
+
+class PeakMemory:
+    """Peak memory above a baseline taken at construction: VmHWM on CPU (the process's own peak
+    RSS, so run one config per fresh process), max_memory_allocated on CUDA."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        reset_peak_memory(device)
+        self.baseline = int(peak_memory_mb(device) * MB)
+
+    def peak_above_baseline(self) -> int:
+        return int(peak_memory_mb(self.device) * MB) - self.baseline
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("MemAvailable not found in /proc/meminfo")
+
+
+# ---------------------------------------------------------------------------------------------
+# One fresh process per config
+# ---------------------------------------------------------------------------------------------
+
+def child_main(run_task: Callable[[dict], dict], task: dict, connection) -> None:
+    """Entry point of a forked child: run one task and send back its result dict (or an error)."""
+    start = time.perf_counter()
+    try:
+        if task["threads"]:
+            torch.set_num_threads(task["threads"])
+        torch.manual_seed(0)
+        result = run_task(task)
+        result["elapsed_s"] = time.perf_counter() - start
+    except Exception as error:   # reported in the table instead of ending the whole sweep
+        result = {"error": f"{type(error).__name__}: {error}".splitlines()[0][:200],
+                  "traceback": traceback.format_exc()}
+    connection.send(result)
+    connection.close()
+
+
+class ChildRunner:
+    """Runs each task in a fresh process forked from a server that has imported torch and linattn
+    once (a plain subprocess would pay ~5 s of imports per config)."""
+
+    def __init__(self) -> None:
+        self.context = multiprocessing.get_context("forkserver")
+        self.context.set_forkserver_preload(["torch", "linattn", "benchmarks.sections"])
+
+    def run(self, run_task: Callable[[dict], dict], task: dict, timeout_s: float) -> dict:
+        receiver, sender = self.context.Pipe(duplex=False)
+        process = self.context.Process(target=child_main, args=(run_task, task, sender), daemon=True)
+        start = time.perf_counter()
+        process.start()
+        sender.close()
+        result = self._receive(receiver, process, timeout_s)
+        result["wall_s"] = time.perf_counter() - start
+        return result
+
+    @staticmethod
+    def _receive(receiver, process, timeout_s: float) -> dict:
+        try:
+            if receiver.poll(timeout_s):
+                result = receiver.recv()
+                process.join()
+                return result
+            error = f"timed out after {timeout_s:.0f} s"
+        except EOFError:   # the child died without answering: usually the OOM killer
+            process.join()
+            error = f"child process died (exit code {process.exitcode}; out of memory?)"
+        if process.is_alive():
+            process.kill()
+            process.join()
+        return {"error": error}
+
+
+# ---------------------------------------------------------------------------------------------
+# Budget: predict a config's cost from the same method at the previous N
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class History:
+    """Measured (N, seconds in the child, peak bytes) of one method, to extrapolate to the next N.
+    The child's own time leaves out process start-up, which does not grow with N."""
+    assume_quadratic: bool
+    points: list[tuple[int, float, float]] = field(default_factory=list)
+    failure: str | None = None     # once a config fails, larger N are not attempted
+
+    def _slope(self, index: int, quadratic_default: float) -> float:
+        if len(self.points) < 2:
+            return quadratic_default
+        (n0, *a), (n1, *b) = self.points[-2], self.points[-1]
+        if a[index] <= 0 or b[index] <= 0:
+            return quadratic_default
+        # Clamp: at small N fixed overheads flatten the slope, and no method here is worse than N^2.
+        return min(max(math.log(b[index] / a[index]) / math.log(n1 / n0), 1.0), 2.0)
+
+    def predict(self, n: int) -> tuple[float, float] | None:
+        """(seconds, peak bytes) predicted at N, or None before the first measurement."""
+        if not self.points:
+            return None
+        n_last, seconds, peak = self.points[-1]
+        time_slope = 2.0 if self.assume_quadratic else self._slope(0, 1.0)
+        memory_slope = self._slope(1, 2.0 if self.assume_quadratic else 1.0)
+        growth = n / n_last
+        return seconds * growth ** time_slope, peak * growth ** memory_slope
+
+
+def skip_reason(history: History, n: int, budget_s: float, free_bytes: int) -> str | None:
+    prediction = history.predict(n)
+    if prediction is None:
+        return None
+    seconds, peak = prediction
+    if seconds > budget_s:
+        return f"skipped: predicted {seconds:.1f} s > budget {budget_s:.0f} s"
+    if peak > MEMORY_HEADROOM * free_bytes:
+        return (f"skipped: predicted peak {peak / MB:.0f} MB > {MEMORY_HEADROOM:.0%} of "
+                f"{free_bytes / MB:.0f} MB available")
+    return None
+
+
+def child_timeout(budget_s: float) -> float:
+    """A child may overrun its prediction (noise, slope change) but not forever."""
+    return max(60.0, 4 * budget_s)
+
+
+def run_budgeted(runner: ChildRunner, run_task: Callable[[dict], dict], task: dict, history: History,
+                 n: int, budget_s: float, device: torch.device, peak_key: str) -> dict:
+    """Run `task` unless the method already failed or its prediction breaks the budget."""
+    if history.failure:
+        return {"skipped": f"skipped: {history.failure}"}
+    reason = skip_reason(history, n, budget_s, available_memory_bytes(device))
+    if reason:
+        return {"skipped": reason}
+    result = runner.run(run_task, task, child_timeout(budget_s))
+    if "error" in result:
+        history.failure = f"failed at N={n}"
+    else:
+        history.points.append((n, result["elapsed_s"], result.get(peak_key, 0)))
+    return result

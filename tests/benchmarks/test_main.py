@@ -1,0 +1,55 @@
+"""The entry command end to end: `python -m benchmarks --preset quick`, narrowed to a few seconds."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.__main__ import main
+
+QUICK = ["--preset", "quick", "--lengths", "128,256", "--methods", "sdpa,favor-post", "--masks", "causal",
+         "--decode-contexts", "128", "--model-contexts", "64", "--threads", "1"]
+RESULT_COLUMNS = "| method | mask | dtype | N | fwd ms | fwd+bwd ms | fwd peak MB | fwd+bwd peak MB | saved MB | note |"
+
+
+@pytest.mark.slow
+def test_quick_smoke_prints_every_table_and_writes_json_markdown_and_plot(tmp_path):
+    out = tmp_path / "bench"
+    run = subprocess.run([sys.executable, "-m", "benchmarks", *QUICK, "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    for heading in ("## Attention", "## Targets of issue 8", "## Log-log slopes", "## Speed-up over sdpa",
+                    "## Efficiency", "## Decoding", "## Model"):
+        assert heading in run.stdout
+    assert RESULT_COLUMNS in run.stdout
+    results = json.loads(out.with_suffix(".json").read_text())
+    measured = {(r["method"], r["n"]) for r in results["attention"]["records"] if "train_s" in r}
+    assert measured == {(m, n) for m in ("sdpa", "favor-post") for n in (128, 256)}
+    assert {"forward_s", "train_s", "forward_peak_bytes", "train_peak_bytes", "saved_bytes"} <= \
+        set(results["attention"]["records"][0])
+    assert results["efficiency"]["matmul_peak"]["gflops"] > 0
+    assert all("step_s" in r for r in results["decode"]) and all("tokens_per_s" in r for r in results["model"])
+    assert RESULT_COLUMNS in out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_bad_input_to_the_command_is_one_line_and_exit_2(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "benchmarks", "--lengths", "abc", "--out", str(tmp_path / "b")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert "Traceback" not in run.stderr and "--lengths" in run.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.gpu
+def test_cuda_path_measures_with_events_and_max_memory_allocated(tmp_path):
+    out = tmp_path / "bench-gpu"
+    results = main(["--device", "cuda", "--sections", "attention", "--lengths", "256,512", "--dtypes", "fp32,bf16",
+                    "--backends", "torch,triton", "--methods", "sdpa*,xformers,favor-post*,fla-chunk",
+                    "--masks", "causal", "--repeats", "2", "--out", str(out)])
+    measured = {(r["method"], r["dtype"]) for r in results["attention"]["records"] if "train_s" in r}
+    assert {("sdpa", "fp32"), ("sdpa-flash", "bf16"), ("favor-post-torch", "bf16")} <= measured
+    assert all(r["train_peak_bytes"] > 0 for r in results["attention"]["records"] if "train_s" in r)
+    assert results["machine"]["device"].startswith("cuda")
+    for suffix in (".json", ".md", ".png"):
+        assert out.with_suffix(suffix).stat().st_size > 0

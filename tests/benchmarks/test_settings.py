@@ -1,0 +1,44 @@
+import pytest
+
+from benchmarks.settings import DEFAULT_LENGTHS, parse_settings
+
+
+def test_a_preset_is_the_flags_it_stands_for_and_flags_override_it(tmp_path):
+    out = ["--out", str(tmp_path / "bench")]
+    explicit = parse_settings(["--sections", "attention", "--device", "cpu", "--threads", "2", "--methods",
+                               "sdpa,favor-post,favor-none", "--masks", "causal", "--passes", "fwd+bwd",
+                               "--lengths", "2048,8192,16384", "--budget-s", "600"] + out)
+    assert parse_settings(["--preset", "cpu-targets"] + out) == explicit
+    assert parse_settings(["--preset", "cpu-targets", "--threads", "1"] + out).threads == 1
+
+
+def test_lengths_default_to_the_device_and_run_small_to_large(tmp_path):
+    out = ["--out", str(tmp_path / "bench")]
+    assert parse_settings(["--device", "cpu"] + out).lengths == DEFAULT_LENGTHS["cpu"]
+    assert parse_settings(["--lengths", "1024,256,1024"] + out).lengths == (256, 1024)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lengths", "0,256"], "positive integers"),
+    (["--repeats", "two"], "positive integer"),
+    (["--budget-s", "inf"], "positive number of seconds"),
+    (["--masks", "sliding"], "causal,full"),
+    (["--methods", "favor-*,flash3"], "flash3 matches no method"),
+    (["--backends", "cuda"], "auto,torch,triton"),
+    (["--device", "tpu"], "one of auto, cpu, cuda"),
+])
+def test_bad_flags_exit_2_with_one_line_that_names_the_flag(flags, message, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_settings(flags + ["--out", str(tmp_path / "bench")])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in error and "Traceback" not in error
+
+
+def test_an_output_prefix_that_cannot_be_written_is_refused_before_any_run(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for out in (str(blocker / "bench"), str(tmp_path)):
+        with pytest.raises(SystemExit):
+            parse_settings(["--out", out])
+        assert "--out" in capsys.readouterr().err

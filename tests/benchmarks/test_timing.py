@@ -1,0 +1,32 @@
+import pytest
+import torch
+
+from benchmarks import timing
+from benchmarks.timing import History, PeakMemory, skip_reason
+
+CPU = torch.device("cpu")
+
+
+def test_budget_skips_a_config_predicted_too_slow():
+    quadratic = History(assume_quadratic=True, points=[(1024, 2.0, 1e6)])
+    assert skip_reason(quadratic, 2048, budget_s=10, free_bytes=2**40) is None     # 8 s
+    assert skip_reason(quadratic, 4096, budget_s=10, free_bytes=2**40) == "skipped: predicted 32.0 s > budget 10 s"
+    # A linear method extrapolates with its measured slope, at least 1.
+    linear = History(assume_quadratic=False, points=[(1024, 1.0, 1e6), (2048, 1.5, 2e6)])
+    assert linear.predict(4096) == pytest.approx((3.0, 4e6))
+    assert "available" in skip_reason(linear, 4096, budget_s=10, free_bytes=5 * 10**6)
+
+
+def test_slow_runs_are_timed_at_most_three_times(monkeypatch):
+    """A warm-up over a second caps the timed runs at 3; the median of what was timed is kept."""
+    durations = iter([2.0, 3.0, 1.0, 2.5, 9.0, 9.0])
+    monkeypatch.setattr(timing, "time_call", lambda call, device: next(durations))
+    assert timing.median_time(lambda: None, repeats=5, warmup=1, device=CPU) == 2.5
+    assert next(durations) == 9.0      # runs 4 and 5 were never timed
+
+
+def test_peak_memory_sees_an_allocation_above_the_baseline():
+    memory = PeakMemory(CPU)
+    block = torch.ones(64 * 2**20 // 4)    # 64 MB, touched
+    assert memory.peak_above_baseline() >= 60 * 2**20
+    del block
