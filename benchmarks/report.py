@@ -276,7 +276,11 @@ def target_summary(records: list[dict], device_type: str) -> list[dict]:
 
 
 def targets_table(rows: list[dict]) -> str:
-    verdict = {True: "met", False: "NOT met", None: "not measured"}
-    return markdown_table(["method", "target", "measured", "bound", ""],
-                          [[r["label"], r["target"], fmt(r["ratio"], digits=2), r["bound"], verdict[r["met"]]]
-                           for r in rows])
+    """The measured targets, then one line naming those this run's lengths and methods cannot give."""
+    measured_rows = [r for r in rows if r["ratio"] is not None]
+    missing = list(dict.fromkeys(r["target"] for r in rows if r["ratio"] is None))
+    table = markdown_table(["method", "target", "measured", "bound", ""],
+                           [[r["label"], r["target"], fmt(r["ratio"], digits=2), r["bound"],
+                             "met" if r["met"] else "NOT met"] for r in measured_rows]) if measured_rows else ""
+    line = f"Not measured in this run (lengths or methods missing): {'; '.join(missing)}." if missing else ""
+    return "\n\n".join(part for part in (table, line) if part)

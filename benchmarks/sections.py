@@ -135,8 +135,9 @@ def run_attention(settings: Settings, device: torch.device, runner: ChildRunner,
     summary = {"peak_memory": PEAK_MEMORY_NOTE[device.type], "records": records,
                "targets": tables.target_summary(records, device.type),
                "slopes": tables.slope_summary(records)}
-    report.section("Targets of issue 8 (ratios measured in this run)")
-    report.add(tables.targets_table(summary["targets"]))
+    if summary["targets"]:
+        report.section("Targets of issue 8 (ratios measured in this run)")
+        report.add(tables.targets_table(summary["targets"]))
     report.section("Log-log slopes vs N (linear = 1, quadratic = 2)")
     report.add(tables.slopes_table(summary["slopes"]))
     for peer in ("sdpa", "sdpa-flash", "performer", "fla-chunk"):
