@@ -97,13 +97,12 @@ def attention_sweep(settings: Settings, device: torch.device, runner: ChildRunne
                     configs: list[tuple[Method, str, str]]) -> list[dict]:
     """Every config at every N, small N first, so that every config's history grows together."""
     histories = {config: History(assume_quadratic=config[0].family in QUADRATIC_FAMILIES) for config in configs}
-    shape = Shape(settings.batch, settings.heads, settings.head_dim, settings.num_features)
     peak = "train_peak_bytes" if "fwd+bwd" in settings.passes else "forward_peak_bytes"
     records = []
     for n in settings.lengths:
         for config in configs:
             method, mask, dtype = config
-            task = {"device": str(device), "threads": settings.threads, "method": method, "shape": shape,
+            task = {"device": str(device), "threads": settings.threads, "method": method, "shape": settings.shape,
                     "mask": mask, "dtype": dtype, "n": n, "passes": settings.passes,
                     "chunk_size": settings.chunk_size, "repeats": settings.repeats, "warmup": settings.warmup}
             result = run_budgeted(runner, attention_task, task, histories[config], n, settings.budget_s,
@@ -198,9 +197,7 @@ def run_efficiency(settings: Settings, device: torch.device, runner: ChildRunner
     peak_gflops = peak.get("gflops")
     rows = []
     for r in records:
-        forward_flops, train_flops = causal_favor_flops(r["n"], Shape(settings.batch, settings.heads,
-                                                                      settings.head_dim, settings.num_features),
-                                                        settings.chunk_size)
+        forward_flops, train_flops = causal_favor_flops(r["n"], settings.shape, settings.chunk_size)
         rows.append({"n": r["n"], "forward_s": r.get("forward_s"), "train_s": r["train_s"],
                      "forward_gflops": forward_flops / r["forward_s"] / 1e9 if "forward_s" in r else None,
                      "train_gflops": train_flops / r["train_s"] / 1e9})

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from .methods import DTYPES, MASKS, method_table
+from .methods import DTYPES, MASKS, Shape, method_table
 
 SECTIONS = ("attention", "efficiency", "decode", "model")
 PASSES = ("fwd", "fwd+bwd")
@@ -106,6 +106,10 @@ class Settings:
     model_tokens: int = option(4096, "LM tokens per training batch, the same at every context", positive_int)
     model_steps: int = option(3, "timed LM optimizer steps", positive_int)
     out: str = option("bench_results/bench", "output prefix: writes OUT.json, OUT.md and OUT.png", str)
+
+    @property
+    def shape(self) -> Shape:
+        return Shape(self.batch, self.heads, self.head_dim, self.num_features)
 
 
 PRESETS: dict[str, dict[str, object]] = {
