@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from linattn.data import SPLITS, DataError, SequentialWindows, load_split
-from models import ByteLM, CheckpointError, bits_per_byte, checkpoint_path, load_checkpoint, model_from_checkpoint
-from models.runtime import (autocast, decode_bytes, encode_text, keep_freed_memory, resolve_device,
+from linattn_lm import ByteLM, CheckpointError, bits_per_byte, checkpoint_path, load_checkpoint, model_from_checkpoint
+from linattn_lm.runtime import (autocast, decode_bytes, encode_text, keep_freed_memory, resolve_device,
                             summed_loss)
 
 

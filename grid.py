@@ -29,8 +29,8 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the headless back
 import linattn  # noqa: E402
 import train  # noqa: E402
 from linattn.data import DataError  # noqa: E402
-from models import CheckpointError  # noqa: E402
-from models.runtime import keep_freed_memory, write_atomically  # noqa: E402
+from linattn_lm import CheckpointError  # noqa: E402
+from linattn_lm.runtime import keep_freed_memory, write_atomically  # noqa: E402
 
 DEFAULT_VARIANTS = ["softmax-rope", "softmax-abs"] + [
     f"linear-{feature_map}-{rope}"

@@ -36,10 +36,10 @@ from tqdm import tqdm
 
 import linattn
 from linattn.data import DataError, RandomWindows, load_split
-from models import (CHECKPOINT_NAME, ByteLM, CheckpointError, ModelConfig, bits_per_byte, config_differences,
+from linattn_lm import (CHECKPOINT_NAME, ByteLM, CheckpointError, ModelConfig, bits_per_byte, config_differences,
                     lm_loss, load_checkpoint, save_checkpoint)
-from models.lm import BITS_PER_NAT
-from models.runtime import (autocast, decode_bytes, keep_freed_memory, peak_memory_mb, reset_peak_memory,
+from linattn_lm.lm import BITS_PER_NAT
+from linattn_lm.runtime import (autocast, decode_bytes, keep_freed_memory, peak_memory_mb, reset_peak_memory,
                             resolve_device, summed_loss)
 
 # ----------------------------------------------------------------------------- presets

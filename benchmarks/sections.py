@@ -16,8 +16,8 @@ from dataclasses import replace
 import torch
 
 import linattn
-from models.lm import ByteLM, ModelConfig, lm_loss
-from models.runtime import autocast
+from linattn_lm.lm import ByteLM, ModelConfig, lm_loss
+from linattn_lm.runtime import autocast
 
 from . import report as tables
 from .methods import (DTYPES, MASKS, Method, Shape, build_attention, forward_call, make_inputs,

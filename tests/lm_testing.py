@@ -9,7 +9,7 @@ from types import ModuleType
 
 import pytest
 
-from models import ModelConfig
+from linattn_lm import ModelConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = REPO_ROOT.parent / "shared" / "data" / "enwik8-head.gz"

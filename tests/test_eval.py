@@ -17,7 +17,7 @@ import torch
 import train
 from lm_testing import REPO_ROOT, prepare_enwik8_slice, small_config
 from linattn.data import load_split
-from models import ByteLM, save_checkpoint
+from linattn_lm import ByteLM, save_checkpoint
 
 evaluate = importlib.import_module("eval")   # eval.py; `import eval` would read like the builtin
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lm_testing import small_config
-from models import ByteLM, ModelConfig, favor_layer_seed
+from linattn_lm import ByteLM, ModelConfig, favor_layer_seed
 
 VARIANTS = {
     "linear-favor-post": dict(feature_map="favor", rope="post"),

@@ -19,7 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import grid
 import train
 from lm_testing import REPO_ROOT, TINY, prepare_enwik8_slice
-from models import ByteLM, ModelConfig, load_checkpoint
+from linattn_lm import ByteLM, ModelConfig, load_checkpoint
 
 
 @pytest.fixture(scope="module")
