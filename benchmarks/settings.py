@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import math
-import os
+import tempfile
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable
@@ -181,20 +181,20 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve(settings: Settings) -> Settings:
-    """Device-dependent defaults filled in, and an output place that can be written."""
+    """Device-dependent defaults filled in; methods that exist; an output place that can be written."""
     device = resolve_device(settings.device)
-    out = Path(settings.out)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise BadSetting(f"--out {settings.out}: cannot create {out.parent} ({error.strerror}); "
-                         "choose a writable place") from None
-    if out.is_dir() or not os.access(out.parent, os.W_OK):
-        raise BadSetting(f"--out {settings.out}: {out.parent} is not writable or OUT is a directory; "
-                         "give a writable file prefix such as bench_results/bench")
     known = [m.name for m in method_table(settings.backends)]
     unmatched = [p for p in settings.methods if not fnmatch.filter(known, p)]
     if unmatched:
         raise BadSetting(f"--methods {','.join(unmatched)} matches no method; with --backends "
                          f"{','.join(settings.backends)} the methods are: {', '.join(known)}")
+    out = Path(settings.out)
+    try:   # the folder of a run that will start anyway, and a probe that it takes files
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out.parent).close()
+    except OSError as error:
+        raise BadSetting(f"--out {settings.out}: cannot write into {out.parent} ({error.strerror}); "
+                         "give a writable file prefix such as bench_results/bench") from None
+    if out.is_dir():
+        raise BadSetting(f"--out {settings.out} is a folder; give a file prefix such as {out / 'bench'}")
     return replace(settings, device=str(device), lengths=settings.lengths or DEFAULT_LENGTHS[device.type])
