@@ -296,9 +296,9 @@ def lm_config(kind: str, context: int, num_features: int) -> ModelConfig:
     """The same small LM with softmax or favor-post attention."""
     if kind == "softmax":
         return ModelConfig(**MODEL_SIZE, seq_len=context, attention="softmax", feature_map="",
-                           rope="post", num_features=0, redraw_interval=0)
+                           feature_map_options={}, rope="post")
     return ModelConfig(**MODEL_SIZE, seq_len=context, attention="linear", feature_map="favor",
-                       rope="post", num_features=num_features)
+                       feature_map_options={"num_features": num_features}, rope="post")
 
 
 def model_task(task: dict) -> dict:
