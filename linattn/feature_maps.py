@@ -54,7 +54,10 @@ def make_feature_map(feature_map: str | FeatureMap, head_dim: int, **options) ->
     if unknown:
         raise ValueError(f"feature map {feature_map!r} does not take option(s) {unknown}; "
                          f"it accepts: {accepted or 'no options'}")
-    return cls(head_dim, **options)
+    try:
+        return cls(head_dim, **options)
+    except (TypeError, ValueError, OverflowError) as error:
+        raise ValueError(f"feature map {feature_map!r} rejected options {options}: {error}") from None
 
 
 class FeatureMap(nn.Module):

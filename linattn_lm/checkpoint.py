@@ -1,13 +1,14 @@
 """Checkpoints: written atomically, read with `torch.load(weights_only=True)`, checked before use.
 
-A checkpoint is a dict: format, version, config (flat dict of str/int/float/bool), step, model,
-optimizer, loader (RandomWindows state), rng (per-rank torch states), stats, data (description).
+A checkpoint is a dict: format, version, config (a dict per settings section, plain values),
+step, model, optimizer, loader (RandomWindows state), rng (per-rank torch states), stats,
+log_window (the open train/loss average), data (description).
 """
 from __future__ import annotations
 
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -16,7 +17,10 @@ from .runtime import write_atomically
 
 CHECKPOINT_NAME = "ckpt.pt"
 CHECKPOINT_FORMAT = "linattn-byte-lm"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
+# What each entry must be; load_for_resume needs them all, eval.py the first four.
+ENTRIES: dict[str, type] = {"config": dict, "step": int, "model": dict, "data": str, "optimizer": dict,
+                            "loader": dict, "rng": list, "stats": dict, "log_window": dict}
 
 
 class CheckpointError(ValueError):
@@ -55,18 +59,51 @@ def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu") 
     return checkpoint
 
 
-def config_differences(saved: dict[str, Any], current: dict[str, Any], ignore: set[str]) -> list[str]:
-    """'key: checkpoint A, now B' for every differing key not in `ignore`."""
-    keys = sorted((set(saved) | set(current)) - ignore)
-    return [f"{key}: checkpoint {saved.get(key, '<absent>')!r}, now {current.get(key, '<absent>')!r}"
-            for key in keys if saved.get(key) != current.get(key)]
+def checkpoint_entries(checkpoint: dict[str, Any], path: Path | str, names=tuple(ENTRIES)) -> None:
+    """Refuse a checkpoint that lacks an entry or holds one of the wrong type, naming it."""
+    for name in names:
+        expected = ENTRIES[name]
+        value = checkpoint.get(name)
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            found = "missing" if name not in checkpoint else f"a {type(value).__name__}"
+            raise CheckpointError(f"{path} is damaged: its {name!r} entry should be a {expected.__name__}, "
+                                  f"found {found}; resume from another checkpoint or start a new run")
+    if checkpoint["step"] < 0:
+        raise CheckpointError(f"{path} is damaged: step {checkpoint['step']} is negative")
 
 
-def model_from_checkpoint(checkpoint: dict[str, Any], device: torch.device | str = "cpu") -> ByteLM:
-    """Rebuild the model from the checkpoint's config and load its weights (and FAVOR+ state)."""
+def load_state(path: Path | str, name: str, load: Callable[[], Any]) -> None:
+    """Run `load` (a load_state_dict and the like), turning its errors into a CheckpointError."""
     try:
-        model = ByteLM(ModelConfig.from_dict(checkpoint["config"]))
-        model.load_state_dict(checkpoint["model"])
-    except (KeyError, TypeError, ValueError, RuntimeError) as error:
-        raise CheckpointError(f"checkpoint does not match this code's model: {error}") from None
-    return model.to(device)
+        load()
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        raise CheckpointError(f"{path}: its {name!r} entry does not fit this run ({reason})") from None
+
+
+def check_finite_weights(state: dict[str, Any], path: Path | str) -> None:
+    """A model whose weights hold NaN or inf scores and samples nonsense: refuse it."""
+    for key, tensor in state.items():
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise CheckpointError(f"{path}: weight {key!r} holds NaN or inf values; the run diverged before "
+                                  "this checkpoint was written, so use an earlier checkpoint")
+
+
+def remove_stale_temporaries(path: Path) -> None:
+    """Temporaries of `path` left by a write that was killed (write_atomically's name pattern)."""
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        stale.unlink(missing_ok=True)
+
+
+def model_from_checkpoint(checkpoint: dict[str, Any], path: Path | str = "checkpoint") -> ByteLM:
+    """Rebuild the model from the checkpoint's config and load its weights (and feature-map state)."""
+    checkpoint_entries(checkpoint, path, ("config", "step", "model", "data"))
+    check_finite_weights(checkpoint["model"], path)
+    try:
+        config = ModelConfig.from_dict(checkpoint["config"].get("model"))
+        config.validate()
+    except ValueError as error:
+        raise CheckpointError(f"{path}: its model settings are not usable ({error})") from None
+    model = ByteLM(config)
+    load_state(path, "model", lambda: model.load_state_dict(checkpoint["model"]))
+    return model

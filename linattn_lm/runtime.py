@@ -1,5 +1,5 @@
-"""Device, precision, memory, loss-summing and file helpers shared by train.py, grid.py, eval.py and
-bench.py."""
+"""Device, precision, memory, loss-summing and file helpers shared by training, grid, evaluation and
+the benchmarks."""
 from __future__ import annotations
 
 import contextlib
@@ -32,13 +32,28 @@ def keep_freed_memory() -> bool:
     return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
 
 
+DEVICE_HINT = "use auto, cpu, cuda, cuda:N or mps"
+
+
 def resolve_device(name: str | None) -> torch.device:
-    """'auto' (or None) picks CUDA when available; anything else is passed to torch.device."""
+    """'auto' (or None) picks CUDA when available; cpu, cuda[:N] and mps are checked against
+    this machine."""
     if name in (None, "", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available; use --device cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"device {name!r} is not a device name; {DEVICE_HINT}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} requested but CUDA is not available; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"device {name!r} requested but MPS is not available; use --device cpu")
+    elif device.type != "cpu" or device.index not in (None, 0):
+        raise ValueError(f"device {name!r} is not supported; {DEVICE_HINT}")
     return device
 
 

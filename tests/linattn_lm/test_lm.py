@@ -1,22 +1,21 @@
 """The byte-level LM: configuration checks, recurrent decoding == parallel forward, sampling,
-position limits, FAVOR+ layer seeds."""
+position limits, feature-map layer seeds.  Linear variants cover every registered feature map."""
 from __future__ import annotations
 
+import linattn
 import pytest
 import torch
 
-from lm_testing import small_config
-from linattn_lm import ByteLM, ModelConfig, favor_layer_seed
+from linattn_lm import ByteLM, ModelConfig, layer_seed
 
 VARIANTS = {
-    "linear-favor-post": dict(feature_map="favor", rope="post"),
-    "linear-favor-pre": dict(feature_map="favor", rope="pre"),
-    "linear-favor-none": dict(feature_map="favor", rope="none"),
+    **{f"linear-{name}-{rope}": dict(feature_map=name, rope=rope)
+       for name in linattn.available_feature_maps() for rope in linattn.ROPE_PLACEMENTS},
     "linear-elu-post-abs": dict(feature_map="elu", rope="post", abs_pos=True),
-    "linear-softmax-post": dict(feature_map="softmax", rope="post"),
     "softmax-rope": dict(attention="softmax", rope="post"),
     "softmax-abs": dict(attention="softmax", rope="none", abs_pos=True),
 }
+FAVOR = {"num_features": 16, "redraw_interval": 1000}
 
 
 @pytest.fixture(autouse=True)
@@ -24,13 +23,18 @@ def _one_thread():
     torch.set_num_threads(1)   # tiny models: one thread is faster and robust on a shared CPU
 
 
-def make_model(seq_len: int = 32, **overrides) -> ByteLM:
-    torch.manual_seed(0)
-    return ByteLM(small_config(seq_len=seq_len, **overrides)).eval()
+@pytest.fixture
+def make_model(small_config):
+    def make(seq_len: int = 32, **overrides) -> ByteLM:
+        if overrides.get("feature_map", "favor") == "favor" and overrides.get("attention") != "softmax":
+            overrides.setdefault("feature_map_options", FAVOR)
+        torch.manual_seed(0)
+        return ByteLM(small_config(seq_len=seq_len, **overrides)).eval()
+    return make
 
 
 @pytest.mark.parametrize("name", VARIANTS)
-def test_prefill_and_steps_match_full_forward(name: str) -> None:
+def test_prefill_and_steps_match_full_forward(name: str, make_model) -> None:
     model = make_model(**VARIANTS[name])
     idx = torch.randint(0, 256, (2, 24))
     with torch.no_grad():
@@ -45,7 +49,7 @@ def test_prefill_and_steps_match_full_forward(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["linear-favor-post", "softmax-rope"])
-def test_generate_is_reproducible_and_greedy_matches_argmax(name: str) -> None:
+def test_generate_is_reproducible_and_greedy_matches_argmax(name: str, make_model) -> None:
     model = make_model(**VARIANTS[name])
     prompt = torch.tensor([72, 101, 108, 108, 111])
     draw = lambda seed: model.generate(prompt, 20, temperature=1.0, top_k=50,
@@ -59,21 +63,21 @@ def test_generate_is_reproducible_and_greedy_matches_argmax(name: str) -> None:
     assert torch.equal(greedy, ids[len(prompt):])
 
 
-def test_top_k_one_is_greedy() -> None:
+def test_top_k_one_is_greedy(make_model) -> None:
     model = make_model()
     prompt = torch.tensor([1, 2, 3])
     sampled = model.generate(prompt, 8, temperature=1.0, top_k=1, generator=torch.Generator().manual_seed(0))
     assert torch.equal(sampled, model.generate(prompt, 8, temperature=0))
 
 
-def test_generate_keeps_training_mode_and_favor_schedule() -> None:
+def test_generate_keeps_training_mode_and_favor_schedule(make_model) -> None:
     model = make_model().train()
     calls = [fm.training_calls for fm in model.feature_maps()]
     model.generate(torch.tensor([1, 2]), 5)
     assert model.training and [fm.training_calls for fm in model.feature_maps()] == calls
 
 
-def test_learned_positions_refuse_beyond_training_length() -> None:
+def test_learned_positions_refuse_beyond_training_length(make_model) -> None:
     model = make_model(seq_len=16, **VARIANTS["softmax-abs"])
     model(torch.zeros(1, 16, dtype=torch.long))
     with pytest.raises(ValueError, match="absolute positions for 16 tokens"):
@@ -84,47 +88,58 @@ def test_learned_positions_refuse_beyond_training_length() -> None:
 
 
 @pytest.mark.parametrize("name", ["linear-favor-post", "softmax-rope", "linear-favor-none"])
-def test_rope_and_no_positions_extrapolate(name: str) -> None:
+def test_rope_and_no_positions_extrapolate(name: str, make_model) -> None:
     model = make_model(seq_len=16, **VARIANTS[name])
     assert model(torch.zeros(1, 64, dtype=torch.long)).shape == (1, 64, 256)
     assert model.generate(torch.zeros(10, dtype=torch.long), 40).shape == (40,)
 
 
-def test_favor_layer_seeds_differ_per_layer_and_reproduce() -> None:
+def test_favor_layer_seeds_differ_per_layer_and_reproduce(make_model) -> None:
     projections = lambda model: [fm.projection.clone() for fm in model.feature_maps()]
     first, again = projections(make_model(seed=5)), projections(make_model(seed=5))
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     assert not torch.equal(first[0], first[1])
     assert not torch.equal(first[0], projections(make_model(seed=6))[0])
     seeds = [fm.seed for fm in make_model(seed=5).feature_maps()]
-    assert seeds == [favor_layer_seed(5, 0), favor_layer_seed(5, 1)]
+    assert seeds == [layer_seed(5, 0), layer_seed(5, 1)]
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(attention="softmax", rope="pre", feature_map="", num_features=0, redraw_interval=0), "'pre'"),
+    (dict(attention="softmax", rope="pre", feature_map="", feature_map_options={}), "'pre'"),
     (dict(attention="softmax", feature_map="favor"), "no feature map"),
-    (dict(feature_map="elu", num_features=64, redraw_interval=0), "favor map only"),
+    (dict(feature_map="elu", feature_map_options={"num_features": 64}), "does not take option"),
+    (dict(feature_map="favor", feature_map_options={"num_features": 0}), "num_features must be positive"),
+    (dict(feature_map="favor", feature_map_options={"num_features": 33}), "num_features must be even"),
+    (dict(feature_map="favor", feature_map_options={"num_features": [1]}), "not a plain value"),
     (dict(feature_map="nope"), "unknown feature map"),
     (dict(d_model=30, n_head=4), "multiple"),
     (dict(n_layer=0), "n_layer must be positive"),
+    (dict(n_layer="2"), "n_layer must be int"),
     (dict(dropout=1.0), "dropout"),
+    (dict(mlp_ratio=float("nan")), "mlp_ratio must be a finite number"),
+    (dict(mlp_ratio=0.001), "gives an MLP 0 wide"),
+    (dict(seed=2**64), "seed must be in"),
     (dict(attention="rnn"), "attention must be one of"),
+    (dict(feature_map_options={"num_features": 10**9}), "would need about"),
 ])
 def test_config_errors(overrides: dict, message: str) -> None:
+    config = ModelConfig(**{"feature_map_options": {"num_features": 16}, **overrides})
     with pytest.raises(ValueError, match=message):
-        ModelConfig(**overrides)
+        config.validate()
 
 
-def test_variant_names() -> None:
-    assert small_config(num_features=256).variant == "linear-favor-post-M256"
+def test_variant_names(small_config) -> None:
+    assert small_config(feature_map_options={"num_features": 256}).variant == "linear-favor-post-M256"
     assert small_config(feature_map="elu", rope="pre", abs_pos=True).variant == "linear-elu-pre-abs"
     assert small_config(attention="softmax").variant == "softmax-rope"
     assert small_config(attention="softmax", rope="none", abs_pos=True).variant == "softmax-abs"
     assert small_config(attention="softmax", rope="none").variant == "softmax-none"
 
 
-def test_config_round_trips_through_a_plain_dict() -> None:
-    config = small_config(feature_map="elu", abs_pos=True)
+def test_config_round_trips_through_a_plain_dict(small_config) -> None:
+    config = small_config(abs_pos=True)
     values = config.to_dict()
-    assert all(isinstance(v, (str, int, float, bool)) for v in values.values())
-    assert ModelConfig.from_dict({**values, "lr": 0.1}) == config
+    assert all(isinstance(v, (str, int, float, bool, dict)) for v in values.values())
+    assert ModelConfig.from_dict(values) == config
+    with pytest.raises(ValueError, match=r"unknown model setting\(s\) \['lr'\]"):
+        ModelConfig.from_dict({**values, "lr": 0.1})

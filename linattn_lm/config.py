@@ -1,0 +1,221 @@
+"""Training settings, declared once: one dataclass per concern, presets as data layered over the
+defaults, and the one validation every config goes through (from flags, presets or a checkpoint).
+
+Flags are generated from these fields (`linattn_lm.cli`); a field's metadata holds its help text,
+whether it may change on --resume and whether it picks the attention variant.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .lm import ModelConfig, check_finite, check_memory, check_types, from_plain_dict, setting
+from .runtime import resolve_device
+
+
+@dataclass
+class OptimConfig:
+    """Optimisation and schedule: AdamW, linear warmup, cosine decay to min_lr."""
+
+    batch_size: int = setting(4, "global batch size (split across DDP ranks)")
+    lr: float = setting(3e-3, "peak learning rate (AdamW)")
+    min_lr: float = setting(3e-4, "learning rate at the end of the cosine decay")
+    warmup: int = setting(50, "linear warmup steps")
+    steps: int = setting(600, "training steps", resumable=True)
+    decay_steps: int = setting(0, "step at which the cosine decay reaches min-lr (0: --steps); set it to stop "
+                                  "early and later --resume with more --steps exactly")
+    weight_decay: float = setting(0.1, "AdamW weight decay on matrices")
+    grad_clip: float = setting(1.0, "clip the global gradient norm (0 = off)")
+
+    def validate(self) -> None:
+        check_types(self)
+        check_finite(self)
+        for name in ("batch_size", "steps", "decay_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if not 0 <= self.min_lr <= self.lr or self.lr <= 0:
+            raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got min_lr={self.min_lr}, lr={self.lr}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError(f"weight_decay and grad_clip must be >= 0, got {self.weight_decay} and "
+                             f"{self.grad_clip}")
+
+
+@dataclass
+class LogConfig:
+    """What is measured and saved, and how often."""
+
+    eval_interval: int = setting(100, "steps between validation estimates", resumable=True)
+    eval_iters: int = setting(16, "fixed validation batches per estimate", resumable=True)
+    log_interval: int = setting(10, "steps between train scalars", resumable=True)
+    ckpt_interval: int = setting(200, "steps between checkpoints (0 = at the end and on Ctrl-C only)",
+                                 resumable=True)
+    sample_interval: int = setting(200, "steps between text samples (0 = never)", resumable=True)
+
+    def validate(self) -> None:
+        check_types(self)
+        for name in ("eval_interval", "eval_iters", "log_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("ckpt_interval", "sample_interval"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass
+class RunConfig:
+    """Where data and outputs live, the device, and the user code the run needs."""
+
+    preset: str = setting("cpu", "sizes and schedule", resumable=True)
+    data_dir: str = setting("", "prepared enwik8 directory (default: the repository's data/enwik8)",
+                            resumable=True)
+    out_dir: str = setting("runs", "parent directory of run directories", resumable=True)
+    run_name: str = setting("", "run directory under --out-dir (default: the variant, e.g. "
+                                "linear-favor-post-M64; grid.py: grid-<preset>)", resumable=True)
+    device: str = setting("auto", "auto (CUDA if available), cpu, cuda, cuda:1, mps", resumable=True)
+    compile: bool = setting(False, "torch.compile the model", resumable=True)
+    threads: int = setting(0, "torch CPU threads (0 = torch default)", resumable=True)
+    imports: list[str] = setting([], "a module name or a .py file to import first, e.g. one that registers a "
+                                     "feature map (repeatable); recorded in the checkpoint", resumable=True)
+
+    def validate(self) -> None:
+        check_types(self)
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choose from {', '.join(PRESETS)}")
+        if not self.run_name or self.run_name.startswith("/") or ".." in self.run_name.split("/"):
+            raise ValueError(f"run_name must be a relative name inside --out-dir, got {self.run_name!r}")
+        if not 0 <= self.threads <= 4096:
+            raise ValueError(f"threads must be in [0, 4096], got {self.threads}")
+        if not all(isinstance(name, str) and name for name in self.imports):
+            raise ValueError(f"imports must be module names or file paths, got {self.imports!r}")
+        resolve_device(self.device)
+
+
+SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "log": LogConfig, "run": RunConfig}
+
+
+@dataclass
+class TrainConfig:
+    """One run's settings, a section per concern; `asdict` gives the plain nested dict that goes
+    into checkpoints."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    log: LogConfig = dataclasses.field(default_factory=LogConfig)
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+
+    def validate(self) -> None:
+        """Every section's checks, then the memory a training step needs, estimated before
+        anything is allocated; the feature map is built (once, to check its options) last."""
+        self.optim.validate()
+        self.log.validate()
+        self.run.validate()
+        self.model.check_fields()
+        needed = 4 * self.model.parameter_bytes() + self.model.activation_bytes(self.optim.batch_size)
+        check_memory(needed, f"a training step with batch_size {self.optim.batch_size}, seq_len "
+                             f"{self.model.seq_len} and these sizes (layers, width, feature-map num_features, "
+                             "chunk_size)", resolve_device(self.run.device))
+        self.model.validate()
+
+    def flat(self) -> dict[str, Any]:
+        """Every setting by its (unique) field name."""
+        return {key: value for section in asdict(self).values() for key, value in section.items()}
+
+    @classmethod
+    def from_dict(cls, values: Any) -> "TrainConfig":
+        """A checkpoint's config, checked like any other."""
+        if not isinstance(values, dict):
+            raise ValueError(f"the config must be a dict of sections, got {type(values).__name__}")
+        unknown = sorted(set(values) - set(SECTIONS))
+        if unknown:
+            raise ValueError(f"unknown config section(s) {unknown}; known: {sorted(SECTIONS)}")
+        config = cls(**{name: from_plain_dict(SECTIONS[name], values.get(name, {}), name) for name in SECTIONS})
+        config.validate()
+        return config
+
+
+FIELDS = {f.name: (section, f) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+RESUMABLE = {name for name, (_, f) in FIELDS.items() if f.metadata["resumable"]}
+VARIANT = {name for name, (_, f) in FIELDS.items() if f.metadata["variant"]}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # CI smoke test: seconds on one CPU core.
+    "tiny": dict(n_layer=2, d_model=64, n_head=2, mlp_ratio=4.0, dropout=0.0, seq_len=64,
+                 batch_size=8, lr=3e-3, min_lr=3e-4, warmup=5, steps=30, weight_decay=0.1, grad_clip=1.0,
+                 feature_map="favor", feature_map_options=dict(num_features=32, redraw_interval=1000),
+                 chunk_size=32, eval_interval=10, eval_iters=2, log_interval=5, ckpt_interval=10,
+                 sample_interval=30),
+    # Learns visibly in about two minutes per variant on 2 CPU cores (FAVOR+ post); the defaults.
+    # Small batches: on CPU more, noisier steps learn faster per second than fewer large ones.
+    "cpu": dict(n_layer=4, d_model=128, n_head=4, mlp_ratio=4.0, dropout=0.0, seq_len=256,
+                batch_size=4, lr=3e-3, min_lr=3e-4, warmup=50, steps=600, weight_decay=0.1, grad_clip=1.0,
+                feature_map="favor", feature_map_options=dict(num_features=64, redraw_interval=1000),
+                chunk_size=64, eval_interval=100, eval_iters=16, log_interval=10, ckpt_interval=200,
+                sample_interval=200),
+    # EleutherAI rotary-embedding blog, Performer on enwik8: 8 layers, 512 wide, 8 heads, 1024 context.
+    "eleuther": dict(n_layer=8, d_model=512, n_head=8, mlp_ratio=4.0, dropout=0.1, seq_len=1024,
+                     batch_size=32, lr=6e-4, min_lr=6e-5, warmup=1000, steps=20000, weight_decay=0.1,
+                     grad_clip=1.0, feature_map="favor",
+                     feature_map_options=dict(num_features=256, redraw_interval=1000), chunk_size=64,
+                     eval_interval=1000, eval_iters=50, log_interval=50, ckpt_interval=1000,
+                     sample_interval=2000),
+    # RoFormer section 4.4: 12 layers, 768 wide, 12 heads, 1024 context, batch 128, lr 1e-4.
+    "paper": dict(n_layer=12, d_model=768, n_head=12, mlp_ratio=4.0, dropout=0.1, seq_len=1024,
+                  batch_size=128, lr=1e-4, min_lr=1e-5, warmup=2000, steps=100000, weight_decay=0.1,
+                  grad_clip=1.0, feature_map="favor",
+                  feature_map_options=dict(num_features=256, redraw_interval=1000), chunk_size=64,
+                  eval_interval=2000, eval_iters=50, log_interval=100, ckpt_interval=2000,
+                  sample_interval=5000),
+}
+DEFAULT_PRESET = "cpu"
+LINEAR_ONLY = ("feature_map", "feature_map_options", "chunk_size")
+
+
+def resolve_variant(given: dict[str, Any], preset: dict[str, Any]) -> dict[str, Any]:
+    """The attention fields from explicit flags.  A preset's feature-map options belong to the
+    preset's map; flags that do not apply to the variant are errors."""
+    attention = given.get("attention", "linear")
+    if attention == "softmax":
+        for name in LINEAR_ONLY:
+            if name in given:
+                flag = "--feature-map-option" if name == "feature_map_options" else f"--{name.replace('_', '-')}"
+                raise ValueError(f"{flag} applies to linear attention only, not --attention softmax")
+        if given.get("rope") == "pre":
+            raise ValueError("--rope pre rotates q, k before a feature map, which softmax attention "
+                             "lacks: use --rope post (RoPE on q, k) or --rope none")
+        return dict(attention=attention, feature_map="", feature_map_options={})
+    feature_map = given.get("feature_map", preset["feature_map"])
+    options = dict(preset["feature_map_options"]) if feature_map == preset["feature_map"] else {}
+    return dict(attention=attention, feature_map=feature_map,
+                feature_map_options={**options, **given.get("feature_map_options", {})})
+
+
+def config_from_flags(given: dict[str, Any]) -> TrainConfig:
+    """Merge: dataclass defaults < preset < explicit flags (by field name); validated."""
+    given = {key: value for key, value in given.items() if value is not None}
+    unknown = sorted(set(given) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"unknown setting(s) {unknown}")
+    preset_name = given.get("preset", DEFAULT_PRESET)
+    if preset_name not in PRESETS:
+        raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(PRESETS)}")
+    preset = copy.deepcopy(PRESETS[preset_name])
+    values = {**preset, **given, **resolve_variant(given, preset), "preset": preset_name}
+    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    for key, value in values.items():
+        sections[FIELDS[key][0]][key] = value
+    config = TrainConfig(**{name: SECTIONS[name](**fields) for name, fields in sections.items()})
+    config.optim.decay_steps = config.optim.decay_steps or config.optim.steps
+    config.run.run_name = config.run.run_name or config.model.variant
+    config.validate()
+    return config
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """'key: checkpoint A, now B' for every differing setting that may not change on --resume."""
+    keys = sorted((set(saved) | set(current)) - RESUMABLE)
+    return [f"{key}: checkpoint {saved.get(key, '<absent>')!r}, now {current.get(key, '<absent>')!r}"
+            for key in keys if saved.get(key) != current.get(key)]

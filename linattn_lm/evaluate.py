@@ -1,0 +1,156 @@
+"""Evaluate a checkpoint written by train.py (`python eval.py`): bits per byte over a whole split,
+or text samples.
+
+    python eval.py runs/linear-favor-post-M64                        # val bpc at the training seq_len
+    python eval.py runs/linear-favor-post-M64 --split test --seq-len 256 512 1024 2048 --max-bytes 100000
+    python eval.py runs/linear-favor-post-M64 --generate "The " --max-new-tokens 200 --top-k 40
+
+bpc uses non-overlapping windows of seq_len bytes: window k reads bytes [kL, kL + L) and predicts
+bytes [kL + 1, kL + L], each from the bytes before it in the same window only.  Every byte but the
+split's first is predicted exactly once; the last window may be shorter.  This is the standard
+non-overlapping evaluation: bytes early in a window see little context, so longer windows score
+better when a model can use them (and worse when it cannot extrapolate).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import linattn
+from linattn.data import DEFAULT_DATA_DIR, SPLITS, DataError, SequentialWindows, load_split  # moving to .data
+from .checkpoint import CheckpointError, checkpoint_path, load_checkpoint, model_from_checkpoint
+from .cli import EXIT_USAGE, Parser, UsageError, finite_float, import_user_code, integer, pre_parse_imports
+from .lm import ByteLM, bits_per_byte
+from .runtime import autocast, decode_bytes, encode_text, keep_freed_memory, resolve_device, summed_loss
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(description="Evaluate bits per byte of a train.py checkpoint, or sample from it.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("checkpoint", type=Path, help="a ckpt.pt, or a run directory that holds one")
+    p.add_argument("--split", choices=SPLITS, default="val", help="split to evaluate")
+    p.add_argument("--seq-len", type=integer, nargs="+",
+                   help="window length(s); several values print a length-extrapolation table "
+                        "(default: the training seq_len)")
+    p.add_argument("--max-bytes", type=integer, help="evaluate only the first N bytes of the split")
+    p.add_argument("--batch-size", type=integer, default=8, help="windows per forward pass")
+    p.add_argument("--data-dir", help="prepared enwik8 directory (default: the one the run trained on)")
+    p.add_argument("--import", dest="imports", metavar="MODULE_OR_FILE", action="append",
+                   help="user code to import first (repeatable); the run's recorded --import values are "
+                        "imported too when its feature map is not registered yet")
+    p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, mps")
+    p.add_argument("--threads", type=integer, default=0, help="torch CPU threads (0 = torch default)")
+    sample = p.add_argument_group("sampling (instead of bpc)")
+    sample.add_argument("--generate", metavar="PROMPT", help="sample a continuation of PROMPT")
+    sample.add_argument("--max-new-tokens", type=integer, default=256, help="bytes to sample")
+    sample.add_argument("--temperature", type=finite_float, default=1.0, help="softmax temperature (0 = greedy)")
+    sample.add_argument("--top-k", type=integer, help="sample among the k most likely bytes only")
+    sample.add_argument("--seed", type=integer, default=0, help="sampling seed")
+    return p
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if any(n < 1 for n in args.seq_len or []) or args.batch_size < 1 or args.threads < 0:
+        parser.error("--seq-len and --batch-size must be positive, --threads >= 0")
+    if args.max_bytes is not None and args.max_bytes < 2:
+        parser.error("--max-bytes must be at least 2 (one input and one target byte)")
+    if args.max_new_tokens < 0 or args.temperature < 0 or (args.top_k is not None and args.top_k < 1):
+        parser.error("--max-new-tokens and --temperature must be >= 0, --top-k >= 1")
+    if not 0 <= args.seed < 2**63 or args.threads > 4096 or args.max_new_tokens > 2**24:
+        parser.error("--seed must be in [0, 2**63), --threads <= 4096, --max-new-tokens <= 16,777,216")
+
+
+def evaluate_bpc(model: ByteLM, data: np.ndarray, seq_len: int, batch_size: int,
+                 device: torch.device) -> tuple[float, float]:
+    """(bits per byte, tokens per second) over `data` in non-overlapping windows of seq_len."""
+    windows = SequentialWindows(data, batch_size, seq_len)
+    start = time.perf_counter()
+    nats, count = summed_loss(model, windows, device)
+    seconds = time.perf_counter() - start
+    assert count == windows.num_targets, "every byte after the first is predicted exactly once"
+    return bits_per_byte(nats / count), count / seconds
+
+
+def bpc_table(model: ByteLM, data: np.ndarray, seq_lens: list[int], batch_size: int,
+              device: torch.device) -> list[tuple[int, float, float]]:
+    """Print and return (seq_len, bpc, tokens/s) rows; nan where learned positions cannot reach."""
+    print(f"{'seq_len':>8}  {'bpc':>8}  {'tokens/s':>10}", flush=True)
+    rows, trained = [], model.config.seq_len
+    for seq_len in seq_lens:
+        if model.config.abs_pos and seq_len > trained:
+            print(f"{seq_len:>8}  {'n/a':>8}  learned absolute positions cover {trained} bytes only")
+            rows.append((seq_len, float("nan"), float("nan")))
+            continue
+        bpc, rate = evaluate_bpc(model, data, seq_len, batch_size, device)
+        print(f"{seq_len:>8}  {bpc:>8.4f}  {rate:>10,.0f}", flush=True)
+        rows.append((seq_len, bpc, rate))
+    return rows
+
+
+def sample_text(model: ByteLM, args: argparse.Namespace, device: torch.device) -> str:
+    prompt = encode_text(args.generate)
+    if len(prompt) == 0:
+        raise ValueError("--generate needs a non-empty prompt")
+    generator = torch.Generator(device).manual_seed(args.seed)
+    with autocast(device):
+        new = model.generate(prompt.to(device), args.max_new_tokens, temperature=args.temperature,
+                             top_k=args.top_k, generator=generator)
+    return args.generate + decode_bytes(new)
+
+
+def import_recorded(checkpoint: dict[str, Any], path: Path) -> None:
+    """The run's own --import values, when its feature map is not registered yet."""
+    config = checkpoint.get("config")
+    model = config.get("model") if isinstance(config, dict) else None
+    run = config.get("run") if isinstance(config, dict) else None
+    if not isinstance(model, dict) or model.get("feature_map") in ("", None, *linattn.available_feature_maps()):
+        return
+    recorded = run.get("imports", []) if isinstance(run, dict) else []
+    try:
+        import_user_code([str(name) for name in recorded])
+    except UsageError as error:
+        raise CheckpointError(f"{path} needs feature map {model['feature_map']!r} from its recorded imports, "
+                              f"which failed: {error}; pass --import MODULE_OR_FILE to give its new place") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        import_user_code(pre_parse_imports(argv))
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    keep_freed_memory()   # large CPU temporaries reuse freed memory instead of page-faulting
+    try:
+        device = resolve_device(args.device)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        path = checkpoint_path(args.checkpoint)
+        checkpoint = load_checkpoint(path, map_location="cpu")
+        import_recorded(checkpoint, path)
+        model = model_from_checkpoint(checkpoint, path).to(device).eval()
+        config = model.config
+        print(f"checkpoint: {path} (step {checkpoint['step']}, {config.variant}, "
+              f"{model.num_parameters():,} parameters, trained at seq_len {config.seq_len})")
+        if args.generate is not None:
+            print(sample_text(model, args, device))
+            return 0
+        run = checkpoint["config"].get("run")
+        data_dir = args.data_dir or (run.get("data_dir") if isinstance(run, dict) else "") or str(DEFAULT_DATA_DIR)
+        split = load_split(data_dir, args.split)
+        data = split.data[:args.max_bytes] if args.max_bytes else split.data
+        print(f"data: {split.description} from {data_dir}, {args.split} split, "
+              f"{len(data):,} of {len(split):,} bytes")
+        bpc_table(model, data, args.seq_len or [config.seq_len], args.batch_size, device)
+    except (CheckpointError, DataError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0

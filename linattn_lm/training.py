@@ -1,0 +1,573 @@
+"""Train a byte-level language model on enwik8 with softmax or linear attention: `python train.py`.
+
+A preset sets sizes and schedule; flags given explicitly override it.  The attention variant comes
+from --attention/--feature-map/--feature-map-option/--rope/--abs-pos.  For softmax attention --rope
+is 'post' (RoPE on q and k) or 'none'; 'pre' (rotate before the feature map) is for linear attention.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
+from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_finite_weights, checkpoint_entries, load_checkpoint, load_state,
+                         remove_stale_temporaries, save_checkpoint)
+from .cli import (EXIT_ERROR, EXIT_USAGE, Parser, UsageError, add_config_flags, given_settings, import_user_code,
+                  pre_parse_imports)
+from .config import TrainConfig, config_differences, config_from_flags
+from linattn.data import DEFAULT_DATA_DIR, DataError, RandomWindows, load_split  # moving to .data
+from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss
+from .runtime import (autocast, decode_bytes, keep_freed_memory, peak_memory_mb, reset_peak_memory,
+                      resolve_device, summed_loss)
+
+SAMPLE_PROMPT_BYTES = 128
+SAMPLE_NEW_BYTES = 256
+EXIT_SIGNAL_BASE = 128   # a run stopped by signal S exits 128 + S, as shells report it
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm became non-finite: the step is not taken, nothing is saved."""
+
+
+# ----------------------------------------------------------------------------- distributed
+
+
+@dataclass
+class Distributed:
+    """This process's place in a torchrun job (rank 0 of 1 without torchrun)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value
+
+    def any(self, flag: bool | torch.Tensor) -> bool:
+        """True on every rank if it is True on any rank (so all ranks stop at the same step)."""
+        if self.world_size == 1:
+            return bool(flag)
+        return bool(self.sum(torch.as_tensor(flag, dtype=torch.float32, device=self.device)).item())
+
+    def gather(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+
+@contextlib.contextmanager
+def distributed(device_name: str) -> Iterator[Distributed]:
+    """Join the torchrun process group when RANK/WORLD_SIZE are set: nccl on CUDA, gloo on CPU."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    device = resolve_device(device_name)
+    if world_size == 1:
+        yield Distributed(0, 1, device)
+        return
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        yield Distributed(rank, world_size, device)
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- pieces of the loop
+
+
+def learning_rate(step: int, config: TrainConfig) -> float:
+    """Linear warmup to lr, then cosine decay to min_lr at decay_steps (step counts from 0)."""
+    optim = config.optim
+    if step < optim.warmup:
+        return optim.lr * (step + 1) / optim.warmup
+    if step >= optim.decay_steps:
+        return optim.min_lr
+    progress = (step - optim.warmup) / max(1, optim.decay_steps - optim.warmup)
+    return optim.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (optim.lr - optim.min_lr)
+
+
+def make_optimizer(model: ByteLM, config: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices and embeddings only, not on biases and LayerNorm gains."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": config.optim.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.optim.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+
+class StopRequest:
+    """Ctrl-C / SIGTERM ask to stop after the current step (then a checkpoint is saved); a second
+    signal aborts at once.  `signum` is the first signal received."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def requested(self) -> bool:
+        return bool(self.signum)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+        tqdm.write(f"{signal.Signals(signum).name}: saving a checkpoint after this step "
+                   "(Ctrl-C again to abort without saving)")
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():   # signal() works there only
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+@dataclass
+class RunStats:
+    """Counters that survive resumes, so rates and curves cover the whole run."""
+
+    train_seconds: float = 0.0      # training loop time, excluding evaluation and sampling
+    compute_seconds: float = 0.0    # forward + backward + optimiser step
+    other_seconds: float = 0.0      # evaluation and sampling
+    tokens: int = 0
+    val_steps: list[int] = field(default_factory=list)
+    val_bpc: list[float] = field(default_factory=list)
+
+    @property
+    def best_val_bpc(self) -> float:
+        return min(self.val_bpc, default=math.nan)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.train_seconds if self.train_seconds else math.nan
+
+    @property
+    def loop_overhead(self) -> float:
+        """Share of training-loop time spent outside forward/backward/optimiser step."""
+        return 1 - self.compute_seconds / self.train_seconds if self.train_seconds else math.nan
+
+
+@dataclass
+class TrainResult:
+    run_name: str
+    variant: str
+    final_val_bpc: float
+    best_val_bpc: float
+    tokens_per_s: float
+    peak_memory_mb: float
+    parameters: int
+    steps: int
+    wall_seconds: float
+    loop_overhead: float
+    seed: int
+    data: str
+    val_steps: list[int]
+    val_bpc: list[float]
+    stop_signal: int = 0             # the signal that stopped the run early, 0 if it finished
+    model: ByteLM | None = None
+
+    @property
+    def interrupted(self) -> bool:
+        return bool(self.stop_signal)
+
+    def summary(self) -> str:
+        return (f"result {self.run_name}: final val bpc {self.final_val_bpc:.4f} "
+                f"(best {self.best_val_bpc:.4f}) | {self.tokens_per_s:,.0f} tokens/s | "
+                f"wall time {self.wall_seconds:.1f}s | {self.steps} steps | "
+                f"peak memory {self.peak_memory_mb:,.0f} MiB")
+
+
+def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
+    states = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def restore_rng(saved: list[dict[str, torch.Tensor]], ctx: Distributed, seed: int) -> None:
+    """Each rank continues its own dropout RNG; a different world size reseeds instead."""
+    if len(saved) != ctx.world_size:
+        tqdm.write(f"warning: checkpoint holds RNG states for {len(saved)} rank(s), this job has "
+                   f"{ctx.world_size}: dropout masks are reseeded, so the run is not bit-identical")
+        torch.manual_seed(seed + 1 + ctx.rank)
+        return
+    torch.set_rng_state(saved[ctx.rank]["torch"])
+    if "cuda" in saved[ctx.rank] and ctx.device.type == "cuda":
+        torch.cuda.set_rng_state(saved[ctx.rank]["cuda"], ctx.device)
+
+
+def load_for_resume(path: Path, config: TrainConfig, data: str) -> dict[str, Any]:
+    """The run's checkpoint, refused unless it holds every entry and the same configuration."""
+    checkpoint = load_checkpoint(path)
+    checkpoint_entries(checkpoint, path)
+    check_finite_weights(checkpoint["model"], path)
+    saved = checkpoint["config"]
+    flat_saved = {key: value for section in saved.values() if isinstance(section, dict)
+                  for key, value in section.items()}
+    differences = config_differences(flat_saved, config.flat())
+    if differences:
+        raise CheckpointError(f"cannot resume {path}: it was trained with a different configuration "
+                              f"({'; '.join(differences)}); only steps, intervals, paths, device, compile, "
+                              "threads and imports may change")
+    if checkpoint["data"] != data:
+        raise CheckpointError(f"cannot resume {path}: it was trained on {checkpoint['data']}, "
+                              f"the data directory now holds {data}")
+    return checkpoint
+
+
+def evaluate(model: torch.nn.Module, val: RandomWindows, config: TrainConfig, ctx: Distributed) -> float:
+    """Validation bpc on eval_iters fixed batches: the same windows at every evaluation and, with
+    the same seed, for every variant.  Each rank takes its share; the sums are combined."""
+    batches = (val.batch_at(i) for i in range(config.log.eval_iters))
+    nats, count = summed_loss(model, batches, ctx.device)
+    totals = ctx.sum(torch.tensor([nats, count], dtype=torch.float64, device=ctx.device))
+    return bits_per_byte((totals[0] / totals[1]).item())
+
+
+def sample_prompt(val: np.ndarray, config: TrainConfig) -> tuple[torch.Tensor, int]:
+    """The first bytes of val as a prompt, and how many bytes to sample after it (learned absolute
+    positions cannot go past seq_len)."""
+    seq_len = config.model.seq_len
+    prompt_len = min(SAMPLE_PROMPT_BYTES, seq_len // 2)
+    new_bytes = seq_len - prompt_len + 1 if config.model.abs_pos else SAMPLE_NEW_BYTES
+    return torch.from_numpy(val[:prompt_len].astype(np.int64)), min(new_bytes, SAMPLE_NEW_BYTES)
+
+
+def text_sample(model: ByteLM, prompt: torch.Tensor, new_bytes: int, seed: int, device: torch.device) -> str:
+    generator = torch.Generator(device).manual_seed(seed)
+    with autocast(device):
+        new = model.generate(prompt.to(device), new_bytes, temperature=1.0, generator=generator)
+    indent = lambda text: "    " + text.replace("\n", "\n    ")   # markdown code block, any content
+    return f"prompt:\n\n{indent(decode_bytes(prompt))}\n\nsample:\n\n{indent(decode_bytes(new))}"
+
+
+def prepare_run_dir(run_dir: Path) -> None:
+    """Create the run directory now, so an unusable --out-dir fails before any work."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}.tmp"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise UsageError(f"cannot write the run directory {run_dir} ({error.strerror or error}); "
+                         "choose a writable --out-dir") from None
+
+
+# ----------------------------------------------------------------------------- training
+
+
+class Trainer:
+    """One run: data, model and optimiser (fresh or from the run's checkpoint), then `run()`."""
+
+    def __init__(self, config: TrainConfig, ctx: Distributed, *, resume: bool):
+        if config.optim.batch_size % ctx.world_size:
+            raise UsageError(f"batch_size {config.optim.batch_size} must be divisible by the "
+                             f"{ctx.world_size} ranks")
+        if config.run.threads:
+            torch.set_num_threads(config.run.threads)
+        self.config, self.ctx, self.device = config, ctx, ctx.device
+        self.log = tqdm.write if ctx.is_main else (lambda message: None)
+        self.run_dir = Path(config.run.out_dir) / config.run.run_name
+        self.ckpt_file = self.run_dir / CHECKPOINT_NAME
+        reset_peak_memory(self.device)
+        self._load_data()      # first, so missing or too-small data fails before anything is written
+        checkpoint = load_for_resume(self.ckpt_file, config, self.data) if resume else self._no_checkpoint()
+        if ctx.is_main:
+            prepare_run_dir(self.run_dir)
+            remove_stale_temporaries(self.ckpt_file)
+        self._build_model(checkpoint)
+        self._open_logs(checkpoint)
+
+    def _load_data(self) -> None:
+        config, ctx = self.config, self.ctx
+        self.data_dir = config.run.data_dir or str(DEFAULT_DATA_DIR)
+        train_split, self.val_split = load_split(self.data_dir, "train"), load_split(self.data_dir, "val")
+        windows = dict(batch_size=config.optim.batch_size // ctx.world_size, seq_len=config.model.seq_len,
+                       seed=config.model.seed, rank=ctx.rank, world_size=ctx.world_size)
+        self.train_batches = RandomWindows(train_split, **windows)
+        self.val_batches = RandomWindows(self.val_split, **windows)
+        self.data = train_split.description
+        self.log(f"data: {self.data} from {self.data_dir} "
+                 f"(train {len(train_split):,} bytes, val {len(self.val_split):,})")
+
+    def _no_checkpoint(self) -> None:
+        if self.ckpt_file.exists():
+            raise CheckpointError(f"{self.ckpt_file} exists: pass --resume to continue that run, or choose "
+                                  "another --run-name / --out-dir (or delete the directory)")
+
+    def _build_model(self, checkpoint: dict[str, Any] | None) -> None:
+        config, ctx = self.config, self.ctx
+        torch.manual_seed(config.model.seed)   # identical initial weights on every rank
+        self.model = ByteLM(config.model).to(self.device)
+        self.optimizer = make_optimizer(self.model, config, self.device)
+        self.stats, self.step, self.saved_step = RunStats(), 0, None
+        self.loss_sum, self.loss_count = torch.zeros((), device=self.device), 0
+        if checkpoint is None:
+            torch.manual_seed(config.model.seed + 1 + ctx.rank)   # per-rank dropout masks
+        else:
+            path = self.ckpt_file
+            load_state(path, "model", lambda: self.model.load_state_dict(checkpoint["model"]))
+            load_state(path, "optimizer", lambda: self.optimizer.load_state_dict(checkpoint["optimizer"]))
+            load_state(path, "loader", lambda: self.train_batches.load_state_dict(checkpoint["loader"]))
+            load_state(path, "rng", lambda: restore_rng(checkpoint["rng"], ctx, config.model.seed))
+            load_state(path, "stats", lambda: setattr(self, "stats", RunStats(**checkpoint["stats"])))
+            load_state(path, "log_window", lambda: self._restore_log_window(checkpoint["log_window"]))
+            self.step = self.saved_step = checkpoint["step"]
+            self.log(f"resumed {self.ckpt_file} at step {self.step}")
+        self.compiled = torch.compile(self.model) if config.run.compile else self.model
+        # Feature-map buffers are not broadcast: every rank draws identical projections from the seeds.
+        self.trainable = (DistributedDataParallel(self.compiled, broadcast_buffers=False)
+                          if ctx.world_size > 1 else self.compiled)
+        model = config.model
+        self.log(f"model: {model.variant}, {self.model.num_parameters():,} parameters, {model.n_layer} "
+                 f"layers x {model.d_model} wide, {model.n_head} heads; device {self.device}, "
+                 f"{ctx.world_size} process(es)")
+
+    def _restore_log_window(self, window: dict[str, Any]) -> None:
+        loss_sum, count = window["loss_sum"], window["count"]
+        if not isinstance(loss_sum, torch.Tensor) or loss_sum.numel() != 1 or not isinstance(count, int) or count < 0:
+            raise ValueError(f"expected a one-element loss_sum tensor and a count >= 0, got {window}")
+        self.loss_sum, self.loss_count = loss_sum.reshape(()).to(self.device), count
+
+    def _open_logs(self, checkpoint: dict[str, Any] | None) -> None:
+        # purge_step hides what a stopped or killed run logged after its last checkpoint.
+        self.writer = SummaryWriter(self.run_dir, purge_step=self.step + 1) if self.ctx.is_main else None
+        if self.writer and checkpoint is None:   # a resumed run has them already
+            self.writer.add_text("data", self.data, self.step)
+            settings = "\n".join(f"    {key} = {value}" for key, value in self.config.flat().items())
+            self.writer.add_text("config", settings, self.step)
+        self.prompt, self.sample_bytes = sample_prompt(self.val_split.data, self.config)
+        self.bar = tqdm(total=self.config.optim.steps, initial=self.step, desc=self.config.run.run_name,
+                        dynamic_ncols=True, disable=not (self.ctx.is_main and sys.stderr.isatty()))
+        self.window_start = time.perf_counter()
+
+    def scalar(self, tag: str, value: float) -> None:
+        if self.writer:
+            self.writer.add_scalar(tag, value, self.step)
+
+    def train_step(self) -> torch.Tensor:
+        """One optimiser step on the next batch; returns the gradient norm before clipping.  A
+        non-finite loss or gradient stops training before the step changes the weights."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(self.step, self.config)
+        x, y = (t.to(self.device, non_blocking=True) for t in next(self.train_batches))
+        compute_start = time.perf_counter()
+        with autocast(self.device):
+            loss = lm_loss(self.trainable(x), y)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.grad_clip or math.inf)
+        if self.ctx.any(~(torch.isfinite(loss) & torch.isfinite(grad_norm))):
+            kept = (f"the last good checkpoint (step {self.saved_step}) is kept in {self.ckpt_file}"
+                    if self.saved_step is not None else "no checkpoint was written")
+            raise TrainingDiverged(f"training stopped at step {self.step + 1}: loss {loss.item():.4g}, gradient "
+                                   f"norm {grad_norm.item():.4g} (non-finite); {kept}; lower --lr")
+        self.optimizer.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)   # so the compute timer covers the GPU work
+        self.stats.compute_seconds += time.perf_counter() - compute_start
+        self.step += 1
+        self.stats.tokens += self.config.optim.batch_size * self.config.model.seq_len
+        self.loss_sum += loss.detach()
+        self.loss_count += 1
+        return grad_norm
+
+    def log_train(self, grad_norm: torch.Tensor) -> None:
+        """Mean training loss since the last log (over all ranks), lr, gradient norm, tokens/s.  The
+        window restarts at multiples of log_interval only, so a run stopped and resumed elsewhere
+        logs the same means as one that was not."""
+        summed = self.ctx.sum(self.loss_sum.clone())
+        mean_loss = (summed / (self.loss_count * self.ctx.world_size)).item()
+        tokens = self.loss_count * self.config.optim.batch_size * self.config.model.seq_len
+        self.scalar("train/loss", mean_loss)
+        self.scalar("train/bpc", bits_per_byte(mean_loss))
+        self.scalar("lr", self.optimizer.param_groups[0]["lr"])
+        self.scalar("grad_norm", grad_norm.item())
+        self.scalar("tokens_per_s", tokens / (time.perf_counter() - self.window_start))
+        self.bar.set_postfix(loss=f"{mean_loss:.3f}", bpc=f"{bits_per_byte(mean_loss):.3f}")
+        if self.step % self.config.log.log_interval == 0:
+            self.loss_sum.zero_()
+            self.loss_count, self.window_start = 0, time.perf_counter()
+
+    def evaluate_and_sample(self) -> None:
+        config, step = self.config, self.step
+        if step % config.log.eval_interval == 0 or step == config.optim.steps:
+            val_bpc = evaluate(self.compiled, self.val_batches, config, self.ctx)
+            self.stats.val_steps.append(step)
+            self.stats.val_bpc.append(val_bpc)
+            self.scalar("val/loss", val_bpc / BITS_PER_NAT)
+            self.scalar("val/bpc", val_bpc)
+            self.log(f"step {step}/{config.optim.steps} | val bpc {val_bpc:.4f} | "
+                     f"{self.stats.tokens_per_s:,.0f} tokens/s")
+        if self.writer and config.log.sample_interval and step % config.log.sample_interval == 0:
+            sample = text_sample(self.model, self.prompt, self.sample_bytes, config.model.seed, self.device)
+            self.writer.add_text("sample", sample, step)
+
+    def save(self) -> None:
+        """Model, optimiser, data position, every rank's RNG, the counters and the open log window."""
+        payload = dict(config=asdict(self.config), step=self.step, model=self.model.state_dict(),
+                       optimizer=self.optimizer.state_dict(), loader=self.train_batches.state_dict(),
+                       rng=self.ctx.gather(rng_states(self.device)), stats=asdict(self.stats), data=self.data,
+                       log_window={"loss_sum": self.loss_sum.cpu().clone(), "count": self.loss_count})
+        if self.ctx.is_main:
+            save_checkpoint(self.ckpt_file, payload)
+        self.saved_step = self.step
+
+    def run(self) -> TrainResult:
+        """Train to steps; Ctrl-C/SIGTERM stop after the current step with a checkpoint.
+
+        Evaluation and sampling are timed apart from the loop, so tokens/s and the loop overhead
+        (time outside forward/backward/optimiser step) describe training alone."""
+        config, stop_signal = self.config, 0
+        with StopRequest() as stop:
+            while self.step < config.optim.steps:
+                step_start = time.perf_counter()
+                grad_norm = self.train_step()
+                if self.step % config.log.log_interval == 0 or self.step == config.optim.steps:
+                    self.log_train(grad_norm)
+                self.bar.update(1)
+                excluded_start = time.perf_counter()
+                self.evaluate_and_sample()
+                excluded = time.perf_counter() - excluded_start
+                self.stats.other_seconds += excluded
+                self.window_start += excluded
+                if self.ctx.any(stop.requested):
+                    stop_signal = stop.signum or signal.SIGINT   # another rank's signal
+                self.stats.train_seconds += time.perf_counter() - step_start - excluded
+                if stop_signal or self.step == config.optim.steps or (
+                        config.log.ckpt_interval and self.step % config.log.ckpt_interval == 0):
+                    save_start = time.perf_counter()
+                    self.save()
+                    self.stats.train_seconds += time.perf_counter() - save_start
+                if stop_signal:
+                    self.log(f"stopped at step {self.step}; checkpoint saved to {self.ckpt_file} "
+                             "(continue with --resume)")
+                    break
+        self.bar.close()
+        return self.finish(int(stop_signal))
+
+    def finish(self, stop_signal: int) -> TrainResult:
+        stats, config = self.stats, self.config
+        result = TrainResult(
+            run_name=config.run.run_name, variant=config.model.variant,
+            final_val_bpc=stats.val_bpc[-1] if stats.val_bpc else math.nan, best_val_bpc=stats.best_val_bpc,
+            tokens_per_s=stats.tokens_per_s, peak_memory_mb=peak_memory_mb(self.device),
+            parameters=self.model.num_parameters(), steps=self.step,
+            wall_seconds=stats.train_seconds + stats.other_seconds, loop_overhead=stats.loop_overhead,
+            seed=config.model.seed, data=self.data, val_steps=list(stats.val_steps),
+            val_bpc=list(stats.val_bpc), stop_signal=stop_signal, model=self.model)
+        self.log(f"loop overhead {100 * result.loop_overhead:.1f}% of step time (data, logging, "
+                 f"checkpoints; evaluation and sampling, {stats.other_seconds:.1f}s, not counted)")
+        if self.writer:
+            if not stop_signal:
+                metrics = {"final_val_bpc": result.final_val_bpc, "best_val_bpc": result.best_val_bpc,
+                           "tokens_per_s": result.tokens_per_s, "loop_overhead": result.loop_overhead}
+                hparams = {key: value if isinstance(value, (int, float, str, bool)) else str(value)
+                           for key, value in config.flat().items()}
+                self.writer.add_hparams(hparams, {f"hparams/{k}": v for k, v in metrics.items()}, run_name=".")
+            self.writer.close()
+        self.log(result.summary())
+        return result
+
+    def close(self) -> None:
+        """Flush the logs of a run that stopped on an error."""
+        self.bar.close()
+        if self.writer:
+            self.writer.close()
+
+
+def train(config: TrainConfig, ctx: Distributed, *, resume: bool = False) -> TrainResult:
+    """Train one configuration (resuming its run directory's checkpoint if asked)."""
+    trainer = Trainer(config, ctx, resume=resume)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+
+
+# ----------------------------------------------------------------------------- entry point
+
+EXIT_INTERRUPTED = EXIT_SIGNAL_BASE + signal.SIGINT
+RUN_ERRORS = (DataError, CheckpointError, UsageError)                    # exit 2: fix the input
+RUN_FAILURES = (TrainingDiverged, torch.OutOfMemoryError, MemoryError)   # exit 1: the run failed
+
+
+def failure_message(error: BaseException) -> str:
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return "out of memory: choose a smaller --batch-size, --seq-len or model"
+    return str(error)
+
+
+def build_parser(description: str = "Train a byte-level LM on enwik8.", *, skip: set[str] = frozenset()
+                 ) -> argparse.ArgumentParser:
+    parser = Parser(description=description)
+    add_config_flags(parser, skip=skip)
+    parser.add_argument("--resume", action="store_true", help="continue from <out-dir>/<run-name>/ckpt.pt")
+    return parser
+
+
+def parse_config(parser: argparse.ArgumentParser, argv: list[str] | None,
+                 resolve: Callable[[dict[str, Any], argparse.Namespace], Any] = lambda given, args:
+                 config_from_flags(given)) -> tuple[argparse.Namespace, Any]:
+    """User code first (--import), then the flags; any bad setting is a usage error (exit 2)."""
+    try:
+        imports = import_user_code(pre_parse_imports(argv))
+    except UsageError as error:
+        parser.exit(EXIT_USAGE, f"error: {error}\n")
+    args = parser.parse_args(argv)
+    given = given_settings(args)
+    if imports:
+        given["imports"] = imports
+    try:
+        return args, resolve(given, args)
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def exit_code(result: TrainResult) -> int:
+    return EXIT_SIGNAL_BASE + result.stop_signal if result.stop_signal else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, config = parse_config(build_parser(), argv)
+    keep_freed_memory()   # large CPU temporaries reuse freed memory instead of page-faulting
+    try:
+        with distributed(config.run.device) as ctx:
+            result = train(config, ctx, resume=args.resume)
+    except RUN_ERRORS as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except RUN_FAILURES as error:
+        print(f"error: {failure_message(error)}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("aborted without saving a checkpoint", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return exit_code(result)

@@ -1,0 +1,268 @@
+"""Training on a small slice of the enwik8 sample: learning, TensorBoard scalars, checkpoints
+(exact resume, refusals), DDP on CPU, settings from presets and flags."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from linattn_lm import (ByteLM, ModelConfig, TrainConfig, config_from_flags, load_checkpoint, save_checkpoint,
+                        training)
+from linattn_lm.config import PRESETS, RESUMABLE
+
+
+@pytest.fixture(scope="module")
+def tiny_run(data_dir: Path, tiny: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One 30-step tiny run (favor + post), shared by the tests that only read its outputs."""
+    out_dir = tmp_path_factory.mktemp("runs")
+    assert training.main([*tiny, "--data-dir", str(data_dir), "--out-dir", str(out_dir), "--run-name", "tiny"]) == 0
+    return out_dir / "tiny"
+
+
+def test_tiny_run_learns_and_logs_to_tensorboard(tiny_run: Path, scalars) -> None:
+    losses = [value for _, value in scalars(tiny_run, "train/loss")]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 1.0
+    bpc = scalars(tiny_run, "val/bpc")
+    assert [step for step, _ in bpc] == [10, 20, 30] and bpc[-1][1] < bpc[0][1] < 8
+    val_loss = scalars(tiny_run, "val/loss")[-1][1]
+    assert val_loss / 0.6931471805599453 == pytest.approx(bpc[-1][1], rel=1e-5)
+    for tag in ("lr", "grad_norm", "tokens_per_s", "hparams/final_val_bpc"):
+        assert scalars(tiny_run, tag), tag
+    events = EventAccumulator(str(tiny_run))
+    events.Reload()
+    texts = {tag: events.Tensors(tag)[0].tensor_proto.string_val[0].decode() for tag in events.Tags()["tensors"]}
+    assert "NON-CANONICAL" in texts["data/text_summary"] and "sample:" in texts["sample/text_summary"]
+
+
+def test_checkpoint_is_weights_only_with_plain_config(tiny_run: Path) -> None:
+    checkpoint = torch.load(tiny_run / "ckpt.pt", weights_only=True)
+    assert checkpoint["step"] == 30 and checkpoint["loader"]["batches_drawn"] == 30
+    plain = (str, int, float, bool, dict, list)
+    assert all(isinstance(v, plain) for section in checkpoint["config"].values() for v in section.values())
+    assert checkpoint["config"]["model"]["feature_map_options"] == {"num_features": 32, "redraw_interval": 1000}
+    assert {"model", "optimizer", "rng", "stats", "data", "log_window"} <= set(checkpoint)
+    assert not list(tiny_run.glob("*.tmp"))
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly(data_dir: Path, tiny: list[str], tmp_path: Path, scalars) -> None:
+    """12 steps in one go == 7 steps, then --resume to 12 (dropout on, so RNG state matters).  The
+    stop is not a multiple of --log-interval: the open average travels in the checkpoint."""
+    common = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--dropout", "0.1",
+              "--log-interval", "3", "--eval-interval", "6", "--sample-interval", "0", "--ckpt-interval", "0",
+              "--feature-map-option", "redraw_interval=4", "--decay-steps", "12"]
+    assert training.main([*common, "--steps", "12", "--run-name", "whole"]) == 0
+    assert training.main([*common, "--steps", "7", "--run-name", "split"]) == 0
+    assert training.main([*common, "--steps", "12", "--run-name", "split", "--resume"]) == 0
+    whole, split = scalars(tmp_path / "whole", "train/loss"), scalars(tmp_path / "split", "train/loss")
+    assert [step for step, _ in whole] == [3, 6, 9, 12]
+    assert [point for point in split if point[0] != 7] == whole   # 7: the stopped run's own last mean
+    texts = EventAccumulator(str(tmp_path / "split"))
+    texts.Reload()
+    assert [event.step for event in texts.Tensors("config/text_summary")] == [0]   # once, not again on resume
+    a, b = (load_checkpoint(tmp_path / name) for name in ("whole", "split"))
+    assert a["step"] == b["step"] == 12 and a["loader"] == b["loader"]
+    for key, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][key]) if isinstance(tensor, torch.Tensor) else tensor == b["model"][key], key
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--attention", "softmax", "--feature-map", "elu"], "--feature-map applies to linear attention only"),
+    (["--attention", "softmax", "--feature-map-option", "num_features=64"], "--feature-map-option applies to linear"),
+    (["--attention", "softmax", "--chunk-size", "8"], "--chunk-size applies to linear"),
+    (["--feature-map", "elu", "--feature-map-option", "num_features=64"], "does not take option(s) ['num_features']"),
+    (["--feature-map-option", "num_features"], "expected KEY=VALUE"),
+    (["--feature-map-option", "num_features=abc"], "rejected options"),
+    (["--attention", "softmax", "--rope", "pre"], "--rope pre"),
+    (["--preset", "huge"], "invalid choice: 'huge'"),
+    (["--n-layer", "0"], "n_layer must be positive"),
+    (["--n-layer", "2.5"], "not an integer"),
+    (["--d-model", "100", "--n-head", "3"], "must be a multiple of n_head"),
+    (["--lr", "0.001", "--min-lr", "0.01"], "min_lr <= lr"),
+    (["--dropout", "1.5"], "dropout must be in"),
+    (["--feature-map-option", "num_features=33"], "must be even"),
+    (["--lr", "inf"], "must be a finite number"),
+    (["--weight-decay", "nan"], "must be a finite number"),
+    (["--grad-clip", "nan"], "must be a finite number"),
+    (["--mlp-ratio", "inf"], "must be a finite number"),
+    (["--mlp-ratio", "0.001"], "gives an MLP 0 wide"),
+    (["--seed", "18446744073709551616"], "seed must be in [0, 2**63)"),
+    (["--batch-size", "1000000000"], "would need about"),
+    (["--feature-map-option", "num_features=1000000"], "would need about"),
+    (["--feature-map-option", "num_features=100000000"], "would need about"),
+    (["--chunk-size", "100000"], "would need about"),
+    (["--device", "tpu"], "device 'tpu' is not a device name"),
+    (["--device", "gpu"], "device 'gpu' is not a device name"),
+    (["--device", "cuda:abc"], "device 'cuda:abc' is not a device name"),
+    (["--run-name", "../elsewhere"], "run_name must be a relative name"),
+    (["--threads", "-1"], "threads must be in"),
+    (["--import", "no_such_module_here"], "--import no_such_module_here: cannot import it"),
+])
+def test_bad_flags_are_usage_errors(argv: list[str], message: str, run_main) -> None:
+    code, _, err = run_main(training.main, argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_seq_len_beyond_split_and_missing_data(data_dir: Path, tiny: list[str], tmp_path: Path, run_main) -> None:
+    code, _, err = run_main(training.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path),
+                                            "--seq-len", "50000"])
+    assert code == 2 and "seq_len 50,000" in err and "split has only 20,000 bytes" in err
+    code, _, err = run_main(training.main, [*tiny, "--data-dir", str(tmp_path / "none"), "--out-dir", str(tmp_path)])
+    assert code == 2 and "data not found" in err and "prepare.py" in err and "Traceback" not in err
+
+
+def test_unusable_out_dir_is_refused(data_dir: Path, tiny: list[str], tmp_path: Path, run_main) -> None:
+    regular_file = tmp_path / "file"
+    regular_file.write_text("")
+    code, _, err = run_main(training.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(regular_file)])
+    assert code == 2 and "cannot write the run directory" in err and "--out-dir" in err
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir: Path, tiny: list[str], tmp_path: Path,
+                                                                 run_main) -> None:
+    flags = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "boom",
+             "--sample-interval", "0", "--eval-interval", "100", "--eval-iters", "1"]
+    assert training.main([*flags, "--steps", "2", "--decay-steps", "30"]) == 0
+    good = load_checkpoint(tmp_path / "boom")
+    shutil.copytree(tmp_path / "boom", tmp_path / "boom2")
+    state = good["model"]
+    state["head.weight"].fill_(1e30)   # the next forward pass overflows
+    save_checkpoint(tmp_path / "boom2" / "ckpt.pt", {k: v for k, v in good.items()
+                                                     if k not in ("format", "version")})
+    code, _, err = run_main(training.main, [*flags, "--run-name", "boom2", "--resume", "--steps", "30"])
+    assert code == 1 and "training stopped at step 3" in err and "non-finite" in err
+    assert "last good checkpoint (step 2)" in err
+    assert load_checkpoint(tmp_path / "boom2")["step"] == 2
+
+
+def test_checkpoint_refusals(tiny_run: Path, data_dir: Path, tiny: list[str], tmp_path: Path, run_main) -> None:
+    run_dir = tmp_path / "tiny"
+    shutil.copytree(tiny_run, run_dir)
+    flags = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "tiny"]
+    code, _, err = run_main(training.main, flags)
+    assert code == 2 and "exists: pass --resume" in err
+    code, _, err = run_main(training.main, [*flags, "--resume", "--n-layer", "3", "--lr", "0.002"])
+    assert code == 2 and "n_layer: checkpoint 2, now 3" in err and "lr: checkpoint 0.003, now 0.002" in err
+    code, _, err = run_main(training.main, [*flags, "--resume", "--attention", "softmax"])
+    assert code == 2 and "attention: checkpoint 'linear', now 'softmax'" in err
+    code, _, err = run_main(training.main, [*flags, "--resume", "--feature-map-option", "num_features=16"])
+    assert code == 2 and "feature_map_options: checkpoint" in err
+    (run_dir / "ckpt.pt").write_bytes((run_dir / "ckpt.pt").read_bytes()[:5000])
+    code, _, err = run_main(training.main, [*flags, "--resume"])
+    assert code == 2 and "corrupt or truncated" in err
+    code, _, err = run_main(training.main, [*flags, "--resume", "--run-name", "never-ran"])
+    assert code == 2 and "checkpoint not found" in err
+
+
+def damage_extra_key(c): c["model"]["extra.weight"] = torch.zeros(1)
+def damage_missing_key(c): c["model"].pop("head.weight")
+def damage_step(c): c["step"] = 2.5
+def damage_config(c): c["config"] = "not a dict"
+def damage_optimizer(c): c.pop("optimizer")
+def damage_loader(c): c.pop("loader")
+def damage_loader_contents(c): c["loader"] = {"seed": 0}
+def damage_window(c): c["log_window"] = {"loss_sum": "x", "count": 1}
+def damage_weights(c): c["model"]["head.weight"][0, 0] = float("nan")
+
+
+@pytest.mark.parametrize("damage, message", [
+    (damage_extra_key, "'model' entry does not fit"), (damage_missing_key, "'model' entry does not fit"),
+    (damage_step, "'step' entry should be a int"), (damage_config, "'config' entry should be a dict"),
+    (damage_optimizer, "'optimizer' entry should be a dict, found missing"),
+    (damage_loader, "'loader' entry should be a dict"), (damage_loader_contents, "'loader' entry does not fit"),
+    (damage_window, "'log_window' entry does not fit"), (damage_weights, "holds NaN or inf"),
+])
+def test_resume_refuses_damaged_checkpoints(damage, message: str, tiny_run: Path, data_dir: Path, tiny: list[str],
+                                            tmp_path: Path, run_main) -> None:
+    checkpoint = load_checkpoint(tiny_run)
+    damage(checkpoint)
+    save_checkpoint(tmp_path / "tiny" / "ckpt.pt", {k: v for k, v in checkpoint.items()
+                                                    if k not in ("format", "version")})
+    code, _, err = run_main(training.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path),
+                                            "--run-name", "tiny", "--resume", "--steps", "31", "--decay-steps", "30"])
+    assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_stale_checkpoint_temporaries_are_removed(tiny_run: Path, data_dir: Path, tiny: list[str],
+                                                  tmp_path: Path) -> None:
+    shutil.copytree(tiny_run, tmp_path / "tiny")
+    stale = tmp_path / "tiny" / ".ckpt.pt.abc123.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    assert training.main([*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "tiny",
+                          "--resume", "--steps", "31", "--decay-steps", "30"]) == 0
+    assert not stale.exists()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ddp_worker(rank: int, world_size: int, port: int, argv: list[str], out_dir: str) -> None:
+    """One torchrun-like rank: environment variables in, its final model state out."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    _, config = training.parse_config(training.build_parser(), argv)
+    with training.distributed(config.run.device) as ctx:
+        trainer = training.Trainer(config, ctx, resume=False)
+        result = trainer.run()
+    state = result.model.state_dict()
+    torch.save({"tensors": {k: v for k, v in state.items() if isinstance(v, torch.Tensor)},
+                "favor": [fm.get_extra_state() for fm in result.model.feature_maps()],
+                "first_windows": torch.from_numpy(trainer.train_batches.window_starts(0))},
+               Path(out_dir) / f"rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_ddp_two_cpu_ranks_stay_identical(data_dir: Path, tiny: list[str], tmp_path: Path) -> None:
+    argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--steps", "8",
+            "--feature-map-option", "redraw_interval=3",
+            "--eval-interval", "4", "--sample-interval", "4", "--device", "cpu"]
+    mp.spawn(ddp_worker, args=(2, free_port(), argv, str(tmp_path)), nprocs=2, join=True)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert rank0["tensors"].keys() == rank1["tensors"].keys()
+    for key, tensor in rank0["tensors"].items():
+        assert torch.equal(tensor, rank1["tensors"][key]), key
+    assert rank0["favor"] == rank1["favor"] and rank0["favor"][0]["draws"] == 2   # redrawn at steps 3, 6
+    assert len(rank0["first_windows"]) == 4 and not torch.equal(rank0["first_windows"], rank1["first_windows"])
+    config = ModelConfig.from_dict(load_checkpoint(tmp_path / "linear-favor-post-M32")["config"]["model"])
+    initial = ByteLM(config).state_dict()["blocks.0.attn.feature_map.projection"]
+    assert not torch.equal(rank0["tensors"]["blocks.0.attn.feature_map.projection"], initial)
+
+
+def test_explicit_flags_override_the_preset() -> None:
+    config = config_from_flags({"preset": "tiny", "d_model": 96, "n_head": 4, "steps": 7})
+    assert (config.model.n_layer, config.model.d_model, config.model.n_head) == (2, 96, 4)
+    assert config.optim.decay_steps == 7 and config.run.run_name == "linear-favor-post-M32"
+    softmax = config_from_flags({"preset": "tiny", "attention": "softmax", "rope": "none", "abs_pos": True})
+    assert softmax.run.run_name == "softmax-abs" and softmax.model.feature_map_options == {}
+    elu = config_from_flags({"preset": "tiny", "feature_map": "elu"})   # the preset's options are favor's
+    assert elu.model.feature_map_options == {} and elu.run.run_name == "linear-elu-post"
+    more = config_from_flags({"preset": "tiny", "feature_map_options": {"num_features": 16}})
+    assert more.model.feature_map_options == {"num_features": 16, "redraw_interval": 1000}
+
+
+def test_dataclass_defaults_are_the_cpu_preset() -> None:
+    defaults = TrainConfig().flat()
+    assert {key: defaults[key] for key in PRESETS["cpu"]} == PRESETS["cpu"]
+
+
+def test_resumable_settings_are_declared_on_the_fields() -> None:
+    assert RESUMABLE == {"steps", "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "sample_interval",
+                         "preset", "data_dir", "out_dir", "run_name", "device", "compile", "threads", "imports"}
+
+
+def test_checkpoint_config_is_validated_like_flags(tiny_run: Path) -> None:
+    saved = load_checkpoint(tiny_run)["config"]
+    assert TrainConfig.from_dict(saved).flat()["feature_map_options"] == {"num_features": 32, "redraw_interval": 1000}
+    with pytest.raises(ValueError, match="lr must be a finite number"):
+        TrainConfig.from_dict({**saved, "optim": {**saved["optim"], "lr": float("nan")}})
+    with pytest.raises(ValueError, match="unknown config section"):
+        TrainConfig.from_dict({**saved, "extra": {}})
