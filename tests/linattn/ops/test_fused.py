@@ -143,20 +143,14 @@ def test_gpu_bf16_is_close_to_float32(causal):
 
 
 @pytest.mark.gpu
-def test_gpu_long_sequence_matches_torch_backend_with_tf32_off_and_on():
+def test_gpu_long_sequence_matches_torch_backend():
+    """float32 runs as 3xTF32 on tensor cores: about float32 accuracy over 4096 tokens."""
     phi_q, phi_k, v = inputs(4096, 128, 64)
     weights = torch.randn_like(v)
-    want = outputs_and_grads(lambda *t: linear_attention(*t, causal=True, rotary=True, backend="torch"),
-                             [phi_q, phi_k, v], weights)
-    for tf32, tol in ((False, 1e-4), (True, 5e-3)):
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-        try:
-            got = outputs_and_grads(lambda *t: linear_attention(*t, causal=True, rotary=True,
-                                                                backend="triton"), [phi_q, phi_k, v], weights)
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = False
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, rtol=tol, atol=tol * w.abs().max().item())
+    runs = [outputs_and_grads(lambda *t: linear_attention(*t, causal=True, rotary=True, backend=backend),
+                              [phi_q, phi_k, v], weights) for backend in ("torch", "triton")]
+    for want, got in zip(*runs):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
 @pytest.mark.gpu
@@ -167,7 +161,12 @@ def test_gpu_auto_backend_is_triton_on_cuda():
 
 @pytest.mark.gpu
 def test_gpu_xformers_backend_equals_sdpa():
-    pytest.importorskip("xformers", reason="the xformers extra is not installed")
+    xops = pytest.importorskip("xformers.ops", reason="the xformers extra is not installed")
+    probe = torch.zeros(1, 16, 1, 32, device="cuda", dtype=torch.bfloat16)
+    try:
+        xops.memory_efficient_attention(probe, probe, probe)
+    except NotImplementedError as err:   # a wheel built for another torch has no CUDA kernels
+        pytest.skip(f"this xformers build has no CUDA kernels here: {str(err).splitlines()[0]}")
     torch.manual_seed(0)
     sdpa = SoftmaxAttention(128, 4, rope=True, causal=True, backend="sdpa").cuda()
     xf = SoftmaxAttention(128, 4, rope=True, causal=True, backend="xformers").cuda()
