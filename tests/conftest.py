@@ -1,5 +1,16 @@
+"""Fixtures for every test folder: seeds and threads, the gpu marker, and a small prepared slice
+of enwik8 (`data_dir`) for the LM harness and command tests."""
+import gzip
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = REPO_ROOT.parent / "shared" / "data" / "enwik8-head.gz"
+SLICE_BYTES = 400_000     # -> train 360,000 / val 20,000 / test 20,000 bytes
 
 
 @pytest.fixture(autouse=True)
@@ -17,3 +28,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The first SLICE_BYTES of the enwik8 sample, split by data/enwik8/prepare.py."""
+    if not SAMPLE.exists():
+        pytest.skip(f"{SAMPLE} not present")
+    out_dir = tmp_path_factory.mktemp("enwik8-slice")
+    raw = out_dir / "enwik8-slice"
+    with gzip.open(SAMPLE, "rb") as file:
+        raw.write_bytes(file.read(SLICE_BYTES))
+    spec = importlib.util.spec_from_file_location("enwik8_prepare_for_lm_tests",
+                                                  REPO_ROOT / "data" / "enwik8" / "prepare.py")
+    prepare = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = prepare   # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(prepare)
+    prepare.prepare(out_dir, source=raw, allow_noncanonical=True, log=lambda message: None)
+    return out_dir

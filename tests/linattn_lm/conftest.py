@@ -1,10 +1,7 @@
-"""Fixtures for the LM harness tests: a small prepared slice of enwik8, small model configs, and
-in-process runs of the commands."""
+"""Fixtures for the LM harness tests: small model configs, in-process runs of the commands and
+TensorBoard scalars (the prepared data slice, `data_dir`, is in tests/conftest.py)."""
 from __future__ import annotations
 
-import gzip
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -13,38 +10,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from linattn_lm import ModelConfig
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SAMPLE = REPO_ROOT.parent / "shared" / "data" / "enwik8-head.gz"
-SLICE_BYTES = 400_000     # -> train 360,000 / val 20,000 / test 20,000 bytes
-
-
-@pytest.fixture(scope="session")
-def repo_root() -> Path:
-    return REPO_ROOT
-
-
 @pytest.fixture(scope="session")
 def tiny() -> list[str]:
     """Flags every test run of train.py / grid.py uses: tiny sizes, one thread (CPU is shared)."""
     return ["--preset", "tiny", "--threads", "1"]
-
-
-@pytest.fixture(scope="session")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The first SLICE_BYTES of the enwik8 sample, split by data/enwik8/prepare.py."""
-    if not SAMPLE.exists():
-        pytest.skip(f"{SAMPLE} not present")
-    out_dir = tmp_path_factory.mktemp("enwik8-slice")
-    raw = out_dir / "enwik8-slice"
-    with gzip.open(SAMPLE, "rb") as file:
-        raw.write_bytes(file.read(SLICE_BYTES))
-    spec = importlib.util.spec_from_file_location("enwik8_prepare_for_lm_tests",
-                                                  REPO_ROOT / "data" / "enwik8" / "prepare.py")
-    prepare = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = prepare   # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(prepare)
-    prepare.prepare(out_dir, source=raw, allow_noncanonical=True, log=lambda message: None)
-    return out_dir
 
 
 @pytest.fixture(scope="session")

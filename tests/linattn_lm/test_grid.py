@@ -10,7 +10,6 @@ import pytest
 from linattn_lm import grid, load_checkpoint
 
 
-@pytest.mark.slow
 def test_grid_trains_variants_and_writes_results(data_dir: Path, tiny: list[str], tmp_path: Path, run_main,
                                                  scalars) -> None:
     code, out, _ = run_main(grid.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--steps", "4",

@@ -50,7 +50,6 @@ def test_checkpoint_is_weights_only_with_plain_config(tiny_run: Path) -> None:
     assert not list(tiny_run.glob("*.tmp"))
 
 
-@pytest.mark.slow
 def test_resume_continues_exactly(data_dir: Path, tiny: list[str], tmp_path: Path, scalars) -> None:
     """12 steps in one go == 7 steps, then --resume to 12 (dropout on, so RNG state matters).  The
     stop is not a multiple of --log-interval: the open average travels in the checkpoint."""
