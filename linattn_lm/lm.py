@@ -103,6 +103,8 @@ class ModelConfig:
         for name in ("vocab_size", "n_layer", "d_model", "n_head", "seq_len", "chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.vocab_size < 256:
+            raise ValueError(f"vocab_size must be at least 256 (one id per byte), got {self.vocab_size}")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.d_model % self.n_head:
