@@ -91,6 +91,9 @@ class LinearAttention(_Projections):
         if self.rope == "pre":
             q = apply_rotary(q, offset=offset, base=self.rope_base)
             k = apply_rotary(k, offset=offset, base=self.rope_base)
+        if self.feature_map.log_space:   # log-features: stable at any input scale
+            return (self.feature_map.log_features(q, is_query=True),
+                    self.feature_map.log_features(k, is_query=False))
         return self.feature_map(q, is_query=True), self.feature_map(k, is_query=False)
 
     def forward(self, x: torch.Tensor, *, offset: int = 0, return_state: bool = False):
@@ -99,7 +102,7 @@ class LinearAttention(_Projections):
         result = linear_attention(phi_q, phi_k, v, causal=self.causal, rotary=self.rope == "post",
                                   offset=offset, chunk_size=self.chunk_size,
                                   rope_base=self.rope_base, return_state=return_state,
-                                  backend=self.backend)
+                                  backend=self.backend, log_space=self.feature_map.log_space)
         if return_state:
             return self._merge(result[0]), result[1]
         return self._merge(result)
@@ -111,7 +114,8 @@ class LinearAttention(_Projections):
         q, k, v = self._qkv(x_t, 2)
         phi_q, phi_k = self._features(q, k, position)
         out, state = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], state,
-                                           rotary=self.rope == "post", rope_base=self.rope_base)
+                                           rotary=self.rope == "post", rope_base=self.rope_base,
+                                           log_space=self.feature_map.log_space)
         return self._merge(out.unsqueeze(2))[:, 0], state
 
     def extra_repr(self) -> str:

@@ -62,7 +62,14 @@ def make_feature_map(feature_map: str | FeatureMap, head_dim: int, **options) ->
 
 class FeatureMap(nn.Module):
     """Base class.  Subclasses implement `forward(x, *, is_query)` and set `num_features` (M)
-    when it differs from the head dimension."""
+    when it differs from the head dimension.
+
+    A map whose features are exponentials may also give their logarithms: it sets `log_space = True`
+    and implements `log_features(x, *, is_query)`, so that `forward` = exp(log_features) up to a
+    per-row constant.  LinearAttention then runs the stabilised log-space algorithm, exact at any
+    input scale (ops/linear_attention/stable.py)."""
+
+    log_space = False
 
     def __init__(self, head_dim: int):
         super().__init__()
@@ -73,6 +80,10 @@ class FeatureMap(nn.Module):
 
     def forward(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement forward(x, *, is_query)")
+
+    def log_features(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} sets log_space = True, so it must implement "
+                                  "log_features(x, *, is_query)")
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, num_features={self.num_features}"
@@ -96,18 +107,18 @@ class EluFeatureMap(FeatureMap):
 class SoftmaxFeatureMap(FeatureMap):
     """Softmax-normalised map of Shen et al.: phi(q) = softmax(q) over features, phi(k) = exp(k).
 
-    Key logits are clamped at `key_logit_max`: a per-key stabiliser would change the attention
-    weights and a sequence-wide one would leak the future, so a fixed ceiling is what keeps the
-    sums over keys finite in float32 (N * e^30 overflows only past 10^20 tokens)."""
+    exp(k) overflows float32 past k = 88, so LinearAttention uses the log-features (log_softmax(q)
+    and k), which the log-space algorithm takes at any scale without changing the weights."""
 
-    def __init__(self, head_dim: int, key_logit_max: float = 30.0):
-        super().__init__(head_dim)
-        self.key_logit_max = key_logit_max
+    log_space = True
 
     def forward(self, x, *, is_query):
+        return self.log_features(x, is_query=is_query).exp()
+
+    def log_features(self, x, *, is_query):
         with torch.autocast(x.device.type, enabled=False):
             x = _float(x)
-            return x.softmax(dim=-1) if is_query else x.clamp(max=self.key_logit_max).exp()
+            return x.log_softmax(dim=-1) if is_query else x
 
 
 @register_feature_map("favor")
@@ -126,9 +137,14 @@ class FavorFeatureMap(FeatureMap):
       from other positions, so causal attention stays strictly causal.
 
     The projection is redrawn every `redraw_interval` training forward passes (0: never; never in
-    eval), draw r from the seed (seed, r), so every DDP rank holds the same projection."""
+    eval), draw r from the seed (seed, r), so every DDP rank holds the same projection.
+
+    Large inputs still underflow plain features (|x| = 100 gives logits near -6000), so
+    LinearAttention uses `log_features`, log phi = w^T x - |x|^2/2 - log(M)/2, and the log-space
+    algorithm, exact at any scale."""
 
     KEY_LOGIT_CEILING = 40.0
+    log_space = True
 
     def __init__(self, head_dim: int, num_features: int | None = None, redraw_interval: int = 1000,
                  seed: int | None = None):
@@ -162,21 +178,30 @@ class FavorFeatureMap(FeatureMap):
         if self.redraw_interval and self.training_calls % self.redraw_interval == 0:
             self.redraw()
 
-    def forward(self, x, *, is_query):
+    def _logits(self, x, is_query):
+        """(w^T x, x) in float32 (float64 stays), x scaled by D^(-1/4)."""
         if self.training and is_query:
             self._count_training_call()
+        x = _float(x) * self.head_dim ** -0.25
+        return x @ self.projection.to(x.dtype).T, x
+
+    def forward(self, x, *, is_query):
         with torch.autocast(x.device.type, enabled=False):
-            x = _float(x) * self.head_dim ** -0.25
-            projection = self.projection.to(x.dtype)
-            logits = x @ projection.T
+            logits, x = self._logits(x, is_query)
             # One per-row shift holds the stabiliser and the 1/sqrt(M) factor: a single pass.
             log_ratio = -0.5 * math.log(self.num_features)
             if is_query:
                 shift = logits.detach().amax(dim=-1, keepdim=True) - log_ratio
             else:
-                ceiling = (projection.square().sum(-1).amax() / 2 - self.KEY_LOGIT_CEILING).clamp_min(0)
+                ceiling = (self.projection.to(x.dtype).square().sum(-1).amax() / 2
+                           - self.KEY_LOGIT_CEILING).clamp_min(0)
                 shift = x.square().sum(-1, keepdim=True) / 2 + (ceiling - log_ratio)
             return logits.sub_(shift).exp_()
+
+    def log_features(self, x, *, is_query):
+        with torch.autocast(x.device.type, enabled=False):
+            logits, x = self._logits(x, is_query)
+            return logits - (x.square().sum(-1, keepdim=True) / 2 + 0.5 * math.log(self.num_features))
 
     # The redraw schedule travels in checkpoints (state_dict), so a resumed run redraws on time.
     def get_extra_state(self):

@@ -23,6 +23,7 @@ from .ops.linear_attention import backends
 from .ops.linear_attention.chunk import DEFAULT_CHUNK_SIZE, causal_denominator, causal_product
 from .ops.linear_attention.common import check_features, compute_dtype, divide, numerator_features
 from .ops.linear_attention.naive import linear_attention_reference, softmax_attention_reference
+from .ops.linear_attention.stable import log_linear_attention
 from .ops.linear_attention.recurrent import LinearState, initial_state, linear_attention_step
 from .rotary import DEFAULT_BASE
 
@@ -35,21 +36,26 @@ __all__ = ["BACKENDS", "DEFAULT_CHUNK_SIZE", "LinearState", "initial_state", "li
 def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                      rotary: bool, offset: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE,
                      rope_base: float = DEFAULT_BASE, return_state: bool = False,
-                     backend: str = "auto"):
+                     backend: str = "auto", log_space: bool = False):
     """Linear attention of (B, H, N, M) non-negative features and (B, H, N, Dv) values.
 
     `rotary=True` is Eq. 19 at positions offset..offset+N-1; `causal=True` sums over n <= m only.
     With `return_state=True` (causal only) also returns the `LinearState` after the last token,
     so decoding can continue with `linear_attention_step`.  `backend`: "torch", "triton" (fused
     kernels: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1) or "auto" (triton on CUDA
-    tensors when it is installed, else torch).
+    tensors when it is installed, else torch).  `log_space=True`: phi_q and phi_k hold log-features,
+    and the stabilised algorithm of `ops/linear_attention/stable.py` runs (torch ops, any device).
     """
     check_features(phi_q, phi_k, v, rank=4)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
     if return_state and not causal:
         raise ValueError("return_state=True needs causal=True: a non-causal pass has no decoding state")
-    if backends.resolve(backend, phi_q.device) == "triton":
+    resolved = backends.resolve(backend, phi_q.device)
+    if log_space:   # log-features: the stabilised algorithm, in torch ops on every backend for now
+        return log_linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset,
+                                    base=rope_base, chunk_size=chunk_size, return_state=return_state)
+    if resolved == "triton":
         from .ops.linear_attention import fused
         return fused.linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset,
                                       rope_base=rope_base, return_state=return_state)

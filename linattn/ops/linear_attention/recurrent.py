@@ -7,39 +7,74 @@ import torch
 
 from ...rotary import DEFAULT_BASE, apply_rotary
 from .common import check_features, compute_dtype, divide
+from .stable import numerator_query, numerator_scale
 
 
 class LinearState(NamedTuple):
-    """Recurrent state of causal linear attention after `position` tokens."""
+    """Recurrent state of causal linear attention after `position` tokens.
+
+    From plain features, kv and k_sum are the sums themselves.  From log-features (`log_scale` is
+    not None) they are kept scaled by the running maxima F = log_scale of the key log-features
+    (see `stable.py`): kv by e^{-P} (P: F's max over each rotation pair when rotary), k_sum by e^{-F}."""
     kv: torch.Tensor       # (B, H, M, Dv): sum_n (R_n phi_k_n) v_n^T  (rotated iff rotary)
     k_sum: torch.Tensor    # (B, H, M): sum_n phi_k_n, never rotated
     position: int
+    log_scale: torch.Tensor | None = None   # (B, H, M): max_n log phi_k_n, for log-features
 
 
 def initial_state(batch: int, heads: int, num_features: int, value_dim: int, *,
-                  device=None, dtype=torch.float32) -> LinearState:
+                  device=None, dtype=torch.float32, log_space: bool = False) -> LinearState:
     zeros = torch.zeros(batch, heads, num_features, value_dim, device=device, dtype=dtype)
-    return LinearState(zeros, zeros.new_zeros(batch, heads, num_features), 0)
+    k_sum = zeros.new_zeros(batch, heads, num_features)
+    log_scale = torch.full_like(k_sum, float("-inf")) if log_space else None
+    return LinearState(zeros, k_sum, 0, log_scale)
 
 
 def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
                           state: LinearState | None, *, rotary: bool,
-                          rope_base: float = DEFAULT_BASE):
+                          rope_base: float = DEFAULT_BASE, log_space: bool = False):
     """One token of causal linear attention: (B, H, M) features and (B, H, Dv) values at position
-    `state.position`.  O(M * Dv) time and memory, whatever the context length."""
+    `state.position`.  O(M * Dv) time and memory, whatever the context length.  With
+    `log_space=True`, phi_q and phi_k hold log-features and the state carries their running max."""
     check_features(phi_q, phi_k, v, rank=3)
     dtype = compute_dtype(phi_q, phi_k, v)
     if state is None:
         b, h, m = phi_q.shape
-        state = initial_state(b, h, m, v.shape[-1], device=v.device, dtype=dtype)
+        state = initial_state(b, h, m, v.shape[-1], device=v.device, dtype=dtype, log_space=log_space)
+    if (state.log_scale is not None) != log_space:
+        raise ValueError(f"the state was made from {'log-' if state.log_scale is not None else 'plain '}"
+                         f"features but this step has log_space={log_space}; continue a sequence with "
+                         "the kind of features that started it")
     with torch.autocast(phi_q.device.type, enabled=False):
         phi_q, phi_k, v_c = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
+        if log_space:
+            return _log_step(phi_q, phi_k, v_c, state, rotary=rotary, rope_base=rope_base, out_dtype=v.dtype)
         q_num, k_num = phi_q, phi_k
         if rotary:
-            q_num, k_num = (apply_rotary(t.unsqueeze(-2), offset=state.position, base=rope_base)
-                            .squeeze(-2) for t in (phi_q, phi_k))
+            q_num, k_num = (_rotate_token(t, state.position, rope_base) for t in (phi_q, phi_k))
         kv = state.kv + k_num.unsqueeze(-1) * v_c.unsqueeze(-2)
         k_sum = state.k_sum + phi_k
         numerator = (q_num.unsqueeze(-2) @ kv).squeeze(-2)
         out = divide(numerator, (phi_q * k_sum).sum(-1))
     return out.to(v.dtype), LinearState(kv, k_sum, state.position + 1)
+
+
+def _rotate_token(x: torch.Tensor, position: int, base: float) -> torch.Tensor:
+    return apply_rotary(x.unsqueeze(-2), offset=position, base=base).squeeze(-2)
+
+
+def _log_step(b, a, v, state: LinearState, *, rotary: bool, rope_base: float, out_dtype):
+    """The step of stable.py's recurrence: rescale the state to the new maxima, add the token, read."""
+    with torch.no_grad():
+        feat_old, feat_new = state.log_scale, torch.maximum(state.log_scale, a)
+        pair_old, pair_new = numerator_scale(feat_old, rotary), numerator_scale(feat_new, rotary)
+        query_scale = (b + feat_new).amax(-1, keepdim=True)
+    key = torch.exp(a - pair_new)
+    query = numerator_query(b + pair_new - query_scale)
+    if rotary:
+        key, query = _rotate_token(key, state.position, rope_base), _rotate_token(query, state.position, rope_base)
+    kv = torch.exp(pair_old - pair_new).unsqueeze(-1) * state.kv + key.unsqueeze(-1) * v.unsqueeze(-2)
+    k_sum = torch.exp(feat_old - feat_new) * state.k_sum + torch.exp(a - feat_new)
+    numerator = (query.unsqueeze(-2) @ kv).squeeze(-2)
+    out = divide(numerator, (torch.exp(b + feat_new - query_scale) * k_sum).sum(-1))
+    return out.to(out_dtype), LinearState(kv, k_sum, state.position + 1, feat_new)

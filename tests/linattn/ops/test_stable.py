@@ -1,0 +1,218 @@
+"""Log-space linear attention (stable.py): exact Eq. 19 from log-features at any scale, strictly
+causal, against an O(N^2) float64 reference that never exponentiates more than it must."""
+import pytest
+import torch
+
+from linattn import LinearAttention
+from linattn.functional import linear_attention, linear_attention_reference, linear_attention_step
+from linattn.ops.linear_attention import stable
+from linattn.rotary import rotary_phases
+
+
+def log_space_reference(b, a, v, *, causal, rotary, offset=0):
+    """Eq. 19 in float64 from log-features: every term e^(b_ms + a_nt) of query m is shifted by the
+    largest exponent of that query's numerator and denominator, so nothing overflows and the
+    largest term is 1.  (R_m x)^T (R_n y) per pair is Re((x1 + i x2)(y1 - i y2) e^(i (m - n) theta))."""
+    b, a, v = b.double(), a.double(), v.double()
+    n, m = a.shape[-2:]
+    pairs = m // 2 if rotary else m
+    bq = b.unflatten(-1, (pairs, -1)).unsqueeze(-3)        # (B, H, N, 1, P, s)
+    ak = a.unflatten(-1, (pairs, -1)).unsqueeze(-4)        # (B, H, 1, N, P, t)
+    terms = bq.unsqueeze(-1) + ak.unsqueeze(-2)            # (B, H, N, N, P, s, t)
+    if causal:
+        future = torch.ones(n, n, dtype=torch.bool).triu(1)
+        terms = terms.masked_fill(future[:, :, None, None, None], float("-inf"))
+    shift = terms.flatten(-3).amax(dim=(-1, -2))[..., None, None, None, None]
+    weights = torch.exp(terms - shift)
+    diagonal = weights.diagonal(dim1=-2, dim2=-1)          # (B, H, N, N, P, s): same coordinate
+    denominator = diagonal.sum((-1, -2, -3))
+    if rotary:
+        positions = torch.arange(offset, offset + n)
+        phases = rotary_phases(n + offset, m, dtype=torch.float64)  # e^(i p theta)
+        relative = phases[positions].unsqueeze(1) * phases[positions].conj().unsqueeze(0)  # (N, N, P)
+        scores = (diagonal.sum(-1) * relative.real
+                  + (weights[..., 0, 1] - weights[..., 1, 0]) * relative.imag).sum(-1)
+    else:
+        scores = diagonal.sum((-1, -2))
+    return (scores @ v) / denominator.unsqueeze(-1)
+
+
+def log_features(*shape, scale, dtype=torch.float64, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=generator, dtype=dtype) * scale
+
+
+def query_log_features(*shape, scale, **kwargs):
+    """Query log-features whose two coordinates of each pair differ by under 1% of `scale`: the
+    rotated numerator of Eq. 19 is then within e^(1% of scale) of the denominator, below the cap."""
+    b = log_features(*shape, scale=scale, **kwargs)
+    return b.unflatten(-1, (-1, 2)).mean(-1, keepdim=True).expand(*b.shape[:-1], -1, 2).flatten(-2) + b * 0.005
+
+
+@pytest.mark.parametrize("rotary", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_agrees_with_plain_features_where_they_do_not_underflow(rotary, causal):
+    b, a, v = log_features(2, 3, 9, 8, scale=1), log_features(2, 3, 9, 8, scale=1, seed=1), \
+        log_features(2, 3, 9, 4, scale=1, seed=2)
+    plain = linear_attention_reference(b.exp(), a.exp(), v, causal=causal, rotary=rotary, offset=5)
+    torch.testing.assert_close(log_space_reference(b, a, v, causal=causal, rotary=rotary, offset=5), plain)
+
+
+@pytest.mark.parametrize("rotary", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("scale", [1, 30, 300])
+@pytest.mark.parametrize("chunk_size", [1, 4, 7, 64])
+def test_matches_the_reference_at_any_scale(rotary, causal, scale, chunk_size):
+    """scale 300: logits far beyond exp's range, with running maxima that jump inside chunks (the
+    rows computed exactly).  The same-coordinate maxima keep Eq. 19's output within range here."""
+    n = 23
+    b, a = query_log_features(1, 2, n, 8, scale=scale), log_features(1, 2, n, 8, scale=scale, seed=1)
+    v = log_features(1, 2, n, 3, scale=1, seed=2)
+    expected = log_space_reference(b, a, v, causal=causal, rotary=rotary, offset=3)
+    out = linear_attention(b, a, v, causal=causal, rotary=rotary, offset=3, chunk_size=chunk_size,
+                           log_space=True)
+    torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-9)
+
+
+def test_the_exact_rows_are_used_where_the_maximum_jumps_and_agree_with_the_separable_form():
+    """Keys growing by 40 per token: every row past its chunk's first token is computed exactly."""
+    n = 12
+    a = torch.arange(n, dtype=torch.float64).mul(40).view(1, 1, n, 1).expand(1, 1, n, 4).contiguous()
+    a = a + log_features(1, 1, n, 4, scale=1)
+    b, v = log_features(1, 1, n, 4, scale=1, seed=1), log_features(1, 1, n, 2, scale=1, seed=2)
+    expected = log_space_reference(b, a, v, causal=True, rotary=True)
+    for chunk_size in (4, 12):
+        out = linear_attention(b, a, v, causal=True, rotary=True, chunk_size=chunk_size, log_space=True)
+        torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("rotary", [True, False])
+def test_gradients_match_the_reference(rotary):
+    b, a = query_log_features(1, 2, 11, 6, scale=20), log_features(1, 2, 11, 6, scale=20, seed=1)
+    v = log_features(1, 2, 11, 3, scale=1, seed=2)
+    inputs = [t.clone().requires_grad_(True) for t in (b, a, v)]
+    expected = [t.clone().requires_grad_(True) for t in (b, a, v)]
+    out = linear_attention(*inputs, causal=True, rotary=rotary, chunk_size=4, log_space=True)
+    ref = log_space_reference(*expected, causal=True, rotary=rotary)
+    weights = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weights).sum(), inputs)
+    ref_grads = torch.autograd.grad((ref * weights).sum(), expected)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("rotary", [True, False])
+def test_past_outputs_are_bitwise_unchanged_when_future_tokens_change(rotary):
+    b, a = log_features(1, 2, 40, 8, scale=50, dtype=torch.float32), \
+        log_features(1, 2, 40, 8, scale=50, dtype=torch.float32, seed=1)
+    v = log_features(1, 2, 40, 4, scale=1, dtype=torch.float32, seed=2)
+    out = linear_attention(b, a, v, causal=True, rotary=rotary, chunk_size=16, log_space=True)
+    for t in (5, 17, 32):            # the first changed token: mid-chunk, after a chunk start
+        b2, a2, v2 = b.clone(), a.clone(), v.clone()
+        a2[:, :, t:] += 500.0        # a key maximum jumps inside the chunk
+        b2[:, :, t:] *= -3
+        v2[:, :, t:] = 7.0
+        changed = linear_attention(b2, a2, v2, causal=True, rotary=rotary, chunk_size=16, log_space=True)
+        assert torch.equal(out[:, :, :t], changed[:, :, :t])
+
+
+@pytest.mark.parametrize("rotary", [True, False])
+def test_state_hand_off_and_steps_continue_the_parallel_pass(rotary):
+    b, a = query_log_features(2, 2, 30, 6, scale=40), log_features(2, 2, 30, 6, scale=40, seed=1)
+    v = log_features(2, 2, 30, 3, scale=1, seed=2)
+    full = linear_attention(b, a, v, causal=True, rotary=rotary, offset=9, chunk_size=8, log_space=True)
+    out, state = linear_attention(b[:, :, :17], a[:, :, :17], v[:, :, :17], causal=True, rotary=rotary,
+                                  offset=9, chunk_size=8, log_space=True, return_state=True)
+    assert state.position == 26 and state.log_scale.shape == (2, 2, 6)
+    steps = []
+    for t in range(17, 30):
+        y, state = linear_attention_step(b[:, :, t], a[:, :, t], v[:, :, t], state, rotary=rotary,
+                                         log_space=True)
+        steps.append(y)
+    torch.testing.assert_close(torch.cat([out, torch.stack(steps, 2)], 2), full, rtol=1e-10, atol=1e-10)
+
+
+def test_steps_from_scratch_match_the_parallel_pass():
+    b, a = query_log_features(1, 2, 10, 4, scale=60), log_features(1, 2, 10, 4, scale=60, seed=1)
+    v = log_features(1, 2, 10, 3, scale=1, seed=2)
+    state, steps = None, []
+    for t in range(10):
+        y, state = linear_attention_step(b[:, :, t], a[:, :, t], v[:, :, t], state, rotary=True, log_space=True)
+        steps.append(y)
+    full = linear_attention(b, a, v, causal=True, rotary=True, log_space=True)
+    torch.testing.assert_close(torch.stack(steps, 2), full, rtol=1e-10, atol=1e-10)
+
+
+def test_a_plain_state_cannot_continue_with_log_features():
+    b = torch.randn(1, 1, 4, 2)
+    _, state = linear_attention(b.exp(), b.exp(), b, causal=True, rotary=False, return_state=True)
+    with pytest.raises(ValueError, match="log_space"):
+        linear_attention_step(b[:, :, 0], b[:, :, 0], b[:, :, 0], state, rotary=False, log_space=True)
+
+
+def test_empty_sequence_gives_empty_output_and_an_empty_state():
+    b = torch.zeros(1, 2, 0, 4)
+    out, state = linear_attention(b, b, b, causal=True, rotary=True, offset=3, log_space=True,
+                                  return_state=True)
+    assert out.shape == (1, 2, 0, 4) and state.position == 3 and torch.isneginf(state.log_scale).all()
+
+
+def test_capped_numerator_saturates_instead_of_overflowing():
+    """A query whose two coordinates of a pair differ by 200 in log space, against keys that favour
+    the other coordinate: Eq. 19's exact output is about e^200 * |v|, beyond float32.  The capped
+    numerator keeps it finite (and the gradients too) instead of returning inf or NaN."""
+    b = torch.tensor([[[[0.0, -200.0]]]]).expand(1, 1, 3, 2).contiguous().requires_grad_(True)
+    a = torch.tensor([[[[-200.0, 0.0]]]]).expand(1, 1, 3, 2).contiguous().requires_grad_(True)
+    v = torch.ones(1, 1, 3, 1, requires_grad=True)
+    out = linear_attention(b, a, v, causal=True, rotary=True, log_space=True)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and out.abs().max() > 1e10
+    assert all(torch.isfinite(t.grad).all() for t in (b, a, v))
+
+
+@pytest.mark.parametrize("feature_map", ["favor", "softmax"])
+@pytest.mark.parametrize("rope", ["pre", "none"])
+def test_no_zero_rows_and_finite_gradients_at_input_scale_100(feature_map, rope):
+    """Before log-space, FAVOR+ returned exactly zero for 87% of rows at |x| = 30 and all at 100."""
+    torch.manual_seed(0)
+    block = LinearAttention(64, 4, feature_map=feature_map, rope=rope)
+    for scale in (30, 100):
+        x = (torch.randn(2, 40, 64) * scale).requires_grad_(True)
+        y = block(x)
+        y.sum().backward()
+        assert not (y == 0).all(-1).any()
+        assert torch.isfinite(y).all() and torch.isfinite(x.grad).all() and (x.grad != 0).any(-1).all()
+
+
+def test_rotated_block_is_exact_where_eq19_is_in_range_and_never_zero():
+    """rope='post' at |x| = 30: the exact output (float64, same path) is reached in float32; no row
+    is zero.  (Eq. 19's rotated numerator is not bounded by its unrotated denominator, so its exact
+    output grows with the input scale: about 1e28 here.)"""
+    torch.manual_seed(0)
+    block = LinearAttention(64, 4, rope="post")
+    x = torch.randn(2, 40, 64) * 30
+    y = block(x)
+    exact = block.double()(x.double())
+    assert not (y == 0).all(-1).any()
+    torch.testing.assert_close(y.double(), exact, rtol=1e-3, atol=1e-3 * exact.abs().max().item())
+
+
+def test_group_size_does_not_change_the_exact_rows(monkeypatch):
+    n = 20
+    a = torch.arange(n, dtype=torch.float64).mul(50).view(1, 1, n, 1).expand(1, 2, n, 4).contiguous()
+    b, v = log_features(1, 2, n, 4, scale=1), log_features(1, 2, n, 2, scale=1, seed=2)
+    out = linear_attention(b, a, v, causal=True, rotary=True, chunk_size=8, log_space=True)
+    monkeypatch.setattr(stable, "GROUP_ELEMENTS", 1)
+    assert torch.equal(out, linear_attention(b, a, v, causal=True, rotary=True, chunk_size=8, log_space=True))
+
+
+@pytest.mark.parametrize("rotary", [True, False])
+@pytest.mark.parametrize("n", [1, 13, 64, 70])
+def test_float32_gradients_stay_finite_for_ragged_lengths_at_large_scale(rotary, n):
+    """Padding of a ragged last chunk must read and weigh nothing, even where e^(scale) is inf."""
+    b = query_log_features(1, 2, n, 8, scale=200, dtype=torch.float32).requires_grad_(True)
+    a = log_features(1, 2, n, 8, scale=200, dtype=torch.float32, seed=1).add(150).requires_grad_(True)
+    v = log_features(1, 2, n, 3, scale=1, dtype=torch.float32, seed=2).requires_grad_(True)
+    out = linear_attention(b, a, v, causal=True, rotary=rotary, chunk_size=64, log_space=True)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and all(torch.isfinite(t.grad).all() for t in (b, a, v))
