@@ -183,23 +183,33 @@ def _causal(b, a, v, feature_scale, query_scale, *, rotary, offset, base, length
     # The cap on keys only touches keys after m (masked) and the rows computed exactly below.
     with torch.no_grad():
         jump = (_chunks(feature_scale, length, float("-inf")) - feat_first).amax(-1)           # (B, H, K, L)
-    den_queries = torch.exp(b_c + feat_first - q_scale)
-    den_keys = torch.exp((a_c - feat_first).clamp_max(JUMP_LIMIT))
+    b_shifted = b_c - q_scale
+    den_queries = torch.exp(b_shifted + feat_first)
+    den_keys = torch.exp(a_c - _capped_reference(a_c, feat_first))
     if rotary:
-        num_queries = rotate(numerator_query(b_c + pair_first - q_scale))
-        num_keys = rotate(torch.exp((a_c - pair_first).clamp_max(JUMP_LIMIT)))
+        num_queries = rotate(numerator_query(b_shifted + pair_first))
+        num_keys = rotate(torch.exp(a_c - _capped_reference(a_c, pair_first)))
     else:
         num_queries, num_keys = den_queries, den_keys
     past = torch.ones(length, length, dtype=torch.bool, device=a.device).tril()
     intra_num = ((num_queries @ num_keys.transpose(-1, -2)) * past) @ v_c
-    intra_den = (den_queries * den_keys.cumsum(-2)).sum(-1)
+    # The denominator needs no L x L scores: a cumulative sum of the keys within the chunk.
+    denominator = (den_queries * (den_keys.cumsum(-2) + sums.unsqueeze(-2))).sum(-1)
     rows = (jump > JUMP_LIMIT).nonzero(as_tuple=True)
-    if rows[0].numel():
-        exact_num, exact_den = _exact_rows(rows, b_c - q_scale, a_c, v_c, rotary=rotary, base=base)
-        intra_num, intra_den = intra_num.index_put(rows, exact_num), intra_den.index_put(rows, exact_den)
+    if rows[0].numel():   # these rows' intra-chunk parts are replaced; their state parts stay
+        exact_num, exact_den = _exact_rows(rows, b_shifted, a_c, v_c, rotary=rotary, base=base)
+        intra_num = intra_num.index_put(rows, exact_num)
+        state_part = (den_queries[rows] * sums.unsqueeze(-2).expand_as(den_queries)[rows]).sum(-1)
+        denominator = denominator.index_put(rows, state_part + exact_den)
     numerator = num_queries @ states + intra_num
-    denominator = (den_queries * sums.unsqueeze(-2)).sum(-1) + intra_den
     return divide(numerator.flatten(2, 3), denominator.flatten(2, 3))[..., :n, :]
+
+
+def _capped_reference(a, first):
+    """The key scale r, raised to a - JUMP_LIMIT where a key exceeds it by more (no gradient: it
+    only changes keys that are masked or in rows computed exactly)."""
+    with torch.no_grad():
+        return torch.maximum(first, a - JUMP_LIMIT)
 
 
 def _exact_rows(rows, b_shifted, a, v, *, rotary, base):
