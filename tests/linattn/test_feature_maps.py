@@ -202,3 +202,56 @@ def test_no_inf_or_nan_for_inputs_up_to_100(name, rope, autocast):
         y = block(x)
     y.float().sum().backward()
     assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
+
+
+def test_favor_log_features_are_the_log_of_the_unstabilised_features():
+    fm = FavorFeatureMap(8, num_features=16, seed=3).double()
+    x = torch.randn(1, 2, 5, 8, dtype=torch.float64)
+    scaled = x * 8 ** -0.25
+    exact = scaled @ fm.projection.T - scaled.square().sum(-1, keepdim=True) / 2 - 0.5 * torch.log(torch.tensor(16.0))
+    for is_query in (True, False):
+        log_phi = fm.log_features(x, is_query=is_query)
+        torch.testing.assert_close(log_phi, exact.to(log_phi.dtype))
+        # forward() is the same up to a per-row constant (its stabilisers)
+        ratio = fm(x, is_query=is_query).log() - log_phi
+        torch.testing.assert_close(ratio, ratio[..., :1].expand_as(ratio))
+
+
+def test_softmax_log_features_are_log_softmax_and_the_key_logits():
+    fm = make_feature_map("softmax", 8)
+    x = torch.randn(1, 1, 5, 8) * 200          # keys far beyond exp's float32 range
+    torch.testing.assert_close(fm.log_features(x, is_query=True), x.log_softmax(-1))
+    assert torch.equal(fm.log_features(x, is_query=False), x)
+
+
+def test_only_maps_that_say_so_give_log_features():
+    assert FavorFeatureMap.log_space and make_feature_map("softmax", 4).log_space
+    elu = make_feature_map("elu", 4)
+    assert not elu.log_space
+    with pytest.raises(NotImplementedError, match="log_features"):
+        elu.log_features(torch.randn(1, 1, 2, 4), is_query=True)
+
+
+@pytest.mark.parametrize("name", ["favor", "softmax"])
+@pytest.mark.parametrize("rope", ["post", "pre", "none"])
+def test_block_in_log_space_matches_plain_features_at_ordinary_scale(name, rope, monkeypatch):
+    torch.manual_seed(0)
+    block = LinearAttention(32, 2, feature_map=name, rope=rope, chunk_size=8).double()
+    x = torch.randn(2, 21, 32, dtype=torch.float64)
+    log_space = block(x)
+    monkeypatch.setattr(type(block.feature_map), "log_space", False)
+    torch.testing.assert_close(log_space, block(x), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("scale", [30, 100])
+@pytest.mark.parametrize("rope", ["post", "pre", "none"])
+def test_favor_block_has_no_zero_rows_at_large_input_scale(scale, rope):
+    """Plain FAVOR+ features (keys shifted by a constant of the projection) returned exactly zero
+    for 87% of rows at |x| = 30 and for all of them at |x| = 100; the log-space path for none."""
+    torch.manual_seed(0)
+    block = LinearAttention(64, 4, rope=rope)
+    x = (torch.randn(2, 50, 64) * scale).requires_grad_(True)
+    y = block(x)
+    y.sum().backward()
+    assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
+    assert not (y == 0).all(-1).any()

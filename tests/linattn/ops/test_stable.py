@@ -170,20 +170,6 @@ def test_capped_numerator_saturates_instead_of_overflowing():
     assert all(torch.isfinite(t.grad).all() for t in (b, a, v))
 
 
-@pytest.mark.parametrize("feature_map", ["favor", "softmax"])
-@pytest.mark.parametrize("rope", ["pre", "none"])
-def test_no_zero_rows_and_finite_gradients_at_input_scale_100(feature_map, rope):
-    """Before log-space, FAVOR+ returned exactly zero for 87% of rows at |x| = 30 and all at 100."""
-    torch.manual_seed(0)
-    block = LinearAttention(64, 4, feature_map=feature_map, rope=rope)
-    for scale in (30, 100):
-        x = (torch.randn(2, 40, 64) * scale).requires_grad_(True)
-        y = block(x)
-        y.sum().backward()
-        assert not (y == 0).all(-1).any()
-        assert torch.isfinite(y).all() and torch.isfinite(x.grad).all() and (x.grad != 0).any(-1).all()
-
-
 def test_rotated_block_is_exact_where_eq19_is_in_range_and_never_zero():
     """rope='post' at |x| = 30: the exact output (float64, same path) is reached in float32; no row
     is zero.  (Eq. 19's rotated numerator is not bounded by its unrotated denominator, so its exact
