@@ -27,6 +27,7 @@ import linattn
 
 ATTENTIONS = ("softmax", "linear")
 SOFTMAX_ROPE = ("post", "none")     # softmax has no feature map: "post" = RoPE on q and k
+SOFTMAX_BACKENDS = ("auto",) + linattn.attention.SOFTMAX_BACKENDS   # auto = sdpa
 INIT_STD = 0.02
 PLAIN_OPTION_TYPES = (bool, int, float, str, type(None))
 
@@ -86,6 +87,9 @@ class ModelConfig:
                                 "softmax: post = RoPE on q,k, none = no RoPE", variant=True)
     abs_pos: bool = setting(False, "add learned absolute position embeddings", variant=True)
     chunk_size: int = setting(64, "causal linear attention block size (speed only; linear only)")
+    backend: str = setting("auto", "attention kernels (speed only): linear auto, torch or triton (auto = "
+                                   "triton on CUDA when installed); softmax auto (= sdpa), sdpa or xformers",
+                           resumable=True)
     seed: int = setting(0, "seed for init, data order and feature-map draws")
 
     def validate(self) -> None:
@@ -128,10 +132,16 @@ class ModelConfig:
         if self.feature_map or self.feature_map_options:
             raise ValueError("softmax attention takes no feature map: feature_map must be '' and "
                              "feature_map_options empty")
+        if self.backend not in SOFTMAX_BACKENDS:
+            raise ValueError(f"softmax attention's backend must be one of {SOFTMAX_BACKENDS}, "
+                             f"got {self.backend!r}")
 
     def _validate_linear(self) -> None:
         if self.rope not in linattn.ROPE_PLACEMENTS:
             raise ValueError(f"rope must be one of {linattn.ROPE_PLACEMENTS}, got {self.rope!r}")
+        if self.backend not in linattn.functional.BACKENDS:
+            raise ValueError(f"linear attention's backend must be one of {linattn.functional.BACKENDS}, "
+                             f"got {self.backend!r}")
         for key, value in self.feature_map_options.items():
             if not isinstance(key, str) or not isinstance(value, PLAIN_OPTION_TYPES):
                 raise ValueError(f"feature-map option {key}={value!r} is not a plain value: options are "
@@ -259,9 +269,11 @@ def layer_seed(run_seed: int, layer: int) -> int:
 
 def make_attention(config: ModelConfig, layer: int) -> nn.Module:
     if config.attention == "softmax":
-        return linattn.SoftmaxAttention(config.d_model, config.n_head, rope=config.rope == "post")
+        backend = "sdpa" if config.backend == "auto" else config.backend
+        return linattn.SoftmaxAttention(config.d_model, config.n_head, rope=config.rope == "post",
+                                        backend=backend)
     return linattn.LinearAttention(config.d_model, config.n_head, feature_map=config.build_feature_map(layer),
-                                   rope=config.rope, chunk_size=config.chunk_size)
+                                   rope=config.rope, chunk_size=config.chunk_size, backend=config.backend)
 
 
 class Block(nn.Module):

@@ -2,11 +2,17 @@
 of enwik8 (`data_dir`) for the LM harness and command tests."""
 import gzip
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors.  @triton.jit reads the
+# switch when it decorates, so it is set here, before any test module can import the kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = REPO_ROOT.parent / "shared" / "data" / "enwik8-head.gz"

@@ -35,9 +35,11 @@ import triton
 import triton.language as tl
 
 from ...rotary import DEFAULT_BASE
+from .backends import interpreting
 from .common import check_features, divide
 from .recurrent import LinearState
 
+INTERPRETED = interpreting()   # fixed when the kernels below are decorated
 CHUNK = 64            # tokens per step of the scan (BT)
 # Tiles measured on an H100 (b=1, h=8, M=256, Dv=64, fp32 fwd+bwd, N=4096 and 65536): BK=32 was
 # 1.7-2.4x faster than BK=64 (twice the programs); BV=16 gained nothing over 32 and costs one
@@ -351,6 +353,9 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
                      return_state: bool = False):
     """Eq. 19 with the fused kernels; the same call and results as the torch backend."""
     check_features(phi_q, phi_k, v, rank=4)
+    if interpreting() != INTERPRETED:
+        raise RuntimeError(f"TRITON_INTERPRET was {'on' if INTERPRETED else 'off'} when linattn's kernels were "
+                           "imported and has changed since; set it before the first triton call")
     if rotary and phi_q.shape[-1] % 2:
         raise ValueError(f"rotary=True rotates pairs of features, so M must be even, got {phi_q.shape[-1]}")
     dtype = _common_dtype(phi_q, phi_k, v)
