@@ -122,6 +122,9 @@ def test_favor_layer_seeds_differ_per_layer_and_reproduce(make_model) -> None:
     (dict(seed=2**64), "seed must be in"),
     (dict(attention="rnn"), "attention must be one of"),
     (dict(feature_map_options={"num_features": 10**9}), "would need about"),
+    (dict(backend="cuda"), "linear attention's backend must be one of"),
+    (dict(attention="softmax", feature_map="", feature_map_options={}, backend="triton"),
+     "softmax attention's backend must be one of"),
 ])
 def test_config_errors(overrides: dict, message: str) -> None:
     config = ModelConfig(**{"feature_map_options": {"num_features": 16}, **overrides})
@@ -144,3 +147,16 @@ def test_config_round_trips_through_a_plain_dict(small_config) -> None:
     assert ModelConfig.from_dict(values) == config
     with pytest.raises(ValueError, match=r"unknown model setting\(s\) \['lr'\]"):
         ModelConfig.from_dict({**values, "lr": 0.1})
+
+
+@pytest.mark.parametrize("attention, backend, expected", [
+    ("linear", "triton", "triton"), ("linear", "auto", "auto"), ("softmax", "auto", "sdpa"),
+    ("softmax", "xformers", "xformers"),
+])
+def test_backend_reaches_every_attention_block(attention, backend, expected, monkeypatch) -> None:
+    monkeypatch.setattr(linattn.attention, "_xformers_ops", lambda: None)   # xformers is CUDA-only
+    linear = attention == "linear"
+    config = ModelConfig(attention=attention, backend=backend, feature_map="favor" if linear else "",
+                         feature_map_options={"num_features": 16} if linear else {}, n_layer=2)
+    config.validate()
+    assert [block.attn.backend for block in ByteLM(config).blocks] == [expected] * 2
