@@ -14,6 +14,7 @@ from torch import nn
 
 from .feature_maps import FeatureMap, make_feature_map
 from .functional import BACKENDS, DEFAULT_CHUNK_SIZE, LinearState, linear_attention, linear_attention_step
+from .ops.linear_attention.chunk import check_chunk_size
 from .rotary import DEFAULT_BASE, apply_rotary
 
 ROPE_PLACEMENTS = ("post", "pre", "none")
@@ -55,6 +56,18 @@ class _Projections(nn.Module):
         if not self.causal:
             raise ValueError("step() decodes autoregressively and needs causal=True")
 
+    def _check_state_tensors(self, state, x_t: torch.Tensor, shapes: dict) -> None:
+        """Each named field of `state` must be a floating tensor of the given shape on x_t's device."""
+        for name, shape in shapes.items():
+            t = getattr(state, name)
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            if got != shape or not t.is_floating_point() or t.device != x_t.device:
+                where = f" on {t.device}" if isinstance(t, torch.Tensor) else ""
+                raise ValueError(
+                    f"state.{name} must be a floating tensor of shape {shape} on {x_t.device} for this "
+                    f"block and a batch of {x_t.shape[0]}, got {got}{where}; pass the state that this "
+                    f"block returned for the same batch (or state=None to start)")
+
     def _merge(self, out: torch.Tensor) -> torch.Tensor:
         return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
 
@@ -76,8 +89,7 @@ class LinearAttention(_Projections):
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if rope not in ROPE_PLACEMENTS:
             raise ValueError(f"rope must be one of {ROPE_PLACEMENTS}, got {rope!r}")
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+        check_chunk_size(chunk_size)
         self.feature_map = make_feature_map(feature_map, self.head_dim, **(feature_map_options or {}))
         rotated_dim = {"post": self.feature_map.num_features, "pre": self.head_dim}.get(rope, 0)
         if rotated_dim % 2:
@@ -110,13 +122,29 @@ class LinearAttention(_Projections):
     def step(self, x_t: torch.Tensor, state: LinearState | None = None):
         """Decode one token (B, dim) in O(1) time and memory; `state=None` starts a sequence."""
         self._check_decodable()
-        position = 0 if state is None else state.position
         q, k, v = self._qkv(x_t, 2)
+        self._check_state(state, x_t)
+        position = 0 if state is None else state.position
         phi_q, phi_k = self._features(q, k, position)
         out, state = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], state,
                                            rotary=self.rope == "post", rope_base=self.rope_base,
                                            log_space=self.feature_map.log_space)
         return self._merge(out.unsqueeze(2))[:, 0], state
+
+    def _check_state(self, state, x_t: torch.Tensor) -> None:
+        if state is None:
+            return
+        if not isinstance(state, LinearState):
+            raise ValueError(f"state must be the LinearState returned by forward(..., return_state=True) "
+                             f"or step(), got {type(state).__name__}")
+        position = state.position
+        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+            raise ValueError(f"state.position must be a non-negative int (tokens seen), got {position!r}")
+        b, m = x_t.shape[0], self.feature_map.num_features
+        shapes = {"kv": (b, self.heads, m, self.head_dim), "k_sum": (b, self.heads, m)}
+        if getattr(state, "log_scale", None) is not None:
+            shapes["log_scale"] = (b, self.heads, m)
+        self._check_state_tensors(state, x_t, shapes)
 
     def extra_repr(self) -> str:
         return (f"heads={self.heads}, rope={self.rope!r}, causal={self.causal}, "
@@ -177,14 +205,25 @@ class SoftmaxAttention(_Projections):
     def step(self, x_t: torch.Tensor, state: KVCache | None = None):
         """Decode one token (B, dim) against the KV cache; `state=None` starts a sequence."""
         self._check_decodable()
-        position = 0 if state is None else state.k.shape[-2]
         q, k, v = self._qkv(x_t, 2)
+        self._check_state(state, x_t)
+        position = 0 if state is None else state.k.shape[-2]
         q, k = self._rotate(q, k, position)
         if state is not None:
             k, v = torch.cat((state.k, k), dim=-2), torch.cat((state.v, v), dim=-2)
         # The new token sees every cached token, so no mask is needed.
         out = self._merge(self._attend(q, k, v, causal=False))
         return out[:, 0], KVCache(k, v)
+
+    def _check_state(self, state, x_t: torch.Tensor) -> None:
+        if state is None:
+            return
+        if not isinstance(state, KVCache):
+            raise ValueError(f"state must be the KVCache returned by forward(..., return_state=True) or "
+                             f"step(), got {type(state).__name__}")
+        cached = state.k.shape[-2] if isinstance(state.k, torch.Tensor) and state.k.dim() == 4 else 0
+        shape = (x_t.shape[0], self.heads, cached, self.head_dim)
+        self._check_state_tensors(state, x_t, {"k": shape, "v": shape})
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, rope={self.rope}, causal={self.causal}, backend={self.backend!r}"

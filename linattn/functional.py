@@ -20,8 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from .ops.linear_attention import backends
-from .ops.linear_attention.chunk import DEFAULT_CHUNK_SIZE, causal_denominator, causal_product
-from .ops.linear_attention.common import check_features, compute_dtype, divide, numerator_features
+from .ops.linear_attention.chunk import (DEFAULT_CHUNK_SIZE, causal_denominator, causal_product,
+                                         check_chunk_size)
+from .ops.linear_attention.common import (check_features, check_nonnegative, check_offset, compute_dtype,
+                                          divide, numerator_features)
 from .ops.linear_attention.naive import linear_attention_reference, softmax_attention_reference
 from .ops.linear_attention.stable import log_linear_attention
 from .ops.linear_attention.recurrent import LinearState, initial_state, linear_attention_step
@@ -47,14 +49,22 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     and the stabilised algorithm of `ops/linear_attention/stable.py` runs (torch ops, any device).
     """
     check_features(phi_q, phi_k, v, rank=4)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+    check_chunk_size(chunk_size)
+    check_offset(offset)
     if return_state and not causal:
         raise ValueError("return_state=True needs causal=True: a non-causal pass has no decoding state")
     resolved = backends.resolve(backend, phi_q.device)
+    chunk_size = max(1, min(chunk_size, phi_q.shape[-2]))   # a short sequence is one chunk, unpadded
     if log_space:   # log-features: the stabilised algorithm, in torch ops on every backend for now
         return log_linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset,
                                     base=rope_base, chunk_size=chunk_size, return_state=return_state)
+    check_nonnegative(phi_q, phi_k)
+    if phi_q.shape[-2] == 0:   # no tokens: an empty output (every backend's chunk loops want one)
+        if not return_state:
+            return v.clone()
+        b, h, _, m = phi_q.shape
+        state = initial_state(b, h, m, v.shape[-1], device=v.device, dtype=compute_dtype(phi_q, phi_k, v))
+        return v.clone(), state._replace(position=offset)
     if resolved == "triton":
         from .ops.linear_attention import fused
         return fused.linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset,

@@ -4,15 +4,26 @@ Pair i at position p is rotated by the angle p * theta_i with theta_i = base^(-2
 product of two rotated vectors depends only on their relative position.  This one function is used
 for every placement: on q and k (softmax, `pre`) and on feature maps phi(q), phi(k) (`post`, Eq. 19).
 Each pair is treated as a complex number and multiplied by e^(i p theta): one pass over memory.
+
+Phases are computed for the positions asked for only, so decoding at position p holds O(dim) memory
+whatever p is.  p * theta in float64 is off by up to p * 1e-16 rad (0.1 urad at p = 1e9), so the
+angle is reduced mod 2 pi exactly: p is split into 16-bit digits d_j and p * theta = sum_j d_j c_j
+(mod 2 pi), with c_j = 2^(16 j) theta mod 2 pi taken from mpmath at 50 digits (c_0 = theta).  Each
+d_j c_j < 2^19, so the float64 sum stays within ~1e-10 rad of the exact angle at any position
+below 2^63, and below 2^16 it is the plain float64 product p * theta.
 """
 from __future__ import annotations
 
+import math
+import numbers
+from functools import lru_cache
+
+import mpmath
 import torch
 
 DEFAULT_BASE = 10000.0
-
-# (dim, base, device) -> e^(i p theta) as complex128 (positions, dim/2); grown on demand.
-_ANGLE_CACHE: dict[tuple[int, float, str], torch.Tensor] = {}
+_DIGIT_BITS = 16
+_MAX_POSITION = 2 ** 63 - 1          # positions are int64
 
 
 def _check_dim(dim: int) -> None:
@@ -22,22 +33,55 @@ def _check_dim(dim: int) -> None:
             f"got {dim}; use an even head_dim / num_features (M) or turn rotation off")
 
 
+def rotary_frequencies(dim: int, base: float = DEFAULT_BASE) -> list[float]:
+    """theta_i = base^(-2i/dim) in float64, i = 0..dim/2-1."""
+    return [base ** (-2 * i / dim) for i in range(dim // 2)]
+
+
+@lru_cache(maxsize=32)
+def _digit_angles(dim: int, base: float) -> tuple[tuple[float, ...], ...]:
+    """c_j = 2^(16 j) theta mod 2 pi for the 4 digits of an int64 position, exact to float64."""
+    with mpmath.workdps(50):
+        two_pi = 2 * mpmath.pi
+        return tuple(tuple(float(mpmath.fmod(mpmath.mpf(2) ** (_DIGIT_BITS * j) * theta, two_pi))
+                           for theta in rotary_frequencies(dim, base))
+                     for j in range(64 // _DIGIT_BITS))
+
+
+def rotary_angles(length: int, dim: int, *, offset: int = 0, base: float = DEFAULT_BASE,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """p * theta_i up to multiples of 2 pi, float64 of shape (length, dim/2) and below 2^21, for
+    positions p = offset..offset+length-1 (no final fmod: float64's 2 pi would cost more than it saves)."""
+    _check_dim(dim)
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral) or offset < 0:
+        raise ValueError(f"rotary offset must be a non-negative integer position, got {offset!r}")
+    offset = int(offset)
+    if offset + length - 1 > _MAX_POSITION:
+        raise ValueError(f"rotary positions must stay below 2^63, got offset {offset} with {length} tokens")
+    positions = torch.arange(length, dtype=torch.int64, device=device) + offset
+    angles = torch.zeros(length, dim // 2, dtype=torch.float64, device=device)
+    digits = max(1, math.ceil((offset + length).bit_length() / _DIGIT_BITS))
+    for j, row in enumerate(_digit_angles(dim, float(base))[:digits]):
+        digit = (positions >> (_DIGIT_BITS * j)) & (2 ** _DIGIT_BITS - 1)
+        angles += digit.to(torch.float64).unsqueeze(-1) * torch.tensor(row, dtype=torch.float64, device=device)
+    return angles
+
+
+@lru_cache(maxsize=8)   # training repeats a few (offset, length) pairs; decoding misses, at O(dim) each
+def _phases(length: int, dim: int, offset: int, base: float, device: str, complex_dtype: torch.dtype):
+    angles = rotary_angles(length, dim, offset=offset, base=base, device=device)
+    return torch.polar(torch.ones_like(angles), angles).to(complex_dtype)
+
+
 def rotary_phases(length: int, dim: int, *, offset: int = 0, base: float = DEFAULT_BASE,
                   device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """e^(i p theta_j) of shape (length, dim/2) for positions offset..offset+length-1, complex of
-    `dtype`'s precision.  Angles are computed in float64 and cached."""
+    `dtype`'s precision.  Read-only: the last few are cached."""
     _check_dim(dim)
-    if offset < 0:
-        raise ValueError(f"rotary offset must be >= 0, got {offset}")
-    key, needed = (dim, float(base), str(torch.device(device))), offset + length
-    cached = _ANGLE_CACHE.get(key)
-    if cached is None or cached.shape[0] < needed:
-        size = max(needed, 2 * cached.shape[0] if cached is not None else 1024)
-        theta = base ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)
-        angles = torch.outer(torch.arange(size, dtype=torch.float64, device=device), theta)
-        cached = _ANGLE_CACHE[key] = torch.polar(torch.ones_like(angles), angles)
     complex_dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
-    return cached[offset:needed].to(complex_dtype)
+    if isinstance(offset, numbers.Integral) and not isinstance(offset, bool):
+        offset = int(offset)          # one cache entry per position, whatever integer type gave it
+    return _phases(length, dim, offset, float(base), str(torch.device(device)), complex_dtype)
 
 
 def apply_rotary(x: torch.Tensor, *, offset: int = 0, base: float = DEFAULT_BASE) -> torch.Tensor:

@@ -5,7 +5,7 @@ import torch
 
 from linattn import LinearAttention, SoftmaxAttention
 from linattn.functional import softmax_attention_reference
-from linattn.rotary import apply_rotary, rotary_phases
+from linattn.rotary import apply_rotary
 
 LINEAR_VARIANTS = [(fm, rope) for fm in ("elu", "favor", "softmax") for rope in ("post", "pre", "none")]
 
@@ -26,17 +26,6 @@ def test_softmax_block_matches_naive_reference(rope, causal):
         q, k = apply_rotary(q), apply_rotary(k)
     expected = block.to_out(softmax_attention_reference(q, k, v, causal=causal).transpose(1, 2).flatten(2))
     torch.testing.assert_close(block(x), expected)
-
-
-def test_rope_pairs_adjacent_coordinates_with_standard_angles():
-    theta = 10000 ** (-torch.arange(0, 6, 2, dtype=torch.float64) / 6)
-    torch.testing.assert_close(rotary_phases(3, 6, dtype=torch.float64)[2].angle(), 2 * theta)
-    x = torch.randn(5, 6, dtype=torch.float64)
-    rotated = apply_rotary(x, offset=7)
-    torch.testing.assert_close(rotated.norm(dim=-1), x.norm(dim=-1))
-    pair = rotated[1, 2:4]                   # position 8, pair i = 1
-    c, s = torch.cos(8 * theta[1]), torch.sin(8 * theta[1])
-    torch.testing.assert_close(pair, torch.stack([c * x[1, 2] - s * x[1, 3], s * x[1, 2] + c * x[1, 3]]))
 
 
 @pytest.mark.parametrize("block_factory", [
@@ -105,6 +94,8 @@ def test_pre_and_post_differ():
     (dict(feature_map_options={"num_features": 15}), r"num_features M must be even"),
     (dict(heads=3), r"multiple of heads"),
     (dict(chunk_size=0), r"chunk_size"),
+    (dict(chunk_size=2.5), r"chunk_size must be a positive integer number of tokens, got 2.5"),
+    (dict(chunk_size=True), r"chunk_size must be a positive integer"),
 ])
 def test_linear_block_bad_arguments(kwargs, message):
     args = dict(dim=32, heads=4) | kwargs
@@ -163,3 +154,38 @@ def test_bf16_autocast_runs_and_stays_close_to_fp32(block):
         y = block(x)
     assert torch.isfinite(y).all()
     torch.testing.assert_close(y.float(), block(x), rtol=0.1, atol=0.05)
+
+
+@pytest.mark.parametrize("block", [LinearAttention(32, 4), SoftmaxAttention(32, 4)], ids=["linear", "softmax"])
+def test_empty_sequence_gives_an_empty_output(block):
+    assert block(torch.randn(2, 0, 32)).shape == (2, 0, 32)
+
+
+def _prefilled(block, batch=2):
+    _, state = block.eval()(torch.randn(batch, 3, 32), return_state=True)
+    return state
+
+
+@pytest.mark.parametrize("make_state, message", [
+    (lambda block: (torch.zeros(2, 4, 16, 8), torch.zeros(2, 4, 16), 3), "must be the LinearState"),
+    (lambda block: _prefilled(block, batch=3), r"state.kv must be a floating tensor of shape \(2, 4, "),
+    (lambda block: _prefilled(LinearAttention(32, 2, feature_map="elu")), r"state.kv must be"),
+    (lambda block: _prefilled(block)._replace(position=2.0), "state.position must be a non-negative int"),
+    (lambda block: _prefilled(block)._replace(k_sum=None), r"state.k_sum must be a floating tensor"),
+])
+def test_linear_step_refuses_a_mismatched_state(make_state, message):
+    block = LinearAttention(32, 4, feature_map="elu").eval()
+    with pytest.raises(ValueError, match=message):
+        block.step(torch.randn(2, 32), make_state(block))
+
+
+@pytest.mark.parametrize("make_state, message", [
+    (lambda block: _prefilled(LinearAttention(32, 4)), "must be the KVCache"),
+    (lambda block: _prefilled(block, batch=1), r"state.k must be a floating tensor of shape \(2, 4, 3, 8\)"),
+    (lambda block: _prefilled(SoftmaxAttention(32, 2)), r"state.k must be"),
+    (lambda block: _prefilled(block)._replace(v=torch.zeros(2, 4, 5, 8)), r"state.v must be"),
+])
+def test_softmax_step_refuses_a_mismatched_state(make_state, message):
+    block = SoftmaxAttention(32, 4).eval()
+    with pytest.raises(ValueError, match=message):
+        block.step(torch.randn(2, 32), make_state(block))

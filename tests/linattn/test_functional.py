@@ -136,6 +136,13 @@ def test_post_numerator_rotated_denominator_not():
     (dict(phi_k=torch.rand(1, 2, 8, 6)), "same shape"),
     (dict(phi_q=torch.rand(1, 2, 8, 5), phi_k=torch.rand(1, 2, 8, 5)), "must be even"),
     (dict(chunk_size=0), "chunk_size"),
+    (dict(chunk_size=2.5), "positive integer"),
+    (dict(chunk_size=True), "positive integer"),
+    (dict(offset=-1), "offset"),
+    (dict(offset=2.5), "offset"),
+    (dict(phi_q=torch.ones(1, 2, 8, 4, dtype=torch.int64)), "floating point"),
+    (dict(v=torch.ones(1, 2, 8, 3, dtype=torch.int32)), "floating point"),
+    (dict(phi_k=-torch.rand(1, 2, 8, 4)), "negative entries"),
 ])
 def test_bad_input_raises_clear_value_error(bad, message):
     args = dict(phi_q=torch.rand(1, 2, 8, 4), phi_k=torch.rand(1, 2, 8, 4), v=torch.rand(1, 2, 8, 3),
@@ -149,3 +156,20 @@ def test_step_bad_rank_raises():
     with pytest.raises(ValueError, match="for one token"):
         linear_attention_step(torch.rand(1, 2, 1, 4), torch.rand(1, 2, 1, 4), torch.rand(1, 2, 1, 3),
                               None, rotary=False)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("rotary", [True, False])
+def test_empty_sequence_gives_an_empty_output(causal, rotary):
+    phi_q, phi_k, v = (torch.rand(2, 3, 0, d) for d in (4, 4, 5))
+    out = linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary)
+    assert out.shape == (2, 3, 0, 5)
+    if causal:
+        out, state = linear_attention(phi_q, phi_k, v, causal=True, rotary=rotary, offset=7, return_state=True)
+        assert state.position == 7 and state.kv.shape == (2, 3, 4, 5) and not state.kv.any()
+
+
+def test_reference_refuses_negative_features():
+    with pytest.raises(ValueError, match="negative entries"):
+        linear_attention_reference(-torch.rand(1, 1, 3, 4), torch.rand(1, 1, 3, 4), torch.rand(1, 1, 3, 2),
+                                   causal=True, rotary=False)

@@ -1,10 +1,17 @@
 """The torch backend: causal products in chunks of `chunk` tokens with custom autograd, O(N) memory."""
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.nn.functional as F
 
 DEFAULT_CHUNK_SIZE = 64
+
+
+def check_chunk_size(chunk_size) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer number of tokens, got {chunk_size!r}")
 
 
 def _chunked(t: torch.Tensor, chunk: int) -> torch.Tensor:

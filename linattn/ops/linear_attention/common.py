@@ -2,6 +2,8 @@
 and the numerator's rotation."""
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from ...rotary import apply_rotary
@@ -11,6 +13,11 @@ def check_features(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *,
     names = "(B, H, N, M) features and (B, H, N, Dv) values" if rank == 4 else \
         "(B, H, M) features and (B, H, Dv) values for one token"
     for name, t in (("phi_q", phi_q), ("phi_k", phi_k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be floating point, got {t.dtype}; integer inputs would give "
+                             f"truncated outputs: convert with .float()")
         if t.dim() != rank:
             raise ValueError(f"{name} must have {rank} dimensions, got shape {tuple(t.shape)}; "
                              f"linear attention takes {names}")
@@ -20,6 +27,21 @@ def check_features(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *,
     if phi_q.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"features {tuple(phi_q.shape)} and values {tuple(v.shape)} disagree before "
                          f"the last dimension; expected {names}")
+
+
+def check_nonnegative(phi_q: torch.Tensor, phi_k: torch.Tensor) -> None:
+    """The denominator sums phi_q . phi_k and is only safe to divide by when every term is >= 0.
+    One min() per tensor: a read of N x M, against the op's O(N M (Dv + chunk)) work."""
+    for name, t in (("phi_q", phi_q), ("phi_k", phi_k)):
+        if t.numel() and (low := t.detach().amin()) < 0:
+            raise ValueError(f"{name} has negative entries (min {low.item():.3g}); linear attention needs "
+                             f"non-negative features, since the denominator is a sum of phi_q . phi_k: "
+                             f"use a feature map such as elu(x)+1 or favor")
+
+
+def check_offset(offset) -> None:
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral) or offset < 0:
+        raise ValueError(f"offset must be a non-negative integer position, got {offset!r}")
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ...rotary import DEFAULT_BASE
-from .common import check_features, compute_dtype, divide, numerator_features
+from .common import check_features, check_nonnegative, check_offset, compute_dtype, divide, numerator_features
 
 
 def linear_attention_reference(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *,
@@ -12,6 +12,8 @@ def linear_attention_reference(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torc
                                rope_base: float = DEFAULT_BASE) -> torch.Tensor:
     """The same maths as `linear_attention` with explicit N x N weight matrices."""
     check_features(phi_q, phi_k, v, rank=4)
+    check_nonnegative(phi_q, phi_k)
+    check_offset(offset)
     dtype = compute_dtype(phi_q, phi_k, v)
     phi_q, phi_k, v_c = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
     q_num, k_num = numerator_features(phi_q, phi_k, rotary=rotary, offset=offset, base=rope_base)

@@ -1,0 +1,53 @@
+"""Rotary phases: standard angles, exact at any position, O(dim) memory per position."""
+import mpmath
+import pytest
+import torch
+
+from linattn import LinearAttention
+from linattn.rotary import apply_rotary, rotary_frequencies, rotary_phases
+
+
+def test_rope_pairs_adjacent_coordinates_with_standard_angles():
+    theta = 10000 ** (-torch.arange(0, 6, 2, dtype=torch.float64) / 6)
+    torch.testing.assert_close(rotary_phases(3, 6, dtype=torch.float64)[2].angle(), 2 * theta)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    rotated = apply_rotary(x, offset=7)
+    torch.testing.assert_close(rotated.norm(dim=-1), x.norm(dim=-1))
+    pair = rotated[1, 2:4]                   # position 8, pair i = 1
+    c, s = torch.cos(8 * theta[1]), torch.sin(8 * theta[1])
+    torch.testing.assert_close(pair, torch.stack([c * x[1, 2] - s * x[1, 3], s * x[1, 2] + c * x[1, 3]]))
+
+
+@pytest.mark.parametrize("position", [0, 7, 65535, 65536, 10 ** 5, 10 ** 9, 2 ** 40 + 3, 2 ** 63 - 1])
+def test_phases_match_the_exact_angle_at_any_position(position):
+    """Against p * theta evaluated by mpmath at 50 digits: float64's p * theta alone is off by
+    ~5e-9 at p = 1e9 and by O(1) at 2^62."""
+    phases = rotary_phases(1, 16, offset=position, dtype=torch.float64)[0]
+    with mpmath.workdps(50):
+        exact = [mpmath.expj(mpmath.mpf(position) * theta) for theta in rotary_frequencies(16)]
+    expected = torch.tensor([complex(z) for z in exact], dtype=torch.complex128)
+    assert (phases - expected).abs().max() < 1e-9
+
+
+def test_a_range_of_positions_equals_one_position_at_a_time():
+    """Prefill (a range) and decoding (one token) must rotate a position identically, across the
+    16-bit digit boundary of the angle reduction too."""
+    start = 2 ** 16 - 3
+    ranged = rotary_phases(6, 8, offset=start)
+    single = torch.cat([rotary_phases(1, 8, offset=start + i) for i in range(6)])
+    assert torch.equal(ranged, single)
+
+
+def test_huge_offset_needs_no_table_and_keeps_relative_positions():
+    """offset=10**9 used to allocate a 10^9-row phase table; outputs depend on relative positions."""
+    torch.manual_seed(0)
+    block = LinearAttention(32, 4, feature_map="elu", rope="post", chunk_size=8).double().eval()
+    x = torch.randn(1, 12, 32, dtype=torch.float64)
+    torch.testing.assert_close(block(x, offset=10 ** 9), block(x), rtol=1e-7, atol=1e-8)
+    assert rotary_phases(1, 256, offset=10 ** 12).shape == (1, 128)
+
+
+@pytest.mark.parametrize("offset", [-1, 2.5, True, 2 ** 63])
+def test_bad_offsets_are_refused(offset):
+    with pytest.raises(ValueError, match="offset"):
+        apply_rotary(torch.randn(2, 4), offset=offset)
