@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 import linattn
-from linattn.data import DEFAULT_DATA_DIR, SPLITS, DataError, SequentialWindows, load_split  # moving to .data
+from .data import DEFAULT_DATA_DIR, SPLITS, DataError, SequentialWindows, load_split
 from .checkpoint import CheckpointError, checkpoint_path, load_checkpoint, model_from_checkpoint
 from .cli import EXIT_USAGE, Parser, UsageError, finite_float, import_user_code, integer, pre_parse_imports
 from .lm import ByteLM, bits_per_byte

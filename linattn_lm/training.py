@@ -30,7 +30,7 @@ from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_finite_weights,
 from .cli import (EXIT_ERROR, EXIT_USAGE, Parser, UsageError, add_config_flags, given_settings, import_user_code,
                   pre_parse_imports)
 from .config import TrainConfig, config_differences, config_from_flags
-from linattn.data import DEFAULT_DATA_DIR, DataError, RandomWindows, load_split  # moving to .data
+from .data import DEFAULT_DATA_DIR, DataError, RandomWindows, load_split
 from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss
 from .runtime import (autocast, decode_bytes, keep_freed_memory, peak_memory_mb, reset_peak_memory,
                       resolve_device, summed_loss)

@@ -32,7 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 # The loader owns the format's names and the error users see; this script writes what it reads.
-from linattn.data import META_NAME, SPLITS, DataError
+from linattn_lm.data import META_NAME, SPLITS, DataError
 
 URL = "http://mattmahoney.net/dc/enwik8.zip"
 SCRIPT_DIR = Path(__file__).resolve().parent

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from linattn.data import load_split
+from linattn_lm.data import load_split
 from linattn_lm import ByteLM, RunConfig, TrainConfig, evaluate, save_checkpoint
 
 

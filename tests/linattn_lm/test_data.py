@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from linattn.data import (
+from linattn_lm.data import (
     ByteSplit,
     DataError,
     DataNotFoundError,
@@ -34,7 +34,7 @@ from linattn.data import (
     load_split,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = REPO_ROOT.parent / "shared" / "data" / "enwik8-head.gz"
 SAMPLE_SIZE = 4_154_064
 SAMPLE_SHA256 = "d8b3b95fb4993726ea7dcc93ae3c9e08a1a04cc540d05d7656fd267cc8ab5d6a"
