@@ -172,9 +172,10 @@ def _causal(b, a, v, feature_scale, query_scale, *, rotary, offset, base, length
     feat_decay = torch.exp(feat_first[:, :, :-1] - feat_first[:, :, 1:]).squeeze(-2)
     states = [v.new_zeros(*contributions.shape[:2], *contributions.shape[3:])]
     sums = [v.new_zeros(*key_sums.shape[:2], key_sums.shape[-1])]
-    for k in range(contributions.shape[2]):   # states[k]: the keys before chunk k
-        states.append(pair_decay[:, :, k].unsqueeze(-1) * states[-1] + contributions[:, :, k])
-        sums.append(feat_decay[:, :, k] * sums[-1] + key_sums[:, :, k])
+    # unbind once: indexing chunk k in the loop would give each step a full-size backward (O(K^2))
+    for k, (contribution, key_sum) in enumerate(zip(contributions.unbind(2), key_sums.unbind(2))):
+        states.append(pair_decay[:, :, k].unsqueeze(-1) * states[-1] + contribution)   # before chunk k+1
+        sums.append(feat_decay[:, :, k] * sums[-1] + key_sum)
     states, sums = torch.stack(states, 2), torch.stack(sums, 2)
 
     # 3. intra-chunk, separable with the same scales r, for rows m whose max grew by at most
@@ -193,8 +194,10 @@ def _causal(b, a, v, feature_scale, query_scale, *, rotary, offset, base, length
         num_queries, num_keys = den_queries, den_keys
     past = torch.ones(length, length, dtype=torch.bool, device=a.device).tril()
     intra_num = ((num_queries @ num_keys.transpose(-1, -2)) * past) @ v_c
-    # The denominator needs no L x L scores: a cumulative sum of the keys within the chunk.
-    denominator = (den_queries * (den_keys.cumsum(-2) + sums.unsqueeze(-2))).sum(-1)
+    # The denominator needs no L x L scores: the keys' running sums within the chunk, as a product
+    # with the lower-triangular ones (torch.cumsum along a non-last dimension is slow on CPU).
+    running_keys = past.to(den_keys.dtype) @ den_keys
+    denominator = (den_queries * (running_keys + sums.unsqueeze(-2))).sum(-1)
     rows = (jump > JUMP_LIMIT).nonzero(as_tuple=True)
     if rows[0].numel():   # these rows' intra-chunk parts are replaced; their state parts stay
         exact_num, exact_den = _exact_rows(rows, b_shifted, a_c, v_c, rotary=rotary, base=base)
