@@ -14,6 +14,7 @@ from torch import nn
 
 from .feature_maps import FeatureMap, make_feature_map
 from .functional import BACKENDS, DEFAULT_CHUNK_SIZE, LinearState, linear_attention, linear_attention_step
+from .ops.linear_attention.backends import resolve as resolve_backend
 from .ops.linear_attention.chunk import check_chunk_size
 from .rotary import DEFAULT_BASE, apply_rotary
 
@@ -99,22 +100,28 @@ class LinearAttention(_Projections):
         self.rope, self.causal, self.chunk_size, self.rope_base = rope, causal, chunk_size, rope_base
         self.backend = backend
 
-    def _features(self, q, k, offset: int):
+    def _log_space(self, device: torch.device) -> bool:
+        """Log-features (exact at any input scale) where the map gives them, on the torch backend:
+        the Triton kernels take plain features for now."""
+        return self.feature_map.log_space and resolve_backend(self.backend, device) == "torch"
+
+    def _features(self, q, k, offset: int, log_space: bool):
         if self.rope == "pre":
             q = apply_rotary(q, offset=offset, base=self.rope_base)
             k = apply_rotary(k, offset=offset, base=self.rope_base)
-        if self.feature_map.log_space:   # log-features: stable at any input scale
+        if log_space:
             return (self.feature_map.log_features(q, is_query=True),
                     self.feature_map.log_features(k, is_query=False))
         return self.feature_map(q, is_query=True), self.feature_map(k, is_query=False)
 
     def forward(self, x: torch.Tensor, *, offset: int = 0, return_state: bool = False):
         q, k, v = self._qkv(x, 3)
-        phi_q, phi_k = self._features(q, k, offset)
+        log_space = self._log_space(x.device)
+        phi_q, phi_k = self._features(q, k, offset, log_space)
         result = linear_attention(phi_q, phi_k, v, causal=self.causal, rotary=self.rope == "post",
                                   offset=offset, chunk_size=self.chunk_size,
                                   rope_base=self.rope_base, return_state=return_state,
-                                  backend=self.backend, log_space=self.feature_map.log_space)
+                                  backend=self.backend, log_space=log_space)
         if return_state:
             return self._merge(result[0]), result[1]
         return self._merge(result)
@@ -125,10 +132,11 @@ class LinearAttention(_Projections):
         q, k, v = self._qkv(x_t, 2)
         self._check_state(state, x_t)
         position = 0 if state is None else state.position
-        phi_q, phi_k = self._features(q, k, position)
+        log_space = self._log_space(x_t.device)
+        phi_q, phi_k = self._features(q, k, position, log_space)
         out, state = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], state,
                                            rotary=self.rope == "post", rope_base=self.rope_base,
-                                           log_space=self.feature_map.log_space)
+                                           log_space=log_space)
         return self._merge(out.unsqueeze(2))[:, 0], state
 
     def _check_state(self, state, x_t: torch.Tensor) -> None:

@@ -202,3 +202,16 @@ def test_float32_gradients_stay_finite_for_ragged_lengths_at_large_scale(rotary,
     out = linear_attention(b, a, v, causal=True, rotary=rotary, chunk_size=64, log_space=True)
     out.sum().backward()
     assert torch.isfinite(out).all() and all(torch.isfinite(t.grad).all() for t in (b, a, v))
+
+
+def test_block_takes_log_features_on_the_torch_backend_and_plain_ones_for_triton():
+    """The Triton kernels take plain features; prefill and step decide alike, so states match."""
+    pytest.importorskip("triton")
+    cpu = torch.device("cpu")
+    assert LinearAttention(16, 2, backend="torch")._log_space(cpu)
+    assert not LinearAttention(16, 2, feature_map="elu", backend="torch")._log_space(cpu)
+    block = LinearAttention(16, 2, backend="triton", feature_map_options={"num_features": 16})
+    assert not block._log_space(cpu)      # tests/linattn/ops runs Triton's interpreter on CPU
+    _, state = block(torch.randn(1, 5, 16), return_state=True)
+    _, state = block.step(torch.randn(1, 16), state)
+    assert state.log_scale is None and state.position == 6
