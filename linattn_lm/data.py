@@ -1,21 +1,19 @@
 """Read-only loader for the byte-level enwik8 splits written by data/enwik8/prepare.py.
 
-    split = load_split("data/enwik8", "train")      # uint8 np.memmap + meta.json, sizes validated
-    print(split.description)                          # e.g. "enwik8-head.gz (NON-CANONICAL, 4,154,064 bytes)"
+    data_dir = default_data_dir()                     # the repository's data/enwik8, from any working directory
+    split = load_split(data_dir, "train")             # uint8 np.memmap + meta.json, validated
+    print(split.description)                          # e.g. "enwik8-sample.gz (NON-CANONICAL, 4,154,064 bytes)"
     train = RandomWindows(split, batch_size=32, seq_len=1024, seed=0, rank=rank, world_size=world_size)
     x, y = next(train)                                # int64 (32, 1024) each; y is x shifted by one byte
     state = train.state_dict()                        # resume exactly with train.load_state_dict(state)
-    for x, y in SequentialWindows(load_split("data/enwik8", "val"), batch_size=32, seq_len=1024): ...
+    for x, y in SequentialWindows(load_split(data_dir, "val"), batch_size=32, seq_len=1024): ...
 
-This module never writes data: run data/enwik8/prepare.py (or call its prepare()) first.
-`python -m linattn.data` describes the prepared data; `--bench` measures RandomWindows throughput.
+This module never writes data: run data/enwik8/prepare.py first. `load_meta` is the one check of
+meta.json, shared with `prepare.py --verify`.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -26,10 +24,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 SPLITS = ("train", "val", "test")
 META_NAME = "meta.json"
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DATA_DIR = REPO_ROOT / "data" / "enwik8"
-PREPARE_COMMAND = "python data/enwik8/prepare.py"
-OFFLINE_PREPARE_COMMAND = "python data/enwik8/prepare.py --source ../shared/data/enwik8-head.gz --allow-noncanonical"
+META_FORMAT_VERSION = 1
+VOCAB_SIZE = 256
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -42,18 +38,89 @@ class DataNotFoundError(DataError):
     """No prepared data where it was looked for; the message names the command that prepares it."""
 
 
+def repository_data_dir() -> Path:
+    """Where the repository keeps enwik8, found from this file (an editable install or a checkout)."""
+    return Path(__file__).resolve().parents[1] / "data" / "enwik8"
+
+
+def default_data_dir() -> Path:
+    """The repository's data/enwik8, the same from any working directory."""
+    directory = repository_data_dir()
+    if not (directory / "prepare.py").is_file():
+        raise DataNotFoundError(
+            f"no data/enwik8/prepare.py beside the installed linattn_lm ({directory} does not hold it; "
+            "a non-editable install?): prepare the data from a checkout of the repository and pass --data-dir DIR"
+        )
+    return directory
+
+
+def shown(path: Path) -> str:
+    """`path` relative to the working directory when it lies below it, else absolute: a runnable command."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def prepare_hint(data_dir: Path | str) -> str:
-    """The command(s) that would (re)prepare `data_dir` (prepare.py itself detects what is wrong)."""
-    is_default = Path(data_dir).resolve() == DEFAULT_DATA_DIR
+    """The command that would (re)prepare `data_dir` (prepare.py itself detects what is wrong)."""
+    script = repository_data_dir() / "prepare.py"
+    command = f"python {shown(script)}" if script.is_file() else "python data/enwik8/prepare.py (in the repository)"
+    is_default = Path(data_dir).resolve() == script.parent
     out_dir = "" if is_default else f" --out-dir {data_dir}"
-    return f"run {PREPARE_COMMAND}{out_dir} (or {OFFLINE_PREPARE_COMMAND}{out_dir} offline)"
+    return f"run {command}{out_dir} (offline, it uses the sample bundled with the repository)"
 
 
-# ----------------------------------------------------------------------------- prepared splits
+# ----------------------------------------------------------------------------- meta.json
+
+# Each key of meta.json that a reader relies on, with the type it must have.
+META_FIELDS = {"format_version": int, "description": str, "canonical": bool, "vocab_size": int,
+               "source": dict, "splits": dict}
+SOURCE_FIELDS = {"size": int, "sha256": str, "md5": str}
+SPLIT_FIELDS = {"start": int, "end": int, "size": int, "sha256": str}
 
 
-def load_meta(data_dir: Path | str = DEFAULT_DATA_DIR) -> dict[str, Any]:
-    """meta.json of a prepared data directory."""
+def field_problem(record: Any, fields: dict[str, type], where: str) -> str | None:
+    """What is missing or mistyped in `record` (a JSON object), or None."""
+    if not isinstance(record, dict):
+        return f"{where} is {type(record).__name__}, not an object"
+    for key, kind in fields.items():
+        if key not in record:
+            return f"{where} lacks {key!r}"
+        value = record[key]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            return f"{where}[{key!r}] is {value!r}, not {'an integer' if kind is int else kind.__name__}"
+    return None
+
+
+def meta_problem(meta: Any) -> str | None:
+    """Why `meta` is not a meta.json that prepare.py wrote, or None: keys, types and split arithmetic."""
+    problem = field_problem(meta, META_FIELDS, "meta.json")
+    if problem:
+        return problem
+    if meta["format_version"] != META_FORMAT_VERSION:
+        return f"format_version is {meta['format_version']}, this loader reads {META_FORMAT_VERSION}"
+    if meta["vocab_size"] != VOCAB_SIZE:
+        return f"vocab_size is {meta['vocab_size']}, byte-level data has {VOCAB_SIZE}"
+    problem = field_problem(meta["source"], SOURCE_FIELDS, "source")
+    for name in SPLITS:
+        problem = problem or field_problem(meta["splits"].get(name), SPLIT_FIELDS, f"splits[{name!r}]")
+    if problem:
+        return problem
+    position = 0
+    for name in SPLITS:
+        split = meta["splits"][name]
+        if split["start"] != position or split["size"] != split["end"] - split["start"] or split["size"] < 0:
+            return f"splits[{name!r}] (start {split['start']}, end {split['end']}, size {split['size']}) " \
+                   f"does not continue the previous split at {position}"
+        position = split["end"]
+    if position != meta["source"]["size"]:
+        return f"the splits end at {position}, but the source has {meta['source']['size']} bytes"
+    return None
+
+
+def load_meta(data_dir: Path | str) -> dict[str, Any]:
+    """meta.json of a prepared data directory, validated once here for every reader."""
     path = Path(data_dir) / META_NAME
     if not path.is_file():
         if any((Path(data_dir) / f"{name}.bin").exists() for name in SPLITS):
@@ -64,16 +131,17 @@ def load_meta(data_dir: Path | str = DEFAULT_DATA_DIR) -> dict[str, Any]:
         raise DataNotFoundError(f"data not found at {path}: {prepare_hint(data_dir)}")
     try:
         meta = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise DataError(f"unreadable {path} ({error}): {prepare_hint(data_dir)}") from None
-    required = ("splits", "description", "canonical", "vocab_size")
-    missing = [key for key in required if key not in meta] if isinstance(meta, dict) else list(required)
-    if missing:
-        raise DataError(f"{path} lacks {', '.join(missing)}: {prepare_hint(data_dir)}")
+    except (OSError, UnicodeDecodeError) as error:
+        raise DataError(f"cannot read {path} ({error}): {prepare_hint(data_dir)}") from None
+    except ValueError as error:
+        raise DataError(f"{path} is not valid JSON ({error}; hand-edited?): {prepare_hint(data_dir)}") from None
+    problem = meta_problem(meta)
+    if problem:
+        raise DataError(f"{path} is malformed: {problem} (hand-edited?): {prepare_hint(data_dir)}")
     return meta
 
 
-def describe_data(data_dir: Path | str = DEFAULT_DATA_DIR) -> str:
+def describe_data(data_dir: Path | str) -> str:
     """Human-readable description of the prepared data, for training logs and eval reports."""
     return str(load_meta(data_dir)["description"])
 
@@ -106,7 +174,7 @@ class ByteSplit:
         return int(self.meta["vocab_size"])
 
 
-def load_split(data_dir: Path | str = DEFAULT_DATA_DIR, split: str = "train") -> ByteSplit:
+def load_split(data_dir: Path | str, split: str) -> ByteSplit:
     """Memory-map `<data_dir>/<split>.bin`, checking its size against meta.json."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
@@ -114,7 +182,7 @@ def load_split(data_dir: Path | str = DEFAULT_DATA_DIR, split: str = "train") ->
     if not path.is_file():
         raise DataNotFoundError(f"data not found at {path}: {prepare_hint(data_dir)}")
     meta = load_meta(data_dir)
-    expected_size = int(meta["splits"][split]["size"])
+    expected_size = meta["splits"][split]["size"]
     actual_size = path.stat().st_size
     if actual_size != expected_size:
         raise DataError(
@@ -258,48 +326,3 @@ class SequentialWindows:
             start = self.num_full_windows * self.seq_len
             tail = np.asarray(self.data[start : start + self.remainder + 1], dtype=np.int64)
             yield torch.from_numpy(tail[None, :-1].copy()), torch.from_numpy(tail[None, 1:].copy())
-
-
-# ----------------------------------------------------------------------------- CLI
-
-
-def benchmark(split: ByteSplit, batch_size: int, seq_len: int, seconds: float) -> float:
-    """RandomWindows throughput in windows per second (after a short warm-up that pages the data in)."""
-    windows = RandomWindows(split, batch_size, seq_len, seed=0)
-    for _ in range(20):
-        next(windows)
-    batches, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
-        next(windows)
-        batches += 1
-    return batches * batch_size / elapsed
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Describe the prepared enwik8 data, or benchmark the loader.")
-    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
-                        help="prepared data directory (default: %(default)s)")
-    parser.add_argument("--bench", action="store_true", help="measure RandomWindows throughput on a split")
-    parser.add_argument("--split", choices=SPLITS, default="train", help="split to benchmark (default: train)")
-    parser.add_argument("--batch-size", type=int, default=32, help="windows per batch (default: 32)")
-    parser.add_argument("--seq-len", type=int, default=1024, help="bytes per window (default: 1024)")
-    parser.add_argument("--seconds", type=float, default=3.0, help="benchmark duration (default: 3)")
-    args = parser.parse_args(argv)
-    try:
-        splits = {name: load_split(args.data_dir, name) for name in SPLITS}
-    except DataError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(f"data: {splits['train'].description} in {args.data_dir}")
-    for name, split in splits.items():
-        print(f"  {name:<5} {len(split):>12,} bytes")
-    if args.bench:
-        rate = benchmark(splits[args.split], args.batch_size, args.seq_len, args.seconds)
-        mib_per_s = rate * args.seq_len / 2**20
-        print(f"RandomWindows on {args.split}, batch {args.batch_size} x {args.seq_len} bytes: "
-              f"{rate:,.0f} windows/s ({rate / args.batch_size:,.0f} batches/s, {mib_per_s:,.0f} MiB/s of input)")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

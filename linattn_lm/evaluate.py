@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 import linattn
-from .data import DEFAULT_DATA_DIR, SPLITS, DataError, SequentialWindows, load_split
+from .data import SPLITS, DataError, SequentialWindows, default_data_dir, load_split
 from .checkpoint import CheckpointError, checkpoint_path, load_checkpoint, model_from_checkpoint
 from .cli import EXIT_USAGE, Parser, UsageError, finite_float, import_user_code, integer, pre_parse_imports
 from .lm import ByteLM, bits_per_byte
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             print(sample_text(model, args, device))
             return 0
         run = checkpoint["config"].get("run")
-        data_dir = args.data_dir or (run.get("data_dir") if isinstance(run, dict) else "") or str(DEFAULT_DATA_DIR)
+        data_dir = args.data_dir or (run.get("data_dir") if isinstance(run, dict) else "") or str(default_data_dir())
         split = load_split(data_dir, args.split)
         data = split.data[:args.max_bytes] if args.max_bytes else split.data
         print(f"data: {split.description} from {data_dir}, {args.split} split, "

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SAMPLE = REPO_ROOT.parent / "shared" / "data" / "enwik8-head.gz"
+SAMPLE = REPO_ROOT / "data" / "enwik8" / "enwik8-sample.gz"   # bundled with the repository
 SLICE_BYTES = 400_000     # -> train 360,000 / val 20,000 / test 20,000 bytes
 
 
@@ -39,8 +39,6 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The first SLICE_BYTES of the enwik8 sample, split by data/enwik8/prepare.py."""
-    if not SAMPLE.exists():
-        pytest.skip(f"{SAMPLE} not present")
     out_dir = tmp_path_factory.mktemp("enwik8-slice")
     raw = out_dir / "enwik8-slice"
     with gzip.open(SAMPLE, "rb") as file:
