@@ -43,13 +43,14 @@ every row of the chunk:
        num(m, n) = sum_i cos(phi) (e^{b_m,2i + a_n,2i - Q_m} + e^{b_m,2i+1 + a_n,2i+1 - Q_m})
                        + sin(phi) (e^{b_m,2i + a_n,2i+1 - Q_m} - e^{b_m,2i+1 + a_n,2i - Q_m})
    with phi = (m - n) theta_i, since (R_m x)^T (R_n y) = Re((x_1 + i x_2)(y_1 - i y_2) e^{i phi});
-   that costs 2 L M exps per such row and runs under activation checkpointing, a group at a time.
-   Whether a row is recomputed depends on positions <= m only.
+   that costs 2 L M exps per such row.  Whether a row is recomputed depends on positions <= m only.
 
 Nothing at position m reads a position after m (the keys after m in its chunk are masked, and
 their factors are capped so that nothing masked is inf), and every reduction has the same shape
 whatever comes later, so past outputs are bitwise unchanged when future tokens change.  Gradients
-come from autograd through these torch ops; memory is O(N (M + Dv) + N M Dv / L).
+come from autograd through these torch ops, with groups of chunks (GROUP_TOKENS) under activation
+checkpointing: backward recomputes one group at a time, so what stays in memory is the inputs, the
+scales and one state per group.
 
 The recurrent state of decoding keeps F (`LinearState.log_scale`): kv is scaled by e^{-P}, k_sum by
 e^{-F}, and each step rescales them by the growth of the maxima, as online softmax does.
@@ -66,7 +67,8 @@ from .common import compute_dtype, divide
 
 JUMP_LIMIT = 30.0      # a row whose running max grew more than this within its chunk is computed exactly
 NUMERATOR_CAP = 30.0   # numerator query factors are capped at e^30 (saturation beyond float32, see above)
-GROUP_ELEMENTS = 2 ** 22  # exact rows per checkpointed group: rows * L * M elements
+GROUP_ELEMENTS = 2 ** 22  # exact rows per group: rows * L * M elements
+GROUP_TOKENS = 1024       # tokens per checkpointed group of chunks
 
 
 def pair_max(x: torch.Tensor) -> torch.Tensor:
@@ -156,34 +158,61 @@ def _causal(b, a, v, feature_scale, query_scale, *, rotary, offset, base, length
     # Padding is -inf in log space: padded keys weigh nothing and padded queries read nothing.
     b_c, a_c, v_c = _chunks(b, length, float("-inf")), _chunks(a, length, float("-inf")), _chunks(v, length, 0.0)
     q_scale = _chunks(query_scale, length, 0.0)
-    starts = torch.arange(b_c.shape[2], device=a.device) * length
+    chunks = b_c.shape[2]
+    starts = torch.arange(chunks, device=a.device) * length
     # Every chunk works relative to the scales at its first token r (a past position for each row).
     pair_first, feat_first = pair_scale[..., starts, :].unsqueeze(-2), feature_scale[..., starts, :].unsqueeze(-2)
+    with torch.no_grad():   # how far each row's max grew since its chunk's first token
+        jump = (_chunks(feature_scale, length, float("-inf")) - feat_first).amax(-1)    # (B, H, K, L)
+    # Groups of chunks run under activation checkpointing, carrying the state from one to the next:
+    # backward recomputes one group at a time, so memory holds one group's temporaries.
+    group = max(1, GROUP_TOKENS // length)
+    state = v.new_zeros(*v.shape[:2], a.shape[-1], v.shape[-1])
+    key_sum = v.new_zeros(*v.shape[:2], a.shape[-1])
+    outputs = []
+    for start in range(0, chunks, group):
+        part, end = slice(start, start + group), min(start + group, chunks)
+        following = (pair_first[:, :, end:end + 1], feat_first[:, :, end:end + 1]) if end < chunks else (None, None)
+        inputs = (b_c[:, :, part], a_c[:, :, part], v_c[:, :, part], q_scale[:, :, part], pair_first[:, :, part],
+                  feat_first[:, :, part], *following, jump[:, :, part], state, key_sum)
+        run = partial(checkpoint, _chunk_group, use_reentrant=False) if torch.is_grad_enabled() else _chunk_group
+        out, state, key_sum = run(*inputs, rotary=rotary, offset=offset + start * length, base=base)
+        outputs.append(out)
+    return torch.cat(outputs, 2).flatten(2, 3)[..., :n, :]
 
-    # 2. inter-chunk: the state before chunk k+1 is scaled to its first token, so chunk k's keys are
-    # scaled by e^(a_n - r_{k+1}) <= 1 and the state before k by e^(r_k - r_{k+1}) <= 1.
+
+def _chunk_group(b_c, a_c, v_c, q_scale, pair_first, feat_first, pair_next, feat_next, jump, state, key_sum,
+                 *, rotary, offset, base):
+    """Chunks (B, H, G, L, .) given the state before the first (scaled to its first token's scales);
+    returns their outputs and the state before the next chunk (pair_next/feat_next: its scales,
+    None after the last chunk)."""
+    length = a_c.shape[-2]
+
     def rotate(x):
         return _rotate(x.flatten(2, 3), rotary, offset, base).unflatten(2, (-1, length))
 
-    keys = rotate(torch.exp(a_c[:, :, :-1] - pair_first[:, :, 1:]))              # chunks 0..K-2
-    contributions = keys.transpose(-1, -2) @ v_c[:, :, :-1]                      # (B, H, K-1, M, Dv)
-    key_sums = torch.exp(a_c[:, :, :-1] - feat_first[:, :, 1:]).sum(-2)
-    pair_decay = torch.exp(pair_first[:, :, :-1] - pair_first[:, :, 1:]).squeeze(-2)
-    feat_decay = torch.exp(feat_first[:, :, :-1] - feat_first[:, :, 1:]).squeeze(-2)
-    states = [v.new_zeros(*contributions.shape[:2], *contributions.shape[3:])]
-    sums = [v.new_zeros(*key_sums.shape[:2], key_sums.shape[-1])]
+    # 2. inter-chunk: the state before chunk k+1 is scaled to its first token, so chunk k's keys are
+    # scaled by e^(a_n - r_{k+1}) <= 1 and the state before k by e^(r_k - r_{k+1}) <= 1.
+    pair_to = pair_first[:, :, 1:] if pair_next is None else torch.cat((pair_first[:, :, 1:], pair_next), 2)
+    feat_to = feat_first[:, :, 1:] if feat_next is None else torch.cat((feat_first[:, :, 1:], feat_next), 2)
+    used = pair_to.shape[2]   # every chunk but the very last one feeds a later state
+    keys = _rotate(torch.exp(a_c[:, :, :used] - pair_to).flatten(2, 3), rotary, offset, base).unflatten(2, (-1, length))
+    contributions = keys.transpose(-1, -2) @ v_c[:, :, :used]                   # (B, H, used, M, Dv)
+    key_sums = torch.exp(a_c[:, :, :used] - feat_to).sum(-2)
+    pair_decay = torch.exp(pair_first[:, :, :used] - pair_to).squeeze(-2)
+    feat_decay = torch.exp(feat_first[:, :, :used] - feat_to).squeeze(-2)
+    states, sums = [state], [key_sum]
     # unbind once: indexing chunk k in the loop would give each step a full-size backward (O(K^2))
-    for k, (contribution, key_sum) in enumerate(zip(contributions.unbind(2), key_sums.unbind(2))):
+    for k, (contribution, chunk_sum) in enumerate(zip(contributions.unbind(2), key_sums.unbind(2))):
         states.append(pair_decay[:, :, k].unsqueeze(-1) * states[-1] + contribution)   # before chunk k+1
-        sums.append(feat_decay[:, :, k] * sums[-1] + key_sum)
-    states, sums = torch.stack(states, 2), torch.stack(sums, 2)
+        sums.append(feat_decay[:, :, k] * sums[-1] + chunk_sum)
+    chunks = a_c.shape[2]
+    before = torch.stack(states[:chunks], 2), torch.stack(sums[:chunks], 2)
 
     # 3. intra-chunk, separable with the same scales r, for rows m whose max grew by at most
     # JUMP_LIMIT since r: then e^(a_n - r) <= e^JUMP_LIMIT for n <= m and e^(b_m + r - Q_m) <= 1
     # (denominator), so nothing overflows and what underflows is below e^-57 of the denominator.
     # The cap on keys only touches keys after m (masked) and the rows computed exactly below.
-    with torch.no_grad():
-        jump = (_chunks(feature_scale, length, float("-inf")) - feat_first).amax(-1)           # (B, H, K, L)
     b_shifted = b_c - q_scale
     den_queries = torch.exp(b_shifted + feat_first)
     den_keys = torch.exp(a_c - _capped_reference(a_c, feat_first))
@@ -192,20 +221,21 @@ def _causal(b, a, v, feature_scale, query_scale, *, rotary, offset, base, length
         num_keys = rotate(torch.exp(a_c - _capped_reference(a_c, pair_first)))
     else:
         num_queries, num_keys = den_queries, den_keys
-    past = torch.ones(length, length, dtype=torch.bool, device=a.device).tril()
+    past = torch.ones(length, length, dtype=torch.bool, device=a_c.device).tril()
     intra_num = ((num_queries @ num_keys.transpose(-1, -2)) * past) @ v_c
     # The denominator needs no L x L scores: the keys' running sums within the chunk, as a product
     # with the lower-triangular ones (torch.cumsum along a non-last dimension is slow on CPU).
     running_keys = past.to(den_keys.dtype) @ den_keys
-    denominator = (den_queries * (running_keys + sums.unsqueeze(-2))).sum(-1)
+    state_sums = before[1].unsqueeze(-2)
+    denominator = (den_queries * (running_keys + state_sums)).sum(-1)
     rows = (jump > JUMP_LIMIT).nonzero(as_tuple=True)
     if rows[0].numel():   # these rows' intra-chunk parts are replaced; their state parts stay
         exact_num, exact_den = _exact_rows(rows, b_shifted, a_c, v_c, rotary=rotary, base=base)
         intra_num = intra_num.index_put(rows, exact_num)
-        state_part = (den_queries[rows] * sums.unsqueeze(-2).expand_as(den_queries)[rows]).sum(-1)
+        state_part = (den_queries[rows] * state_sums.expand_as(den_queries)[rows]).sum(-1)
         denominator = denominator.index_put(rows, state_part + exact_den)
-    numerator = num_queries @ states + intra_num
-    return divide(numerator.flatten(2, 3), denominator.flatten(2, 3))[..., :n, :]
+    numerator = num_queries @ before[0] + intra_num
+    return divide(numerator, denominator), states[-1], sums[-1]
 
 
 def _capped_reference(a, first):
@@ -217,7 +247,7 @@ def _capped_reference(a, first):
 
 def _exact_rows(rows, b_shifted, a, v, *, rotary, base):
     """The intra-chunk sums of the given rows (index tuples into (B, H, K, L)), exactly per
-    (m, n, j), a checkpointed group of rows at a time.  b_shifted = b - Q."""
+    (m, n, j), a bounded group of rows at a time.  b_shifted = b - Q."""
     length, m = a.shape[-2:]
     phases = rotary_phases(length, m, base=base, device=a.device, dtype=a.dtype) if rotary else None
     group = max(1, GROUP_ELEMENTS // (length * m))
@@ -225,9 +255,7 @@ def _exact_rows(rows, b_shifted, a, v, *, rotary, base):
     for start in range(0, rows[0].numel(), group):
         index = tuple(i[start:start + group] for i in rows)
         pieces = (b_shifted[index], a[index[:3]], v[index[:3]], index[3])
-        run = partial(checkpoint, _exact_row_sums, use_reentrant=False) if torch.is_grad_enabled() \
-            else _exact_row_sums
-        num, den = run(*pieces, phases)
+        num, den = _exact_row_sums(*pieces, phases)
         num_parts.append(num)
         den_parts.append(den)
     return torch.cat(num_parts), torch.cat(den_parts)

@@ -101,8 +101,10 @@ def test_gradients_match_the_reference(rotary):
         torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
 
 
+@pytest.mark.parametrize("group_tokens", [16, 1024])
 @pytest.mark.parametrize("rotary", [True, False])
-def test_past_outputs_are_bitwise_unchanged_when_future_tokens_change(rotary):
+def test_past_outputs_are_bitwise_unchanged_when_future_tokens_change(rotary, group_tokens, monkeypatch):
+    monkeypatch.setattr(stable, "GROUP_TOKENS", group_tokens)
     b, a = log_features(1, 2, 40, 8, scale=50, dtype=torch.float32), \
         log_features(1, 2, 40, 8, scale=50, dtype=torch.float32, seed=1)
     v = log_features(1, 2, 40, 4, scale=1, dtype=torch.float32, seed=2)
@@ -215,3 +217,20 @@ def test_block_takes_log_features_on_the_torch_backend_and_plain_ones_for_triton
     _, state = block(torch.randn(1, 5, 16), return_state=True)
     _, state = block.step(torch.randn(1, 16), state)
     assert state.log_scale is None and state.position == 6
+
+
+@pytest.mark.parametrize("group_tokens", [1, 8, 1024])
+@pytest.mark.parametrize("rotary", [True, False])
+def test_checkpointed_groups_of_chunks_carry_the_state_in_values_and_gradients(group_tokens, rotary, monkeypatch):
+    monkeypatch.setattr(stable, "GROUP_TOKENS", group_tokens)
+    b, a = query_log_features(1, 2, 23, 6, scale=30), log_features(1, 2, 23, 6, scale=30, seed=1)
+    v = log_features(1, 2, 23, 3, scale=1, seed=2)
+    inputs = [t.clone().requires_grad_(True) for t in (b, a, v)]
+    expected = [t.clone().requires_grad_(True) for t in (b, a, v)]
+    out = linear_attention(*inputs, causal=True, rotary=rotary, chunk_size=4, offset=2, log_space=True)
+    ref = log_space_reference(*expected, causal=True, rotary=rotary, offset=2)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    weights = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad((out * weights).sum(), inputs),
+                         torch.autograd.grad((ref * weights).sum(), expected)):
+        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
