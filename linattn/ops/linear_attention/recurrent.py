@@ -72,7 +72,7 @@ def _log_step(b, a, v, state: LinearState, *, rotary: bool, rope_base: float, ou
     key = torch.exp(a - pair_new)
     query = numerator_query(b + pair_new - query_scale)
     if rotary:
-        key, query = _rotate_token(key, state.position, rope_base), _rotate_token(query, state.position, rope_base)
+        key, query = (_rotate_token(t, state.position, rope_base) for t in (key, query))
     kv = torch.exp(pair_old - pair_new).unsqueeze(-1) * state.kv + key.unsqueeze(-1) * v.unsqueeze(-2)
     k_sum = torch.exp(feat_old - feat_new) * state.k_sum + torch.exp(a - feat_new)
     numerator = (query.unsqueeze(-2) @ kv).squeeze(-2)

@@ -156,12 +156,14 @@ def _causal(b, a, v, feature_scale, query_scale, *, rotary, offset, base, length
     n = a.shape[-2]
     pair_scale = numerator_scale(feature_scale, rotary)
     # Padding is -inf in log space: padded keys weigh nothing and padded queries read nothing.
-    b_c, a_c, v_c = _chunks(b, length, float("-inf")), _chunks(a, length, float("-inf")), _chunks(v, length, 0.0)
+    b_c, a_c = _chunks(b, length, float("-inf")), _chunks(a, length, float("-inf"))
+    v_c = _chunks(v, length, 0.0)
     q_scale = _chunks(query_scale, length, 0.0)
     chunks = b_c.shape[2]
     starts = torch.arange(chunks, device=a.device) * length
     # Every chunk works relative to the scales at its first token r (a past position for each row).
-    pair_first, feat_first = pair_scale[..., starts, :].unsqueeze(-2), feature_scale[..., starts, :].unsqueeze(-2)
+    pair_first = pair_scale[..., starts, :].unsqueeze(-2)
+    feat_first = feature_scale[..., starts, :].unsqueeze(-2)
     with torch.no_grad():   # how far each row's max grew since its chunk's first token
         jump = (_chunks(feature_scale, length, float("-inf")) - feat_first).amax(-1)    # (B, H, K, L)
     # Groups of chunks run under activation checkpointing, carrying the state from one to the next:
@@ -172,10 +174,12 @@ def _causal(b, a, v, feature_scale, query_scale, *, rotary, offset, base, length
     outputs = []
     for start in range(0, chunks, group):
         part, end = slice(start, start + group), min(start + group, chunks)
-        following = (pair_first[:, :, end:end + 1], feat_first[:, :, end:end + 1]) if end < chunks else (None, None)
-        inputs = (b_c[:, :, part], a_c[:, :, part], v_c[:, :, part], q_scale[:, :, part], pair_first[:, :, part],
-                  feat_first[:, :, part], *following, jump[:, :, part], state, key_sum)
-        run = partial(checkpoint, _chunk_group, use_reentrant=False) if torch.is_grad_enabled() else _chunk_group
+        following = (pair_first[:, :, end:end + 1], feat_first[:, :, end:end + 1]) if end < chunks \
+            else (None, None)
+        inputs = (*(t[:, :, part] for t in (b_c, a_c, v_c, q_scale, pair_first, feat_first)),
+                  *following, jump[:, :, part], state, key_sum)
+        run = partial(checkpoint, _chunk_group, use_reentrant=False) if torch.is_grad_enabled() \
+            else _chunk_group
         out, state, key_sum = run(*inputs, rotary=rotary, offset=offset + start * length, base=base)
         outputs.append(out)
     return torch.cat(outputs, 2).flatten(2, 3)[..., :n, :]
@@ -196,7 +200,7 @@ def _chunk_group(b_c, a_c, v_c, q_scale, pair_first, feat_first, pair_next, feat
     pair_to = pair_first[:, :, 1:] if pair_next is None else torch.cat((pair_first[:, :, 1:], pair_next), 2)
     feat_to = feat_first[:, :, 1:] if feat_next is None else torch.cat((feat_first[:, :, 1:], feat_next), 2)
     used = pair_to.shape[2]   # every chunk but the very last one feeds a later state
-    keys = _rotate(torch.exp(a_c[:, :, :used] - pair_to).flatten(2, 3), rotary, offset, base).unflatten(2, (-1, length))
+    keys = rotate(torch.exp(a_c[:, :, :used] - pair_to))
     contributions = keys.transpose(-1, -2) @ v_c[:, :, :used]                   # (B, H, used, M, Dv)
     key_sums = torch.exp(a_c[:, :, :used] - feat_to).sum(-2)
     pair_decay = torch.exp(pair_first[:, :, :used] - pair_to).squeeze(-2)
