@@ -116,9 +116,14 @@ def download_corpus(out_dir: Path, download: Download) -> bytes:
         )
     except (OSError, ValueError) as error:  # requests' errors are OSErrors; a hash mismatch is a ValueError
         raise DataError(f"downloading {download.url} failed: {error}") from None
-    data = read_source(Path(zip_path), download.member)
-    if Digest.of(data) != download.corpus:
-        raise DataError(f"member {download.member!r} of {zip_path} is {Digest.of(data)}, expected {download.corpus}")
+    try:
+        data = read_source(Path(zip_path), download.member)
+        if Digest.of(data) != download.corpus:
+            raise DataError(f"member {download.member!r} of {zip_path} is {Digest.of(data)}, "
+                            f"expected {download.corpus}")
+    except DataError:
+        Path(zip_path).unlink()  # the next run downloads again rather than trusting this zip
+        raise
     return data
 
 
