@@ -17,17 +17,15 @@ denominator is clamped away from zero only where it underflows.  The backends li
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .ops.linear_attention import backends
-from .ops.linear_attention.chunk import (DEFAULT_CHUNK_SIZE, causal_denominator, causal_product,
-                                         check_chunk_size)
+from .ops.linear_attention.chunk import DEFAULT_CHUNK_SIZE, causal_attention, check_chunk_size
 from .ops.linear_attention.common import (check_features, check_nonnegative, check_offset, compute_dtype,
                                           divide, numerator_features)
 from .ops.linear_attention.naive import linear_attention_reference, softmax_attention_reference
 from .ops.linear_attention.stable import log_linear_attention
 from .ops.linear_attention.recurrent import LinearState, initial_state, linear_attention_step
-from .rotary import DEFAULT_BASE
+from .rotary import DEFAULT_BASE, rotary_phases
 
 BACKENDS = backends.BACKENDS
 
@@ -71,20 +69,15 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
                                       rope_base=rope_base, return_state=return_state)
     out_dtype, dtype = v.dtype, compute_dtype(phi_q, phi_k, v)
     with torch.autocast(phi_q.device.type, enabled=False):
-        phi_q, phi_k, v = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
+        phi_q, phi_k, v = phi_q.to(dtype).contiguous(), phi_k.to(dtype).contiguous(), v.to(dtype)
+        n, m = phi_q.shape[-2:]
+        if causal:
+            phases = rotary_phases(n, m, offset=offset, base=rope_base, device=phi_q.device,
+                                   dtype=dtype) if rotary else None
+            out, kv, k_sum = causal_attention(phi_q, phi_k, v, phases, chunk_size)
+            out = out.to(out_dtype)
+            return (out, LinearState(kv, k_sum, offset + n)) if return_state else out
         q_num, k_num = numerator_features(phi_q, phi_k, rotary=rotary, offset=offset, base=rope_base)
-        if causal and rotary:
-            numerator = causal_product(q_num, k_num, v, chunk_size)
-            denominator = causal_denominator(phi_q, phi_k, chunk_size)
-        elif causal:  # unrotated features serve both: the denominator is a value column of ones
-            both = causal_product(phi_q, phi_k, F.pad(v, (0, 1), value=1.0), chunk_size)
-            numerator, denominator = both[..., :-1], both[..., -1]
-        else:
-            numerator = q_num @ (k_num.transpose(-1, -2) @ v)
-            denominator = phi_q @ phi_k.sum(dim=-2).unsqueeze(-1)
-            denominator = denominator.squeeze(-1)
-        out = divide(numerator, denominator).to(out_dtype)
-        if not return_state:
-            return out
-        state = LinearState(k_num.transpose(-1, -2) @ v, phi_k.sum(dim=-2), offset + phi_q.shape[-2])
-    return out, state
+        numerator = q_num @ (k_num.transpose(-1, -2) @ v)
+        denominator = (phi_q @ phi_k.sum(dim=-2).unsqueeze(-1)).squeeze(-1)
+        return divide(numerator, denominator).to(out_dtype)

@@ -1,10 +1,22 @@
-"""The torch backend: causal products in chunks of `chunk` tokens with custom autograd, O(N) memory."""
+"""The torch backend: causal Eq. 19 chunk by chunk with custom autograd, O(N) time and memory.
+
+One loop over chunks of L tokens carries the M x Dv state S = sum_n (R_n k_n) v_n^T and the
+M-vector z = sum_n k_n of the tokens before the chunk; inside a chunk the products are exact:
+
+    out_m = [(R_m q_m)^T S + sum_{n<=m in chunk} (R_m q_m . R_n k_n) v_n] / [q_m . (z + sum_{n<=m} k_n)]
+
+Every temporary is per chunk, so nothing N x M is allocated besides the inputs, and the backward
+pass recomputes the rotation, the scores and the states (a forward loop for dq, a reverse loop
+for dk and dv, as flash-linear-attention's fused_chunk kernels do): it saves q, k, v, the output
+and the denominator only.  Per chunk the work is a handful of (L x M) @ (M x Dv) products.
+"""
 from __future__ import annotations
 
 import numbers
 
 import torch
-import torch.nn.functional as F
+
+from .common import divide
 
 DEFAULT_CHUNK_SIZE = 64
 
@@ -14,101 +26,93 @@ def check_chunk_size(chunk_size) -> None:
         raise ValueError(f"chunk_size must be a positive integer number of tokens, got {chunk_size!r}")
 
 
-def _chunked(t: torch.Tensor, chunk: int) -> torch.Tensor:
-    """(B, H, N, X) -> (B, H, C, chunk, X), zero-padded: zero features contribute nothing."""
-    pad = -t.shape[-2] % chunk
-    return (F.pad(t, (0, 0, 0, pad)) if pad else t).unflatten(-2, (-1, chunk))
+def _rotate(x: torch.Tensor, phases: torch.Tensor | None, *, inverse: bool = False) -> torch.Tensor:
+    """x (B, H, L, M) times e^(i p theta) per pair (its transpose, e^(-i p theta), with inverse)."""
+    if phases is None:
+        return x
+    pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * (phases.conj() if inverse else phases)).flatten(-2)
 
 
-def _exclusive_scan(x: torch.Tensor, *, reverse: bool = False) -> torch.Tensor:
-    """Sum of the chunks before (or after) each chunk along dim 2.  A loop of in-place adds over
-    C chunks: torch.cumsum along a non-last dimension is several times slower on CPU."""
-    out = torch.empty_like(x)
-    running = torch.zeros_like(x[:, :, 0])
-    chunks = range(x.shape[2] - 1, -1, -1) if reverse else range(x.shape[2])
-    for j in chunks:
-        out[:, :, j] = running
-        running += x[:, :, j]
-    return out
+def _chunks(n: int, chunk: int):
+    return [slice(start, min(start + chunk, n)) for start in range(0, n, chunk)]
 
 
-def _causal_product_forward(q, k, v, chunk: int):
-    """Output plus what backward reuses: the masked chunk scores (N x chunk) and the state before
-    each chunk (N/chunk x M x Dv), both linear in N; no per-token M x Dv products."""
-    n = q.shape[-2]
-    q, k, v = (_chunked(t, chunk) for t in (q, k, v))
-    earlier = _exclusive_scan(k.transpose(-1, -2) @ v)               # (B, H, C, M, Dv)
-    scores = (q @ k.transpose(-1, -2)).tril_()                        # (B, H, C, chunk, chunk)
-    out = torch.baddbmm((q @ earlier).flatten(0, 2), scores.flatten(0, 2), v.flatten(0, 2))
-    return out.view(q.shape[:-1] + v.shape[-1:]).flatten(2, 3)[:, :, :n], scores, earlier
+def _lower(x: torch.Tensor) -> torch.Tensor:
+    return x.tril_()
 
 
-def _causal_product_backward(q, k, v, scores, earlier, grad, chunk: int):
-    n = q.shape[-2]
-    q, k, v, grad = (_chunked(t, chunk) for t in (q, k, v, grad))
-    later = _exclusive_scan(q.transpose(-1, -2) @ grad, reverse=True)  # sum_{m after} q_m g_m^T
-    d_scores = (grad @ v.transpose(-1, -2)).tril_()
-    flat = lambda t: t.flatten(0, 2)
-    dq = torch.baddbmm(flat(grad @ earlier.transpose(-1, -2)), flat(d_scores), flat(k))
-    dk = torch.baddbmm(flat(v @ later.transpose(-1, -2)), flat(d_scores.transpose(-1, -2)), flat(q))
-    dv = torch.baddbmm(flat(k @ later), flat(scores.transpose(-1, -2)), flat(grad))
-    return [d.view(t.shape).flatten(2, 3)[:, :, :n] for d, t in ((dq, q), (dk, k), (dv, v))]
-
-
-class _CausalProduct(torch.autograd.Function):
-    """sum_{n<=m} (q_m . k_n) v_n, block-parallel: exact products inside chunks of `chunk` tokens
-    plus the running M x Dv state of earlier chunks.  Memory stays O(N (M + Dv + chunk))."""
-
+class _CausalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, chunk):
-        out, scores, earlier = _causal_product_forward(q, k, v, chunk)
-        ctx.save_for_backward(q, k, v, scores, earlier)
+    def forward(ctx, q, k, v, phases, chunk):
+        b, h, n, m = q.shape
+        out = v.new_empty(v.shape)
+        den = q.new_empty(b, h, n)
+        state = q.new_zeros(b, h, m, v.shape[-1])
+        k_sum = q.new_zeros(b, h, m)
+        for s in _chunks(n, chunk):
+            ph = None if phases is None else phases[s]
+            q_j, k_j, v_j = q[:, :, s], k[:, :, s], v[:, :, s]
+            q_r, k_r = _rotate(q_j, ph), _rotate(k_j, ph)
+            scores = _lower(q_r @ k_r.transpose(-1, -2))
+            num = torch.matmul(q_r, state).add_(scores @ v_j)
+            if phases is None:     # unrotated scores serve the denominator too
+                den_j = scores.sum(-1).add_((q_j @ k_sum.unsqueeze(-1)).squeeze(-1))
+            else:
+                den_j = (q_j * k_j.cumsum(-2).add_(k_sum.unsqueeze(-2))).sum(-1)
+            den[:, :, s] = den_j
+            out[:, :, s] = divide(num, den_j)
+            state.add_(k_r.transpose(-1, -2) @ v_j)
+            k_sum.add_(k_j.sum(-2))
+        ctx.save_for_backward(q, k, v, out, den, phases)
         ctx.chunk = chunk
-        return out
+        ctx.mark_non_differentiable(state, k_sum)
+        return out, state, k_sum
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        q, k, v, scores, earlier = ctx.saved_tensors
-        return (*_causal_product_backward(q, k, v, scores, earlier, grad.contiguous(), ctx.chunk), None)
+    def backward(ctx, grad, _state_grad, _k_sum_grad):
+        q, k, v, out, den, phases = ctx.saved_tensors
+        b, h, n, m = q.shape
+        guard = torch.finfo(den.dtype).tiny ** 0.5      # as in `divide`: no gradient where clamped
+        clamped, den = den < guard, den.clamp_min(guard)
+        g_num = grad / den.unsqueeze(-1)                                 # d out / d numerator
+        g_den = (-(grad * out).sum(-1) / den).masked_fill_(clamped, 0)  # d out / d denominator
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        chunks = _chunks(n, ctx.chunk)
+
+        state = q.new_zeros(b, h, m, v.shape[-1])          # forward loop: dq
+        k_sum = q.new_zeros(b, h, 1, m)
+        for s in chunks:
+            ph = None if phases is None else phases[s]
+            k_j, v_j, g_j = k[:, :, s], v[:, :, s], g_num[:, :, s]
+            k_r = _rotate(k_j, ph)
+            d_scores = _lower(g_j @ v_j.transpose(-1, -2))
+            dq_r = torch.matmul(g_j, state.transpose(-1, -2)).add_(d_scores @ k_r)
+            dq[:, :, s] = _rotate(dq_r, ph, inverse=True).add_(g_den[:, :, s, None] * k_j.cumsum(-2).add_(k_sum))
+            state.add_(k_r.transpose(-1, -2) @ v_j)
+            k_sum.add_(k_j.sum(-2, keepdim=True))
+
+        later = state.zero_()                             # reverse loop: dk, dv
+        q_later = k_sum.zero_()
+        for s in reversed(chunks):
+            ph = None if phases is None else phases[s]
+            q_j, k_j, v_j, g_j = q[:, :, s], k[:, :, s], v[:, :, s], g_num[:, :, s]
+            q_r, k_r = _rotate(q_j, ph), _rotate(k_j, ph)
+            scores = _lower(q_r @ k_r.transpose(-1, -2))
+            d_scores = _lower(g_j @ v_j.transpose(-1, -2))
+            dk_r = torch.matmul(v_j, later.transpose(-1, -2)).add_(d_scores.transpose(-1, -2) @ q_r)
+            gq = g_den[:, :, s, None] * q_j                               # denominator: suffix sums
+            dk[:, :, s] = _rotate(dk_r, ph, inverse=True).add_(gq.flip(-2).cumsum(-2).flip(-2)).add_(q_later)
+            dv[:, :, s] = torch.matmul(k_r, later).add_(scores.transpose(-1, -2) @ g_j)
+            later.add_(q_r.transpose(-1, -2) @ g_j)
+            q_later.add_(gq.sum(-2, keepdim=True))
+        return dq, dk, dv, None, None
 
 
-def _scan_tokens(x: torch.Tensor, chunk: int, *, reverse: bool = False) -> torch.Tensor:
-    """Inclusive cumulative sum over tokens (dim -2), or suffix sums with reverse=True: a loop over
-    the positions inside a chunk, then each chunk's offset from `_exclusive_scan`.  Several times faster on
-    CPU than torch.cumsum along a non-last dimension."""
-    n = x.shape[-2]
-    y = _chunked(x, chunk).clone()                                   # (B, H, C, chunk, M)
-    for j in (range(chunk - 2, -1, -1) if reverse else range(1, chunk)):
-        y[:, :, :, j] += y[:, :, :, j + 1 if reverse else j - 1]
-    totals = y[:, :, :, 0] if reverse else y[:, :, :, -1]             # each chunk's own sum
-    y += _exclusive_scan(totals, reverse=reverse).unsqueeze(-2)         # plus the chunks before/after
-    return y.flatten(2, 3)[:, :, :n]
-
-
-class _CausalDenominator(torch.autograd.Function):
-    """sum_{n<=m} q_m . k_n = q_m . cumsum(k)_m, in O(N M) work: no chunk scores needed."""
-
-    @staticmethod
-    def forward(ctx, q, k, chunk):
-        k_prefix = _scan_tokens(k, chunk)
-        ctx.save_for_backward(q, k_prefix)
-        ctx.chunk = chunk
-        return torch.einsum("bhnm,bhnm->bhn", q, k_prefix)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        q, k_prefix = ctx.saved_tensors
-        grad = grad.unsqueeze(-1)
-        return grad * k_prefix, _scan_tokens(grad * q, ctx.chunk, reverse=True), None
-
-
-def causal_denominator(q: torch.Tensor, k: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Causal sum_{n<=m} q_m . k_n of (B, H, N, M) features, shape (B, H, N)."""
-    return _CausalDenominator.apply(q, k, chunk)
-
-
-def causal_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Causal sum_{n<=m} (q_m . k_n) v_n of (B, H, N, M) features and (B, H, N, Dv) values."""
-    return _CausalProduct.apply(q, k, v, chunk)
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phases: torch.Tensor | None,
+                     chunk: int):
+    """Causal Eq. 19 of (B, H, N, M) non-negative features and (B, H, N, Dv) values, the numerator
+    rotated by `phases` (N, M/2) e^(i p theta) when given.  Returns the output and the state after
+    the last token: sum_n (R_n k_n) v_n^T (B, H, M, Dv) and sum_n k_n (B, H, M)."""
+    return _CausalAttention.apply(q, k, v, phases, chunk)
