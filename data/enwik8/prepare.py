@@ -142,6 +142,37 @@ def fallback_warning(error: DataError, download: Download) -> str:
     ])
 
 
+@dataclass(frozen=True)
+class Corpus:
+    data: bytes
+    name: str  # names a non-canonical corpus in its description
+    origin: dict[str, Any]  # kind, url and path, recorded in meta.json
+
+
+def local_corpus(path: Path, download: Download) -> Corpus:
+    path = path.expanduser().resolve()
+    data = read_source(path, download.member)
+    if path == SAMPLE and Digest.of(data) != SAMPLE_DIGEST:
+        raise DataError(f"the bundled sample {path} is damaged (expected {SAMPLE_DIGEST}): restore it with "
+                        f"git checkout -- data/enwik8/{path.name}")
+    kind = {".zip": "zip", ".gz": "gz"}.get(path.suffix.lower(), "raw")
+    return Corpus(data, path.name, {"kind": kind, "url": None, "path": str(path)})
+
+
+def downloaded_or_sample(out_dir: Path, download: Download, warn: Log) -> Corpus:
+    """The download or, when it fails, the bundled sample after a loud warning; never the sample over
+    other data already prepared in out_dir."""
+    try:
+        data = download_corpus(out_dir, download)
+        return Corpus(data, download.member, {"kind": "download", "url": download.url, "path": None})
+    except DataError as error:
+        existing = prepared_meta(out_dir, log=lambda message: None)
+        if existing and existing["source"]["sha256"] != SAMPLE_DIGEST.sha256:
+            raise DataError(f"{error}; kept the data prepared in {out_dir} ({existing['description']})") from None
+        warn(fallback_warning(error, download))
+        return local_corpus(SAMPLE, download)
+
+
 # ----------------------------------------------------------------------------- the prepared directory
 
 
@@ -151,17 +182,17 @@ def split_boundaries(total: int) -> list[tuple[int, int]]:
     return list(zip([0, *ends[:-1]], ends))
 
 
-def build_meta(data: bytes, source: dict[str, Any], name: str, canonical: bool) -> dict[str, Any]:
-    digest, view = Digest.of(data), memoryview(data)
-    size_and_kind = f"{digest.size:,} bytes"
-    description = f"enwik8 (canonical, {size_and_kind})" if canonical else f"{name} (NON-CANONICAL, {size_and_kind})"
+def build_meta(corpus: Corpus, digest: Digest, canonical: bool) -> dict[str, Any]:
+    data, view = corpus.data, memoryview(corpus.data)
+    size = f"{digest.size:,} bytes"
+    description = f"enwik8 (canonical, {size})" if canonical else f"{corpus.name} (NON-CANONICAL, {size})"
     boundaries = split_boundaries(digest.size)
     return {
         "format_version": META_FORMAT_VERSION,
         "dataset": "enwik8",
         "description": description,  # what training logs, TensorBoard and eval reports print
         "canonical": canonical,
-        "source": {**source, "size": digest.size, "sha256": digest.sha256, "md5": digest.md5},
+        "source": {**corpus.origin, "size": digest.size, "sha256": digest.sha256, "md5": digest.md5},
         "dtype": "uint8",
         "vocab_size": VOCAB_SIZE,
         "distinct_bytes": int(np.count_nonzero(np.bincount(np.frombuffer(data, dtype=np.uint8), minlength=256))),
@@ -225,6 +256,7 @@ def report(out_dir: Path, meta: dict[str, Any], log: Log) -> None:
     for split in SPLITS:
         entry = meta["splits"][split]
         log(f"{split + '.bin':<10} {entry['size']:>12,} bytes  [{entry['start']:,}, {entry['end']:,})")
+    log(f"wrote {out_dir}/{{train,val,test}}.bin and {META_NAME}")
 
 
 def prepare(
@@ -242,39 +274,25 @@ def prepare(
     out_dir = usable_out_dir(Path(out_dir))
     prepared = None if force else prepared_meta(out_dir, log)
     if source is None and prepared and prepared["canonical"]:
-        log(f"already prepared in {out_dir}: {prepared['description']}; nothing to do")
-        return prepared
-    if source is None:
-        try:
-            data, name = download_corpus(out_dir, download), download.member
-            origin = {"kind": "download", "url": download.url, "path": None}
-        except DataError as error:
-            existing = prepared_meta(out_dir, lambda message: None)
-            if existing and existing["source"]["sha256"] != SAMPLE_DIGEST.sha256:  # never swap real data for it
-                raise DataError(f"{error}; kept the data prepared in {out_dir} ({existing['description']})") from None
-            warn(fallback_warning(error, download))
-            source, allow_noncanonical = SAMPLE, True
-    if source is not None:
-        path = Path(source).expanduser().resolve()
-        data, name = read_source(path, download.member), path.name
-        origin = {"kind": {".zip": "zip", ".gz": "gz"}.get(path.suffix.lower(), "raw"), "url": None, "path": str(path)}
-        if path == SAMPLE and Digest.of(data) != SAMPLE_DIGEST:
-            raise DataError(f"the bundled sample {path} is damaged (expected {SAMPLE_DIGEST}): restore it with "
-                            f"git checkout -- {path.name}")
-    digest = Digest.of(data)
+        return already_prepared(out_dir, prepared, log)
+    corpus = downloaded_or_sample(out_dir, download, warn) if source is None else local_corpus(Path(source), download)
+    digest = Digest.of(corpus.data)
     canonical = digest == download.corpus
-    if not canonical and not allow_noncanonical:
-        raise DataError(f"{name} is not canonical enwik8: expected {download.corpus}, found {digest}; "
+    if not (canonical or allow_noncanonical or corpus.origin["path"] == str(SAMPLE)):
+        raise DataError(f"{corpus.name} is not canonical enwik8: expected {download.corpus}, found {digest}; "
                         "pass --allow-noncanonical to use it anyway")
     if digest.size < MIN_SOURCE_BYTES:
-        raise DataError(f"{name} has only {digest.size} bytes; at least {MIN_SOURCE_BYTES} are needed")
+        raise DataError(f"{corpus.name} has only {digest.size} bytes; at least {MIN_SOURCE_BYTES} are needed")
     if prepared and (prepared["source"]["sha256"], prepared["canonical"]) == (digest.sha256, canonical):
-        log(f"already prepared in {out_dir}: {prepared['description']}; nothing to do")
-        return prepared
-    meta = build_meta(data, origin, name, canonical)
-    write_prepared(out_dir, data, meta)
+        return already_prepared(out_dir, prepared, log)
+    meta = build_meta(corpus, digest, canonical)
+    write_prepared(out_dir, corpus.data, meta)
     report(out_dir, meta, log)
-    log(f"wrote {out_dir}/{{train,val,test}}.bin and {META_NAME}")
+    return meta
+
+
+def already_prepared(out_dir: Path, meta: dict[str, Any], log: Log) -> dict[str, Any]:
+    log(f"already prepared in {out_dir}: {meta['description']}; nothing to do")
     return meta
 
 
@@ -333,7 +351,7 @@ def main(argv: list[str] | None = None, *, download: Download = ENWIK8) -> int:
             verify(args.out_dir)
         else:
             prepare(args.out_dir, source=SAMPLE if args.sample else args.source,
-                    allow_noncanonical=args.sample or args.allow_noncanonical, force=args.force, download=download)
+                    allow_noncanonical=args.allow_noncanonical, force=args.force, download=download)
     except (DataError, OSError) as error:  # OSError: the disk filled up or vanished while writing
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
