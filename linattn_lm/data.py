@@ -104,7 +104,8 @@ def meta_problem(meta: Any) -> str | None:
         return f"vocab_size is {meta['vocab_size']}, byte-level data has {VOCAB_SIZE}"
     problem = field_problem(meta["source"], SOURCE_FIELDS, "source")
     for name in SPLITS:
-        problem = problem or field_problem(meta["splits"].get(name), SPLIT_FIELDS, f"splits[{name!r}]")
+        problem = problem or (f"splits lacks {name!r}" if name not in meta["splits"]
+                              else field_problem(meta["splits"][name], SPLIT_FIELDS, f"splits[{name!r}]"))
     if problem:
         return problem
     position = 0

@@ -135,11 +135,11 @@ REMOVE = object()
 
 
 @pytest.mark.parametrize("path, value, problem", [
-    (("splits",), {}, "splits['train'] is NoneType, not an object"),
+    (("splits",), {}, "splits lacks 'train'"),
     (("splits", "val", "size"), "20000", "splits['val']['size'] is '20000', not an integer"),
     (("splits", "val", "size"), 20000.0, "splits['val']['size'] is 20000.0, not an integer"),
     (("splits", "val", "size"), True, "splits['val']['size'] is True, not an integer"),
-    (("splits", "test"), REMOVE, "splits['test'] is NoneType"),
+    (("splits", "test"), REMOVE, "splits lacks 'test'"),
     (("splits", "train", "sha256"), REMOVE, "splits['train'] lacks 'sha256'"),
     (("splits", "val", "start"), 0, "does not continue the previous split at 360000"),
     (("splits", "val", "size"), 19_999, "does not continue the previous split"),

@@ -244,7 +244,7 @@ def test_verify_reports_damage_and_replaces_nothing(tmp_path: Path, capsys: pyte
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda meta: json.dumps({**meta, "splits": {}}), "splits['train'] is NoneType"),
+    (lambda meta: json.dumps({**meta, "splits": {}}), "splits lacks 'train'"),
     (lambda meta: json.dumps(meta).replace('"size": 207703', '"size": "big"'),
      "splits['val']['size'] is 'big', not an integer"),
     (lambda meta: json.dumps({key: value for key, value in meta.items() if key != "description"}),
