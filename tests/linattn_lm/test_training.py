@@ -255,7 +255,7 @@ def test_dataclass_defaults_are_the_cpu_preset() -> None:
 
 def test_resumable_settings_are_declared_on_the_fields() -> None:
     assert RESUMABLE == {"steps", "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "sample_interval",
-                         "preset", "data_dir", "out_dir", "run_name", "device", "compile", "threads", "imports"}
+                         "preset", "data_dir", "out_dir", "run_name", "device", "compile", "threads", "imports", "backend"}
 
 
 def test_checkpoint_config_is_validated_like_flags(tiny_run: Path) -> None:
