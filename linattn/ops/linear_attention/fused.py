@@ -146,6 +146,26 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, turns_ptr, num_ptr, den_ptr, kv_ptr, ks
             tl.store(ksum_ptr + i_bh * M + k_cols, k_sum, mask=k_cols < M)
 
 
+@triton.jit
+def _backward_chunk(q_ptr, k_ptr, v_ptr, dnum_ptr, dden_ptr, turns_ptr, t, offset, i_k, k_cols, v_cols,
+                    N, M, DV, BT: tl.constexpr, BK: tl.constexpr, ROTARY: tl.constexpr):
+    """Chunk t's tiles for backward: features, values, output gradients, the rotated features and
+    the phases that rotate back their gradients (identity phases without rotation)."""
+    rows = t * BT + tl.arange(0, BT)
+    q = _tile(q_ptr, rows, k_cols, N, M, M)
+    k = _tile(k_ptr, rows, k_cols, N, M, M)
+    v = _tile(v_ptr, rows, v_cols, N, DV, DV)
+    g_num = _tile(dnum_ptr, rows, v_cols, N, DV, DV)
+    g_den = tl.load(dden_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+    cos = tl.full((BT, BK // 2), 1.0, tl.float32)
+    sin = tl.zeros((BT, BK // 2), tl.float32)
+    q_rot, k_rot = q, k
+    if ROTARY:
+        cos, sin = _phases(turns_ptr, offset + t * BT, i_k, M // 2, BT, BK)
+        q_rot, k_rot = _rotate(q, cos, sin, BT, BK), _rotate(k, cos, sin, BT, BK)
+    return rows, q, k, v, g_num, g_den, q_rot, k_rot, cos, sin
+
+
 @triton.jit(do_not_specialize=["offset", "N"])
 def _backward_kernel(q_ptr, k_ptr, v_ptr, dnum_ptr, dden_ptr, turns_ptr, dq_ptr, dk_ptr, dv_ptr,
                      offset, N, M, DV,
@@ -174,16 +194,9 @@ def _backward_kernel(q_ptr, k_ptr, v_ptr, dnum_ptr, dden_ptr, turns_ptr, dq_ptr,
     d_state = tl.zeros((BK, BV), dtype=tl.float32)      # non-causal: sum over all of (Rq)^T G
     dq_sum = tl.zeros((BK,), dtype=tl.float32)          # non-causal: sum over all of g q
     for t in range(0, n_chunks):
-        rows = t * BT + within
-        q = _tile(q_ptr, rows, k_cols, N, M, M)
-        k = _tile(k_ptr, rows, k_cols, N, M, M)
-        v = _tile(v_ptr, rows, v_cols, N, DV, DV)
-        g_num = _tile(dnum_ptr, rows, v_cols, N, DV, DV)
-        g_den = tl.load(dden_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
-        q_rot, k_rot = q, k
-        if ROTARY:
-            cos, sin = _phases(turns_ptr, offset + t * BT, i_k, M // 2, BT, BK)
-            q_rot, k_rot = _rotate(q, cos, sin, BT, BK), _rotate(k, cos, sin, BT, BK)
+        rows, q, k, v, g_num, g_den, q_rot, k_rot, cos, sin = _backward_chunk(
+            q_ptr, k_ptr, v_ptr, dnum_ptr, dden_ptr, turns_ptr, t, offset, i_k, k_cols, v_cols, N, M, DV,
+            BT, BK, ROTARY)
         if CAUSAL:
             d_scores = tl.where(causal_mask, _mm(g_num, tl.trans(v), DOT, PRECISION), 0.0)
             dq_rot = _mm(d_scores, k_rot, DOT, PRECISION) + _mm(g_num, tl.trans(state), DOT, PRECISION)
@@ -205,16 +218,9 @@ def _backward_kernel(q_ptr, k_ptr, v_ptr, dnum_ptr, dden_ptr, turns_ptr, dq_ptr,
         dq_sum = tl.zeros((BK,), dtype=tl.float32)
     for i in range(0, n_chunks):
         t = n_chunks - 1 - i
-        rows = t * BT + within
-        q = _tile(q_ptr, rows, k_cols, N, M, M)
-        k = _tile(k_ptr, rows, k_cols, N, M, M)
-        v = _tile(v_ptr, rows, v_cols, N, DV, DV)
-        g_num = _tile(dnum_ptr, rows, v_cols, N, DV, DV)
-        g_den = tl.load(dden_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
-        q_rot, k_rot = q, k
-        if ROTARY:
-            cos, sin = _phases(turns_ptr, offset + t * BT, i_k, M // 2, BT, BK)
-            q_rot, k_rot = _rotate(q, cos, sin, BT, BK), _rotate(k, cos, sin, BT, BK)
+        rows, q, k, v, g_num, g_den, q_rot, k_rot, cos, sin = _backward_chunk(
+            q_ptr, k_ptr, v_ptr, dnum_ptr, dden_ptr, turns_ptr, t, offset, i_k, k_cols, v_cols, N, M, DV,
+            BT, BK, ROTARY)
         dk_rot = _mm(v, tl.trans(d_state), DOT, PRECISION)
         dv = _mm(k_rot, d_state, DOT, PRECISION)
         g_q = g_den[:, None] * q
