@@ -124,13 +124,12 @@ def _softmax(method: Method, shape: Shape, device: torch.device, causal: bool, c
 
 
 def _linattn(method: Method, shape: Shape, device: torch.device, causal: bool, chunk_size: int) -> Attend:
-    fm = make_feature_map(method.feature_map, shape).to(device)
-
-    def attend(q, k, v):
-        return linattn.linear_attention(fm(q, is_query=True), fm(k, is_query=False), v, causal=causal,
-                                        rotary=method.rope == "post", chunk_size=chunk_size,
-                                        backend=method.backend)
-    return attend
+    """What LinearAttention runs between its projections (the same map, placement, backend and
+    choice of plain or log-space features as a user's block)."""
+    block = linattn.LinearAttention(shape.heads * shape.head_dim, shape.heads,
+                                    feature_map=make_feature_map(method.feature_map, shape), rope=method.rope,
+                                    causal=causal, chunk_size=chunk_size, backend=method.backend)
+    return block.to(device).eval().attend
 
 
 def _performer(method: Method, shape: Shape, device: torch.device, causal: bool, chunk_size: int) -> Attend:

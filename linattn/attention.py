@@ -116,15 +116,20 @@ class LinearAttention(_Projections):
 
     def forward(self, x: torch.Tensor, *, offset: int = 0, return_state: bool = False):
         q, k, v = self._qkv(x, 3)
-        log_space = self._log_space(x.device)
-        phi_q, phi_k = self._features(q, k, offset, log_space)
-        result = linear_attention(phi_q, phi_k, v, causal=self.causal, rotary=self.rope == "post",
-                                  offset=offset, chunk_size=self.chunk_size,
-                                  rope_base=self.rope_base, return_state=return_state,
-                                  backend=self.backend, log_space=log_space)
+        result = self.attend(q, k, v, offset=offset, return_state=return_state)
         if return_state:
             return self._merge(result[0]), result[1]
         return self._merge(result)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, offset: int = 0,
+               return_state: bool = False):
+        """The attention between the projections: (B, H, N, head_dim) queries, keys and values ->
+        (B, H, N, head_dim), with this block's map, placement and backend (what forward runs)."""
+        log_space = self._log_space(q.device)
+        phi_q, phi_k = self._features(q, k, offset, log_space)
+        return linear_attention(phi_q, phi_k, v, causal=self.causal, rotary=self.rope == "post",
+                                offset=offset, chunk_size=self.chunk_size, rope_base=self.rope_base,
+                                return_state=return_state, backend=self.backend, log_space=log_space)
 
     def step(self, x_t: torch.Tensor, state: LinearState | None = None):
         """Decode one token (B, dim) in O(1) time and memory; `state=None` starts a sequence."""
