@@ -114,6 +114,12 @@ def encode_text(text: str) -> torch.Tensor:
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     """write(tmp) fills a temporary file next to `path`, which then replaces `path` at once: readers
     never see a half-written file, and a failed write leaves the old one in place."""
@@ -124,6 +130,7 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
         write(Path(tmp))
         with open(tmp, "rb+") as written:    # on disk before it takes the real name
             os.fsync(written.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())      # mkstemp makes 0600; give what open() would
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
