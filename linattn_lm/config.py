@@ -11,6 +11,11 @@ import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
+from linattn.attention import _xformers_ops
+from linattn.ops.linear_attention.backends import resolve as resolve_linear_backend
+
 from .lm import ModelConfig, check_finite, check_memory, check_types, from_plain_dict, setting
 from .runtime import resolve_device
 
@@ -94,6 +99,20 @@ class RunConfig:
         resolve_device(self.device)
 
 
+def check_backend_runs_on(model: ModelConfig, device: torch.device) -> None:
+    """The attention kernels asked for exist for the device (each error says what to do instead)."""
+    if model.attention == "linear":
+        resolve_linear_backend(model.backend, device)
+    elif model.backend == "xformers":
+        if device.type != "cuda":
+            raise ValueError(f"backend 'xformers' runs on CUDA only, and this run is on {device}; "
+                             "use --backend sdpa")
+        try:
+            _xformers_ops()
+        except ImportError as err:
+            raise ValueError(str(err)) from err
+
+
 SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "log": LogConfig, "run": RunConfig}
 
 
@@ -119,6 +138,7 @@ class TrainConfig:
                              f"{self.model.seq_len} and these sizes (layers, width, feature-map num_features, "
                              "chunk_size)", resolve_device(self.run.device))
         self.model.validate()
+        check_backend_runs_on(self.model, resolve_device(self.run.device))
 
     def flat(self) -> dict[str, Any]:
         """Every setting by its (unique) field name."""

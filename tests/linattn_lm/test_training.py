@@ -265,3 +265,15 @@ def test_checkpoint_config_is_validated_like_flags(tiny_run: Path) -> None:
         TrainConfig.from_dict({**saved, "optim": {**saved["optim"], "lr": float("nan")}})
     with pytest.raises(ValueError, match="unknown config section"):
         TrainConfig.from_dict({**saved, "extra": {}})
+
+
+@pytest.mark.parametrize("model, message", [
+    (dict(backend="triton"), "TRITON_INTERPRET=1"),
+    (dict(attention="softmax", feature_map="", feature_map_options={}, backend="xformers"), "CUDA only"),
+])
+def test_a_backend_that_cannot_run_on_the_device_is_refused_before_training(model, message, monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)   # the kernel tests switch the interpreter on
+    values = {"model": {"feature_map_options": {"num_features": 16}, **model},
+              "optim": {"decay_steps": 600}, "run": {"device": "cpu", "run_name": "x"}}
+    with pytest.raises(ValueError, match=message):
+        TrainConfig.from_dict(values)
