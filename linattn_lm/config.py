@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -85,6 +86,11 @@ class RunConfig:
     threads: int = setting(0, "torch CPU threads (0 = torch default)", resumable=True)
     imports: list[str] = setting([], "a module name or a .py file to import first, e.g. one that registers a "
                                      "feature map (repeatable); recorded in the checkpoint", resumable=True)
+
+    def __post_init__(self) -> None:
+        # Recorded absolute, so eval.py and --resume find the data from any working directory.
+        if isinstance(self.data_dir, str) and self.data_dir:
+            self.data_dir = os.path.abspath(self.data_dir)
 
     def validate(self) -> None:
         check_types(self)

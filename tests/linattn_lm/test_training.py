@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from linattn_lm import (ByteLM, ModelConfig, TrainConfig, config_from_flags, load_checkpoint, save_checkpoint,
                         training)
-from linattn_lm.config import PRESETS, RESUMABLE
+from linattn_lm.config import PRESETS, RESUMABLE, RunConfig
 
 
 @pytest.fixture(scope="module")
@@ -277,3 +277,9 @@ def test_a_backend_that_cannot_run_on_the_device_is_refused_before_training(mode
               "optim": {"decay_steps": 600}, "run": {"device": "cpu", "run_name": "x"}}
     with pytest.raises(ValueError, match=message):
         TrainConfig.from_dict(values)
+
+
+def test_a_relative_data_dir_is_recorded_absolute(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert RunConfig(data_dir="prepared").data_dir == str(tmp_path / "prepared")
+    assert RunConfig().data_dir == ""   # the default: the repository's data/enwik8, found at run time
