@@ -27,6 +27,7 @@ from .data import SPLITS, DataError, SequentialWindows, default_data_dir, load_s
 from .checkpoint import CheckpointError, checkpoint_path, load_checkpoint, model_from_checkpoint
 from .cli import EXIT_USAGE, Parser, UsageError, finite_float, import_user_code, integer, pre_parse_imports
 from .lm import ByteLM, bits_per_byte
+from .ngram import format_reference, reference_bpc
 from .runtime import autocast, decode_bytes, encode_text, keep_freed_memory, resolve_device, summed_loss
 
 
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"data: {split.description} from {data_dir}, {args.split} split, "
               f"{len(data):,} of {len(split):,} bytes")
         bpc_table(model, data, args.seq_len or [config.seq_len], args.batch_size, device)
+        print(format_reference(reference_bpc(data_dir, args.split, max_bytes=args.max_bytes)))
     except (CheckpointError, DataError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE

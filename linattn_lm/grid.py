@@ -30,7 +30,9 @@ from . import training  # noqa: E402
 from .checkpoint import CHECKPOINT_NAME, CheckpointError  # noqa: E402
 from .cli import EXIT_USAGE, variant_skip  # noqa: E402
 from .config import DEFAULT_PRESET, TrainConfig, config_from_flags  # noqa: E402
+from .data import default_data_dir  # noqa: E402
 from .lm import feature_map_parameters  # noqa: E402
+from .ngram import reference_bpc  # noqa: E402
 from .runtime import keep_freed_memory, write_atomically  # noqa: E402
 from .training import TrainResult  # noqa: E402
 
@@ -125,12 +127,21 @@ def write_results(grid_dir: Path, results: dict[str, TrainResult], config: Train
                 "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     markdown += ["| " + " | ".join(f"{row[c]:,}" if isinstance(row[c], int) else str(row[c]) for c in header) + " |"
                  for row in rows]
+    reference = reference_bpc(config.run.data_dir or default_data_dir(), "val")
+    markdown += ["", "Reference lines: smoothed byte n-gram count models on the whole val split "
+                 "(linattn_lm/ngram.py); a model above the order-k line uses less than k bytes of context "
+                 "as well as a count table does.", "", "| n-gram order | val bpc |", "|---|---|"]
+    markdown += [f"| {order} | {bpc:.4f} |" for order, bpc in reference.items()]
     write_atomically(grid_dir / "results.md", lambda path: path.write_text("\n".join(markdown) + "\n"))
 
     figure, axes = plt.subplots(figsize=(9, 5.5))
     families: dict[str, str] = {}
     for name, result in results.items():
         axes.plot(result.val_steps, result.val_bpc, label=name, **curve_style(name, families))
+    for order, bpc in reference.items():
+        axes.axhline(bpc, color="grey", linewidth=0.8, alpha=0.6)
+        axes.annotate(f"order-{order} n-gram", (1, bpc), xycoords=("axes fraction", "data"),
+                      ha="right", va="bottom", fontsize=7, color="grey")
     axes.set(xlabel="step", ylabel="val bpc", title=f"{grid_dir.name}: validation bits per byte")
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)

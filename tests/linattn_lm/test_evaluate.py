@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from linattn_lm.data import load_split
-from linattn_lm import ByteLM, RunConfig, TrainConfig, evaluate, save_checkpoint
+from linattn_lm import ByteLM, RunConfig, TrainConfig, evaluate, ngram, save_checkpoint
 
 
 @pytest.fixture(autouse=True)
@@ -65,6 +65,8 @@ def test_bpc_equals_hand_computation(data_dir: Path, tmp_path: Path, run_main, m
     rows = table(out)
     assert float(rows[16]) == pytest.approx(expected, abs=1e-4)
     assert float(rows[40]) == pytest.approx(hand_bpc(model, val, 40), abs=1e-4)
+    lines = ngram.reference_bpc(data_dir, "val", max_bytes=1234)      # the reference on the same bytes
+    assert ngram.format_reference(lines) in out
 
 
 def test_uniform_model_scores_eight_bits(data_dir: Path, make_model) -> None:

@@ -8,6 +8,7 @@ import linattn
 import pytest
 
 from linattn_lm import grid, load_checkpoint
+from linattn_lm.ngram import reference_bpc
 
 
 def test_grid_trains_variants_and_writes_results(data_dir: Path, tiny: list[str], tmp_path: Path, run_main,
@@ -22,6 +23,7 @@ def test_grid_trains_variants_and_writes_results(data_dir: Path, tiny: list[str]
     assert [row["variant"] for row in rows] == ["softmax-abs", "linear-elu-none", "linear-favor-pre"]
     assert list(rows[0]) == grid.COLUMNS and all(row["steps"] == "4" for row in rows)
     assert "| linear-favor-pre |" in (grid_dir / "results.md").read_text()
+    assert f"| 2 | {reference_bpc(data_dir, 'val')[2]:.4f} |" in (grid_dir / "results.md").read_text()
     assert (grid_dir / "val_bpc.png").read_bytes()[:4] == b"\x89PNG"
     for name in ("softmax-abs", "linear-elu-none", "linear-favor-pre"):
         assert len(scalars(grid_dir / name, "val/bpc")) == 2
