@@ -20,12 +20,12 @@ import torch
 
 from .ops.linear_attention import backends
 from .ops.linear_attention.chunk import DEFAULT_CHUNK_SIZE, causal_attention, check_chunk_size
-from .ops.linear_attention.common import (check_features, check_nonnegative, check_offset, compute_dtype,
+from .ops.linear_attention.common import (check_features, check_nonnegative, compute_dtype,
                                           divide, numerator_features)
 from .ops.linear_attention.naive import linear_attention_reference, softmax_attention_reference
 from .ops.linear_attention.stable import log_linear_attention
 from .ops.linear_attention.recurrent import LinearState, initial_state, linear_attention_step
-from .rotary import DEFAULT_BASE, rotary_phases
+from .rotary import DEFAULT_BASE, check_offset, rotary_phases
 
 BACKENDS = backends.BACKENDS
 

@@ -48,13 +48,18 @@ def _digit_angles(dim: int, base: float) -> tuple[tuple[float, ...], ...]:
                      for j in range(64 // _DIGIT_BITS))
 
 
+def check_offset(offset) -> None:
+    """A position offset is a non-negative integer (bool is not)."""
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral) or offset < 0:
+        raise ValueError(f"offset must be a non-negative integer position, got {offset!r}")
+
+
 def rotary_angles(length: int, dim: int, *, offset: int = 0, base: float = DEFAULT_BASE,
                   device: torch.device | str = "cpu") -> torch.Tensor:
     """p * theta_i up to multiples of 2 pi, float64 of shape (length, dim/2) and below 2^21, for
     positions p = offset..offset+length-1 (no final fmod: float64's 2 pi would cost more than it saves)."""
     _check_dim(dim)
-    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral) or offset < 0:
-        raise ValueError(f"rotary offset must be a non-negative integer position, got {offset!r}")
+    check_offset(offset)
     offset = int(offset)
     if offset + length - 1 > _MAX_POSITION:
         raise ValueError(f"rotary positions must stay below 2^63, got offset {offset} with {length} tokens")
@@ -89,5 +94,11 @@ def apply_rotary(x: torch.Tensor, *, offset: int = 0, base: float = DEFAULT_BASE
     real_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     phases = rotary_phases(x.shape[-2], x.shape[-1], offset=offset, base=base, device=x.device,
                            dtype=real_dtype)
-    pairs = torch.view_as_complex(x.to(real_dtype).contiguous().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * phases).flatten(-2).to(x.dtype)
+    return rotate_pairs(x.to(real_dtype).contiguous(), phases).to(x.dtype)
+
+
+def rotate_pairs(x: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:
+    """x (..., N, dim) with each pair (2i, 2i+1) multiplied, as a complex number, by `phases`
+    (N, dim/2): one pass over memory.  x's last dimension must be contiguous."""
+    pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * phases).flatten(-2)

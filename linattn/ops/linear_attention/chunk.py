@@ -16,6 +16,7 @@ import numbers
 
 import torch
 
+from ...rotary import rotate_pairs
 from .common import divide
 
 DEFAULT_CHUNK_SIZE = 64
@@ -30,16 +31,11 @@ def _rotate(x: torch.Tensor, phases: torch.Tensor | None, *, inverse: bool = Fal
     """x (B, H, L, M) times e^(i p theta) per pair (its transpose, e^(-i p theta), with inverse)."""
     if phases is None:
         return x
-    pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * (phases.conj() if inverse else phases)).flatten(-2)
+    return rotate_pairs(x, phases.conj() if inverse else phases)
 
 
 def _chunks(n: int, chunk: int):
     return [slice(start, min(start + chunk, n)) for start in range(0, n, chunk)]
-
-
-def _lower(x: torch.Tensor) -> torch.Tensor:
-    return x.tril_()
 
 
 class _CausalAttention(torch.autograd.Function):
@@ -54,7 +50,7 @@ class _CausalAttention(torch.autograd.Function):
             ph = None if phases is None else phases[s]
             q_j, k_j, v_j = q[:, :, s], k[:, :, s], v[:, :, s]
             q_r, k_r = _rotate(q_j, ph), _rotate(k_j, ph)
-            scores = _lower(q_r @ k_r.transpose(-1, -2))
+            scores = (q_r @ k_r.transpose(-1, -2)).tril_()
             num = torch.matmul(q_r, state).add_(scores @ v_j)
             if phases is None:     # unrotated scores serve the denominator too
                 den_j = scores.sum(-1).add_((q_j @ k_sum.unsqueeze(-1)).squeeze(-1))
@@ -87,7 +83,7 @@ class _CausalAttention(torch.autograd.Function):
             ph = None if phases is None else phases[s]
             k_j, v_j, g_j = k[:, :, s], v[:, :, s], g_num[:, :, s]
             k_r = _rotate(k_j, ph)
-            d_scores = _lower(g_j @ v_j.transpose(-1, -2))
+            d_scores = (g_j @ v_j.transpose(-1, -2)).tril_()
             dq_r = torch.matmul(g_j, state.transpose(-1, -2)).add_(d_scores @ k_r)
             dq[:, :, s] = _rotate(dq_r, ph, inverse=True).add_(g_den[:, :, s, None] * k_j.cumsum(-2).add_(k_sum))
             state.add_(k_r.transpose(-1, -2) @ v_j)
@@ -99,8 +95,8 @@ class _CausalAttention(torch.autograd.Function):
             ph = None if phases is None else phases[s]
             q_j, k_j, v_j, g_j = q[:, :, s], k[:, :, s], v[:, :, s], g_num[:, :, s]
             q_r, k_r = _rotate(q_j, ph), _rotate(k_j, ph)
-            scores = _lower(q_r @ k_r.transpose(-1, -2))
-            d_scores = _lower(g_j @ v_j.transpose(-1, -2))
+            scores = (q_r @ k_r.transpose(-1, -2)).tril_()
+            d_scores = (g_j @ v_j.transpose(-1, -2)).tril_()
             dk_r = torch.matmul(v_j, later.transpose(-1, -2)).add_(d_scores.transpose(-1, -2) @ q_r)
             gq = g_den[:, :, s, None] * q_j                               # denominator: suffix sums
             dk[:, :, s] = _rotate(dk_r, ph, inverse=True).add_(gq.flip(-2).cumsum(-2).flip(-2)).add_(q_later)

@@ -2,8 +2,6 @@
 and the numerator's rotation."""
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from ...rotary import apply_rotary
@@ -38,11 +36,6 @@ def check_nonnegative(phi_q: torch.Tensor, phi_k: torch.Tensor) -> None:
             raise ValueError(f"{name} has negative entries (min {low.item():.3g}); linear attention needs "
                              f"non-negative features, since the denominator is a sum of phi_q . phi_k: "
                              f"use a feature map such as elu(x)+1 or favor")
-
-
-def check_offset(offset) -> None:
-    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral) or offset < 0:
-        raise ValueError(f"offset must be a non-negative integer position, got {offset!r}")
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:

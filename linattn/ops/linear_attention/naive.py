@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ...rotary import DEFAULT_BASE
-from .common import check_features, check_nonnegative, check_offset, compute_dtype, divide, numerator_features
+from ...rotary import DEFAULT_BASE, check_offset
+from .common import check_features, check_nonnegative, compute_dtype, divide, numerator_features
 
 
 def linear_attention_reference(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *,
