@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ...rotary import DEFAULT_BASE
 from .backends import interpreting
-from .common import check_features, divide
+from .common import divide
 from .recurrent import LinearState
 
 INTERPRETED = interpreting()   # fixed when the kernels below are decorated
@@ -357,8 +357,8 @@ def _common_dtype(*tensors: torch.Tensor) -> torch.dtype:
 def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                      rotary: bool, offset: int = 0, rope_base: float = DEFAULT_BASE,
                      return_state: bool = False):
-    """Eq. 19 with the fused kernels; the same call and results as the torch backend."""
-    check_features(phi_q, phi_k, v, rank=4)
+    """Eq. 19 with the fused kernels; the same call and results as the torch backend.  Called by
+    `linattn.functional.linear_attention`, which has checked the inputs."""
     if interpreting() != INTERPRETED:
         raise RuntimeError(f"TRITON_INTERPRET was {'on' if INTERPRETED else 'off'} when linattn's kernels were "
                            "imported and has changed since; set it before the first triton call")
