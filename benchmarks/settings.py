@@ -10,13 +10,13 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable
 
-import torch
+from linattn.functional import BACKENDS as LINATTN_BACKENDS
+from linattn_lm.runtime import resolve_device
 
 from .methods import DTYPES, MASKS, Shape, method_table
 
 SECTIONS = ("attention", "efficiency", "decode", "model")
 PASSES = ("fwd", "fwd+bwd")
-LINATTN_BACKENDS = ("auto", "torch", "triton")
 DEFAULT_LENGTHS = {"cpu": tuple(2 ** p for p in range(8, 16)),      # 256 .. 32768
                    "cuda": tuple(2 ** p for p in range(10, 17))}    # 1024 .. 65536
 
@@ -172,17 +172,12 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
         parser.error(str(error))
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise BadSetting("--device cuda asked for, but CUDA is not available here; use --device cpu")
-    return torch.device(name)
-
-
 def resolve(settings: Settings) -> Settings:
     """Device-dependent defaults filled in; methods that exist; an output place that can be written."""
-    device = resolve_device(settings.device)
+    try:
+        device = resolve_device(settings.device)
+    except ValueError as error:
+        raise BadSetting(f"--device: {error}") from None
     known = [m.name for m in method_table(settings.backends)]
     unmatched = [p for p in settings.methods if not fnmatch.filter(known, p)]
     if unmatched:
