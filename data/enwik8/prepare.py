@@ -103,7 +103,7 @@ def read_source(path: Path, member: str = ENWIK8.member) -> bytes:
         raise DataError(f"cannot read source {path}: {error.strerror or error}") from None
 
 
-def download_corpus(out_dir: Path, download: Download) -> bytes:
+def download_corpus(out_dir: Path, download: Download) -> "Corpus":
     """The corpus inside the zip at download.url, cached as out_dir/<name>.zip once its sha256 matches.
 
     pooch downloads to a temporary name, checks the hash and only then renames; a cached zip that
@@ -118,13 +118,13 @@ def download_corpus(out_dir: Path, download: Download) -> bytes:
         raise DataError(f"downloading {download.url} failed: {error}") from None
     try:
         data = read_source(Path(zip_path), download.member)
-        if Digest.of(data) != download.corpus:
-            raise DataError(f"member {download.member!r} of {zip_path} is {Digest.of(data)}, "
-                            f"expected {download.corpus}")
+        digest = Digest.of(data)
+        if digest != download.corpus:
+            raise DataError(f"member {download.member!r} of {zip_path} is {digest}, expected {download.corpus}")
     except DataError:
         Path(zip_path).unlink()  # the next run downloads again rather than trusting this zip
         raise
-    return data
+    return Corpus(data, download.member, {"kind": "download", "url": download.url, "path": None}, digest)
 
 
 def fallback_warning(error: DataError, download: Download) -> str:
@@ -147,24 +147,25 @@ class Corpus:
     data: bytes
     name: str  # names a non-canonical corpus in its description
     origin: dict[str, Any]  # kind, url and path, recorded in meta.json
+    digest: Digest  # hashed once, where the data is read
 
 
 def local_corpus(path: Path, download: Download) -> Corpus:
     path = path.expanduser().resolve()
     data = read_source(path, download.member)
-    if path == SAMPLE and Digest.of(data) != SAMPLE_DIGEST:
+    digest = Digest.of(data)
+    if path == SAMPLE and digest != SAMPLE_DIGEST:
         raise DataError(f"the bundled sample {path} is damaged (expected {SAMPLE_DIGEST}): restore it with "
                         f"git checkout -- data/enwik8/{path.name}")
     kind = {".zip": "zip", ".gz": "gz"}.get(path.suffix.lower(), "raw")
-    return Corpus(data, path.name, {"kind": kind, "url": None, "path": str(path)})
+    return Corpus(data, path.name, {"kind": kind, "url": None, "path": str(path)}, digest)
 
 
 def downloaded_or_sample(out_dir: Path, download: Download, warn: Log) -> Corpus:
     """The download or, when it fails, the bundled sample after a loud warning; never the sample over
     other data already prepared in out_dir."""
     try:
-        data = download_corpus(out_dir, download)
-        return Corpus(data, download.member, {"kind": "download", "url": download.url, "path": None})
+        return download_corpus(out_dir, download)
     except DataError as error:
         existing = prepared_meta(out_dir, log=lambda message: None)
         if existing and existing["source"]["sha256"] != SAMPLE_DIGEST.sha256:
@@ -276,7 +277,7 @@ def prepare(
     if source is None and prepared and prepared["canonical"]:
         return already_prepared(out_dir, prepared, log)
     corpus = downloaded_or_sample(out_dir, download, warn) if source is None else local_corpus(Path(source), download)
-    digest = Digest.of(corpus.data)
+    digest = corpus.digest
     canonical = digest == download.corpus
     if not (canonical or allow_noncanonical or corpus.origin["path"] == str(SAMPLE)):
         raise DataError(f"{corpus.name} is not canonical enwik8: expected {download.corpus}, found {digest}; "
