@@ -104,13 +104,14 @@ def curve_style(name: str, families: dict[str, str]) -> dict[str, Any]:
     flags = variant_flags(name)
     family = flags.get("feature_map", "softmax attention")
     color = families.setdefault(family, f"C{len(families)}")
-    rope = "post" if flags["attention"] == "softmax" and flags["rope"] == "post" else flags["rope"]
-    return dict(color=color, linestyle={"post": "-", "pre": "--", "none": ":"}[rope],
+    return dict(color=color, linestyle={"post": "-", "pre": "--", "none": ":"}[flags["rope"]],
                 marker="s" if flags["abs_pos"] else "o", markersize=3)
 
 
-def write_results(grid_dir: Path, results: dict[str, TrainResult], config: TrainConfig) -> None:
-    """results.csv, results.md and val_bpc.png, each replaced atomically."""
+def write_results(grid_dir: Path, results: dict[str, TrainResult], config: TrainConfig,
+                  reference: dict[int, float]) -> None:
+    """results.csv, results.md and val_bpc.png, each replaced atomically; `reference`: the n-gram
+    lines (order -> val bpc)."""
     rows, model = result_rows(results), config.model
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=COLUMNS)
@@ -127,7 +128,6 @@ def write_results(grid_dir: Path, results: dict[str, TrainResult], config: Train
                 "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     markdown += ["| " + " | ".join(f"{row[c]:,}" if isinstance(row[c], int) else str(row[c]) for c in header) + " |"
                  for row in rows]
-    reference = reference_bpc(config.run.data_dir or default_data_dir(), "val")
     markdown += ["", "Reference lines: smoothed byte n-gram count models on the whole val split "
                  "(linattn_lm/ngram.py); a model above the order-k line uses less than k bytes of context "
                  "as well as a count table does.", "", "| n-gram order | val bpc |", "|---|---|"]
@@ -158,6 +158,7 @@ def run_grid(configs: dict[str, TrainConfig], grid_dir: Path, resume: bool) -> i
     results: dict[str, TrainResult] = {}
     first = next(iter(configs.values()))
     with training.distributed(first.run.device) as ctx:
+        reference = reference_bpc(first.run.data_dir or default_data_dir(), "val") if ctx.is_main else {}
         for number, (name, config) in enumerate(configs.items(), 1):
             if ctx.is_main:
                 print(f"=== [{number}/{len(configs)}] {name}", flush=True)
@@ -166,7 +167,7 @@ def run_grid(configs: dict[str, TrainConfig], grid_dir: Path, resume: bool) -> i
             results[name] = result
             if ctx.is_main:
                 grid_dir.mkdir(parents=True, exist_ok=True)
-                write_results(grid_dir, results, config)
+                write_results(grid_dir, results, config, reference)
             if result.interrupted:
                 return training.exit_code(result)
         if ctx.is_main:
