@@ -138,13 +138,14 @@ class TrainConfig:
         self.optim.validate()
         self.log.validate()
         self.run.validate()
+        device = resolve_device(self.run.device)
         self.model.check_fields()
         needed = 4 * self.model.parameter_bytes() + self.model.activation_bytes(self.optim.batch_size)
         check_memory(needed, f"a training step with batch_size {self.optim.batch_size}, seq_len "
                              f"{self.model.seq_len} and these sizes (layers, width, feature-map num_features, "
-                             "chunk_size)", resolve_device(self.run.device))
+                             "chunk_size)", device)
         self.model.validate()
-        check_backend_runs_on(self.model, resolve_device(self.run.device))
+        check_backend_runs_on(self.model, device)
 
     def flat(self) -> dict[str, Any]:
         """Every setting by its (unique) field name."""
