@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import csv
 import io
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the headless back
 import linattn  # noqa: E402
 from . import training  # noqa: E402
 from .checkpoint import CHECKPOINT_NAME, CheckpointError  # noqa: E402
-from .cli import EXIT_USAGE, variant_skip  # noqa: E402
+from .cli import variant_skip  # noqa: E402
 from .config import DEFAULT_PRESET, TrainConfig, config_from_flags  # noqa: E402
 from .data import default_data_dir  # noqa: E402
 from .lm import feature_map_parameters  # noqa: E402
@@ -193,17 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     first = next(iter(configs.values()))
     grid_dir = Path(first.run.out_dir) / Path(first.run.run_name).parent
     finished_before = [name for name, config in configs.items() if checkpoint_file(config).exists()]
-    try:
+
+    def run() -> int:
         if finished_before and not args.resume:
             raise CheckpointError(f"{grid_dir} already has checkpoints for {', '.join(finished_before)}: pass "
                                   "--resume to continue the grid, or choose another --run-name / --out-dir")
         return run_grid(configs, grid_dir, args.resume)
-    except training.RUN_ERRORS as error:
-        print(f"error: {error}", file=sys.stderr)
-        return EXIT_USAGE
-    except training.RUN_FAILURES as error:
-        print(f"error: {training.failure_message(error)}", file=sys.stderr)
-        return training.EXIT_ERROR
-    except KeyboardInterrupt:
-        print("aborted without saving a checkpoint", file=sys.stderr)
-        return training.EXIT_INTERRUPTED
+    return training.run_reporting_errors(run)

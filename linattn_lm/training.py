@@ -558,9 +558,18 @@ def exit_code(result: TrainResult) -> int:
 def main(argv: list[str] | None = None) -> int:
     args, config = parse_config(build_parser(), argv)
     keep_freed_memory()   # large CPU temporaries reuse freed memory instead of page-faulting
-    try:
+
+    def run() -> int:
         with distributed(config.run.device) as ctx:
-            result = train(config, ctx, resume=args.resume)
+            return exit_code(train(config, ctx, resume=args.resume))
+    return run_reporting_errors(run)
+
+
+def run_reporting_errors(run: Callable[[], int]) -> int:
+    """run()'s exit code, or a one-line message and the exit code of what stopped it: a bad
+    setting, file or checkpoint (usage, 2), a failure (1), or Ctrl-C before any checkpoint."""
+    try:
+        return run()
     except RUN_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -570,4 +579,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("aborted without saving a checkpoint", file=sys.stderr)
         return EXIT_INTERRUPTED
-    return exit_code(result)
