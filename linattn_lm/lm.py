@@ -80,7 +80,7 @@ class ModelConfig:
     feature_map: str = setting("favor", "linear attention feature map: a registered name, including "
                                         "maps registered by --import (linear only)", variant=True)
     feature_map_options: dict[str, Any] = setting(
-        {"num_features": 64, "redraw_interval": 1000},
+        {"num_features": 64, "redraw_interval": 0},
         "an option of the feature map, KEY=VALUE with VALUE a Python literal (repeatable; linear only); "
         "a preset's options apply to its own map only", variant=True)
     rope: str = setting("post", "linear: RoPE after the map (post), before it (pre) or none; "

@@ -157,6 +157,7 @@ class RunStats:
     compute_seconds: float = 0.0    # forward + backward + optimiser step
     other_seconds: float = 0.0      # evaluation and sampling
     tokens: int = 0
+    peak_memory_mb: float = 0.0     # the largest peak of the run's segments (resumes included)
     val_steps: list[int] = field(default_factory=list)
     val_bpc: list[float] = field(default_factory=list)
 
@@ -432,6 +433,7 @@ class Trainer:
 
     def save(self) -> None:
         """Model, optimiser, data position, every rank's RNG, the counters and the open log window."""
+        self.stats.peak_memory_mb = max(self.stats.peak_memory_mb, peak_memory_mb(self.device))
         payload = dict(config=asdict(self.config), step=self.step, model=self.model.state_dict(),
                        optimizer=self.optimizer.state_dict(), loader=self.train_batches.state_dict(),
                        rng=self.ctx.gather(rng_states(self.device)), stats=asdict(self.stats), data=self.data,
@@ -478,7 +480,8 @@ class Trainer:
         result = TrainResult(
             run_name=config.run.run_name, variant=config.model.variant,
             final_val_bpc=stats.val_bpc[-1] if stats.val_bpc else math.nan, best_val_bpc=stats.best_val_bpc,
-            tokens_per_s=stats.tokens_per_s, peak_memory_mb=peak_memory_mb(self.device),
+            tokens_per_s=stats.tokens_per_s,
+            peak_memory_mb=stats.peak_memory_mb,   # every run ends with a save, which updates it
             parameters=self.model.num_parameters(), steps=self.step,
             wall_seconds=stats.train_seconds + stats.other_seconds, loop_overhead=stats.loop_overhead,
             seed=config.model.seed, data=self.data, val_steps=list(stats.val_steps),

@@ -1,7 +1,9 @@
-"""grid.py: variants trained with the same seed, data and steps; results files; bad variants."""
+"""grid.py: variants x seeds under one budget, whole-split scores, resuming, and bad flags."""
 from __future__ import annotations
 
 import csv
+import json
+import math
 from pathlib import Path
 
 import linattn
@@ -9,41 +11,143 @@ import pytest
 
 from linattn_lm import grid, load_checkpoint
 from linattn_lm.ngram import reference_bpc
+from linattn_lm.variants import default_variants, variant_flags
+
+VARIANTS = "softmax-abs,linear-elu-none,linear-elu-post"
 
 
-def test_grid_trains_variants_and_writes_results(data_dir: Path, tiny: list[str], tmp_path: Path, run_main,
-                                                 scalars) -> None:
-    code, out, _ = run_main(grid.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--steps", "4",
-                                        "--eval-interval", "2", "--feature-map-option", "num_features=16",
-                                        "--variants", "softmax-abs,linear-elu-none,linear-favor-pre"])
+def read_rows(grid_dir: Path) -> list[dict[str, str]]:
+    with open(grid_dir / "results.csv") as file:
+        return list(csv.DictReader(file))
+
+
+@pytest.fixture
+def grid_argv(data_dir: Path, tiny: list[str], tmp_path: Path) -> list[str]:
+    return [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--steps", "4", "--eval-interval", "2",
+            "--variants", VARIANTS, "--seeds", "0,1", "--eval-multiples", "2"]
+
+
+@pytest.mark.slow
+def test_grid_trains_every_seed_and_variant_and_reports(grid_argv: list[str], data_dir: Path, tmp_path: Path,
+                                                        run_main, scalars) -> None:
+    code, out, _ = run_main(grid.main, grid_argv)
     assert code == 0, out
     grid_dir = tmp_path / "grid-tiny"
-    with open(grid_dir / "results.csv") as file:
-        rows = list(csv.DictReader(file))
-    assert [row["variant"] for row in rows] == ["softmax-abs", "linear-elu-none", "linear-favor-pre"]
-    assert list(rows[0]) == grid.COLUMNS and all(row["steps"] == "4" for row in rows)
-    assert "| linear-favor-pre |" in (grid_dir / "results.md").read_text()
-    assert f"| 2 | {reference_bpc(data_dir, 'val')[2]:.4f} |" in (grid_dir / "results.md").read_text()
+    rows = read_rows(grid_dir)
+    # seed-major: each finished seed completes the paired comparisons
+    assert [(row["seed"], row["variant"]) for row in rows] == [(s, v) for s in "01" for v in VARIANTS.split(",")]
+    assert all(row["steps"] == "4" for row in rows)
+    assert {"val_bpc@64", "val_bpc@128", "test_bpc@64", "test_bpc@128"} <= set(rows[0])
+    assert [row["val_bpc@128"] for row in rows if row["variant"] == "softmax-abs"] == ["nan", "nan"]
+    assert all(2 < float(row["test_bpc@64"]) < 9 for row in rows)
+
+    report = (grid_dir / "results.md").read_text()
+    assert "| linear-elu-post | 0,1 |" in report
+    assert "| linear-elu-none | linear-elu-post | rope |" in report   # the one pair differing in one factor
+    assert report.count("| softmax-abs | linear") == 0               # different families are not paired
+    assert "## Length extrapolation" in report and "| 128 (2x) |" in report
+    lines = reference_bpc(data_dir, "val"), reference_bpc(data_dir, "test")
+    assert f"| 2 | {lines[0][2]:.4f} | {lines[1][2]:.4f} |" in report
     assert (grid_dir / "val_bpc.png").read_bytes()[:4] == b"\x89PNG"
-    for name in ("softmax-abs", "linear-elu-none", "linear-favor-pre"):
-        assert len(scalars(grid_dir / name, "val/bpc")) == 2
-    options = lambda name: load_checkpoint(grid_dir / name)["config"]["model"]["feature_map_options"]
-    assert options("linear-favor-pre") == {"num_features": 16, "redraw_interval": 1000}
-    assert options("linear-elu-none") == {}
+
+    run = grid_dir / "linear-elu-post" / "seed-1"
+    assert len(scalars(run, "val/bpc")) == 2
+    assert load_checkpoint(run)["config"]["model"]["seed"] == 1
+    record = json.loads((run / "result.json").read_text())
+    assert record["seed"] == 1 and record["scores"]["val"]["64"] == float(rows[-1]["val_bpc@64"])
+    # same seed, same data order and initial weights across variants: the elu runs start alike
+    first = {v: load_checkpoint(grid_dir / v / "seed-0")["config"]["model"]["seed"] for v in VARIANTS.split(",")}
+    assert set(first.values()) == {0}
+
+
+@pytest.mark.slow
+def test_grid_resumes_and_adds_seeds_without_retraining(grid_argv: list[str], tmp_path: Path, run_main) -> None:
+    argv = [*grid_argv[:-4], "--seeds", "0", "--eval-multiples", "1"]
+    assert run_main(grid.main, argv)[0] == 0
+    grid_dir = tmp_path / "grid-tiny"
+    code, _, err = run_main(grid.main, argv)
+    assert code == 2 and "already has checkpoints" in err and "--resume" in err
+
+    (grid_dir / "linear-elu-none" / "seed-0" / "result.json").unlink()   # as if stopped while scoring
+    code, out, _ = run_main(grid.main, [*argv[:-4], "--seeds", "0,2", "--eval-multiples", "1", "--resume"])
+    assert code == 0, out
+    assert "softmax-abs seed 0 (done before)" in out and "linear-elu-post seed 0 (done before)" in out
+    assert "linear-elu-none seed 0 (done before)" not in out   # rescored from its finished checkpoint
+    assert "resumed" in out and "linear-elu-none seed 2" in out
+    assert [(row["seed"], row["variant"]) for row in read_rows(grid_dir)] == [
+        (s, v) for s in "02" for v in VARIANTS.split(",")]
+
+
+def test_each_run_gets_its_seed_and_the_options_its_map_takes(data_dir: Path) -> None:
+    given = dict(preset="tiny", data_dir=str(data_dir), feature_map_options={"num_features": 16})
+    configs = grid.run_configs(given, ["linear-favor-pre", "linear-elu-none",
+                                       "linear-favor-post+redraw_interval=0"], [0, 3])
+    assert list(configs)[:2] == [(0, "linear-favor-pre"), (0, "linear-elu-none")]
+    assert [config.model.seed for config in configs.values()] == [0, 0, 0, 3, 3, 3]
+    assert configs[3, "linear-favor-post+redraw_interval=0"].run.run_name == (
+        "grid-tiny/linear-favor-post+redraw_interval=0/seed-3")
+    options = {name: config.model.feature_map_options for (_, name), config in configs.items()}
+    assert options == {"linear-favor-pre": {"num_features": 16, "redraw_interval": 1000},
+                       "linear-elu-none": {},
+                       "linear-favor-post+redraw_interval=0": {"num_features": 16, "redraw_interval": 0}}
+
+
+def record(seed: int, variant: str, val: float) -> dict:
+    return {"variant": variant, "seed": seed, "final_val_bpc": val + 0.5, "scores": {"val": {"256": val}}}
+
+
+def test_paired_difference_is_a_t_interval_over_seeds() -> None:
+    from linattn_lm.grid_report import paired_difference
+    a = [record(s, "a", v) for s, v in enumerate([2.1, 2.2, 2.3])]
+    b = [record(s, "b", 2.0) for s in range(3)] + [record(7, "b", 9.0)]   # seed 7 has no partner
+    diff = paired_difference(a, b, 256)
+    assert diff["seeds"] == [0, 1, 2]
+    assert diff["mean"] == pytest.approx(0.2) and diff["std"] == pytest.approx(0.1)
+    half = 4.302652729911275 * 0.1 / 3 ** 0.5            # t(0.975, 2 dof)
+    assert diff["ci"] == pytest.approx((0.2 - half, 0.2 + half))
+    assert diff["p"] == pytest.approx(0.0742, abs=1e-3)  # two-sided, t = 0.2 / (0.1 / sqrt 3) = 3.46, 2 dof
+    single = paired_difference(a[:1], b, 256)
+    assert single["mean"] == pytest.approx(0.1) and all(map(math.isnan, single["ci"]))   # one seed: no interval
+
+
+def test_variants_differing_in_one_factor_are_paired() -> None:
+    from linattn_lm.grid_report import comparable_pairs
+    names = ["softmax-rope", "softmax-abs", "linear-favor-post", "linear-favor-pre", "linear-favor-pre-abs",
+             "linear-favor-post+redraw_interval=250", "linear-elu-post"]
+    assert comparable_pairs(names) == [
+        ("linear-favor-post", "linear-favor-pre", "rope"),
+        ("linear-favor-post", "linear-favor-post+redraw_interval=250", "redraw_interval"),
+        ("linear-favor-pre", "linear-favor-pre-abs", "positions")]   # softmax-rope vs -abs differ in two
+
+
+def test_variant_names_carry_feature_map_options() -> None:
+    assert variant_flags("linear-favor-pre-abs+redraw_interval=0+num_features=32") == dict(
+        attention="linear", feature_map="favor", rope="pre", abs_pos=True,
+        feature_map_options={"redraw_interval": 0, "num_features": 32})
+    assert variant_flags("softmax-rope") == dict(attention="softmax", rope="post", abs_pos=False)
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--variants", "linear-favor-sideways"], "unknown variant 'linear-favor-sideways'"),
+    (["--variants", "softmax-rope+redraw_interval=0"], "unknown variant 'softmax-rope+redraw_interval=0'"),
+    (["--variants", "linear-favor-post+redraw"], "variant 'linear-favor-post+redraw': expected KEY=VALUE"),
+    (["--variants", "linear-elu-post+redraw_interval=5"], "redraw_interval"),
     (["--variants", "softmax-rope", "--attention", "linear"], "unrecognized arguments: --attention"),
-    (["--variants", ""], "--variants must list distinct variants"),
+    (["--variants", ""], "--variants must list distinct variant names"),
+    (["--variants", "softmax-rope,softmax-rope"], "--variants must list distinct"),
     (["--variants", "softmax-rope,linear-elu-post", "--feature-map-option", "scale=2"],
      "no variant's feature map takes option(s) ['scale']"),
+    (["--seeds", "0,x"], "--seeds must list distinct integer seeds"),
+    (["--seeds", "0,0"], "--seeds must list distinct"),
+    (["--seeds", "0,1", "--seed", "3"], "give either --seed or --seeds"),
+    (["--seeds", "-1"], "--seeds must be >= 0"),
+    (["--eval-multiples", "0"], "--eval-multiples >= 1"),
 ])
-def test_grid_rejects_bad_variants(argv: list[str], message: str, run_main) -> None:
+def test_grid_rejects_bad_flags(argv: list[str], message: str, run_main) -> None:
     code, _, err = run_main(grid.main, argv)
-    assert code == 2 and message in err
+    assert code == 2 and message in err, err
 
 
 def test_default_variants_cover_every_registered_map() -> None:
-    variants = grid.default_variants()
+    variants = default_variants()
     assert all(f"linear-{name}-post" in variants for name in linattn.available_feature_maps())

@@ -1,0 +1,205 @@
+"""A grid's report from its runs' records: per-seed rows (results.csv), mean +- std per variant,
+seed-paired differences with 95% confidence intervals, the length-extrapolation table and the
+n-gram reference lines (results.md), and mean validation curves with their seed range (val_bpc.png).
+
+The headline score is bpc on the whole val split at the training length (eval.py's scoring); a
+variant's runs differ only in the seed, and a paired difference takes variant A minus variant B
+on the same seed, so the seed's share of the variance (initial weights, data order, FAVOR+ draws)
+cancels.  The interval is Student's t over the seeds' differences: with 3 seeds it is wide, and
+says so.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import math
+from pathlib import Path
+from typing import Any, Iterable
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the headless backend)
+import numpy as np  # noqa: E402
+from scipy import stats  # noqa: E402
+
+from .runtime import write_atomically  # noqa: E402
+from .variants import factors  # noqa: E402
+
+RESULT_NAME = "result.json"
+COLUMNS = ["variant", "seed", "final_val_bpc", "best_val_bpc", "tokens_per_s", "peak_memory_mb", "parameters",
+           "steps", "wall_time_s", "data"]
+Records = dict[tuple[int, str], dict[str, Any]]
+
+
+def score_columns(records: Records) -> list[str]:
+    """'val_bpc@256', 'test_bpc@256', ... for every (split, window length) scored."""
+    keys = {(split, int(length)) for record in records.values() for split, by_length in record["scores"].items()
+            for length in by_length}
+    return [f"{split}_bpc@{length}" for length, split in sorted((n, s) for s, n in keys)]
+
+
+def row(record: dict[str, Any]) -> dict[str, Any]:
+    scores = {f"{split}_bpc@{length}": bpc for split, by_length in record["scores"].items()
+              for length, bpc in by_length.items()}
+    return {**{column: record[column] for column in COLUMNS}, **scores}
+
+
+def headline(record: dict[str, Any], seq_len: int) -> float:
+    """Whole-val-split bpc at the training length; the 16-batch estimate when it was not scored."""
+    return record["scores"].get("val", {}).get(str(seq_len), record["final_val_bpc"])
+
+
+def mean_std(values: Iterable[float], digits: int = 3) -> str:
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return "n/a"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{np.mean(values):.{digits}f} ± {np.std(values, ddof=1):.{digits}f}"
+
+
+def by_variant(records: Records) -> dict[str, list[dict[str, Any]]]:
+    """Each variant's records in seed order (records arrive seed-major)."""
+    variants: dict[str, list[dict[str, Any]]] = {}
+    for (_, name), record in records.items():
+        variants.setdefault(name, []).append(record)
+    return variants
+
+
+def comparable_pairs(names: list[str]) -> list[tuple[str, str, str]]:
+    """(a, b, factor) for every two variants of one family that differ in exactly one factor
+    (an option absent from one of them counts as its default, a level of its own)."""
+    pairs = []
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            (family_a, levels_a), (family_b, levels_b) = factors(a), factors(b)
+            differing = [key for key in dict.fromkeys([*levels_a, *levels_b]) if levels_a.get(key) != levels_b.get(key)]
+            if family_a == family_b and len(differing) == 1:
+                pairs.append((a, b, differing[0]))
+    return pairs
+
+
+def paired_difference(a: list[dict[str, Any]], b: list[dict[str, Any]], seq_len: int) -> dict[str, Any] | None:
+    """a - b on the seeds both have: the differences, their mean, std, 95% t interval and paired t-test p."""
+    scores_b = {record["seed"]: headline(record, seq_len) for record in b}
+    diffs = {record["seed"]: headline(record, seq_len) - scores_b[record["seed"]]
+             for record in a if record["seed"] in scores_b}
+    if not diffs:
+        return None
+    values = np.array(list(diffs.values()))
+    result: dict[str, Any] = {"seeds": list(diffs), "diffs": values, "mean": float(values.mean()),
+                              "std": math.nan, "ci": (math.nan, math.nan), "p": math.nan}
+    if len(values) > 1:
+        std = float(values.std(ddof=1))
+        half = float(stats.t.ppf(0.975, len(values) - 1)) * std / math.sqrt(len(values))
+        result.update(std=std, ci=(result["mean"] - half, result["mean"] + half),
+                      p=float(stats.ttest_1samp(values, 0.0).pvalue) if std > 0 else math.nan)
+    return result
+
+
+def summary_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> list[str]:
+    lines = ["| variant | seeds | val bpc (whole split) | test bpc (whole split) | final val bpc (estimate) | "
+             "best val bpc (estimate) | wall time per run (s) | tokens/s | peak memory (MB) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, runs in variants.items():
+        test = [r["scores"].get("test", {}).get(str(seq_len), math.nan) for r in runs]
+        lines.append(f"| {name} | {','.join(str(r['seed']) for r in runs)} | "
+                     f"{mean_std(headline(r, seq_len) for r in runs)} | {mean_std(test)} | "
+                     f"{mean_std(r['final_val_bpc'] for r in runs)} | {mean_std(r['best_val_bpc'] for r in runs)} | "
+                     f"{np.mean([r['wall_time_s'] for r in runs]):,.0f} | {np.mean([r['tokens_per_s'] for r in runs]):,.0f} | "
+                     f"{np.mean([r['peak_memory_mb'] for r in runs]):,.0f} |")
+    return lines
+
+
+def paired_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> list[str]:
+    lines = ["| A | B | factor | per-seed A - B | mean | std | 95% CI | paired t-test p |",
+             "|---|---|---|---|---|---|---|---|"]
+    for a, b, factor in comparable_pairs(list(variants)):
+        diff = paired_difference(variants[a], variants[b], seq_len)
+        if diff is None:
+            continue
+        per_seed = ", ".join(f"{value:+.3f} (s{seed})" for seed, value in zip(diff["seeds"], diff["diffs"]))
+        ci = "n/a" if math.isnan(diff["ci"][0]) else f"[{diff['ci'][0]:+.3f}, {diff['ci'][1]:+.3f}]"
+        std = "n/a" if math.isnan(diff["std"]) else f"{diff['std']:.3f}"
+        p = "n/a" if math.isnan(diff["p"]) else f"{diff['p']:.3f}"
+        lines.append(f"| {a} | {b} | {factor} | {per_seed} | {diff['mean']:+.3f} | {std} | {ci} | {p} |")
+    return lines if len(lines) > 2 else []
+
+
+def extrapolation_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> list[str]:
+    lengths = sorted({int(n) for runs in variants.values() for r in runs for n in r["scores"].get("val", {})})
+    if len(lengths) < 2:
+        return []
+    lines = ["| variant | " + " | ".join(f"{n} ({n / seq_len:g}x)" for n in lengths) + " |",
+             "|---|" + "---|" * len(lengths)]
+    for name, runs in variants.items():
+        cells = [mean_std(r["scores"]["val"].get(str(n), math.nan) for r in runs) for n in lengths]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_report(grid_dir: Path, records: Records, config: Any, reference: dict[str, dict[int, float]]) -> None:
+    """results.csv, results.md and val_bpc.png, each replaced atomically; `reference`: the n-gram
+    lines, split -> order -> bpc."""
+    seq_len, variants = config.model.seq_len, by_variant(records)
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=COLUMNS + score_columns(records))
+    writer.writeheader()
+    writer.writerows(row(record) for record in records.values())
+    write_atomically(grid_dir / "results.csv", lambda path: path.write_text(buffer.getvalue()))
+
+    seeds = sorted({seed for seed, _ in records})
+    data = next(iter(records.values()))["data"]
+    markdown = [f"# Grid {grid_dir.name}", "",
+                f"preset {config.run.preset}: {config.model.n_layer} layers x {config.model.d_model}, "
+                f"{config.model.n_head} heads, seq_len {seq_len}, batch {config.optim.batch_size}, "
+                f"{config.optim.steps} steps, lr {config.optim.lr}; seeds {','.join(map(str, seeds))}; data: {data}.",
+                "", "Mean ± sample std over seeds. Whole-split scores: every byte of the split, windows of "
+                f"seq_len {seq_len} (eval.py); estimates: {config.log.eval_iters} fixed val batches during training.",
+                "", *summary_table(variants, seq_len), "",
+                "Reference lines: smoothed byte n-gram count models (linattn_lm/ngram.py); a model above the "
+                "order-k line uses less than k bytes of context as well as a count table does.", "",
+                "| n-gram order | " + " | ".join(f"{split} bpc" for split in reference) + " |",
+                "|---|" + "---|" * len(reference)]
+    orders = next(iter(reference.values()), {})
+    markdown += [f"| {order} | " + " | ".join(f"{lines[order]:.4f}" for lines in reference.values()) + " |"
+                 for order in orders]
+    paired = paired_table(variants, seq_len)
+    if paired:
+        markdown += ["", "## Paired differences (whole val split, bpc; negative: A is better)", "",
+                     "Variants that differ in one factor, compared on the same seeds.", "", *paired]
+    extrapolation = extrapolation_table(variants, seq_len)
+    if extrapolation:
+        markdown += ["", "## Length extrapolation (whole val split, bpc by window length)", "", *extrapolation]
+    write_atomically(grid_dir / "results.md", lambda path: path.write_text("\n".join(markdown) + "\n"))
+    write_atomically(grid_dir / "val_bpc.png", lambda path: plot_curves(path, grid_dir.name, variants, reference))
+
+
+def plot_curves(path: Path, title: str, variants: dict[str, list[dict[str, Any]]],
+                reference: dict[str, dict[int, float]]) -> None:
+    """Mean validation curve per variant over the seeds that reached each step, the seeds' range as
+    a band; the val n-gram lines in grey."""
+    figure, axes = plt.subplots(figsize=(9, 5.5))
+    families: dict[str, str] = {}
+    for name, runs in variants.items():
+        family, levels = factors(name)
+        options = {key: level for key, level in levels.items() if key not in ("rope", "positions")}
+        color = families.setdefault(f"{family} {options}", f"C{len(families) % 10}")
+        steps = runs[0]["val_steps"]
+        curves = np.array([r["val_bpc"] for r in runs if r["val_steps"] == steps])
+        style = dict(color=color, linestyle={"post": "-", "pre": "--", "none": ":"}[levels["rope"]],
+                     marker="s" if levels["positions"] == "learned" else "o", markersize=3)
+        axes.plot(steps, curves.mean(axis=0), label=f"{name} ({len(curves)} seeds)", **style)
+        if len(curves) > 1:
+            axes.fill_between(steps, curves.min(axis=0), curves.max(axis=0), color=color, alpha=0.15)
+    for order, bpc in reference.get("val", {}).items():
+        axes.axhline(bpc, color="grey", linewidth=0.8, alpha=0.6)
+        axes.annotate(f"order-{order} n-gram", (1, bpc), xycoords=("axes fraction", "data"),
+                      ha="right", va="bottom", fontsize=7, color="grey")
+    axes.set(xlabel="step", ylabel="val bpc (estimate)", title=f"{title}: validation bits per byte, "
+             "mean over seeds (band: seed range)")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.savefig(path, format="png", dpi=120)
+    plt.close(figure)

@@ -1,0 +1,50 @@
+"""Variant names, the grid's vocabulary: 'softmax-rope', 'linear-favor-pre-abs',
+'linear-favor-post+redraw_interval=250' (feature-map options after '+')."""
+from __future__ import annotations
+
+from argparse import ArgumentTypeError
+from typing import Any
+
+import linattn
+from .cli import option
+
+SOFTMAX_VARIANTS = {"softmax-rope": ("post", False), "softmax-abs": ("none", True),
+                    "softmax-none": ("none", False), "softmax-rope-abs": ("post", True)}
+
+
+def default_variants() -> list[str]:
+    """Every softmax variant with RoPE or learned positions, and every registered map x placement."""
+    return ["softmax-rope", "softmax-abs"] + [
+        f"linear-{feature_map}-{rope}"
+        for feature_map in linattn.available_feature_maps() for rope in linattn.ROPE_PLACEMENTS]
+
+
+def variant_flags(name: str) -> dict[str, Any]:
+    """'linear-favor-pre-abs+redraw_interval=0' -> {attention: linear, feature_map: favor, rope: pre,
+    abs_pos: True, feature_map_options: {redraw_interval: 0}}."""
+    base, *option_texts = name.split("+")
+    try:
+        options = dict(option(text) for text in option_texts)
+    except ArgumentTypeError as error:
+        raise ValueError(f"variant {name!r}: {error}") from None
+    if base in SOFTMAX_VARIANTS and not options:
+        rope, abs_pos = SOFTMAX_VARIANTS[base]
+        return dict(attention="softmax", rope=rope, abs_pos=abs_pos)
+    abs_pos = base.endswith("-abs")
+    parts = base.removesuffix("-abs").split("-")
+    if parts[0] == "linear" and len(parts) >= 3 and parts[-1] in linattn.ROPE_PLACEMENTS:
+        return dict(attention="linear", feature_map="-".join(parts[1:-1]), rope=parts[-1], abs_pos=abs_pos,
+                    feature_map_options=options)
+    raise ValueError(f"unknown variant {name!r}: expected one of {', '.join(SOFTMAX_VARIANTS)} or "
+                     f"linear-<map>-<post|pre|none>[-abs][+KEY=VALUE...] with a map in "
+                     f"{linattn.available_feature_maps()} (--import registers more)")
+
+
+def factors(name: str) -> tuple[str, dict[str, str]]:
+    """(family, {factor: level}): 'linear-favor-post-abs+a=1' -> ('linear-favor', {rope: 'post',
+    positions: 'learned', a: '1'}); two variants of a family that differ in one factor are compared."""
+    flags = variant_flags(name)
+    family = f"linear-{flags['feature_map']}" if flags["attention"] == "linear" else "softmax"
+    levels = {"rope": flags["rope"], "positions": "learned" if flags["abs_pos"] else "-"}
+    levels.update({key: repr(value) for key, value in flags.get("feature_map_options", {}).items()})
+    return family, levels
