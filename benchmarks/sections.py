@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 from dataclasses import replace
+from typing import Callable
 
 import torch
 
@@ -252,23 +253,35 @@ def record_value(records: list[dict], group: str, kind: str, context: int, key: 
     return next((r.get(key) for r in records if r[group] == kind and r["n"] == context), None)
 
 
+def measure_each(group: str, kinds: dict[str, str], contexts: list[int], function: Callable[[dict], dict],
+                 histories: dict[str, History], memory_key: str, task_for: Callable[[str, int], dict],
+                 describe: Callable[[dict], str], settings: Settings, device: torch.device, runner: ChildRunner,
+                 report: Report) -> list[dict]:
+    """Every kind at every context, each in its own child process under the time budget; one
+    progress line per measurement.  Records carry `group`: kind and n: context."""
+    records = []
+    for context in contexts:
+        for kind, label in kinds.items():
+            result = run_budgeted(runner, function, task_for(kind, context), histories[kind], context,
+                                  settings.budget_s, device, memory_key)
+            records.append({group: kind, "n": context, **result})
+            report.progress(f"  context={context:>6}  {label:<28} "
+                            + (describe(result) if "step_s" in result else tables.note(result)))
+    return records
+
+
 def run_decode(settings: Settings, device: torch.device, runner: ChildRunner, report: Report) -> list[dict]:
     report.section("Decoding: per-token step latency vs context length")
     report.add(f"b=1, dim {DECODE_DIM}, heads {DECODE_HEADS}, M={settings.num_features}; state from "
                f"forward(prompt, return_state=True); median of {settings.decode_steps} steps.\n")
     # The softmax prefill is quadratic in the context, so it is what the budget guards.
     histories = {kind: History(assume_quadratic=kind == "softmax") for kind in DECODE_BLOCKS}
-    records = []
-    for context in settings.decode_contexts:
-        for kind in DECODE_BLOCKS:
-            task = {"device": str(device), "threads": settings.threads, "block": kind, "n": context,
-                    "num_features": settings.num_features, "repeats": settings.decode_steps}
-            result = run_budgeted(runner, decode_task, task, histories[kind], context, settings.budget_s,
-                                  device, "state_bytes")
-            records.append({"block": kind, "n": context, **result})
-            report.progress(f"  context={context:>6}  {DECODE_BLOCKS[kind]:<28} " + (
-                f"step {result['step_s'] * 1e3:.3f} ms  prefill {result['prefill_s'] * 1e3:.0f} ms"
-                if "step_s" in result else tables.note(result)))
+    records = measure_each(
+        "block", DECODE_BLOCKS, settings.decode_contexts, decode_task, histories, "state_bytes",
+        lambda kind, context: {"device": str(device), "threads": settings.threads, "block": kind, "n": context,
+                               "num_features": settings.num_features, "repeats": settings.decode_steps},
+        lambda result: f"step {result['step_s'] * 1e3:.3f} ms  prefill {result['prefill_s'] * 1e3:.0f} ms",
+        settings, device, runner, report)
     value = functools.partial(record_value, records, "block")
     rows = []
     for context in settings.decode_contexts:
@@ -330,18 +343,13 @@ def run_model(settings: Settings, device: torch.device, runner: ChildRunner, rep
                "steps after 1 warm-up.\n")
     # Same tokens per batch: a step's cost grows at most linearly with context, softmax included.
     histories = {kind: History(assume_quadratic=False) for kind in MODEL_KINDS}
-    records = []
-    for context in settings.model_contexts:
-        for kind in MODEL_KINDS:
-            task = {"device": str(device), "threads": settings.threads, "model": kind, "n": context,
-                    "tokens": settings.model_tokens, "num_features": settings.num_features,
-                    "repeats": settings.model_steps}
-            result = run_budgeted(runner, model_task, task, histories[kind], context, settings.budget_s,
-                                  device, "peak_bytes")
-            records.append({"model": kind, "n": context, **result})
-            report.progress(f"  context={context:>6}  {MODEL_KINDS[kind]:<18} " + (
-                f"{result['tokens_per_s']:9.0f} tokens/s  step {result['step_s'] * 1e3:.0f} ms"
-                if "step_s" in result else tables.note(result)))
+    records = measure_each(
+        "model", MODEL_KINDS, settings.model_contexts, model_task, histories, "peak_bytes",
+        lambda kind, context: {"device": str(device), "threads": settings.threads, "model": kind, "n": context,
+                               "tokens": settings.model_tokens, "num_features": settings.num_features,
+                               "repeats": settings.model_steps},
+        lambda result: f"{result['tokens_per_s']:9.0f} tokens/s  step {result['step_s'] * 1e3:.0f} ms",
+        settings, device, runner, report)
     value = functools.partial(record_value, records, "model")
     rows = []
     for context in settings.model_contexts:

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from .lm import ByteLM, ModelConfig
-from .runtime import write_atomically
+from .runtime import first_line, write_atomically
 
 CHECKPOINT_NAME = "ckpt.pt"
 CHECKPOINT_FORMAT = "linattn-byte-lm"
@@ -49,8 +49,7 @@ def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu") 
         raise CheckpointError(f"cannot read checkpoint {path}: not a weights-only torch checkpoint "
                               "(corrupt, or written by something other than train.py)") from None
     except Exception as error:  # torch raises many types for truncated or foreign files
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        raise CheckpointError(f"cannot read checkpoint {path}: corrupt or truncated ({reason})") from None
+        raise CheckpointError(f"cannot read checkpoint {path}: corrupt or truncated ({first_line(error)})") from None
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path} is not a linattn LM checkpoint (written by train.py)")
     if checkpoint.get("version") != CHECKPOINT_VERSION:
@@ -77,8 +76,7 @@ def load_state(path: Path | str, name: str, load: Callable[[], Any]) -> None:
     try:
         load()
     except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as error:
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-        raise CheckpointError(f"{path}: its {name!r} entry does not fit this run ({reason})") from None
+        raise CheckpointError(f"{path}: its {name!r} entry does not fit this run ({first_line(error)})") from None
 
 
 def check_finite_weights(state: dict[str, Any], path: Path | str) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .config import FIELDS, PRESETS, VARIANT
+from .runtime import first_line
 
 EXIT_ERROR, EXIT_USAGE = 1, 2
 
@@ -123,10 +124,6 @@ def import_user_code(names: list[str]) -> list[str]:
             raise UsageError(f"--import {name}: cannot import it ({type(error).__name__}: "
                              f"{first_line(error)}); pass a module name on the Python path or a .py file") from None
     return recorded
-
-
-def first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
 
 
 def variant_skip() -> set[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+from pathlib import Path
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from linattn.attention import _xformers_ops
 from linattn.ops.linear_attention.backends import resolve as resolve_linear_backend
 
+from .data import default_data_dir
 from .lm import ModelConfig, check_finite, check_memory, check_types, from_plain_dict, setting
 from .runtime import resolve_device
 
@@ -91,6 +93,16 @@ class RunConfig:
         # Recorded absolute, so eval.py and --resume find the data from any working directory.
         if isinstance(self.data_dir, str) and self.data_dir:
             self.data_dir = os.path.abspath(self.data_dir)
+
+    @property
+    def data_path(self) -> Path:
+        """The prepared data directory: --data-dir, else the repository's data/enwik8."""
+        return Path(self.data_dir) if self.data_dir else default_data_dir()
+
+    @property
+    def run_dir(self) -> Path:
+        """Where the run's checkpoint and logs live: <out-dir>/<run-name>."""
+        return Path(self.out_dir) / self.run_name
 
     def validate(self) -> None:
         check_types(self)

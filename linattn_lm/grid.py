@@ -32,7 +32,7 @@ from . import training
 from .checkpoint import CHECKPOINT_NAME, CheckpointError
 from .cli import variant_skip
 from .config import DEFAULT_PRESET, TrainConfig, config_from_flags
-from .data import default_data_dir, load_split
+from .data import load_split
 from .evaluate import bpc_table
 from .grid_report import RESULT_NAME, write_report
 from .lm import feature_map_parameters
@@ -71,14 +71,10 @@ def run_configs(given: dict[str, Any], variants: list[str], seeds: list[int]) ->
     return configs
 
 
-def run_dir(config: TrainConfig) -> Path:
-    return Path(config.run.out_dir) / config.run.run_name
-
-
 def saved_record(config: TrainConfig, multiples: list[int]) -> dict[str, Any] | None:
     """The run's result.json when it covers this config's steps and the asked scores, else None."""
     try:
-        record = json.loads((run_dir(config) / RESULT_NAME).read_text())
+        record = json.loads((config.run.run_dir / RESULT_NAME).read_text())
     except (OSError, ValueError):
         return None
     scores = record.get("scores") if isinstance(record, dict) else None
@@ -91,7 +87,7 @@ def saved_record(config: TrainConfig, multiples: list[int]) -> dict[str, Any] | 
 
 def whole_split_scores(result: TrainResult, config: TrainConfig, multiples: list[int]) -> dict[str, dict[str, float]]:
     """bpc on the whole val and test splits in windows of multiple x seq_len (eval.py's scoring)."""
-    data_dir = config.run.data_dir or default_data_dir()
+    data_dir = config.run.data_path
     model, scores = result.model.eval(), {}
     lengths = [multiple * config.model.seq_len for multiple in multiples]
     for split in EVAL_SPLITS:
@@ -114,7 +110,7 @@ def run_grid(configs: dict[tuple[int, str], TrainConfig], grid_dir: Path, resume
     rewriting the report after each; stop on Ctrl-C with the run's checkpoint saved."""
     records: dict[tuple[int, str], dict[str, Any]] = {}
     first = next(iter(configs.values()))
-    data_dir = first.run.data_dir or default_data_dir()
+    data_dir = first.run.data_path
     with training.distributed(first.run.device) as ctx:
         reference = {split: reference_bpc(data_dir, split) for split in EVAL_SPLITS} if ctx.is_main else {}
         for number, ((seed, name), config) in enumerate(configs.items(), 1):
@@ -123,13 +119,13 @@ def run_grid(configs: dict[tuple[int, str], TrainConfig], grid_dir: Path, resume
                 print(f"=== [{number}/{len(configs)}] {name} seed {seed}" + (" (done before)" if record else ""),
                       flush=True)
             if record is None:
-                checkpoint = run_dir(config) / CHECKPOINT_NAME
+                checkpoint = config.run.run_dir / CHECKPOINT_NAME
                 result = training.train(config, ctx, resume=resume and checkpoint.exists())
                 if result.interrupted:
                     return training.exit_code(result)
                 if ctx.is_main:
                     record = make_record(name, result, whole_split_scores(result, config, multiples))
-                    write_atomically(run_dir(config) / RESULT_NAME,
+                    write_atomically(config.run.run_dir / RESULT_NAME,
                                      lambda path: path.write_text(json.dumps(record, indent=1) + "\n"))
                 result.model = None   # free it before the next run
             if ctx.is_main:
@@ -175,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     args, (configs, multiples) = training.parse_config(parser, argv, resolve=parse_grid_flags)
     keep_freed_memory()   # large CPU temporaries reuse freed memory instead of page-faulting
     first = next(iter(configs.values()))
-    grid_dir = run_dir(first).parent.parent
-    started = [config.run.run_name for config in configs.values() if (run_dir(config) / CHECKPOINT_NAME).exists()]
+    grid_dir = first.run.run_dir.parent.parent
+    started = [config.run.run_name for config in configs.values() if (config.run.run_dir / CHECKPOINT_NAME).exists()]
 
     def run() -> int:
         if started and not args.resume:

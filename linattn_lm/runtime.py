@@ -120,6 +120,11 @@ def _umask() -> int:
     return mask
 
 
+def first_line(error: BaseException) -> str:
+    """An error's message as one short line, for messages that must not become tracebacks."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+
+
 def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     """write(tmp) fills a temporary file next to `path`, which then replaces `path` at once: readers
     never see a half-written file, and a failed write leaves the old one in place."""

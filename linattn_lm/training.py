@@ -30,7 +30,7 @@ from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_finite_weights,
 from .cli import (EXIT_ERROR, EXIT_USAGE, Parser, UsageError, add_config_flags, given_settings, import_user_code,
                   pre_parse_imports)
 from .config import TrainConfig, config_differences, config_from_flags
-from .data import DataError, RandomWindows, default_data_dir, load_split
+from .data import DataError, RandomWindows, load_split
 from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss
 from .runtime import (autocast, decode_bytes, keep_freed_memory, peak_memory_mb, reset_peak_memory,
                       resolve_device, summed_loss)
@@ -295,7 +295,7 @@ class Trainer:
             torch.set_num_threads(config.run.threads)
         self.config, self.ctx, self.device = config, ctx, ctx.device
         self.log = tqdm.write if ctx.is_main else (lambda message: None)
-        self.run_dir = Path(config.run.out_dir) / config.run.run_name
+        self.run_dir = config.run.run_dir
         self.ckpt_file = self.run_dir / CHECKPOINT_NAME
         reset_peak_memory(self.device)
         self._load_data()      # first, so missing or too-small data fails before anything is written
@@ -308,7 +308,7 @@ class Trainer:
 
     def _load_data(self) -> None:
         config, ctx = self.config, self.ctx
-        self.data_dir = config.run.data_dir or str(default_data_dir())
+        self.data_dir = str(config.run.data_path)
         train_split, self.val_split = load_split(self.data_dir, "train"), load_split(self.data_dir, "val")
         windows = dict(batch_size=config.optim.batch_size // ctx.world_size, seq_len=config.model.seq_len,
                        seed=config.model.seed, rank=ctx.rank, world_size=ctx.world_size)
