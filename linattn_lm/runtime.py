@@ -128,6 +128,18 @@ def first_line(error: BaseException) -> str:
 def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     """write(tmp) fills a temporary file next to `path`, which then replaces `path` at once: readers
     never see a half-written file, and a failed write leaves the old one in place."""
+    tmp = write_staged(path, write)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink()
+        raise
+
+
+def write_staged(path: Path, write: Callable[[Path], None]) -> Path:
+    """write(tmp) fills a temporary file next to `path`, on disk and with the permissions open()
+    would give; returns it for the caller to rename onto `path` (several files can be staged first
+    and then renamed together).  A failed write leaves nothing behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(handle)
@@ -136,7 +148,7 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
         with open(tmp, "rb+") as written:    # on disk before it takes the real name
             os.fsync(written.fileno())
         os.chmod(tmp, 0o666 & ~_umask())      # mkstemp makes 0600; give what open() would
-        os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
+    return Path(tmp)

@@ -362,11 +362,11 @@ def test_out_dir_that_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 
 def interrupt_second_file(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The second write_atomically call writes half its file, then the user presses Ctrl-C."""
-    real = prep.write_atomically
+    """The second file prepare.py writes is half written when the user presses Ctrl-C."""
+    real = prep.write_staged
     calls = []
 
-    def write_then_interrupt(path: Path, write) -> None:
+    def write_then_interrupt(path: Path, write) -> Path:
         calls.append(path)
         if len(calls) != 2:
             return real(path, write)
@@ -377,11 +377,11 @@ def interrupt_second_file(monkeypatch: pytest.MonkeyPatch) -> None:
 
         return real(path, half_then_interrupt)
 
-    monkeypatch.setattr(prep, "write_atomically", write_then_interrupt)
+    monkeypatch.setattr(prep, "write_staged", write_then_interrupt)
 
 
-def test_an_interrupted_run_leaves_no_temporaries_and_never_a_mix(sources: dict[str, Path], tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_interrupted_run_leaves_the_old_preparation_whole_and_no_temporaries(
+        sources: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out_dir = tmp_path / "out"
     quiet = {"log": lambda message: None, "download": download_of(refused_url())}
     prep.prepare(out_dir, source=sources["raw"], **quiet)
@@ -390,10 +390,10 @@ def test_an_interrupted_run_leaves_no_temporaries_and_never_a_mix(sources: dict[
     with monkeypatch.context() as patch:
         interrupt_second_file(patch)
         with pytest.raises(KeyboardInterrupt):
-            prep.prepare(out_dir, source=other, allow_noncanonical=True, **quiet)
+            prep.prepare(out_dir, source=other, allow_noncanonical=True, force=True, **quiet)
     assert_no_temporaries(out_dir)
-    with pytest.raises(DataNotFoundError, match="incompletely prepared"):
-        load_split(out_dir, "train")
+    assert prepared_bytes(out_dir) == split_bytes(CORPUS)    # nothing already written was lost
+    assert bytes(load_split(out_dir, "val").data) == split_bytes(CORPUS)[1]
     prep.prepare(out_dir, source=other, allow_noncanonical=True, **quiet)
     assert prepared_bytes(out_dir) == split_bytes(CORPUS[::-1])
 
