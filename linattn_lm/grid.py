@@ -2,10 +2,10 @@
 splits, and compare them with error bars (`python grid.py`).
 
     python grid.py --preset cpu                                        # the 11 default variants, seed 0
-    python grid.py --preset study --seeds 0,1,2 --eval-multiples 1,2,4,8 \\
+    python grid.py --preset cpu --seeds 0,1,2 --eval-multiples 1,2,4,8 \\
         --variants softmax-rope,linear-favor-post,linear-favor-pre,linear-favor-none
-    python grid.py --preset study --seeds 0,1,2 ... --resume          # continue an interrupted grid
-    tensorboard --logdir runs/grid-study
+    python grid.py --preset cpu --seeds 0,1,2 ... --resume            # continue an interrupted grid
+    tensorboard --logdir runs/grid-cpu
 
 Variants: softmax-rope, softmax-abs, softmax-none, softmax-rope-abs and linear-<map>-<post|pre|none>
 for every registered feature map (--import registers more), optionally with -abs, and optionally with
@@ -25,16 +25,17 @@ loses at most the run in progress and --resume continues it.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from . import training
 from .checkpoint import CHECKPOINT_NAME, CheckpointError
 from .cli import variant_skip
-from .config import DEFAULT_PRESET, TrainConfig, config_from_flags
+from .config import DEFAULT_PRESET, TrainConfig, config_differences, config_from_flags
 from .data import load_split
 from .evaluate import bpc_table
-from .grid_report import RESULT_NAME, write_report
+from .grid_report import RECORD_KEYS, RESULT_NAME, write_report
 from .lm import feature_map_parameters
 from .ngram import reference_bpc
 from .runtime import keep_freed_memory, write_atomically
@@ -44,18 +45,20 @@ from .variants import default_variants, variant_flags
 EVAL_SPLITS = ("val", "test")
 
 
+def grid_name(given: dict[str, Any]) -> str:
+    return given.get("run_name") or f"grid-{given.get('preset') or DEFAULT_PRESET}"
+
+
 def run_configs(given: dict[str, Any], variants: list[str], seeds: list[int]) -> dict[tuple[int, str], TrainConfig]:
     """One TrainConfig per (seed, variant), seed-major, all checked before anything trains.  Each
     variant takes the grid's feature-map options its map accepts, then its own; an option of the
     grid that no variant's map takes is an error."""
-    preset = given.get("preset") or DEFAULT_PRESET
-    grid_name = given.get("run_name") or f"grid-{preset}"
     shared_options = given.get("feature_map_options", {})
     used: set[str] = set()
     configs = {}
     for seed in seeds:
         for name in variants:
-            flags = {**given, **variant_flags(name), "seed": seed, "run_name": f"{grid_name}/{name}/seed-{seed}"}
+            flags = {**given, **variant_flags(name), "seed": seed, "run_name": f"{grid_name(given)}/{name}/seed-{seed}"}
             if flags["attention"] == "softmax":
                 flags.pop("chunk_size", None)
                 flags.pop("feature_map_options", None)
@@ -72,14 +75,19 @@ def run_configs(given: dict[str, Any], variants: list[str], seeds: list[int]) ->
 
 
 def saved_record(config: TrainConfig, multiples: list[int]) -> dict[str, Any] | None:
-    """The run's result.json when it covers this config's steps and the asked scores, else None."""
+    """The run's result.json when it was written for this very configuration (every setting that
+    may not change on --resume, and the steps) and holds the asked scores; else None, and the run
+    is resumed from its checkpoint (which checks its configuration itself) and scored again."""
     try:
         record = json.loads((config.run.run_dir / RESULT_NAME).read_text())
     except (OSError, ValueError):
         return None
-    scores = record.get("scores") if isinstance(record, dict) else None
+    if not isinstance(record, dict) or not set(RECORD_KEYS) <= set(record):
+        return None
+    saved, scores = record["config"], record["scores"]
     wanted = {str(multiple * config.model.seq_len) for multiple in multiples}
-    if record.get("steps") != config.optim.steps or not isinstance(scores, dict) or any(
+    if not isinstance(saved, dict) or config_differences(saved, config.flat()) or \
+            record["steps"] != config.optim.steps or not isinstance(scores, dict) or any(
             not isinstance(scores.get(split), dict) or not wanted <= set(scores[split]) for split in EVAL_SPLITS):
         return None
     return record
@@ -97,12 +105,38 @@ def whole_split_scores(result: TrainResult, config: TrainConfig, multiples: list
     return scores
 
 
-def make_record(name: str, result: TrainResult, scores: dict[str, dict[str, float]]) -> dict[str, Any]:
-    return {"variant": name, "seed": result.seed, "steps": result.steps,
-            "final_val_bpc": result.final_val_bpc, "best_val_bpc": result.best_val_bpc,
-            "tokens_per_s": result.tokens_per_s, "peak_memory_mb": result.peak_memory_mb,
-            "parameters": result.parameters, "wall_time_s": result.wall_seconds, "data": result.data,
-            "val_steps": result.val_steps, "val_bpc": result.val_bpc, "scores": scores}
+def make_record(name: str, result: TrainResult, config: TrainConfig,
+                scores: dict[str, dict[str, float]]) -> dict[str, Any]:
+    record = {"variant": name, "seed": result.seed, "steps": result.steps,
+              "final_val_bpc": result.final_val_bpc, "best_val_bpc": result.best_val_bpc,
+              "tokens_per_s": result.tokens_per_s, "peak_memory_mb": result.peak_memory_mb,
+              "parameters": result.parameters, "wall_time_s": result.wall_seconds, "data": result.data,
+              "val_steps": result.val_steps, "val_bpc": result.val_bpc, "scores": scores, "config": config.flat()}
+    assert set(record) == set(RECORD_KEYS)
+    return record
+
+
+def train_and_score(name: str, config: TrainConfig, ctx: training.Distributed, resume: bool,
+                    multiples: list[int]) -> dict[str, Any] | int | None:
+    """The run's record (main rank; None elsewhere), or the exit code of a run stopped by a signal."""
+    checkpoint = config.run.run_dir / CHECKPOINT_NAME
+    result = training.train(config, ctx, resume=resume and checkpoint.exists())
+    if result.interrupted:
+        return training.exit_code(result)
+    if result.steps != config.optim.steps:
+        raise CheckpointError(f"{checkpoint} has trained {result.steps} steps, more than --steps "
+                              f"{config.optim.steps}: pass --steps {result.steps} or another --run-name")
+    if not ctx.is_main:
+        return None
+    try:
+        scores = whole_split_scores(result, config, multiples)
+    except KeyboardInterrupt:
+        print(f"stopped while scoring {config.run.run_name}; its checkpoint is complete, and --resume "
+              "scores it again", file=sys.stderr)
+        return training.EXIT_INTERRUPTED
+    record = make_record(name, result, config, scores)
+    write_atomically(config.run.run_dir / RESULT_NAME, lambda path: path.write_text(json.dumps(record, indent=1) + "\n"))
+    return record
 
 
 def run_grid(configs: dict[tuple[int, str], TrainConfig], grid_dir: Path, resume: bool, multiples: list[int]) -> int:
@@ -119,15 +153,9 @@ def run_grid(configs: dict[tuple[int, str], TrainConfig], grid_dir: Path, resume
                 print(f"=== [{number}/{len(configs)}] {name} seed {seed}" + (" (done before)" if record else ""),
                       flush=True)
             if record is None:
-                checkpoint = config.run.run_dir / CHECKPOINT_NAME
-                result = training.train(config, ctx, resume=resume and checkpoint.exists())
-                if result.interrupted:
-                    return training.exit_code(result)
-                if ctx.is_main:
-                    record = make_record(name, result, whole_split_scores(result, config, multiples))
-                    write_atomically(config.run.run_dir / RESULT_NAME,
-                                     lambda path: path.write_text(json.dumps(record, indent=1) + "\n"))
-                result.model = None   # free it before the next run
+                record = train_and_score(name, config, ctx, resume, multiples)
+                if isinstance(record, int):
+                    return record
             if ctx.is_main:
                 records[seed, name] = record
                 write_report(grid_dir, records, config, reference)
@@ -149,14 +177,15 @@ def listed(text: str | None, default: list[Any], convert: type, flag: str, what:
     return values
 
 
-def parse_grid_flags(given: dict[str, Any], args: Any) -> tuple[dict[tuple[int, str], TrainConfig], list[int]]:
+def parse_grid_flags(given: dict[str, Any], args: Any) -> tuple[dict[tuple[int, str], TrainConfig], list[int], Path]:
     if args.seeds is not None and "seed" in given:
         raise ValueError("give either --seed or --seeds, not both")
     seeds = listed(args.seeds, [given.get("seed", 0)], int, "--seeds", "integer seeds")
     multiples = sorted({1, *listed(args.eval_multiples, [1], int, "--eval-multiples", "integers")})
     if any(seed < 0 for seed in seeds) or any(multiple < 1 for multiple in multiples):
         raise ValueError(f"--seeds must be >= 0 and --eval-multiples >= 1, got {seeds} and {multiples}")
-    return run_configs(given, listed(args.variants, default_variants(), str, "--variants", "variant names"), seeds), multiples
+    configs = run_configs(given, listed(args.variants, default_variants(), str, "--variants", "variant names"), seeds)
+    return configs, multiples, Path(next(iter(configs.values())).run.out_dir) / grid_name(given)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,10 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-multiples", help="score each finished run on the whole val and test splits in "
                                                  "windows of these multiples of --seq-len, e.g. 1,2,4,8 for a "
                                                  "length-extrapolation table (1 is always scored)")
-    args, (configs, multiples) = training.parse_config(parser, argv, resolve=parse_grid_flags)
+    args, (configs, multiples, grid_dir) = training.parse_config(parser, argv, resolve=parse_grid_flags)
     keep_freed_memory()   # large CPU temporaries reuse freed memory instead of page-faulting
-    first = next(iter(configs.values()))
-    grid_dir = first.run.run_dir.parent.parent
     started = [config.run.run_name for config in configs.values() if (config.run.run_dir / CHECKPOINT_NAME).exists()]
 
     def run() -> int:

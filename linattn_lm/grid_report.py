@@ -24,11 +24,11 @@ import numpy as np  # noqa: E402
 from scipy import stats  # noqa: E402
 
 from .runtime import write_atomically  # noqa: E402
-from .variants import factors  # noqa: E402
 
 RESULT_NAME = "result.json"
 COLUMNS = ["variant", "seed", "final_val_bpc", "best_val_bpc", "tokens_per_s", "peak_memory_mb", "parameters",
            "steps", "wall_time_s", "data"]
+RECORD_KEYS = [*COLUMNS, "val_steps", "val_bpc", "scores", "config"]   # a run's result.json
 Records = dict[tuple[int, str], dict[str, Any]]
 
 
@@ -46,13 +46,14 @@ def row(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def headline(record: dict[str, Any], seq_len: int) -> float:
-    """Whole-val-split bpc at the training length; the 16-batch estimate when it was not scored."""
-    return record["scores"].get("val", {}).get(str(seq_len), record["final_val_bpc"])
+    """Whole-val-split bpc at the training length (always scored)."""
+    return record["scores"]["val"][str(seq_len)]
 
 
 def mean_std(values: Iterable[float], digits: int = 3) -> str:
-    values = [v for v in values if not math.isnan(v)]
-    if not values:
+    """'mean ± sample std'; n/a when any value is (learned positions past their length, say)."""
+    values = list(values)
+    if not values or any(math.isnan(v) for v in values):
         return "n/a"
     if len(values) == 1:
         return f"{values[0]:.{digits}f}"
@@ -67,13 +68,23 @@ def by_variant(records: Records) -> dict[str, list[dict[str, Any]]]:
     return variants
 
 
-def comparable_pairs(names: list[str]) -> list[tuple[str, str, str]]:
-    """(a, b, factor) for every two variants of one family that differ in exactly one factor
-    (an option absent from one of them counts as its default, a level of its own)."""
-    pairs = []
+def factors(config: dict[str, Any]) -> tuple[str, dict[str, str]]:
+    """(family, {factor: level}) of a run's flat config, as it trained: ('linear-favor', {rope: 'post',
+    positions: '-', num_features: '64', redraw_interval: '0'}) for linear-favor-post under the cpu preset."""
+    family = f"linear-{config['feature_map']}" if config["attention"] == "linear" else "softmax"
+    levels = {"rope": config["rope"], "positions": "learned" if config["abs_pos"] else "-"}
+    levels.update({key: repr(value) for key, value in sorted(config["feature_map_options"].items())})
+    return family, levels
+
+
+def comparable_pairs(configs: dict[str, dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """(a, b, factor) for every two variants (name -> flat config) of one family whose settings
+    differ in exactly one factor (an option only one of them has is a level of its own)."""
+    described = {name: factors(config) for name, config in configs.items()}
+    names, pairs = list(configs), []
     for i, a in enumerate(names):
         for b in names[i + 1:]:
-            (family_a, levels_a), (family_b, levels_b) = factors(a), factors(b)
+            (family_a, levels_a), (family_b, levels_b) = described[a], described[b]
             differing = [key for key in dict.fromkeys([*levels_a, *levels_b]) if levels_a.get(key) != levels_b.get(key)]
             if family_a == family_b and len(differing) == 1:
                 pairs.append((a, b, differing[0]))
@@ -115,16 +126,19 @@ def summary_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> li
 def paired_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> list[str]:
     lines = ["| A | B | factor | per-seed A - B | mean | std | 95% CI | paired t-test p |",
              "|---|---|---|---|---|---|---|---|"]
-    for a, b, factor in comparable_pairs(list(variants)):
+    for a, b, factor in comparable_pairs({name: runs[0]["config"] for name, runs in variants.items()}):
         diff = paired_difference(variants[a], variants[b], seq_len)
         if diff is None:
             continue
-        per_seed = ", ".join(f"{value:+.3f} (s{seed})" for seed, value in zip(diff["seeds"], diff["diffs"]))
-        ci = "n/a" if math.isnan(diff["ci"][0]) else f"[{diff['ci'][0]:+.3f}, {diff['ci'][1]:+.3f}]"
-        std = "n/a" if math.isnan(diff["std"]) else f"{diff['std']:.3f}"
-        p = "n/a" if math.isnan(diff["p"]) else f"{diff['p']:.3f}"
-        lines.append(f"| {a} | {b} | {factor} | {per_seed} | {diff['mean']:+.3f} | {std} | {ci} | {p} |")
+        per_seed = ", ".join(f"{signed(value)} (s{seed})" for seed, value in zip(diff["seeds"], diff["diffs"]))
+        ci = f"[{signed(diff['ci'][0])}, {signed(diff['ci'][1])}]" if not math.isnan(diff["ci"][0]) else "n/a"
+        std, p = ("n/a" if math.isnan(x) else f"{x:.3f}" for x in (diff["std"], diff["p"]))
+        lines.append(f"| {a} | {b} | {factor} | {per_seed} | {signed(diff['mean'])} | {std} | {ci} | {p} |")
     return lines if len(lines) > 2 else []
+
+
+def signed(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:+.3f}"
 
 
 def extrapolation_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> list[str]:
@@ -183,7 +197,7 @@ def plot_curves(path: Path, title: str, variants: dict[str, list[dict[str, Any]]
     figure, axes = plt.subplots(figsize=(9, 5.5))
     families: dict[str, str] = {}
     for name, runs in variants.items():
-        family, levels = factors(name)
+        family, levels = factors(runs[0]["config"])
         options = {key: level for key, level in levels.items() if key not in ("rope", "positions")}
         color = families.setdefault(f"{family} {options}", f"C{len(families) % 10}")
         steps = runs[0]["val_steps"]

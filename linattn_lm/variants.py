@@ -24,9 +24,12 @@ def variant_flags(name: str) -> dict[str, Any]:
     abs_pos: True, feature_map_options: {redraw_interval: 0}}."""
     base, *option_texts = name.split("+")
     try:
-        options = dict(option(text) for text in option_texts)
+        pairs = [option(text) for text in option_texts]
     except ArgumentTypeError as error:
         raise ValueError(f"variant {name!r}: {error}") from None
+    options = dict(pairs)
+    if len(options) != len(pairs):
+        raise ValueError(f"variant {name!r} gives an option twice")
     if base in SOFTMAX_VARIANTS and not options:
         rope, abs_pos = SOFTMAX_VARIANTS[base]
         return dict(attention="softmax", rope=rope, abs_pos=abs_pos)
@@ -39,12 +42,3 @@ def variant_flags(name: str) -> dict[str, Any]:
                      f"linear-<map>-<post|pre|none>[-abs][+KEY=VALUE...] with a map in "
                      f"{linattn.available_feature_maps()} (--import registers more)")
 
-
-def factors(name: str) -> tuple[str, dict[str, str]]:
-    """(family, {factor: level}): 'linear-favor-post-abs+a=1' -> ('linear-favor', {rope: 'post',
-    positions: 'learned', a: '1'}); two variants of a family that differ in one factor are compared."""
-    flags = variant_flags(name)
-    family = f"linear-{flags['feature_map']}" if flags["attention"] == "linear" else "softmax"
-    levels = {"rope": flags["rope"], "positions": "learned" if flags["abs_pos"] else "-"}
-    levels.update({key: repr(value) for key, value in flags.get("feature_map_options", {}).items()})
-    return family, levels

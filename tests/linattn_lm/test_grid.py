@@ -61,21 +61,37 @@ def test_grid_trains_every_seed_and_variant_and_reports(grid_argv: list[str], da
 
 
 @pytest.mark.slow
-def test_grid_resumes_and_adds_seeds_without_retraining(grid_argv: list[str], tmp_path: Path, run_main) -> None:
-    argv = [*grid_argv[:-4], "--seeds", "0", "--eval-multiples", "1"]
-    assert run_main(grid.main, argv)[0] == 0
+def test_grid_resumes_and_adds_seeds_without_retraining(data_dir: Path, tiny: list[str], tmp_path: Path,
+                                                        run_main, monkeypatch: pytest.MonkeyPatch) -> None:
+    argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--steps", "4", "--eval-interval", "2",
+            "--variants", VARIANTS]
+    assert run_main(grid.main, [*argv, "--seeds", "0"])[0] == 0
     grid_dir = tmp_path / "grid-tiny"
-    code, _, err = run_main(grid.main, argv)
+    code, _, err = run_main(grid.main, [*argv, "--seeds", "0"])
     assert code == 2 and "already has checkpoints" in err and "--resume" in err
 
     (grid_dir / "linear-elu-none" / "seed-0" / "result.json").unlink()   # as if stopped while scoring
-    code, out, _ = run_main(grid.main, [*argv[:-4], "--seeds", "0,2", "--eval-multiples", "1", "--resume"])
+    stale = grid_dir / "linear-elu-post" / "seed-0" / "result.json"       # written under other settings
+    stale.write_text(stale.read_text().replace('"lr": 0.003', '"lr": 0.5'))
+    code, out, _ = run_main(grid.main, [*argv, "--seeds", "0,2", "--resume"])
     assert code == 0, out
-    assert "softmax-abs seed 0 (done before)" in out and "linear-elu-post seed 0 (done before)" in out
-    assert "linear-elu-none seed 0 (done before)" not in out   # rescored from its finished checkpoint
+    assert "softmax-abs seed 0 (done before)" in out
+    for rescored in ("linear-elu-none", "linear-elu-post"):   # from their finished checkpoints
+        assert f"{rescored} seed 0 (done before)" not in out
+    assert '"lr": 0.003' in stale.read_text()
     assert "resumed" in out and "linear-elu-none seed 2" in out
     assert [(row["seed"], row["variant"]) for row in read_rows(grid_dir)] == [
         (s, v) for s in "02" for v in VARIANTS.split(",")]
+
+    code, _, err = run_main(grid.main, [*argv, "--seeds", "0", "--resume", "--steps", "3", "--decay-steps", "4"])
+    assert code == 2 and "has trained 4 steps, more than --steps 3" in err
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(grid, "whole_split_scores", interrupted)
+    code, _, err = run_main(grid.main, [*argv, "--seeds", "5", "--resume"])
+    assert code == 130 and "stopped while scoring" in err and "--resume scores it again" in err
+    assert (grid_dir / "softmax-abs" / "seed-5" / "ckpt.pt").exists()
 
 
 def test_each_run_gets_its_seed_and_the_options_its_map_takes(data_dir: Path) -> None:
@@ -93,7 +109,7 @@ def test_each_run_gets_its_seed_and_the_options_its_map_takes(data_dir: Path) ->
 
 
 def record(seed: int, variant: str, val: float) -> dict:
-    return {"variant": variant, "seed": seed, "final_val_bpc": val + 0.5, "scores": {"val": {"256": val}}}
+    return {"variant": variant, "seed": seed, "scores": {"val": {"256": val}}}
 
 
 def test_paired_difference_is_a_t_interval_over_seeds() -> None:
@@ -110,14 +126,31 @@ def test_paired_difference_is_a_t_interval_over_seeds() -> None:
     assert single["mean"] == pytest.approx(0.1) and all(map(math.isnan, single["ci"]))   # one seed: no interval
 
 
-def test_variants_differing_in_one_factor_are_paired() -> None:
+def test_variants_whose_settings_differ_in_one_factor_are_paired() -> None:
     from linattn_lm.grid_report import comparable_pairs
-    names = ["softmax-rope", "softmax-abs", "linear-favor-post", "linear-favor-pre", "linear-favor-pre-abs",
-             "linear-favor-post+redraw_interval=250", "linear-elu-post"]
-    assert comparable_pairs(names) == [
+    configs = grid.run_configs({"preset": "cpu"}, [
+        "softmax-rope", "softmax-abs", "linear-favor-post", "linear-favor-pre", "linear-favor-pre-abs",
+        "linear-favor-post+redraw_interval=250", "linear-favor-post+redraw_interval=0", "linear-elu-post"], [0])
+    assert comparable_pairs({name: config.flat() for (_, name), config in configs.items()}) == [
         ("linear-favor-post", "linear-favor-pre", "rope"),
         ("linear-favor-post", "linear-favor-post+redraw_interval=250", "redraw_interval"),
-        ("linear-favor-pre", "linear-favor-pre-abs", "positions")]   # softmax-rope vs -abs differ in two
+        ("linear-favor-pre", "linear-favor-pre-abs", "positions"),
+        ("linear-favor-pre", "linear-favor-post+redraw_interval=0", "rope"),
+        ("linear-favor-post+redraw_interval=250", "linear-favor-post+redraw_interval=0", "redraw_interval")]
+    # softmax-rope and -abs differ in two factors; linear-favor-post+redraw_interval=0 is
+    # linear-favor-post itself under the cpu preset (no redraws): the same settings, no pair
+
+
+def test_a_score_that_is_not_a_number_shows_as_n_a() -> None:
+    from linattn_lm.grid_report import mean_std, paired_table
+    assert mean_std([2.0, 2.2]) == "2.100 ± 0.141" and mean_std([2.0]) == "2.000"
+    assert mean_std([2.0, math.nan]) == "n/a" and mean_std([]) == "n/a"
+    config = lambda rope: {"attention": "linear", "feature_map": "elu", "rope": rope, "abs_pos": False,
+                           "feature_map_options": {}}
+    runs = {rope: [{**record(seed, rope, value), "config": config(rope)} for seed, value in enumerate(values)]
+            for rope, values in (("post", [2.0, math.nan]), ("none", [2.1, 2.2]))}
+    row = paired_table(runs, 256)[2]
+    assert "| post | none | rope | -0.100 (s0), n/a (s1) | n/a | n/a | n/a | n/a |" == row
 
 
 def test_variant_names_carry_feature_map_options() -> None:
@@ -131,6 +164,7 @@ def test_variant_names_carry_feature_map_options() -> None:
     (["--variants", "linear-favor-sideways"], "unknown variant 'linear-favor-sideways'"),
     (["--variants", "softmax-rope+redraw_interval=0"], "unknown variant 'softmax-rope+redraw_interval=0'"),
     (["--variants", "linear-favor-post+redraw"], "variant 'linear-favor-post+redraw': expected KEY=VALUE"),
+    (["--variants", "linear-favor-post+redraw_interval=1+redraw_interval=2"], "gives an option twice"),
     (["--variants", "linear-elu-post+redraw_interval=5"], "redraw_interval"),
     (["--variants", "softmax-rope", "--attention", "linear"], "unrecognized arguments: --attention"),
     (["--variants", ""], "--variants must list distinct variant names"),
