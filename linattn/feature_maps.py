@@ -136,8 +136,10 @@ class FavorFeatureMap(FeatureMap):
       w^T x - |x|^2/2 <= |w|^2/2: every key feature is then <= e^40 / sqrt(M).  Nothing is taken
       from other positions, so causal attention stays strictly causal.
 
-    The projection is redrawn every `redraw_interval` training forward passes (0: never; never in
-    eval), draw r from the seed (seed, r), so every DDP rank holds the same projection.
+    The projection is redrawn every `redraw_interval` training forward passes (0, the default: never;
+    never in eval), draw r from the seed (seed, r), so every DDP rank holds the same projection.
+    Never is the default because redraws cost more than they brought in the RoPE-placement study
+    (docs/results/study-cpu.md): a model adapted to one projection loses that fit at each redraw.
 
     Large inputs still underflow plain features (|x| = 100 gives logits near -6000), so
     LinearAttention uses `log_features`, log phi = w^T x - |x|^2/2 - log(M)/2, and the log-space
@@ -146,7 +148,7 @@ class FavorFeatureMap(FeatureMap):
     KEY_LOGIT_CEILING = 40.0
     log_space = True
 
-    def __init__(self, head_dim: int, num_features: int | None = None, redraw_interval: int = 1000,
+    def __init__(self, head_dim: int, num_features: int | None = None, redraw_interval: int = 0,
                  seed: int | None = None):
         super().__init__(head_dim)
         self.num_features = 4 * head_dim if num_features is None else num_features
