@@ -105,14 +105,18 @@ class LinearAttention(_Projections):
         the Triton kernels take plain features for now."""
         return self.feature_map.log_space and resolve_backend(self.backend, device) == "torch"
 
-    def _features(self, q, k, offset: int, log_space: bool):
+    def _features(self, q, k, offset: int, log_space: bool, projected: bool = False):
+        """phi(q), phi(k); log-features with `log_space`, as the map's LogProjection where it has
+        one and `projected` (the causal op then never holds the (B, H, N, M) log-features)."""
         if self.rope == "pre":
             q = apply_rotary(q, offset=offset, base=self.rope_base)
             k = apply_rotary(k, offset=offset, base=self.rope_base)
-        if log_space:
-            return (self.feature_map.log_features(q, is_query=True),
-                    self.feature_map.log_features(k, is_query=False))
-        return self.feature_map(q, is_query=True), self.feature_map(k, is_query=False)
+        if not log_space:
+            return self.feature_map(q, is_query=True), self.feature_map(k, is_query=False)
+        if projected and (q_proj := self.feature_map.log_projection(q, is_query=True)) is not None:
+            return q_proj, self.feature_map.log_projection(k, is_query=False)
+        return (self.feature_map.log_features(q, is_query=True),
+                self.feature_map.log_features(k, is_query=False))
 
     def forward(self, x: torch.Tensor, *, offset: int = 0, return_state: bool = False):
         q, k, v = self._qkv(x, 3)
@@ -126,7 +130,7 @@ class LinearAttention(_Projections):
         """The attention between the projections: (B, H, N, head_dim) queries, keys and values ->
         (B, H, N, head_dim), with this block's map, placement and backend (what forward runs)."""
         log_space = self._log_space(q.device)
-        phi_q, phi_k = self._features(q, k, offset, log_space)
+        phi_q, phi_k = self._features(q, k, offset, log_space, projected=self.causal)
         return linear_attention(phi_q, phi_k, v, causal=self.causal, rotary=self.rope == "post",
                                 offset=offset, chunk_size=self.chunk_size, rope_base=self.rope_base,
                                 return_state=return_state, backend=self.backend, log_space=log_space)

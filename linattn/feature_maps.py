@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from performer_pytorch.performer_pytorch import gaussian_orthogonal_random_matrix
 from torch import nn
 
+from .ops.linear_attention.stable import LogProjection
+
 FEATURE_MAPS: dict[str, type["FeatureMap"]] = {}
 
 
@@ -84,6 +86,12 @@ class FeatureMap(nn.Module):
     def log_features(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} sets log_space = True, so it must implement "
                                   "log_features(x, *, is_query)")
+
+    def log_projection(self, x: torch.Tensor, *, is_query: bool) -> LogProjection | None:
+        """Optionally, the log-features as LogProjection(inputs, weight, shift), log_features =
+        inputs @ weight^T + shift: the causal op then projects chunk by chunk and never holds the
+        (B, H, N, M) log-features or their gradient.  None (the default): not available."""
+        return None
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, num_features={self.num_features}"
@@ -180,11 +188,15 @@ class FavorFeatureMap(FeatureMap):
         if self.redraw_interval and self.training_calls % self.redraw_interval == 0:
             self.redraw()
 
-    def _logits(self, x, is_query):
-        """(w^T x, x) in float32 (float64 stays), x scaled by D^(-1/4)."""
+    def _scaled(self, x, is_query):
+        """x scaled by D^(-1/4), in float32 (float64 stays); counts the training calls."""
         if self.training and is_query:
             self._count_training_call()
-        x = _float(x) * self.head_dim ** -0.25
+        return _float(x) * self.head_dim ** -0.25
+
+    def _logits(self, x, is_query):
+        """(w^T x, x), x scaled."""
+        x = self._scaled(x, is_query)
         return x @ self.projection.to(x.dtype).T, x
 
     def forward(self, x, *, is_query):
@@ -201,9 +213,14 @@ class FavorFeatureMap(FeatureMap):
             return logits.sub_(shift).exp_()
 
     def log_features(self, x, *, is_query):
+        return self.log_projection(x, is_query=is_query).materialize()
+
+    def log_projection(self, x, *, is_query):
+        """log phi = w^T x - (|x|^2 / 2 + log(M) / 2), x scaled."""
         with torch.autocast(x.device.type, enabled=False):
-            logits, x = self._logits(x, is_query)
-            return logits - (x.square().sum(-1, keepdim=True) / 2 + 0.5 * math.log(self.num_features))
+            x = self._scaled(x, is_query)
+            shift = x.square().sum(-1, keepdim=True) / -2 - 0.5 * math.log(self.num_features)
+            return LogProjection(x, self.projection.to(x.dtype), shift)
 
     # The redraw schedule travels in checkpoints (state_dict), so a resumed run redraws on time.
     def get_extra_state(self):

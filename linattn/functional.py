@@ -20,16 +20,16 @@ import torch
 
 from .ops.linear_attention import backends
 from .ops.linear_attention.chunk import DEFAULT_CHUNK_SIZE, causal_attention, check_chunk_size
-from .ops.linear_attention.common import (check_features, check_nonnegative, compute_dtype,
-                                          divide, numerator_features)
+from .ops.linear_attention.common import (check_features, check_nonnegative, check_projections,
+                                          compute_dtype, divide, numerator_features)
 from .ops.linear_attention.naive import linear_attention_reference, softmax_attention_reference
-from .ops.linear_attention.stable import log_linear_attention
+from .ops.linear_attention.stable import LogProjection, log_linear_attention
 from .ops.linear_attention.recurrent import LinearState, initial_state, linear_attention_step
 from .rotary import DEFAULT_BASE, check_offset, rotary_phases
 
 BACKENDS = backends.BACKENDS
 
-__all__ = ["BACKENDS", "DEFAULT_CHUNK_SIZE", "LinearState", "initial_state", "linear_attention",
+__all__ = ["BACKENDS", "DEFAULT_CHUNK_SIZE", "LinearState", "LogProjection", "initial_state", "linear_attention",
            "linear_attention_reference", "linear_attention_step", "softmax_attention_reference"]
 
 
@@ -44,15 +44,20 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     so decoding can continue with `linear_attention_step`.  `backend`: "torch", "triton" (fused
     kernels: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1) or "auto" (triton on CUDA
     tensors when it is installed, else torch).  `log_space=True`: phi_q and phi_k hold log-features,
-    and the stabilised algorithm of `ops/linear_attention/stable.py` runs (torch ops, any device).
+    and the stabilised algorithm of `ops/linear_attention/stable.py` runs (torch ops, any device);
+    each may also be a `LogProjection` (inputs @ weight^T + shift), which the causal pass projects
+    chunk by chunk without holding the (B, H, N, M) log-features.
     """
-    check_features(phi_q, phi_k, v, rank=4)
+    if log_space and isinstance(phi_q, LogProjection) and isinstance(phi_k, LogProjection):
+        check_projections(phi_q, phi_k, v)
+    else:
+        check_features(phi_q, phi_k, v, rank=4)
     check_chunk_size(chunk_size)
     check_offset(offset)
     if return_state and not causal:
         raise ValueError("return_state=True needs causal=True: a non-causal pass has no decoding state")
-    resolved = backends.resolve(backend, phi_q.device)
-    chunk_size = max(1, min(chunk_size, phi_q.shape[-2]))   # a short sequence is one chunk, unpadded
+    resolved = backends.resolve(backend, v.device)
+    chunk_size = max(1, min(chunk_size, v.shape[-2]))   # a short sequence is one chunk, unpadded
     if log_space:   # log-features: the stabilised algorithm, in torch ops on every backend for now
         return log_linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset,
                                     base=rope_base, chunk_size=chunk_size, return_state=return_state)

@@ -17,7 +17,7 @@ import numbers
 import torch
 
 from ...rotary import rotate_pairs
-from .common import divide
+from .common import divide, output_gradients
 
 DEFAULT_CHUNK_SIZE = 64
 
@@ -70,10 +70,7 @@ class _CausalAttention(torch.autograd.Function):
     def backward(ctx, grad, _state_grad, _k_sum_grad):
         q, k, v, out, den, phases = ctx.saved_tensors
         b, h, n, m = q.shape
-        guard = torch.finfo(den.dtype).tiny ** 0.5      # as in `divide`: no gradient where clamped
-        clamped, den = den < guard, den.clamp_min(guard)
-        g_num = grad / den.unsqueeze(-1)                                 # d out / d numerator
-        g_den = (-(grad * out).sum(-1) / den).masked_fill_(clamped, 0)  # d out / d denominator
+        g_num, g_den = output_gradients(grad, out, den)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         chunks = _chunks(n, ctx.chunk)
 

@@ -27,6 +27,26 @@ def check_features(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *,
                          f"the last dimension; expected {names}")
 
 
+def check_projections(q_proj, k_proj, v: torch.Tensor) -> None:
+    """Log-features given as LogProjection(inputs, weight, shift): (B, H, N, D) inputs, (M, D) weight,
+    (B, H, N, 1) shift, for queries and keys alike."""
+    for name, proj in (("phi_q", q_proj), ("phi_k", k_proj)):
+        if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in proj):
+            raise ValueError(f"{name}: a LogProjection holds floating tensors (inputs, weight, shift)")
+        inputs, weight, shift = proj
+        if inputs.dim() != 4 or weight.dim() != 2 or weight.shape[-1] != inputs.shape[-1] \
+                or tuple(shift.shape) != (*inputs.shape[:-1], 1):
+            raise ValueError(f"{name}: a LogProjection takes (B, H, N, D) inputs, an (M, D) weight and a "
+                             f"(B, H, N, 1) shift, got {tuple(inputs.shape)}, {tuple(weight.shape)} and "
+                             f"{tuple(shift.shape)}")
+        if inputs.shape[:-1] != v.shape[:-1]:
+            raise ValueError(f"{name}: inputs {tuple(inputs.shape)} and values {tuple(v.shape)} disagree "
+                             f"before the last dimension")
+    if q_proj.weight.shape[0] != k_proj.weight.shape[0]:
+        raise ValueError(f"phi_q and phi_k project to {q_proj.weight.shape[0]} and {k_proj.weight.shape[0]} "
+                         f"features; map queries and keys with the same feature map")
+
+
 def check_nonnegative(phi_q: torch.Tensor, phi_k: torch.Tensor) -> None:
     """The denominator sums phi_q . phi_k and is only safe to divide by when every term is >= 0.
     One min() per tensor: a read of N x M against the op's O(N M (Dv + chunk)) work (measured on
@@ -47,6 +67,16 @@ def divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
     # key feature underflowed; sqrt(tiny) keeps 1/den^2 finite in the backward pass.
     guard = torch.finfo(denominator.dtype).tiny ** 0.5
     return numerator / denominator.clamp_min(guard).unsqueeze(-1)
+
+
+def output_gradients(grad: torch.Tensor, out: torch.Tensor, denominator: torch.Tensor):
+    """d loss / d numerator and d loss / d denominator of out = `divide`(numerator, denominator),
+    given g = d loss / d out: g / den and -(g . out) / den, none where the denominator was clamped."""
+    guard = torch.finfo(denominator.dtype).tiny ** 0.5
+    clamped, denominator = denominator < guard, denominator.clamp_min(guard)
+    g_num = grad / denominator.unsqueeze(-1)
+    g_den = (-(grad * out).sum(-1) / denominator).masked_fill_(clamped, 0)
+    return g_num, g_den
 
 
 def numerator_features(phi_q, phi_k, *, rotary: bool, offset: int, base: float):

@@ -24,51 +24,75 @@ Multiplying numerator and denominator by the same e^{-Q_m} changes nothing, and 
   The query factors e^{b + P - Q} are capped at e^NUMERATOR_CAP (e^30): the output is exact below
   that and saturates (finite, with finite gradients) beyond, instead of overflowing float32.
 
-Causal, in chunks of L tokens (L = chunk_size), the structure of gated linear attention kernels.
-Each chunk k works relative to the scales r_k = F, P at its first token s_k, a past position for
-every row of the chunk:
+Causal, in chunks of L tokens (L = chunk_size), the structure of gated linear attention kernels,
+with the decay applied between chunks only.  Chunk k works relative to the scales r_k = F, P at its
+first token s_k, a past position for every row of the chunk (1.-3. say how; 4. gives the backward):
 
-1. the maxima F, P (a running max over n, detached) and Q: the scale factors cancel exactly in the
-   output, so no gradient flows through them;
+1. the scales F_k, P_k (B, H, M) per chunk, and per row Q_m = max_j (b_mj + F_k,j): the scale
+   factors cancel exactly in the output, so no gradient flows through them.  The denominator still
+   holds the term e^(b_mj* + a_n*j* - Q_m) = 1 of the feature j* reaching Q_m (n* <= s_k <= m);
 2. inter-chunk: the state before chunk k+1 is kept scaled to r_{k+1}:
-       S_{k+1} = e^{P_{s_k} - P_{s_{k+1}}} S_k + sum_{n in k} R_n e^{a_n - P_{s_{k+1}}} v_n
-   (every exponent <= 0), likewise Z_k = sum_{n < s_k} e^{a_n - F_{s_k}} for the denominator.
-   Query m in chunk k reads (R_m e^{b_m + P_{s_k} - Q_m})^T S_k and e^{b_m + F_{s_k} - Q_m} . Z_k;
+       S_{k+1} = e^{P_k - P_{k+1}} (S_k + sum_{n in k} R_n e^{a_n - P_k} v_n^T)
+   (the decay is constant over a rotation pair, so it commutes with R_n), likewise
+   Z_{k+1} = e^{F_k - F_{k+1}} (Z_k + sum_{n in k} e^{a_n - F_k}).  Query m in chunk k reads
+   (R_m e^{b_m + P_k - Q_m})^T S_k and e^{b_m + F_k - Q_m} . Z_k;
 3. intra-chunk (n <= m, both in the chunk), separable with the same scales: query factors
    e^{b_m + r - Q_m} (<= 1 for the denominator) times key factors e^{a_n - r}, which is safe while
    the running max of row m grew by at most JUMP_LIMIT (30) since s_k: no factor overflows, and a
    term lost to underflow is below e^-57 of the denominator.  Rows whose max jumped further (early
-   tokens and outliers) are recomputed exactly, every term exponentiated on its own:
+   tokens and outliers) take Q_m from their own running max F_m and are recomputed exactly, every
+   term exponentiated on its own:
        den(m, n) = sum_j e^{b_mj + a_nj - Q_m}
        num(m, n) = sum_i cos(phi) (e^{b_m,2i + a_n,2i - Q_m} + e^{b_m,2i+1 + a_n,2i+1 - Q_m})
                        + sin(phi) (e^{b_m,2i + a_n,2i+1 - Q_m} - e^{b_m,2i+1 + a_n,2i - Q_m})
    with phi = (m - n) theta_i, since (R_m x)^T (R_n y) = Re((x_1 + i x_2)(y_1 - i y_2) e^{i phi});
-   that costs 2 L M exps per such row.  Whether a row is recomputed depends on positions <= m only.
+   that costs 2 L M exps per such row.  Key factors are capped at e^JUMP_LIMIT, which only touches
+   keys that are masked or in rows computed exactly, and such a chunk feeds the next state with
+   e^{a_n - P_{k+1}} <= 1 directly instead of through the capped factors of 2.
+4. backward (custom autograd, as the plain path's chunk.py): the loop runs again in reverse,
+   recomputing each chunk's factors rather than saving them.  What is saved is the inputs, the
+   output, the denominators, Q, the scales and one state every STATE_GROUP chunks; a group's
+   states are recomputed before it is walked in reverse.  With g = d loss / d out, the output
+   gives g_num = g / den and g_den = -(g . out) / den per row; then, per chunk, with A the masked
+   scores (R q_num)(R k_num)^T and G = d loss / d S_{k+1} carried from the chunk after:
+       G~ = e^{P_k - P_{k+1}} G                           (d loss / d (S_k + K^T v))
+       d(R q_num) = g_num S_k^T + tril(g_num v^T) (R k_num)
+       d(R k_num) = tril(g_num v^T)^T (R q_num) + v G~^T,     dv = A^T g_num + (R k_num) G~
+       d q_den = g_den (Z_k + running sums of k_den),    d k_den = suffix sums of g_den q_den + H~
+       d S_k = G~ + (R q_num)^T g_num,                    d Z_k = H~ + sum_m g_den_m q_den_m
+   (H~ = e^{F_k - F_{k+1}} H for Z), rotated back by R^T, and through the exponentials
+   d b = d q_num q_num + d q_den q_den, d a = d k_num k_num + d k_den k_den (zero where capped).
+   A chunk with exactly computed rows is rare; its backward is autograd through its recomputed
+   forward.
+5. cost: per chunk a handful of (L x M) exponentials (numerator factors are the denominator's
+   times e^(P - F) while a pair's scales stay within PAIR_SPREAD; exponents below the normal
+   range are clamped, since exp is ~40x slower where it returns subnormals) and (L x M) @ (M x Dv)
+   products.  Log-features may come as a `LogProjection` (inputs @ W^T + shift, FAVOR+'s form):
+   each chunk then projects its own rows, so neither the (B, H, N, M) log-features nor their
+   gradients are ever held, and backward hands back the gradients of the (B, H, N, D) inputs.
 
 Nothing at position m reads a position after m (the keys after m in its chunk are masked, and
 their factors are capped so that nothing masked is inf), and every reduction has the same shape
-whatever comes later, so past outputs are bitwise unchanged when future tokens change.  Gradients
-come from autograd through these torch ops, with groups of chunks (GROUP_TOKENS) under activation
-checkpointing: backward recomputes one group at a time, so what stays in memory is the inputs, the
-scales and one state per group.
+whatever comes later, so past outputs are bitwise unchanged when future tokens change.
 
 The recurrent state of decoding keeps F (`LinearState.log_scale`): kv is scaled by e^{-P}, k_sum by
 e^{-F}, and each step rescales them by the growth of the maxima, as online softmax does.
 """
 from __future__ import annotations
 
-from functools import partial
+import math
+from typing import NamedTuple
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
-from ...rotary import apply_rotary, rotary_phases
-from .common import compute_dtype, divide
+from ...rotary import apply_rotary, rotary_phases, rotate_pairs
+from .common import compute_dtype, divide, output_gradients
 
 JUMP_LIMIT = 30.0      # a row whose running max grew more than this within its chunk is computed exactly
 NUMERATOR_CAP = 30.0   # numerator query factors are capped at e^30 (saturation beyond float32, see above)
-GROUP_ELEMENTS = 2 ** 22  # exact rows per group: rows * L * M elements
-GROUP_TOKENS = 1024       # tokens per checkpointed group of chunks
+EXACT_ELEMENTS = 2 ** 22  # exact rows per pass: rows * L * M elements
+STATE_GROUP = 16          # chunks per state saved for backward
+PAIR_SPREAD = 20.0        # pairs whose key scales differ by more take their own numerator exponential
 
 
 def pair_max(x: torch.Tensor) -> torch.Tensor:
@@ -89,177 +113,364 @@ def _rotate(x, rotary: bool, offset: int, base: float):
     return apply_rotary(x, offset=offset, base=base) if rotary else x
 
 
+class LogProjection(NamedTuple):
+    """Log-features given as inputs @ weight^T + shift: (B, H, N, D) inputs, an (M, D) weight and a
+    (B, H, N, 1) shift (FAVOR+: w^T x - |x|^2 / 2 - log(M) / 2).  The causal op then computes them
+    chunk by chunk and returns gradients for the inputs, never holding an N x M tensor."""
+    inputs: torch.Tensor
+    weight: torch.Tensor
+    shift: torch.Tensor
+
+    def materialize(self) -> torch.Tensor:
+        # adding the shift keeps its backward a plain sum (sub's would negate the (N, M) gradient first)
+        return self.inputs @ self.weight.transpose(-1, -2) + self.shift
+
+
 def log_linear_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, base: float,
                          chunk_size: int, return_state: bool = False):
-    """Eq. 19 from log-features b = log phi_q, a = log phi_k, in float32 (float64 stays float64)
-    with autocast off; outputs in v's dtype.  The state (if asked) carries F."""
-    out_dtype, dtype = v.dtype, compute_dtype(b, a, v)
+    """Eq. 19 from log-features b = log phi_q, a = log phi_k, each a tensor or a `LogProjection`
+    (the causal op then projects chunk by chunk), in float32 (float64 stays float64) with autocast
+    off; outputs in v's dtype.  The state (if asked) carries F."""
+    tensors = [t for x in (b, a) for t in (x if isinstance(x, LogProjection) else (x,))]
+    out_dtype, dtype = v.dtype, compute_dtype(*tensors, v)
     with torch.autocast(v.device.type, enabled=False):
-        result = _log_linear_attention(b.to(dtype), a.to(dtype), v.to(dtype), causal=causal,
-                                       rotary=rotary, offset=offset, base=base,
-                                       chunk_size=chunk_size, return_state=return_state)
+        b, a = (_to(x, dtype) for x in (b, a))
+        result = _log_linear_attention(b, a, v.to(dtype), causal=causal, rotary=rotary, offset=offset,
+                                       base=base, chunk_size=chunk_size, return_state=return_state)
     return (result[0].to(out_dtype), result[1]) if return_state else result.to(out_dtype)
+
+
+def _to(x, dtype):
+    if isinstance(x, LogProjection):
+        return LogProjection(*(t.to(dtype).contiguous() for t in x))
+    return x.to(dtype).contiguous()
 
 
 def _log_linear_attention(b, a, v, *, causal, rotary, offset, base, chunk_size, return_state):
     from .recurrent import LinearState, initial_state
-    n = a.shape[-2]
+    n = v.shape[-2]
+    if not causal or n == 0:   # no chunk loop: the log-features themselves
+        b, a = (x.materialize() if isinstance(x, LogProjection) else x for x in (b, a))
+    m = (a.weight.shape[0] if isinstance(a, LogProjection) else a.shape[-1])
     if n == 0:
         out = v.new_zeros(v.shape)
         if not return_state:
             return out
-        bsz, heads, m = a.shape[0], a.shape[1], a.shape[-1]
-        state = initial_state(bsz, heads, m, v.shape[-1], device=v.device, dtype=v.dtype, log_space=True)
+        state = initial_state(a.shape[0], a.shape[1], m, v.shape[-1], device=v.device, dtype=v.dtype,
+                              log_space=True)
         return out, state._replace(position=offset)
-    with torch.no_grad():   # 1. the scales (they cancel exactly: no gradient)
-        feature_scale = running_max(a, chunk_size) if causal else a.amax(dim=-2, keepdim=True)
-        query_scale = (b + feature_scale).amax(dim=-1, keepdim=True)
     if causal:
-        out = _causal(b, a, v, feature_scale, query_scale, rotary=rotary, offset=offset, base=base,
-                      length=min(chunk_size, n))
-    else:
-        pair_scale = numerator_scale(feature_scale, rotary)
-        q_num = _rotate(numerator_query(b + pair_scale - query_scale), rotary, offset, base)
-        k_num = _rotate(torch.exp(a - pair_scale), rotary, offset, base)
-        key_sum = torch.exp(a - feature_scale).sum(-2, keepdim=True)
-        denominator = (torch.exp(b + feature_scale - query_scale) * key_sum).sum(-1)
-        out = divide(q_num @ (k_num.transpose(-1, -2) @ v), denominator)
-    if not return_state:
-        return out
-    last = feature_scale[..., -1, :]
-    k_num = _rotate(torch.exp(a - numerator_scale(last, rotary).unsqueeze(-2)), rotary, offset, base)
-    state = LinearState(k_num.transpose(-1, -2) @ v, torch.exp(a - last.unsqueeze(-2)).sum(-2),
-                        offset + n, last)
-    return out, state
-
-
-def running_max(a: torch.Tensor, length: int) -> torch.Tensor:
-    """a.cummax(dim=-2) in a few passes (torch.cummax along a non-last dimension is ~10x slower on
-    CPU): maxima up to each chunk's end, then a scan over the L positions of all chunks at once."""
-    chunks = _chunks(a, length, float("-inf")).clone()
-    carry = chunks.amax(-2).cummax(dim=2).values
-    chunks[:, :, 1:, 0] = torch.maximum(chunks[:, :, 1:, 0], carry[:, :, :-1])
-    for i in range(1, length):
-        torch.maximum(chunks[..., i - 1, :], chunks[..., i, :], out=chunks[..., i, :])
-    return chunks.flatten(2, 3)[..., :a.shape[-2], :]
-
-
-def _chunks(x: torch.Tensor, length: int, fill: float) -> torch.Tensor:
-    """(B, H, N, X) -> (B, H, K, L, X), padded at the end with `fill`."""
-    pad = -x.shape[-2] % length
-    if pad:
-        x = torch.cat((x, x.new_full((*x.shape[:-2], pad, x.shape[-1]), fill)), dim=-2)
-    return x.unflatten(-2, (-1, length))
-
-
-def _causal(b, a, v, feature_scale, query_scale, *, rotary, offset, base, length):
-    n = a.shape[-2]
+        phases = rotary_phases(n, m, offset=offset, base=base, device=v.device, dtype=v.dtype) \
+            if rotary else None
+        sources = [tuple(x) if isinstance(x, LogProjection) else (x, None, None) for x in (b, a)]
+        out, kv, k_sum, last = _CausalLogAttention.apply(*sources[0], *sources[1], v, phases, chunk_size, base)
+        return (out, LinearState(kv, k_sum, offset + n, last)) if return_state else out
+    with torch.no_grad():   # the scales cancel exactly: no gradient
+        feature_scale = a.amax(dim=-2, keepdim=True)
+        query_scale = (b + feature_scale).amax(dim=-1, keepdim=True)
     pair_scale = numerator_scale(feature_scale, rotary)
-    # Padding is -inf in log space: padded keys weigh nothing and padded queries read nothing.
-    b_c, a_c = _chunks(b, length, float("-inf")), _chunks(a, length, float("-inf"))
-    v_c = _chunks(v, length, 0.0)
-    q_scale = _chunks(query_scale, length, 0.0)
-    chunks = b_c.shape[2]
-    starts = torch.arange(chunks, device=a.device) * length
-    # Every chunk works relative to the scales at its first token r (a past position for each row).
-    pair_first = pair_scale[..., starts, :].unsqueeze(-2)
-    feat_first = feature_scale[..., starts, :].unsqueeze(-2)
-    with torch.no_grad():   # how far each row's max grew since its chunk's first token
-        jump = (_chunks(feature_scale, length, float("-inf")) - feat_first).amax(-1)    # (B, H, K, L)
-    # Groups of chunks run under activation checkpointing, carrying the state from one to the next:
-    # backward recomputes one group at a time, so memory holds one group's temporaries.
-    group = max(1, GROUP_TOKENS // length)
-    state = v.new_zeros(*v.shape[:2], a.shape[-1], v.shape[-1])
-    key_sum = v.new_zeros(*v.shape[:2], a.shape[-1])
-    outputs = []
-    for start in range(0, chunks, group):
-        part, end = slice(start, start + group), min(start + group, chunks)
-        following = (pair_first[:, :, end:end + 1], feat_first[:, :, end:end + 1]) if end < chunks \
-            else (None, None)
-        inputs = (*(t[:, :, part] for t in (b_c, a_c, v_c, q_scale, pair_first, feat_first)),
-                  *following, jump[:, :, part], state, key_sum)
-        run = partial(checkpoint, _chunk_group, use_reentrant=False) if torch.is_grad_enabled() \
-            else _chunk_group
-        out, state, key_sum = run(*inputs, rotary=rotary, offset=offset + start * length, base=base)
-        outputs.append(out)
-    return torch.cat(outputs, 2).flatten(2, 3)[..., :n, :]
+    q_num = _rotate(numerator_query(b + pair_scale - query_scale), rotary, offset, base)
+    k_num = _rotate(torch.exp(a - pair_scale), rotary, offset, base)
+    key_sum = torch.exp(a - feature_scale).sum(-2, keepdim=True)
+    denominator = (torch.exp(b + feature_scale - query_scale) * key_sum).sum(-1)
+    return divide(q_num @ (k_num.transpose(-1, -2) @ v), denominator)
 
 
-def _chunk_group(b_c, a_c, v_c, q_scale, pair_first, feat_first, pair_next, feat_next, jump, state, key_sum,
-                 *, rotary, offset, base):
-    """Chunks (B, H, G, L, .) given the state before the first (scaled to its first token's scales);
-    returns their outputs and the state before the next chunk (pair_next/feat_next: its scales,
-    None after the last chunk)."""
-    length = a_c.shape[-2]
+class _Scales(NamedTuple):
+    """One chunk's scales, (B, H, 1, M): F, P at its first token and at the next chunk's."""
+    feat: torch.Tensor
+    pair: torch.Tensor
+    feat_next: torch.Tensor
+    pair_next: torch.Tensor
 
-    def rotate(x):
-        return _rotate(x.flatten(2, 3), rotary, offset, base).unflatten(2, (-1, length))
+    @classmethod
+    def of(cls, feat, feat_next, rotary: bool):
+        """From F (B, H, M) at the chunk's first token and at the next chunk's."""
+        feat, feat_next = feat.unsqueeze(-2), feat_next.unsqueeze(-2)
+        return cls(feat, numerator_scale(feat, rotary), feat_next, numerator_scale(feat_next, rotary))
 
-    # 2. inter-chunk: the state before chunk k+1 is scaled to its first token, so chunk k's keys are
-    # scaled by e^(a_n - r_{k+1}) <= 1 and the state before k by e^(r_k - r_{k+1}) <= 1.
-    pair_to = pair_first[:, :, 1:] if pair_next is None else torch.cat((pair_first[:, :, 1:], pair_next), 2)
-    feat_to = feat_first[:, :, 1:] if feat_next is None else torch.cat((feat_first[:, :, 1:], feat_next), 2)
-    used = pair_to.shape[2]   # every chunk but the very last one feeds a later state
-    keys = rotate(torch.exp(a_c[:, :, :used] - pair_to))
-    contributions = keys.transpose(-1, -2) @ v_c[:, :, :used]                   # (B, H, used, M, Dv)
-    key_sums = torch.exp(a_c[:, :, :used] - feat_to).sum(-2)
-    pair_decay = torch.exp(pair_first[:, :, :used] - pair_to).squeeze(-2)
-    feat_decay = torch.exp(feat_first[:, :, :used] - feat_to).squeeze(-2)
-    states, sums = [state], [key_sum]
-    # unbind once: indexing chunk k in the loop would give each step a full-size backward (O(K^2))
-    for k, (contribution, chunk_sum) in enumerate(zip(contributions.unbind(2), key_sums.unbind(2))):
-        states.append(pair_decay[:, :, k].unsqueeze(-1) * states[-1] + contribution)   # before chunk k+1
-        sums.append(feat_decay[:, :, k] * sums[-1] + chunk_sum)
-    chunks = a_c.shape[2]
-    before = torch.stack(states[:chunks], 2), torch.stack(sums[:chunks], 2)
+    def decays(self):
+        """e^(P_k - P_{k+1}) (B, H, M, 1) and e^(F_k - F_{k+1}) (B, H, M): both <= 1."""
+        return (torch.exp(self.pair - self.pair_next).transpose(-1, -2),
+                torch.exp(self.feat - self.feat_next).squeeze(-2))
 
-    # 3. intra-chunk, separable with the same scales r, for rows m whose max grew by at most
-    # JUMP_LIMIT since r: then e^(a_n - r) <= e^JUMP_LIMIT for n <= m and e^(b_m + r - Q_m) <= 1
-    # (denominator), so nothing overflows and what underflows is below e^-57 of the denominator.
-    # The cap on keys only touches keys after m (masked) and the rows computed exactly below.
-    b_shifted = b_c - q_scale
-    den_queries = torch.exp(b_shifted + feat_first)
-    den_keys = torch.exp(a_c - _capped_reference(a_c, feat_first))
-    if rotary:
-        num_queries = rotate(numerator_query(b_shifted + pair_first))
-        num_keys = rotate(torch.exp(a_c - _capped_reference(a_c, pair_first)))
-    else:
-        num_queries, num_keys = den_queries, den_keys
-    past = torch.ones(length, length, dtype=torch.bool, device=a_c.device).tril()
-    intra_num = ((num_queries @ num_keys.transpose(-1, -2)) * past) @ v_c
-    # The denominator needs no L x L scores: the keys' running sums within the chunk, as a product
-    # with the lower-triangular ones (torch.cumsum along a non-last dimension is slow on CPU).
-    running_keys = past.to(den_keys.dtype) @ den_keys
-    state_sums = before[1].unsqueeze(-2)
-    denominator = (den_queries * (running_keys + state_sums)).sum(-1)
-    rows = (jump > JUMP_LIMIT).nonzero(as_tuple=True)
+
+class _Factors(NamedTuple):
+    """A chunk's query or key factors (L, M): the denominator's and the (rotated) numerator's."""
+    den: torch.Tensor      # keys e^min(a - F, JUMP_LIMIT), queries e^(b + F - Q)
+    num: torch.Tensor      # keys e^min(a - P, JUMP_LIMIT), queries e^min(b + P - Q, NUMERATOR_CAP)
+    rotated: torch.Tensor  # R num
+    ratio: torch.Tensor | None   # num / den, (1, M) per chunk, where num was computed that way
+    capped: torch.Tensor | bool  # keys: whether one jumped past JUMP_LIMIT (the chunk has exact rows);
+    #                              queries: where the cap acts (False: nowhere)
+
+
+def _exp(x: torch.Tensor, high: float | None = None) -> torch.Tensor:
+    """e^x with x clamped from below to the smallest normal float's log (exp is ~40x slower where it
+    returns subnormals, and such terms are below 1e-37 of a denominator >= 1), and from above to
+    `high` if given; in place where no gradient is recorded."""
+    low = math.log(torch.finfo(x.dtype).tiny) + 1
+    if torch.is_grad_enabled():
+        return x.clamp(low, high).exp()
+    return x.clamp_(low, high).exp_()
+
+
+def _keys(a_j, scales: _Scales, phases):
+    """The chunk's key factors, and how far each row's running max grew since the first token."""
+    shifted = a_j - scales.feat
+    jump = shifted.amax(-1).cummax(-1).values                                       # (B, H, L)
+    capped = bool(jump[..., -1].amax() > JUMP_LIMIT)
+    den = _exp(shifted, JUMP_LIMIT if capped else None)
+    if phases is None:
+        return jump, _Factors(den, den, den, None, capped)
+    # e^(a - P) = e^(a - F) e^(F - P): exact where uncapped, finite where capped (keys that are masked
+    # or in exact rows); it underflows only where e^(a - F) e^(F - P) < e^-57 of its pair's max key.
+    ratio = torch.exp(scales.feat - scales.pair)
+    num = den * ratio
+    return jump, _Factors(den, num, rotate_pairs(num, phases), ratio, capped)
+
+
+def _query_scale(b_j, a_j, scales: _Scales, exact):
+    """Q_m = max_j (b_mj + F_k,j); rows computed exactly take F from their own running max."""
+    query_scale = (b_j + scales.feat).amax(-1)
+    if exact.any():
+        own = torch.maximum(a_j, scales.feat).cummax(-2).values
+        query_scale = torch.where(exact, (b_j + own).amax(-1), query_scale)
+    return query_scale
+
+
+def _queries(b_j, query_scale, scales: _Scales, phases):
+    shifted = b_j - query_scale.unsqueeze(-1)
+    den = _exp(shifted + scales.feat)
+    if phases is None:
+        return _Factors(den, den, den, None, False)
+    spread = scales.pair - scales.feat           # >= 0: how far a pair's partner leads each key scale
+    if spread.amax() <= PAIR_SPREAD:             # e^(b + P - Q) = e^(b + F - Q) e^(P - F) <= e^PAIR_SPREAD
+        ratio = torch.exp(spread)
+        num, capped = den * ratio, False
+    else:                                        # a wide pair: its own exponential, capped
+        logit = shifted + scales.pair
+        ratio, capped = None, logit > NUMERATOR_CAP
+        num = _exp(logit.clone() if not torch.is_grad_enabled() else logit, NUMERATOR_CAP)
+    return _Factors(den, num, rotate_pairs(num, phases), ratio, capped)
+
+
+def _chunk(b_j, a_j, v_j, state, key_sum, scales: _Scales, phases, base, query_scale=None):
+    """One chunk's outputs and denominators given the state before it, and the state after it.
+    Differentiable: the backward of a chunk with exact rows runs autograd through it."""
+    jump, keys = _keys(a_j, scales, phases)
+    exact = jump > JUMP_LIMIT
+    if query_scale is None:
+        query_scale = _query_scale(b_j, a_j, scales, exact)
+    queries = _queries(b_j, query_scale, scales, phases)
+    scores = (queries.rotated @ keys.rotated.transpose(-1, -2)).tril()
+    numerator = _fma(queries.rotated @ state, scores, v_j)
+    # the unrotated denominator (rotary: its own L x L scores; else the numerator's)
+    den_scores = (queries.den @ keys.den.transpose(-1, -2)).tril() if phases is not None else scores
+    denominator = den_scores.sum(-1) + (queries.den @ key_sum.unsqueeze(-1)).squeeze(-1)
+    rows = exact.nonzero(as_tuple=True)
     if rows[0].numel():   # these rows' intra-chunk parts are replaced; their state parts stay
-        exact_num, exact_den = _exact_rows(rows, b_shifted, a_c, v_c, rotary=rotary, base=base)
-        intra_num = intra_num.index_put(rows, exact_num)
-        state_part = (den_queries[rows] * state_sums.expand_as(den_queries)[rows]).sum(-1)
-        denominator = denominator.index_put(rows, state_part + exact_den)
-    numerator = num_queries @ before[0] + intra_num
-    return divide(numerator, denominator), states[-1], sums[-1]
+        exact_num, exact_den = _exact_rows(rows, b_j - query_scale.unsqueeze(-1), a_j, v_j, base=base,
+                                           rotary=phases is not None)
+        numerator = numerator.index_put(rows, (queries.rotated[rows].unsqueeze(-2) @ state[rows[:2]])
+                                        .squeeze(-2) + exact_num)
+        denominator = denominator.index_put(rows, (queries.den[rows] * key_sum[rows[:2]]).sum(-1) + exact_den)
+    state, key_sum = _next_state(state, key_sum, keys, a_j, v_j, scales, phases)
+    return divide(numerator, denominator), denominator, query_scale, state, key_sum
 
 
-def _capped_reference(a, first):
-    """The key scale r, raised to a - JUMP_LIMIT where a key exceeds it by more (no gradient: it
-    only changes keys that are masked or in rows computed exactly)."""
-    with torch.no_grad():
-        return torch.maximum(first, a - JUMP_LIMIT)
+def _next_state(state, key_sum, keys: _Factors, a_j, v_j, scales: _Scales, phases):
+    pair_decay, feat_decay = scales.decays()
+    if not keys.capped:   # 2.'s factored update
+        return (_fma(state, keys.rotated.transpose(-1, -2), v_j).mul_(pair_decay),
+                feat_decay * (key_sum + keys.den.sum(-2)))
+    # keys past the cap feed the next state with e^(a - r_{k+1}) <= 1 instead
+    k_state = torch.exp(a_j - scales.pair_next)
+    k_state = k_state if phases is None else rotate_pairs(k_state, phases)
+    return (pair_decay * state + k_state.transpose(-1, -2) @ v_j,
+            feat_decay * key_sum + torch.exp(a_j - scales.feat_next).sum(-2))
+
+
+def _fma(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """c + a @ b for (B, H, ., .) tensors in one BLAS call (no separate pass to add)."""
+    batch = c.shape[:2]
+    return torch.baddbmm(c.flatten(0, 1), a.flatten(0, 1), b.flatten(0, 1)).unflatten(0, batch)
+
+
+def _past(x: torch.Tensor) -> torch.Tensor:
+    """tril(ones(L, L)) for x's chunk length, dtype and device."""
+    length = x.shape[-2]
+    return torch.ones(length, length, dtype=x.dtype, device=x.device).tril_()
+
+
+def _slices(n: int, length: int):
+    return [slice(start, min(start + length, n)) for start in range(0, n, length)]
+
+
+def _rows(source, s):
+    """Log-features of positions `s` from (inputs, weight, shift); weight None: inputs are them."""
+    inputs, weight, shift = source
+    x = inputs[:, :, s]
+    if weight is None:
+        return x
+    rows = torch.addmm(shift[:, :, s].reshape(-1, 1), x.reshape(-1, x.shape[-1]), weight.transpose(-1, -2))
+    return rows.view(*x.shape[:-1], -1)
+
+
+def _source_backward(source, grads, d_features, s):
+    """Writes the gradients of a source's tensors for positions `s`, given d loss / d features."""
+    (inputs, weight, _), (d_inputs, d_weight, d_shift) = source, grads
+    if weight is None:
+        d_inputs[:, :, s] = d_features
+        return
+    d_inputs[:, :, s] = d_features @ weight
+    d_shift[:, :, s] = d_features.sum(-1, keepdim=True)
+    if d_weight is not None:
+        d_weight.add_((d_features.transpose(-1, -2) @ inputs[:, :, s]).sum((0, 1)))
+
+
+class _CausalLogAttention(torch.autograd.Function):
+    """Causal Eq. 19 from log-features, each given as (inputs, weight, shift) (see `_rows`)."""
+
+    @staticmethod
+    def forward(ctx, q_inputs, q_weight, q_shift, k_inputs, k_weight, k_shift, v, phases, length, base):
+        queries, keys = (q_inputs, q_weight, q_shift), (k_inputs, k_weight, k_shift)
+        slices = _slices(v.shape[-2], length)
+        first_keys = _rows(keys, slice(0, v.shape[-2], length))     # every chunk's first token
+        m = first_keys.shape[-1]
+        out, den = v.new_empty(v.shape), v.new_empty(v.shape[:-1])
+        query_scale = torch.empty_like(den)
+        state, key_sum = v.new_zeros(*v.shape[:2], m, v.shape[-1]), v.new_zeros(*v.shape[:2], m)
+        feat, seen, saved = [], torch.full_like(key_sum, float("-inf")), []
+        for k, s in enumerate(slices):
+            if k % STATE_GROUP == 0:
+                saved += [state, key_sum]
+            b_j, a_j = _rows(queries, s), _rows(keys, s)
+            if k == 0:
+                feat.append(first_keys[:, :, 0])
+            seen = torch.maximum(seen, a_j.amax(-2))                  # max up to this chunk's last token
+            feat.append(torch.maximum(seen, first_keys[:, :, k + 1]) if k + 1 < len(slices) else seen)
+            scales = _Scales.of(feat[k], feat[k + 1], phases is not None)
+            out[:, :, s], den[:, :, s], query_scale[:, :, s], state, key_sum = _chunk(
+                b_j, a_j, v[:, :, s], state, key_sum, scales, None if phases is None else phases[s], base)
+        feat = torch.stack(feat, 2)
+        ctx.save_for_backward(q_inputs, q_weight, q_shift, k_inputs, k_weight, k_shift, v, out, den,
+                              query_scale, feat, phases, *saved)
+        ctx.length, ctx.base = length, base
+        last = feat[:, :, -1]
+        ctx.mark_non_differentiable(state, key_sum, last)
+        return out, state, key_sum, last
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad, _state_grad, _key_sum_grad, _last_grad):
+        q_inputs, q_weight, q_shift, k_inputs, k_weight, k_shift, v, out, den, query_scale, feat, phases, \
+            *saved = ctx.saved_tensors
+        queries, keys = (q_inputs, q_weight, q_shift), (k_inputs, k_weight, k_shift)
+        needs = ctx.needs_input_grad
+        q_grads = _source_grads(queries, needs[1])
+        k_grads = _source_grads(keys, needs[4])
+        dv = torch.empty_like(v)
+        g_num, g_den = output_gradients(grad, out, den)
+        later = v.new_zeros(*v.shape[:2], feat.shape[-1], v.shape[-1])    # d loss / d S_{k+1}
+        later_sum = v.new_zeros(*v.shape[:2], feat.shape[-1])             # d loss / d Z_{k+1}
+        slices = _slices(v.shape[-2], ctx.length)
+        for first in reversed(range(0, len(slices), STATE_GROUP)):
+            chunks = range(first, min(first + STATE_GROUP, len(slices)))
+            state, key_sum = saved[2 * (first // STATE_GROUP)], saved[2 * (first // STATE_GROUP) + 1]
+            walk = []
+            for k in chunks:   # this group's states again, keeping each chunk's key factors
+                s, scales = slices[k], _Scales.of(feat[:, :, k], feat[:, :, k + 1], phases is not None)
+                ph = None if phases is None else phases[s]
+                a_j = _rows(keys, s)
+                factors = _keys(a_j, scales, ph)[1]
+                walk.append((state, key_sum, a_j, factors))
+                state, key_sum = _next_state(state, key_sum, factors, a_j, v[:, :, s], scales, ph)
+            for k, (state, key_sum, a_j, factors) in zip(reversed(chunks), reversed(walk)):
+                s, scales = slices[k], _Scales.of(feat[:, :, k], feat[:, :, k + 1], phases is not None)
+                ph = None if phases is None else phases[s]
+                inputs = (_rows(queries, s), a_j, v[:, :, s])
+                if factors.capped:
+                    (db, da, dv[:, :, s]), later, later_sum = _chunk_backward_autograd(
+                        inputs, state, key_sum, scales, ph, ctx.base, query_scale[:, :, s],
+                        grad[:, :, s], later, later_sum)
+                else:
+                    (db, da, dv[:, :, s]), later, later_sum = _chunk_backward(
+                        inputs, state, key_sum, factors, scales, ph, query_scale[:, :, s],
+                        g_num[:, :, s], g_den[:, :, s], later, later_sum)
+                _source_backward(queries, q_grads, db, s)
+                _source_backward(keys, k_grads, da, s)
+        return *q_grads, *k_grads, dv, None, None, None
+
+
+def _source_grads(source, weight_needs_grad: bool):
+    """Empty gradients for (inputs, weight, shift), the weight's only if it needs one."""
+    inputs, weight, shift = source
+    if weight is None:
+        return torch.empty_like(inputs), None, None
+    return (torch.empty_like(inputs), torch.zeros_like(weight) if weight_needs_grad else None,
+            torch.empty_like(shift))
+
+
+def _chunk_backward(inputs, state, key_sum, keys: _Factors, scales: _Scales, phases, query_scale,
+                    g_num, g_den, later, later_sum):
+    """4. of the module docstring for a chunk without exact rows (no key factor capped): the
+    gradients of b, a, v, and d loss / d S_k and d loss / d Z_k."""
+    b_j, a_j, v_j = inputs
+    queries = _queries(b_j, query_scale, scales, phases)
+    pair_decay, feat_decay = scales.decays()
+    later, later_sum = pair_decay * later, feat_decay * later_sum        # G~, H~
+    scores = (queries.rotated @ keys.rotated.transpose(-1, -2)).tril_()
+    d_scores = (g_num @ v_j.transpose(-1, -2)).tril_()
+    dv = _fma(scores.transpose(-1, -2) @ g_num, keys.rotated, later)
+    # The denominator's L x L weights: d den_m / d (q_den_m . k_den_n) = g_den_m for n <= m.
+    d_den = _past(a_j) * g_den.unsqueeze(-1)
+    if phases is None:   # q_num = q_den, k_num = k_den: one set of scores serves both
+        d_scores.add_(d_den)
+        d_q = _fma(g_num @ state.transpose(-1, -2), d_scores, keys.den)
+        d_k = _fma(d_scores.transpose(-1, -2) @ queries.den, v_j, later.transpose(-1, -2))
+    else:
+        d_q_num = _fma(g_num @ state.transpose(-1, -2), d_scores, keys.rotated)
+        d_k_num = _fma(d_scores.transpose(-1, -2) @ queries.rotated, v_j, later.transpose(-1, -2))
+        d_q = _through_numerator(d_den @ keys.den, d_q_num, phases, queries)
+        d_k = _through_numerator(d_den.transpose(-1, -2) @ queries.den, d_k_num, phases, keys)
+    # d loss / d log-feature: the factors are exponentials, e^x' = e^x
+    db = d_q.add_(g_den.unsqueeze(-1) * key_sum.unsqueeze(-2)).mul_(queries.den)
+    da = d_k.add_(later_sum.unsqueeze(-2)).mul_(keys.den)
+    if phases is not None and queries.ratio is None:   # a wide pair's queries: their own term
+        db.add_(rotate_pairs(d_q_num, phases.conj()).mul_(queries.num).masked_fill_(queries.capped, 0))
+    return (db, da, dv), _fma(later, queries.rotated.transpose(-1, -2), g_num), \
+        later_sum + (queries.den * g_den.unsqueeze(-1)).sum(-2)
+
+
+def _through_numerator(d_den, d_rotated, phases, factors: _Factors):
+    """d loss / d den plus d loss / d num * num / den, so that one multiplication by den gives
+    d loss / d log-feature; d loss / d num = R^T d loss / d R num.  (Queries without a ratio, from
+    wide pairs, take their numerator term separately.)"""
+    if factors.ratio is None:
+        return d_den
+    return d_den.add_(rotate_pairs(d_rotated, phases.conj()).mul_(factors.ratio))
+
+
+def _chunk_backward_autograd(inputs, state, key_sum, scales, phases, base, query_scale, grad, later, later_sum):
+    """A chunk with exact rows: autograd through its recomputed forward."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (*inputs, state, key_sum)]
+        out, _, _, state_after, key_sum_after = _chunk(*leaves, scales, phases, base, query_scale)
+        grads = torch.autograd.grad((out, state_after, key_sum_after), leaves, (grad, later, later_sum))
+    return grads[:3], grads[3], grads[4]
 
 
 def _exact_rows(rows, b_shifted, a, v, *, rotary, base):
-    """The intra-chunk sums of the given rows (index tuples into (B, H, K, L)), exactly per
-    (m, n, j), a bounded group of rows at a time.  b_shifted = b - Q."""
+    """The intra-chunk sums of the given rows (index tuples into (B, H, L)), exactly per (m, n, j),
+    a bounded group of rows at a time.  b_shifted = b - Q."""
     length, m = a.shape[-2:]
     phases = rotary_phases(length, m, base=base, device=a.device, dtype=a.dtype) if rotary else None
-    group = max(1, GROUP_ELEMENTS // (length * m))
+    group = max(1, EXACT_ELEMENTS // (length * m))
     num_parts, den_parts = [], []
     for start in range(0, rows[0].numel(), group):
         index = tuple(i[start:start + group] for i in rows)
-        pieces = (b_shifted[index], a[index[:3]], v[index[:3]], index[3])
-        num, den = _exact_row_sums(*pieces, phases)
+        num, den = _exact_row_sums(b_shifted[index], a[index[:2]], v[index[:2]], index[2], phases)
         num_parts.append(num)
         den_parts.append(den)
     return torch.cat(num_parts), torch.cat(den_parts)

@@ -87,8 +87,11 @@ def test_the_exact_rows_are_used_where_the_maximum_jumps_and_agree_with_the_sepa
 
 
 @pytest.mark.parametrize("rotary", [True, False])
-def test_gradients_match_the_reference(rotary):
-    b, a = query_log_features(1, 2, 11, 6, scale=20), log_features(1, 2, 11, 6, scale=20, seed=1)
+@pytest.mark.parametrize("scale", [3, 20])
+def test_gradients_match_the_reference(rotary, scale):
+    """scale 3: a pair's key maxima stay within PAIR_SPREAD, so numerator factors are the
+    denominator's times e^(P - F); scale 20: wide pairs, whose queries take their own exponential."""
+    b, a = query_log_features(1, 2, 11, 6, scale=scale), log_features(1, 2, 11, 6, scale=scale, seed=1)
     v = log_features(1, 2, 11, 3, scale=1, seed=2)
     inputs = [t.clone().requires_grad_(True) for t in (b, a, v)]
     expected = [t.clone().requires_grad_(True) for t in (b, a, v)]
@@ -101,10 +104,8 @@ def test_gradients_match_the_reference(rotary):
         torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
 
 
-@pytest.mark.parametrize("group_tokens", [16, 1024])
 @pytest.mark.parametrize("rotary", [True, False])
-def test_past_outputs_are_bitwise_unchanged_when_future_tokens_change(rotary, group_tokens, monkeypatch):
-    monkeypatch.setattr(stable, "GROUP_TOKENS", group_tokens)
+def test_past_outputs_are_bitwise_unchanged_when_future_tokens_change(rotary):
     b, a = log_features(1, 2, 40, 8, scale=50, dtype=torch.float32), \
         log_features(1, 2, 40, 8, scale=50, dtype=torch.float32, seed=1)
     v = log_features(1, 2, 40, 4, scale=1, dtype=torch.float32, seed=2)
@@ -190,7 +191,7 @@ def test_group_size_does_not_change_the_exact_rows(monkeypatch):
     a = torch.arange(n, dtype=torch.float64).mul(50).view(1, 1, n, 1).expand(1, 2, n, 4).contiguous()
     b, v = log_features(1, 2, n, 4, scale=1), log_features(1, 2, n, 2, scale=1, seed=2)
     out = linear_attention(b, a, v, causal=True, rotary=True, chunk_size=8, log_space=True)
-    monkeypatch.setattr(stable, "GROUP_ELEMENTS", 1)
+    monkeypatch.setattr(stable, "EXACT_ELEMENTS", 1)
     assert torch.equal(out, linear_attention(b, a, v, causal=True, rotary=True, chunk_size=8, log_space=True))
 
 
@@ -219,11 +220,22 @@ def test_block_takes_log_features_on_the_torch_backend_and_plain_ones_for_triton
     assert state.log_scale is None and state.position == 6
 
 
-@pytest.mark.parametrize("group_tokens", [1, 8, 1024])
+@pytest.mark.parametrize("state_group", [1, 2, 16])
 @pytest.mark.parametrize("rotary", [True, False])
-def test_checkpointed_groups_of_chunks_carry_the_state_in_values_and_gradients(group_tokens, rotary, monkeypatch):
-    monkeypatch.setattr(stable, "GROUP_TOKENS", group_tokens)
-    b, a = query_log_features(1, 2, 23, 6, scale=30), log_features(1, 2, 23, 6, scale=30, seed=1)
+@pytest.mark.parametrize("jumps", [False, True])
+def test_backward_matches_the_reference_whatever_the_saved_state_spacing(state_group, rotary, jumps, monkeypatch):
+    """Backward recomputes the states of a group of chunks from the one saved before it; with
+    `jumps`, keys growing by 40 every 5 tokens make some chunks compute rows exactly (autograd
+    through the recomputed chunk) between chunks that take the hand-written backward."""
+    backward_paths = []
+    for name in ("_chunk_backward", "_chunk_backward_autograd"):
+        original = getattr(stable, name)
+        monkeypatch.setattr(stable, name, lambda *args, name=name, original=original:
+                            backward_paths.append(name) or original(*args))
+    monkeypatch.setattr(stable, "STATE_GROUP", state_group)
+    b, a = query_log_features(1, 2, 23, 6, scale=3), log_features(1, 2, 23, 6, scale=3, seed=1)
+    if jumps:
+        a = a + torch.arange(2, 25, dtype=torch.float64).div(8).floor().mul(40).view(1, 1, 23, 1)
     v = log_features(1, 2, 23, 3, scale=1, seed=2)
     inputs = [t.clone().requires_grad_(True) for t in (b, a, v)]
     expected = [t.clone().requires_grad_(True) for t in (b, a, v)]
@@ -234,3 +246,99 @@ def test_checkpointed_groups_of_chunks_carry_the_state_in_values_and_gradients(g
     for got, want in zip(torch.autograd.grad((out * weights).sum(), inputs),
                          torch.autograd.grad((ref * weights).sum(), expected)):
         torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
+    exact_chunks = backward_paths.count("_chunk_backward_autograd")
+    assert exact_chunks == (3 if jumps else 0) and len(backward_paths) == 6
+
+
+@pytest.mark.parametrize("rotary", [True, False])
+def test_gradcheck_in_float64_with_ragged_chunks(rotary):
+    b, a = query_log_features(1, 2, 7, 4, scale=3), log_features(1, 2, 7, 4, scale=3, seed=1)
+    v = log_features(1, 2, 7, 2, scale=1, seed=2)
+    inputs = [t.clone().requires_grad_(True) for t in (b, a, v)]
+    assert torch.autograd.gradcheck(
+        lambda b, a, v: linear_attention(b, a, v, causal=True, rotary=rotary, chunk_size=3, offset=4,
+                                         log_space=True), inputs)
+
+
+def test_backward_saves_one_state_per_group_of_chunks_not_per_chunk():
+    b = log_features(1, 2, 1000, 8, scale=1, dtype=torch.float32).requires_grad_(True)
+    v = log_features(1, 2, 1000, 4, scale=1, dtype=torch.float32)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        linear_attention(b, b, v, causal=True, rotary=True, chunk_size=10, log_space=True)
+    states = [t for t in saved if t.shape == (1, 2, 8, 4)]
+    assert len(states) == -(-100 // stable.STATE_GROUP)
+    assert sum(t.numel() for t in saved) < 6 * b.numel()
+
+
+def projection(n, *, jumps, seed=0, weight_grad=False):
+    """A LogProjection of (1, 2, n, 4) inputs onto 8 features; with `jumps`, shifts that grow by 40
+    every 6 tokens (chunks with exact rows)."""
+    inputs = log_features(1, 2, n, 4, scale=1, seed=seed)
+    weight = log_features(8, 4, scale=1, seed=seed + 1)
+    shift = log_features(1, 2, n, 1, scale=1, seed=seed + 2)
+    if jumps:
+        shift = shift + torch.arange(n, dtype=torch.float64).div(6).floor().mul(40).view(1, 1, n, 1)
+    return stable.LogProjection(inputs.requires_grad_(), weight.requires_grad_(weight_grad),
+                                shift.requires_grad_())
+
+
+@pytest.mark.parametrize("rotary", [True, False])
+@pytest.mark.parametrize("jumps", [False, True])
+@pytest.mark.parametrize("n", [5, 23])
+def test_a_projection_gives_the_outputs_state_and_gradients_of_its_log_features(rotary, jumps, n):
+    q_proj, k_proj = projection(n, jumps=False), projection(n, jumps=jumps, seed=3, weight_grad=True)
+    v = log_features(1, 2, n, 3, scale=1, seed=9).requires_grad_()
+    leaves = [*q_proj, *k_proj, v]
+    kwargs = dict(causal=True, rotary=rotary, offset=4, chunk_size=4, log_space=True, return_state=True)
+    out, state = linear_attention(q_proj, k_proj, v, **kwargs)
+    ref, ref_state = linear_attention(q_proj.materialize(), k_proj.materialize(), v, **kwargs)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for got, want in zip(state, ref_state):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    weights = torch.randn_like(out)
+    used = [t for t in leaves if t.requires_grad]
+    for got, want in zip(torch.autograd.grad((out * weights).sum(), used),
+                         torch.autograd.grad((ref * weights).sum(), used)):
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
+
+
+def test_non_causal_and_empty_projections_take_the_log_features():
+    q_proj, k_proj = projection(6, jumps=False), projection(6, jumps=False, seed=3)
+    v = log_features(1, 2, 6, 3, scale=1, seed=9)
+    torch.testing.assert_close(
+        linear_attention(q_proj, k_proj, v, causal=False, rotary=True, log_space=True),
+        linear_attention(q_proj.materialize(), k_proj.materialize(), v, causal=False, rotary=True,
+                         log_space=True))
+    empty = stable.LogProjection(torch.zeros(1, 2, 0, 4), torch.zeros(8, 4), torch.zeros(1, 2, 0, 1))
+    assert linear_attention(empty, empty, torch.zeros(1, 2, 0, 3), causal=True, rotary=True,
+                            log_space=True).shape == (1, 2, 0, 3)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda p: p._replace(weight=torch.zeros(8, 5, dtype=torch.float64)), r"\(M, D\) weight"),
+    (lambda p: p._replace(shift=torch.zeros(1, 2, 6, 2, dtype=torch.float64)), r"\(B, H, N, 1\) shift"),
+    (lambda p: p._replace(inputs=torch.zeros(1, 2, 5, 4, dtype=torch.float64),
+                          shift=torch.zeros(1, 2, 5, 1, dtype=torch.float64)), "disagree"),
+    (lambda p: p._replace(weight=torch.zeros(6, 4, dtype=torch.float64)), "same feature map"),
+    (lambda p: p._replace(shift=torch.zeros(1, 2, 6, 1, dtype=torch.int64)), "floating"),
+])
+def test_bad_projections_are_refused_with_what_they_should_be(bad, message):
+    q_proj, k_proj = projection(6, jumps=False), projection(6, jumps=False, seed=3)
+    with pytest.raises(ValueError, match=message):
+        linear_attention(q_proj, bad(k_proj), torch.zeros(1, 2, 6, 3, dtype=torch.float64), causal=True,
+                         rotary=True, log_space=True)
+
+
+def test_the_favor_block_saves_nothing_of_size_n_by_m_for_backward():
+    """LinearAttention with FAVOR+ hands the causal op its projection: what autograd keeps is O(N D),
+    not the (B, H, N, M) log-features."""
+    torch.manual_seed(0)
+    block = LinearAttention(64, 4, feature_map_options={"num_features": 128})   # D = 16, M = 128
+    x = torch.randn(1, 512, 64, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = block(x)
+    assert max(t.numel() for t in saved) < 4 * 512 * 128 / 4
+    y.sum().backward()
+    assert torch.isfinite(x.grad).all()
