@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from performer_pytorch.performer_pytorch import gaussian_orthogonal_random_matrix
 from torch import nn
 
-from .ops.linear_attention.stable import LogProjection
+from .ops.linear_attention.common import LogProjection
 
 FEATURE_MAPS: dict[str, type["FeatureMap"]] = {}
 

@@ -20,17 +20,19 @@ import torch
 
 from .ops.linear_attention import backends
 from .ops.linear_attention.chunk import DEFAULT_CHUNK_SIZE, causal_attention, check_chunk_size
-from .ops.linear_attention.common import (check_features, check_nonnegative, check_projections,
-                                          compute_dtype, divide, numerator_features)
+from .ops.linear_attention.common import (LogProjection, check_features, check_log_features,
+                                          check_nonnegative, check_not_projection, compute_dtype,
+                                          divide, numerator_features)
 from .ops.linear_attention.naive import linear_attention_reference, softmax_attention_reference
-from .ops.linear_attention.stable import LogProjection, log_linear_attention
+from .ops.linear_attention.stable import log_linear_attention
 from .ops.linear_attention.recurrent import LinearState, initial_state, linear_attention_step
 from .rotary import DEFAULT_BASE, check_offset, rotary_phases
 
 BACKENDS = backends.BACKENDS
 
-__all__ = ["BACKENDS", "DEFAULT_CHUNK_SIZE", "LinearState", "LogProjection", "initial_state", "linear_attention",
-           "linear_attention_reference", "linear_attention_step", "softmax_attention_reference"]
+__all__ = ["BACKENDS", "DEFAULT_CHUNK_SIZE", "LinearState", "LogProjection", "initial_state",
+           "linear_attention", "linear_attention_reference", "linear_attention_step",
+           "softmax_attention_reference"]
 
 
 def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *, causal: bool,
@@ -48,9 +50,10 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     each may also be a `LogProjection` (inputs @ weight^T + shift), which the causal pass projects
     chunk by chunk without holding the (B, H, N, M) log-features.
     """
-    if log_space and isinstance(phi_q, LogProjection) and isinstance(phi_k, LogProjection):
-        check_projections(phi_q, phi_k, v)
+    if log_space:
+        check_log_features(phi_q, phi_k, v)
     else:
+        check_not_projection(phi_q, phi_k)
         check_features(phi_q, phi_k, v, rank=4)
     check_chunk_size(chunk_size)
     check_offset(offset)

@@ -2,9 +2,26 @@
 and the numerator's rotation."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ...rotary import apply_rotary
+
+
+class LogProjection(NamedTuple):
+    """Log-features given as inputs @ weight^T + shift: (B, H, N, D) inputs, an (M, D) weight and a
+    (B, H, N, 1) shift (FAVOR+: w^T x - |x|^2 / 2 - log(M) / 2).  The causal op then computes them
+    chunk by chunk and returns gradients for the inputs, never holding an N x M tensor."""
+    inputs: torch.Tensor
+    weight: torch.Tensor
+    shift: torch.Tensor
+
+    def materialize(self) -> torch.Tensor:
+        """The log-features, in the inputs' dtype whatever autocast says (adding the shift keeps its
+        backward a plain sum: sub's would negate the (N, M) gradient first)."""
+        with torch.autocast(self.inputs.device.type, enabled=False):
+            return self.inputs @ self.weight.to(self.inputs.dtype).transpose(-1, -2) + self.shift
 
 
 def check_features(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *, rank: int) -> None:
@@ -27,13 +44,20 @@ def check_features(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *,
                          f"the last dimension; expected {names}")
 
 
-def check_projections(q_proj, k_proj, v: torch.Tensor) -> None:
-    """Log-features given as LogProjection(inputs, weight, shift): (B, H, N, D) inputs, (M, D) weight,
-    (B, H, N, 1) shift, for queries and keys alike."""
-    for name, proj in (("phi_q", q_proj), ("phi_k", k_proj)):
-        if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in proj):
+def check_log_features(phi_q, phi_k, v: torch.Tensor) -> None:
+    """Log-features for log_space=True: each a (B, H, N, M) tensor or a LogProjection of
+    (B, H, N, D) inputs, an (M, D) weight and a (B, H, N, 1) shift."""
+    if not any(isinstance(x, LogProjection) for x in (phi_q, phi_k)):
+        return check_features(phi_q, phi_k, v, rank=4)
+    shapes = []
+    for name, x in (("phi_q", phi_q), ("phi_k", phi_k)):
+        if not isinstance(x, LogProjection):
+            check_features(x, x, v, rank=4)
+            shapes.append(tuple(x.shape))
+            continue
+        if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in x):
             raise ValueError(f"{name}: a LogProjection holds floating tensors (inputs, weight, shift)")
-        inputs, weight, shift = proj
+        inputs, weight, shift = x
         if inputs.dim() != 4 or weight.dim() != 2 or weight.shape[-1] != inputs.shape[-1] \
                 or tuple(shift.shape) != (*inputs.shape[:-1], 1):
             raise ValueError(f"{name}: a LogProjection takes (B, H, N, D) inputs, an (M, D) weight and a "
@@ -42,9 +66,15 @@ def check_projections(q_proj, k_proj, v: torch.Tensor) -> None:
         if inputs.shape[:-1] != v.shape[:-1]:
             raise ValueError(f"{name}: inputs {tuple(inputs.shape)} and values {tuple(v.shape)} disagree "
                              f"before the last dimension")
-    if q_proj.weight.shape[0] != k_proj.weight.shape[0]:
-        raise ValueError(f"phi_q and phi_k project to {q_proj.weight.shape[0]} and {k_proj.weight.shape[0]} "
-                         f"features; map queries and keys with the same feature map")
+        shapes.append((*inputs.shape[:-1], weight.shape[0]))
+    if shapes[0] != shapes[1]:
+        raise ValueError(f"phi_q and phi_k give log-features of shapes {shapes[0]} and {shapes[1]}; map "
+                         f"queries and keys with the same feature map")
+
+
+def check_not_projection(phi_q, phi_k) -> None:
+    if any(isinstance(x, LogProjection) for x in (phi_q, phi_k)):
+        raise ValueError("a LogProjection holds log-features: pass log_space=True")
 
 
 def check_nonnegative(phi_q: torch.Tensor, phi_k: torch.Tensor) -> None:

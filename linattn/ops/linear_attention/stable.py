@@ -86,7 +86,7 @@ from typing import NamedTuple
 import torch
 
 from ...rotary import apply_rotary, rotary_phases, rotate_pairs
-from .common import compute_dtype, divide, output_gradients
+from .common import LogProjection, compute_dtype, divide, output_gradients
 
 JUMP_LIMIT = 30.0      # a row whose running max grew more than this within its chunk is computed exactly
 NUMERATOR_CAP = 30.0   # numerator query factors are capped at e^30 (saturation beyond float32, see above)
@@ -111,19 +111,6 @@ def numerator_query(log_factor: torch.Tensor) -> torch.Tensor:
 
 def _rotate(x, rotary: bool, offset: int, base: float):
     return apply_rotary(x, offset=offset, base=base) if rotary else x
-
-
-class LogProjection(NamedTuple):
-    """Log-features given as inputs @ weight^T + shift: (B, H, N, D) inputs, an (M, D) weight and a
-    (B, H, N, 1) shift (FAVOR+: w^T x - |x|^2 / 2 - log(M) / 2).  The causal op then computes them
-    chunk by chunk and returns gradients for the inputs, never holding an N x M tensor."""
-    inputs: torch.Tensor
-    weight: torch.Tensor
-    shift: torch.Tensor
-
-    def materialize(self) -> torch.Tensor:
-        # adding the shift keeps its backward a plain sum (sub's would negate the (N, M) gradient first)
-        return self.inputs @ self.weight.transpose(-1, -2) + self.shift
 
 
 def log_linear_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, base: float,
@@ -230,8 +217,18 @@ def _keys(a_j, scales: _Scales, phases):
     return jump, _Factors(den, num, rotate_pairs(num, phases), ratio, capped)
 
 
+def _wide(scales: _Scales) -> bool:
+    """Whether a pair's partner leads some key scale by more than PAIR_SPREAD (positions <= s_k)."""
+    return scales.pair is not scales.feat and bool((scales.pair - scales.feat).amax() > PAIR_SPREAD)
+
+
 def _query_scale(b_j, a_j, scales: _Scales, exact):
-    """Q_m = max_j (b_mj + F_k,j); rows computed exactly take F from their own running max."""
+    """Q_m = max_j (b_mj + F_k,j), from the scales at the chunk's first token.  Rows computed exactly,
+    and every row of a chunk with wide pairs, take F from their own running max F_m instead: the
+    numerator cap is then measured against the row's own Q_m, so it acts only where Eq. 19 itself
+    is beyond e^NUMERATOR_CAP."""
+    if _wide(scales):
+        return (b_j + torch.maximum(a_j, scales.feat).cummax(-2).values).amax(-1)
     query_scale = (b_j + scales.feat).amax(-1)
     if exact.any():
         own = torch.maximum(a_j, scales.feat).cummax(-2).values
@@ -244,9 +241,8 @@ def _queries(b_j, query_scale, scales: _Scales, phases):
     den = _exp(shifted + scales.feat)
     if phases is None:
         return _Factors(den, den, den, None, False)
-    spread = scales.pair - scales.feat           # >= 0: how far a pair's partner leads each key scale
-    if spread.amax() <= PAIR_SPREAD:             # e^(b + P - Q) = e^(b + F - Q) e^(P - F) <= e^PAIR_SPREAD
-        ratio = torch.exp(spread)
+    if not _wide(scales):                        # e^(b + P - Q) = e^(b + F - Q) e^(P - F) <= e^PAIR_SPREAD
+        ratio = torch.exp(scales.pair - scales.feat)
         num, capped = den * ratio, False
     else:                                        # a wide pair: its own exponential, capped
         logit = shifted + scales.pair

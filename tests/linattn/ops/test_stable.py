@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from linattn import LinearAttention
+from linattn.feature_maps import FavorFeatureMap
 from linattn.functional import linear_attention, linear_attention_reference, linear_attention_step
 from linattn.ops.linear_attention import stable
 from linattn.rotary import rotary_phases
@@ -321,6 +322,7 @@ def test_non_causal_and_empty_projections_take_the_log_features():
     (lambda p: p._replace(inputs=torch.zeros(1, 2, 5, 4, dtype=torch.float64),
                           shift=torch.zeros(1, 2, 5, 1, dtype=torch.float64)), "disagree"),
     (lambda p: p._replace(weight=torch.zeros(6, 4, dtype=torch.float64)), "same feature map"),
+    (lambda p: p.materialize()[..., :6], "same feature map"),
     (lambda p: p._replace(shift=torch.zeros(1, 2, 6, 1, dtype=torch.int64)), "floating"),
 ])
 def test_bad_projections_are_refused_with_what_they_should_be(bad, message):
@@ -328,6 +330,44 @@ def test_bad_projections_are_refused_with_what_they_should_be(bad, message):
     with pytest.raises(ValueError, match=message):
         linear_attention(q_proj, bad(k_proj), torch.zeros(1, 2, 6, 3, dtype=torch.float64), causal=True,
                          rotary=True, log_space=True)
+
+
+def test_a_projection_pairs_with_a_log_feature_tensor_and_needs_log_space():
+    q_proj, k_proj = projection(6, jumps=False), projection(6, jumps=False, seed=3)
+    v = log_features(1, 2, 6, 3, scale=1, seed=9)
+    torch.testing.assert_close(
+        linear_attention(q_proj, k_proj.materialize(), v, causal=True, rotary=True, log_space=True),
+        linear_attention(q_proj.materialize(), k_proj.materialize(), v, causal=True, rotary=True,
+                         log_space=True))
+    with pytest.raises(ValueError, match="log_space=True"):
+        linear_attention(q_proj, k_proj, v, causal=True, rotary=True)
+
+
+def test_the_cap_acts_only_beyond_it_whatever_the_chunking():
+    """A wide pair (key scales 28 apart in one pair) with a query that leads by 20 within its pair:
+    Eq. 19's output is 1.2e12, far below e^30, and every chunk size and the steps give it."""
+    a = torch.tensor([[0.0, 40.0], [12.0, 40.0]], dtype=torch.float64).view(1, 1, 2, 2)
+    b = torch.tensor([[0.0, 0.0], [20.0, -100.0]], dtype=torch.float64).view(1, 1, 2, 2)
+    v = torch.tensor([[1.0], [2.0]], dtype=torch.float64).view(1, 1, 2, 1)
+    expected = log_space_reference(b, a, v, causal=True, rotary=True)
+    for chunk_size in (1, 2):
+        torch.testing.assert_close(linear_attention(b, a, v, causal=True, rotary=True, log_space=True,
+                                                    chunk_size=chunk_size), expected, rtol=1e-10, atol=0)
+    state, steps = None, []
+    for t in range(2):
+        y, state = linear_attention_step(b[:, :, t], a[:, :, t], v[:, :, t], state, rotary=True, log_space=True)
+        steps.append(y)
+    torch.testing.assert_close(torch.stack(steps, 2), expected, rtol=1e-10, atol=0)
+
+
+def test_favor_log_features_ignore_autocast():
+    """Prefill projects in float32 inside the op; decoding's log_features must match it under autocast."""
+    fm = FavorFeatureMap(16, seed=0)
+    x = torch.randn(1, 2, 5, 16) * 3
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = fm.log_features(x, is_query=False)
+    assert under.dtype == torch.float32
+    torch.testing.assert_close(under, fm.log_features(x, is_query=False), rtol=0, atol=0)
 
 
 def test_the_favor_block_saves_nothing_of_size_n_by_m_for_backward():
