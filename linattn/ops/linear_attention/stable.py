@@ -227,13 +227,11 @@ def _query_scale(b_j, a_j, scales: _Scales, exact):
     and every row of a chunk with wide pairs, take F from their own running max F_m instead: the
     numerator cap is then measured against the row's own Q_m, so it acts only where Eq. 19 itself
     is beyond e^NUMERATOR_CAP."""
-    if _wide(scales):
-        return (b_j + torch.maximum(a_j, scales.feat).cummax(-2).values).amax(-1)
-    query_scale = (b_j + scales.feat).amax(-1)
-    if exact.any():
-        own = torch.maximum(a_j, scales.feat).cummax(-2).values
-        query_scale = torch.where(exact, (b_j + own).amax(-1), query_scale)
-    return query_scale
+    wide = _wide(scales)
+    if not wide and not exact.any():
+        return (b_j + scales.feat).amax(-1)
+    own = (b_j + torch.maximum(a_j, scales.feat).cummax(-2).values).amax(-1)
+    return own if wide else torch.where(exact, own, (b_j + scales.feat).amax(-1))
 
 
 def _queries(b_j, query_scale, scales: _Scales, phases):
@@ -247,7 +245,7 @@ def _queries(b_j, query_scale, scales: _Scales, phases):
     else:                                        # a wide pair: its own exponential, capped
         logit = shifted + scales.pair
         ratio, capped = None, logit > NUMERATOR_CAP
-        num = _exp(logit.clone() if not torch.is_grad_enabled() else logit, NUMERATOR_CAP)
+        num = _exp(logit, NUMERATOR_CAP)   # the mask above is taken first, so logit may be overwritten
     return _Factors(den, num, rotate_pairs(num, phases), ratio, capped)
 
 
