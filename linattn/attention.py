@@ -14,7 +14,6 @@ from torch import nn
 
 from .feature_maps import FeatureMap, make_feature_map
 from .functional import BACKENDS, DEFAULT_CHUNK_SIZE, LinearState, linear_attention, linear_attention_step
-from .ops.linear_attention.backends import resolve as resolve_backend
 from .ops.linear_attention.chunk import check_chunk_size
 from .rotary import DEFAULT_BASE, apply_rotary
 
@@ -100,11 +99,6 @@ class LinearAttention(_Projections):
         self.rope, self.causal, self.chunk_size, self.rope_base = rope, causal, chunk_size, rope_base
         self.backend = backend
 
-    def _log_space(self, device: torch.device) -> bool:
-        """Log-features (exact at any input scale) where the map gives them, on the torch backend:
-        the Triton kernels take plain features for now."""
-        return self.feature_map.log_space and resolve_backend(self.backend, device) == "torch"
-
     def _features(self, q, k, offset: int, log_space: bool, projected: bool = False):
         """phi(q), phi(k); log-features with `log_space`, as the map's LogProjection where it has
         one and `projected` (the causal op then never holds the (B, H, N, M) log-features)."""
@@ -129,7 +123,7 @@ class LinearAttention(_Projections):
                return_state: bool = False):
         """The attention between the projections: (B, H, N, head_dim) queries, keys and values ->
         (B, H, N, head_dim), with this block's map, placement and backend (what forward runs)."""
-        log_space = self._log_space(q.device)
+        log_space = self.feature_map.log_space   # exact at any input scale
         phi_q, phi_k = self._features(q, k, offset, log_space, projected=self.causal)
         return linear_attention(phi_q, phi_k, v, causal=self.causal, rotary=self.rope == "post",
                                 offset=offset, chunk_size=self.chunk_size, rope_base=self.rope_base,
@@ -141,7 +135,7 @@ class LinearAttention(_Projections):
         q, k, v = self._qkv(x_t, 2)
         self._check_state(state, x_t)
         position = 0 if state is None else state.position
-        log_space = self._log_space(x_t.device)
+        log_space = self.feature_map.log_space
         phi_q, phi_k = self._features(q, k, position, log_space)
         out, state = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], state,
                                            rotary=self.rope == "post", rope_base=self.rope_base,

@@ -46,9 +46,9 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     so decoding can continue with `linear_attention_step`.  `backend`: "torch", "triton" (fused
     kernels: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1) or "auto" (triton on CUDA
     tensors when it is installed, else torch).  `log_space=True`: phi_q and phi_k hold log-features,
-    and the stabilised algorithm of `ops/linear_attention/stable.py` runs (torch ops, any device);
-    each may also be a `LogProjection` (inputs @ weight^T + shift), which the causal pass projects
-    chunk by chunk without holding the (B, H, N, M) log-features.
+    and the stabilised algorithm of `ops/linear_attention/stable.py` runs, on either backend; each
+    may also be a `LogProjection` (inputs @ weight^T + shift), which the torch backend's causal pass
+    projects chunk by chunk without holding the (B, H, N, M) log-features.
     """
     if log_space:
         check_log_features(phi_q, phi_k, v)
@@ -61,7 +61,11 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
         raise ValueError("return_state=True needs causal=True: a non-causal pass has no decoding state")
     resolved = backends.resolve(backend, v.device)
     chunk_size = max(1, min(chunk_size, v.shape[-2]))   # a short sequence is one chunk, unpadded
-    if log_space:   # log-features: the stabilised algorithm, in torch ops on every backend for now
+    if log_space and resolved == "triton" and v.shape[-2] > 0:
+        from .ops.linear_attention import fused
+        return fused.log_linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset,
+                                          rope_base=rope_base, return_state=return_state)
+    if log_space:   # log-features: the stabilised algorithm of stable.py, in torch ops
         return log_linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset,
                                     base=rope_base, chunk_size=chunk_size, return_state=return_state)
     check_nonnegative(phi_q, phi_k)

@@ -208,17 +208,19 @@ def test_float32_gradients_stay_finite_for_ragged_lengths_at_large_scale(rotary,
     assert torch.isfinite(out).all() and all(torch.isfinite(t.grad).all() for t in (b, a, v))
 
 
-def test_block_takes_log_features_on_the_torch_backend_and_plain_ones_for_triton():
-    """The Triton kernels take plain features; prefill and step decide alike, so states match."""
+def test_block_takes_log_features_on_both_backends_and_decodes_after_a_triton_prefill():
+    """FAVOR+ gives log-features to either backend (elu has none); a Triton prefill hands the
+    step a state that carries F, and decoding continues the torch backend's sequence."""
     pytest.importorskip("triton")
-    cpu = torch.device("cpu")
-    assert LinearAttention(16, 2, backend="torch")._log_space(cpu)
-    assert not LinearAttention(16, 2, feature_map="elu", backend="torch")._log_space(cpu)
+    assert not LinearAttention(16, 2, feature_map="elu").feature_map.log_space
+    torch.manual_seed(0)
     block = LinearAttention(16, 2, backend="triton", feature_map_options={"num_features": 16})
-    assert not block._log_space(cpu)      # tests/linattn/ops runs Triton's interpreter on CPU
-    _, state = block(torch.randn(1, 5, 16), return_state=True)
-    _, state = block.step(torch.randn(1, 16), state)
-    assert state.log_scale is None and state.position == 6
+    x = torch.randn(1, 6, 16)
+    _, state = block(x[:, :5], return_state=True)   # tests/linattn/ops runs Triton's interpreter on CPU
+    last, state = block.step(x[:, 5], state)
+    assert state.log_scale is not None and state.position == 6
+    block.backend = "torch"
+    torch.testing.assert_close(last, block(x)[:, 5], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("state_group", [1, 2, 16])
