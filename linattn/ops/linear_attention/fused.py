@@ -61,9 +61,9 @@ CHUNK = 64            # tokens per step of the scan (BT)
 FEATURE_TILE = 32     # feature tile (BK): the BK x BV state tile lives in registers
 VALUE_TILE = 64       # largest value tile (BV); narrowed to 32 when the grid would leave SMs idle
 MIN_VALUE_TILE = 32
-# Software-pipelining stages of the causal log-space backward: with triton's default of 3 it needs
-# 248-264 KB of shared memory on sm_90, over an H100's 227 KB per block; 2 stages need 189 KB
-# (compiled here for sm_90 without a GPU: tests/linattn/ops/test_fused.py).
+# Software-pipelining stages of the causal log-space backward: with triton's default of 3 it needed
+# 248-264 KB of shared memory on sm_90, over an H100's 227 KB per block; 2 stages need 206 KB
+# (compiled for sm_90 without a GPU by tests/linattn/ops/compile_kernels.py).
 LOG_BACKWARD_STAGES = 2
 TWO_PI = 2 * math.pi
 JUMP_LIMIT = tl.constexpr(stable.JUMP_LIMIT)          # the log-space limits of stable.py, for the kernels
@@ -265,6 +265,28 @@ def _chunk_is_exact(exact_ptr, first, N, BT: tl.constexpr):
     return tl.load(exact_ptr + tl.minimum(first + BT, N) - 1) != 0
 
 
+@triton.jit
+def _state_after_chunk(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, out_ptr, den_ptr, dnum_ptr,
+                       dden_ptr, state, k_sum, f_ref, p_ref, k_rot, v, k_den, first, offset, i_k, i_v, k_cols,
+                       v_cols, N, M, DV, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       ROTARY: tl.constexpr, LOG: tl.constexpr, GRAD: tl.constexpr, DOT: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    """The causal state after chunk `first..`: one product, or the token pass where the chunk has
+    exact rows (which also writes those rows' outputs, or with GRAD their query gradients)."""
+    exact_chunk = False
+    if LOG:
+        exact_chunk = _chunk_is_exact(exact_ptr, first, N, BT)
+    if exact_chunk:
+        state, k_sum, f_ref, p_ref = _tokens_forward(
+            q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, out_ptr, den_ptr, dnum_ptr, dden_ptr,
+            state, k_sum, f_ref, p_ref, first, offset, i_k, i_v, k_cols, v_cols, N, M, DV, BT, BK, BV,
+            ROTARY, GRAD)
+    else:
+        state += _mm(tl.trans(k_rot), v, DOT, PRECISION)
+        k_sum += tl.sum(k_den, axis=0)
+    return state, k_sum, f_ref, p_ref
+
+
 @triton.jit(do_not_specialize=["offset", "N"])
 def _forward_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, num_ptr, den_ptr, kv_ptr,
                     ksum_ptr, offset, N, M, DV,
@@ -335,17 +357,10 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, nu
         if i_v == 0:
             tl.store(den_ptr + rows, den, mask=written)
         if CAUSAL:
-            exact_chunk = False
-            if LOG:
-                exact_chunk = _chunk_is_exact(exact_ptr, first, N, BT)
-            if exact_chunk:
-                state, k_sum, f_ref, p_ref = _tokens_forward(
-                    q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, num_ptr, den_ptr, num_ptr,
-                    den_ptr, state, k_sum, f_ref, p_ref, first, offset, i_k, i_v, k_cols, v_cols, N, M, DV,
-                    BT, BK, BV, ROTARY, False)
-            else:
-                state += _mm(tl.trans(k_rot), v, DOT, PRECISION)
-                k_sum += tl.sum(k_den, axis=0)
+            state, k_sum, f_ref, p_ref = _state_after_chunk(
+                q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, num_ptr, den_ptr, num_ptr, den_ptr,
+                state, k_sum, f_ref, p_ref, k_rot, v, k_den, first, offset, i_k, i_v, k_cols, v_cols, N, M, DV,
+                BT, BK, BV, ROTARY, LOG, False, DOT, PRECISION)
     if STATE:
         if LOG:   # hand the state over at the last token's own scales, as the recurrent step keeps it
             f_last, p_last = _scales(f_ptr, N - 1, k_cols, N, M, BK, ROTARY)
@@ -443,19 +458,13 @@ def _backward_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, dnum_ptr, dd
             dq = _by_log_feature(dq_rot, cos, sin, g_den[:, None] * (tl.cumsum(k_den, axis=0) + k_sum[None, :]),
                                  q_grad, q_den, first_value_tile, BT, BK, ROTARY, LOG)
             written = rows < N
-            exact_chunk = False
             if LOG:
                 written &= tl.load(exact_ptr + rows, mask=rows < N, other=1) == 0
-                exact_chunk = _chunk_is_exact(exact_ptr, first, N, BT)
             _store(dq_ptr, dq, rows, k_cols, written, M, M)
-            if exact_chunk:
-                state, k_sum, f_ref, p_ref = _tokens_forward(
-                    q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, dq_ptr, dden_ptr, dnum_ptr,
-                    dden_ptr, state, k_sum, f_ref, p_ref, first, offset, i_k, i_v, k_cols, v_cols, N, M, DV,
-                    BT, BK, BV, ROTARY, True)
-            else:
-                state += _mm(tl.trans(k_rot), v, DOT, PRECISION)
-                k_sum += tl.sum(k_den, axis=0)
+            state, k_sum, f_ref, p_ref = _state_after_chunk(
+                q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, dq_ptr, dden_ptr, dnum_ptr, dden_ptr,
+                state, k_sum, f_ref, p_ref, k_rot, v, k_den, first, offset, i_k, i_v, k_cols, v_cols, N, M, DV,
+                BT, BK, BV, ROTARY, LOG, True, DOT, PRECISION)
         else:
             d_state += _mm(tl.trans(q_rot), g_num, DOT, PRECISION)
             dq_sum += tl.sum(g_den[:, None] * q_den, axis=0)

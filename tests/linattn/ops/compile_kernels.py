@@ -1,5 +1,6 @@
 """Compile the fused kernels for an H100 (sm_90) on a machine without a GPU and print, per mode,
-the shared memory each needs (JSON lines): the log-space modes, or every mode with --all.  The interpreter runs constructs the compiler rejects
+the shared memory each needs (JSON lines): the log-space modes (non-causal: rotated only), or
+every mode with --all.  The interpreter runs constructs the compiler rejects
 and knows no resource limits; triton's compiler and bundled ptxas need no device.  Run by
 test_fused.py in a subprocess, since TRITON_INTERPRET must be off when the kernels are imported."""
 import itertools
@@ -24,24 +25,30 @@ def compile_kernel(kernel, constants: dict, num_stages: int):
                  for name in kernel.arg_names if name not in constants}
     signature.update({name: "constexpr" for name in constants})
     constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    # As a launch with aligned pointers and M, Dv multiples of 16 specialises (offset and N are
+    # do_not_specialize): those are the tiles that need the most shared memory.
+    aligned = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in signature
+               if signature[name] != "constexpr" and name not in ("offset", "N")}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4, "num_stages": num_stages})
 
 
 def main(every_mode: bool):
-    modes = [(causal, log, dot) for causal, log in itertools.product([True, False], [True, False])
-             for dot in ([tl.float32] if log else [tl.float32, tl.bfloat16]) if log or every_mode]
-    for causal, log, dot in modes:
+    modes = [(causal, rotary, log, dot)
+             for causal, rotary, log in itertools.product([True, False], [True, False], [True, False])
+             for dot in ([tl.float32] if log else [tl.float32, tl.bfloat16])
+             if every_mode or (log and (causal or rotary))]
+    for causal, rotary, log, dot in modes:
         precision = "tf32x3" if dot == tl.float32 else "ieee"
-        constants = dict(BT=fused.CHUNK, BK=fused.FEATURE_TILE, BV=fused.VALUE_TILE, CAUSAL=causal, ROTARY=True,
-                         LOG=log, DOT=dot, PRECISION=precision)
+        constants = dict(BT=fused.CHUNK, BK=fused.FEATURE_TILE, BV=fused.VALUE_TILE, CAUSAL=causal,
+                         ROTARY=rotary, LOG=log, DOT=dot, PRECISION=precision)
         backward_stages = fused.LOG_BACKWARD_STAGES if log and causal else 3
         for kernel, extra, stages in [(fused._forward_kernel, {"STATE": True}, 3),
                                       (fused._backward_kernel, {}, backward_stages)]:
             compiled = compile_kernel(kernel, {**constants, **extra}, stages)
-            print(json.dumps({"kernel": kernel.fn.__name__, "causal": causal, "log": log, "dot": str(dot),
-                              "shared": compiled.metadata.shared}), flush=True)
+            print(json.dumps({"kernel": kernel.fn.__name__, "causal": causal, "rotary": rotary, "log": log,
+                              "dot": str(dot), "shared": compiled.metadata.shared}), flush=True)
 
 
 if __name__ == "__main__":

@@ -293,12 +293,12 @@ H100_SHARED_MEMORY = 232_448   # bytes per block (227 KB)
 @pytest.mark.slow
 def test_log_space_kernels_compile_for_an_h100_within_its_shared_memory():
     """No GPU needed: triton compiles for sm_90 here.  With triton's default 3 pipelining stages the
-    causal log-space backward needed 248 KB; it launches with LOG_BACKWARD_STAGES (2)."""
+    causal log-space backward needed over 248 KB; it launches with LOG_BACKWARD_STAGES (2)."""
     script = Path(__file__).with_name("compile_kernels.py")
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     compiled = [json.loads(line) for line in result.stdout.splitlines()]
-    assert len(compiled) == 4
+    assert len(compiled) == 6
     for kernel in compiled:
         assert kernel["shared"] <= H100_SHARED_MEMORY, kernel
 
