@@ -99,13 +99,14 @@ class LinearAttention(_Projections):
         self.rope, self.causal, self.chunk_size, self.rope_base = rope, causal, chunk_size, rope_base
         self.backend = backend
 
-    def _features(self, q, k, offset: int, log_space: bool, projected: bool = False):
-        """phi(q), phi(k); log-features with `log_space`, as the map's LogProjection where it has
-        one and `projected` (the causal op then never holds the (B, H, N, M) log-features)."""
+    def _features(self, q, k, offset: int, projected: bool = False):
+        """phi(q), phi(k); log-features where the map has them (exact at any input scale), as its
+        LogProjection where it has one and `projected` (the torch backend's causal op then never
+        holds the (B, H, N, M) log-features)."""
         if self.rope == "pre":
             q = apply_rotary(q, offset=offset, base=self.rope_base)
             k = apply_rotary(k, offset=offset, base=self.rope_base)
-        if not log_space:
+        if not self.feature_map.log_space:
             return self.feature_map(q, is_query=True), self.feature_map(k, is_query=False)
         if projected and (q_proj := self.feature_map.log_projection(q, is_query=True)) is not None:
             return q_proj, self.feature_map.log_projection(k, is_query=False)
@@ -123,11 +124,11 @@ class LinearAttention(_Projections):
                return_state: bool = False):
         """The attention between the projections: (B, H, N, head_dim) queries, keys and values ->
         (B, H, N, head_dim), with this block's map, placement and backend (what forward runs)."""
-        log_space = self.feature_map.log_space   # exact at any input scale
-        phi_q, phi_k = self._features(q, k, offset, log_space, projected=self.causal)
+        phi_q, phi_k = self._features(q, k, offset, projected=self.causal)
         return linear_attention(phi_q, phi_k, v, causal=self.causal, rotary=self.rope == "post",
                                 offset=offset, chunk_size=self.chunk_size, rope_base=self.rope_base,
-                                return_state=return_state, backend=self.backend, log_space=log_space)
+                                return_state=return_state, backend=self.backend,
+                                log_space=self.feature_map.log_space)
 
     def step(self, x_t: torch.Tensor, state: LinearState | None = None):
         """Decode one token (B, dim) in O(1) time and memory; `state=None` starts a sequence."""
@@ -135,11 +136,10 @@ class LinearAttention(_Projections):
         q, k, v = self._qkv(x_t, 2)
         self._check_state(state, x_t)
         position = 0 if state is None else state.position
-        log_space = self.feature_map.log_space
-        phi_q, phi_k = self._features(q, k, position, log_space)
+        phi_q, phi_k = self._features(q, k, position)
         out, state = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], state,
                                            rotary=self.rope == "post", rope_base=self.rope_base,
-                                           log_space=log_space)
+                                           log_space=self.feature_map.log_space)
         return self._merge(out.unsqueeze(2))[:, 0], state
 
     def _check_state(self, state, x_t: torch.Tensor) -> None:

@@ -260,6 +260,12 @@ def _tokens_backward(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, d
 
 
 @triton.jit
+def _chunk_form_rows(exact_ptr, rows, N):
+    """The rows (< N) whose outputs the chunk form gives: all but the exact ones, in log-space."""
+    return tl.load(exact_ptr + rows, mask=rows < N, other=1) == 0
+
+
+@triton.jit
 def _chunk_is_exact(exact_ptr, first, N, BT: tl.constexpr):
     """Whether chunk rows first.. hold exact rows: the flag grows with the row, so its last says."""
     return tl.load(exact_ptr + tl.minimum(first + BT, N) - 1) != 0
@@ -349,7 +355,7 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, nu
             num = _mm(scores, v, DOT, PRECISION) + _mm(q_rot, state, DOT, PRECISION)
             den = tl.sum(q_den * (tl.cumsum(k_den, axis=0) + k_sum[None, :]), axis=1)
             if LOG:
-                written &= tl.load(exact_ptr + rows, mask=rows < N, other=1) == 0
+                written = _chunk_form_rows(exact_ptr, rows, N)
         else:
             num = _mm(q_rot, state, DOT, PRECISION)
             den = tl.sum(q_den * k_sum[None, :], axis=1)
@@ -459,7 +465,7 @@ def _backward_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, dnum_ptr, dd
                                  q_grad, q_den, first_value_tile, BT, BK, ROTARY, LOG)
             written = rows < N
             if LOG:
-                written &= tl.load(exact_ptr + rows, mask=rows < N, other=1) == 0
+                written = _chunk_form_rows(exact_ptr, rows, N)
             _store(dq_ptr, dq, rows, k_cols, written, M, M)
             state, k_sum, f_ref, p_ref = _state_after_chunk(
                 q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, dq_ptr, dden_ptr, dnum_ptr, dden_ptr,
@@ -504,9 +510,9 @@ def _backward_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, dnum_ptr, dd
                     dq_sum, first, offset, i_k, i_v, k_cols, v_cols, N, M, DV, BT, BK, BV, ROTARY)
                 carried = tl.zeros((BK, BV), dtype=tl.float32)
                 carried_sum = tl.zeros((BK,), dtype=tl.float32)
-                plain_row = tl.load(exact_ptr + rows, mask=rows < N, other=1) == 0
-                g_num = tl.where(plain_row[:, None], g_num, 0.0)
-                g_den = tl.where(plain_row, g_den, 0.0)
+                chunk_form = _chunk_form_rows(exact_ptr, rows, N)
+                g_num = tl.where(chunk_form[:, None], g_num, 0.0)
+                g_den = tl.where(chunk_form, g_den, 0.0)
             scores = tl.where(causal_mask, _mm(q_rot, tl.trans(k_rot), DOT, PRECISION), 0.0)
             d_scores = tl.where(causal_mask, _mm(g_num, tl.trans(v), DOT, PRECISION), 0.0)
             g_q = g_den[:, None] * q_den
