@@ -158,19 +158,18 @@ def run_attention(settings: Settings, device: torch.device, runner: ChildRunner,
 # ---------------------------------------------------------------------------------------------
 
 def causal_favor_flops(n: int, shape: Shape, chunk_size: int) -> tuple[float, float]:
-    """Matmul FLOPs (forward, forward+backward) of fm(q), fm(k) + causal linear_attention, counted
-    from the torch backend's causal product.  Per head, with C = chunk_size, M features,
-    D = Dv = head_dim:
-        forward:  feature maps 2 * 2NDM (x @ projection^T for q and k), chunk scores q k^T 2NCM,
-                  scores @ v 2NCDv, q @ earlier state 2NMDv, per-chunk k^T v 2NMDv
-        backward: feature maps 2 * 2NDM (grad w.r.t. x only), grad scores g v^T 2NCDv,
-                  d_scores @ k and d_scores^T @ q 2 * 2NCM, scores^T @ g 2NCDv,
-                  q^T g, g @ earlier^T, v @ later^T, k @ later 4 * 2NMDv
-    (chunk scores and states kept from the forward pass, not recomputed).  Elementwise work
-    (exp, RoPE, the O(NM) denominator scan, division) is not counted."""
+    """Matmul FLOPs (forward, forward+backward) of causal favor-post as the torch backend computes it
+    (stable.py's log-space chunks, which recompute in backward what they do not save).  Per head, with
+    C = chunk_size, M features, D = Dv = head_dim:
+        forward:  projections x @ W^T of q and k 2 * 2NDM, rotated and unrotated chunk scores
+                  2 * 2NCM, scores @ v 2NCDv, q @ state before the chunk 2NMDv, k^T v 2NMDv
+        backward: projections again and the gradients of x 4 * 2NDM, k^T v again, (R q)^T g,
+                  g @ state^T, R k @ G, v @ G^T 5 * 2NMDv, rotated scores again, d_scores @ R k,
+                  d_scores^T @ R q and the denominator's two 5 * 2NCM, g v^T, scores^T g 2 * 2NCDv
+    Elementwise work (exp, RoPE, scales, division) is not counted."""
     m, d, c = shape.num_features, shape.head_dim, chunk_size
-    forward = 4 * n * d * m + 2 * n * c * m + 2 * n * c * d + 4 * n * m * d
-    backward = 4 * n * d * m + 4 * n * c * m + 4 * n * c * d + 8 * n * m * d
+    forward = 4 * n * d * m + 4 * n * c * m + 2 * n * c * d + 4 * n * m * d
+    backward = 8 * n * d * m + 10 * n * m * d + 10 * n * c * m + 4 * n * c * d
     heads = shape.batch * shape.heads
     return forward * heads, (forward + backward) * heads
 

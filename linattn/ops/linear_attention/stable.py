@@ -70,6 +70,11 @@ first token s_k, a past position for every row of the chunk (1.-3. say how; 4. g
    products.  Log-features may come as a `LogProjection` (inputs @ W^T + shift, FAVOR+'s form):
    each chunk then projects its own rows, so neither the (B, H, N, M) log-features nor their
    gradients are ever held, and backward hands back the gradients of the (B, H, N, D) inputs.
+6. runs: chunks are computed G at a time as (B, H, G, L, .) tensors (up to RUN_ELEMENTS elements
+   each, within one group of STATE_GROUP chunks), so that one op serves G chunks: only the state
+   sums S_{k+1} = e^{P_k - P_{k+1}} S_k + U_k, and their reverse in backward, run chunk by chunk.
+   A run holding a chunk with exact rows or wide pairs goes one chunk at a time, since those cases
+   are decided per call; every op acts per chunk, so a chunk's bits do not depend on its run.
 
 Nothing at position m reads a position after m (the keys after m in its chunk are masked, and
 their factors are capped so that nothing masked is inf), and every reduction has the same shape
@@ -80,6 +85,7 @@ e^{-F}, and each step rescales them by the growth of the maxima, as online softm
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import NamedTuple
 
@@ -92,6 +98,7 @@ JUMP_LIMIT = 30.0      # a row whose running max grew more than this within its 
 NUMERATOR_CAP = 30.0   # numerator query factors are capped at e^30 (saturation beyond float32, see above)
 EXACT_ELEMENTS = 2 ** 22  # exact rows per pass: rows * L * M elements
 STATE_GROUP = 16          # chunks per state saved for backward
+RUN_ELEMENTS = 2 ** 19    # chunks computed together: at most this many elements per (B, H, G, L, M) tensor
 PAIR_SPREAD = 20.0        # pairs whose key scales differ by more take their own numerator exponential
 
 
@@ -164,26 +171,30 @@ def _log_linear_attention(b, a, v, *, causal, rotary, offset, base, chunk_size, 
 
 
 class _Scales(NamedTuple):
-    """One chunk's scales, (B, H, 1, M): F, P at its first token and at the next chunk's."""
+    """The scales of a run of G chunks, (B, H, G, 1, M): F, P at each chunk's first token and at the
+    next chunk's."""
     feat: torch.Tensor
     pair: torch.Tensor
     feat_next: torch.Tensor
     pair_next: torch.Tensor
 
     @classmethod
-    def of(cls, feat, feat_next, rotary: bool):
-        """From F (B, H, M) at the chunk's first token and at the next chunk's."""
-        feat, feat_next = feat.unsqueeze(-2), feat_next.unsqueeze(-2)
+    def of(cls, feat, rotary: bool):
+        """From F (B, H, G + 1, M) at the first token of each chunk of the run and of the chunk after."""
+        feat, feat_next = feat[:, :, :-1].unsqueeze(-2), feat[:, :, 1:].unsqueeze(-2)
         return cls(feat, numerator_scale(feat, rotary), feat_next, numerator_scale(feat_next, rotary))
 
+    def part(self, chunks: slice) -> "_Scales":
+        return _Scales(*(x[:, :, chunks] for x in self))
+
     def decays(self):
-        """e^(P_k - P_{k+1}) (B, H, M, 1) and e^(F_k - F_{k+1}) (B, H, M): both <= 1."""
+        """e^(P_k - P_{k+1}) (B, H, G, M, 1) and e^(F_k - F_{k+1}) (B, H, G, M): both <= 1."""
         return (torch.exp(self.pair - self.pair_next).transpose(-1, -2),
                 torch.exp(self.feat - self.feat_next).squeeze(-2))
 
 
 class _Factors(NamedTuple):
-    """A chunk's query or key factors (L, M): the denominator's and the (rotated) numerator's."""
+    """A run's query or key factors (B, H, G, L, M): the denominator's and the (rotated) numerator's."""
     den: torch.Tensor      # keys e^min(a - F, JUMP_LIMIT), queries e^(b + F - Q)
     num: torch.Tensor      # keys e^min(a - P, JUMP_LIMIT), queries e^min(b + P - Q, NUMERATOR_CAP)
     rotated: torch.Tensor  # R num
@@ -203,9 +214,9 @@ def _exp(x: torch.Tensor, high: float | None = None) -> torch.Tensor:
 
 
 def _keys(a_j, scales: _Scales, phases):
-    """The chunk's key factors, and how far each row's running max grew since the first token."""
+    """The key factors, and how far each row's running max grew since its chunk's first token."""
     shifted = a_j - scales.feat
-    jump = shifted.amax(-1).cummax(-1).values                                       # (B, H, L)
+    jump = shifted.amax(-1).cummax(-1).values                                       # (B, H, G, L)
     capped = bool(jump[..., -1].amax() > JUMP_LIMIT)
     den = _exp(shifted, JUMP_LIMIT if capped else None)
     if phases is None:
@@ -249,46 +260,73 @@ def _queries(b_j, query_scale, scales: _Scales, phases):
     return _Factors(den, num, rotate_pairs(num, phases), ratio, capped)
 
 
-def _chunk(b_j, a_j, v_j, state, key_sum, scales: _Scales, phases, base, query_scale=None):
-    """One chunk's outputs and denominators given the state before it, and the state after it.
-    Differentiable: the backward of a chunk with exact rows runs autograd through it."""
+def _regular(a, scales: _Scales) -> bool:
+    """Whether no chunk of a run has exact rows (a key past JUMP_LIMIT) or wide pairs."""
+    return not _wide(scales) and bool((a.amax(-2) - scales.feat.squeeze(-2)).amax() <= JUMP_LIMIT)
+
+
+def _pieces(a, scales: _Scales) -> list[slice]:
+    """How a run's chunks are computed: all together, or one by one where a chunk has exact rows or
+    wide pairs (rare), since those decisions are taken per call.  Every op of a call is per chunk,
+    so a chunk gets the same bits either way (test_stable checks it bitwise)."""
+    count = a.shape[2]
+    if count == 1 or _regular(a, scales):
+        return [slice(0, count)]
+    return [slice(g, g + 1) for g in range(count)]
+
+
+def _chunks(b_j, a_j, v_j, state, key_sum, scales: _Scales, phases, base, query_scale=None):
+    """A run of chunks (B, H, G, L, .) given the state before it: outputs, denominators, Q, and the
+    state after it.  Differentiable: the backward of a chunk with exact rows runs autograd through it."""
     jump, keys = _keys(a_j, scales, phases)
     exact = jump > JUMP_LIMIT
     if query_scale is None:
         query_scale = _query_scale(b_j, a_j, scales, exact)
     queries = _queries(b_j, query_scale, scales, phases)
-    scores = (queries.rotated @ keys.rotated.transpose(-1, -2)).tril()
-    numerator = _fma(queries.rotated @ state, scores, v_j)
+    states, key_sums, state, key_sum = _run_states(state, key_sum, keys, a_j, v_j, scales, phases)
+    scores = (queries.rotated @ keys.rotated.transpose(-1, -2)).tril_()
+    numerator = _fma(queries.rotated @ states, scores, v_j)
     # the unrotated denominator (rotary: its own L x L scores; else the numerator's)
-    den_scores = (queries.den @ keys.den.transpose(-1, -2)).tril() if phases is not None else scores
-    denominator = den_scores.sum(-1) + (queries.den @ key_sum.unsqueeze(-1)).squeeze(-1)
+    den_scores = (queries.den @ keys.den.transpose(-1, -2)).tril_() if phases is not None else scores
+    denominator = den_scores.sum(-1) + (queries.den @ key_sums.unsqueeze(-1)).squeeze(-1)
     rows = exact.nonzero(as_tuple=True)
     if rows[0].numel():   # these rows' intra-chunk parts are replaced; their state parts stay
+        chunk = rows[:-1]
         exact_num, exact_den = _exact_rows(rows, b_j - query_scale.unsqueeze(-1), a_j, v_j, base=base,
                                            rotary=phases is not None)
-        numerator = numerator.index_put(rows, (queries.rotated[rows].unsqueeze(-2) @ state[rows[:2]])
+        numerator = numerator.index_put(rows, (queries.rotated[rows].unsqueeze(-2) @ states[chunk])
                                         .squeeze(-2) + exact_num)
-        denominator = denominator.index_put(rows, (queries.den[rows] * key_sum[rows[:2]]).sum(-1) + exact_den)
-    state, key_sum = _next_state(state, key_sum, keys, a_j, v_j, scales, phases)
+        denominator = denominator.index_put(rows, (queries.den[rows] * key_sums[chunk]).sum(-1) + exact_den)
     return divide(numerator, denominator), denominator, query_scale, state, key_sum
 
 
-def _next_state(state, key_sum, keys: _Factors, a_j, v_j, scales: _Scales, phases):
+def _run_states(state, key_sum, keys: _Factors, a_j, v_j, scales: _Scales, phases):
+    """The states before each chunk of a run, (B, H, G, M, Dv) and (B, H, G, M), and after its last:
+    2.'s update as S_{k+1} = e^{P_k - P_{k+1}} S_k + U_k, U_k = e^{P_k - P_{k+1}} sum_n R_n k_n v_n^T,
+    so that every U_k comes from one batched product and only the decayed sums are sequential."""
     pair_decay, feat_decay = scales.decays()
-    if not keys.capped:   # 2.'s factored update
-        return (_fma(state, keys.rotated.transpose(-1, -2), v_j).mul_(pair_decay),
-                feat_decay * (key_sum + keys.den.sum(-2)))
-    # keys past the cap feed the next state with e^(a - r_{k+1}) <= 1 instead
-    k_state = torch.exp(a_j - scales.pair_next)
-    k_state = k_state if phases is None else rotate_pairs(k_state, phases)
-    return (pair_decay * state + k_state.transpose(-1, -2) @ v_j,
-            feat_decay * key_sum + torch.exp(a_j - scales.feat_next).sum(-2))
+    if not keys.capped:
+        updates = (keys.rotated.transpose(-1, -2) @ v_j).mul_(pair_decay)
+        sum_updates = keys.den.sum(-2).mul_(feat_decay)
+    else:   # keys past the cap feed the next state with e^(a - r_{k+1}) <= 1 instead
+        k_state = torch.exp(a_j - scales.pair_next)
+        k_state = k_state if phases is None else rotate_pairs(k_state, phases)
+        updates = k_state.transpose(-1, -2) @ v_j
+        sum_updates = torch.exp(a_j - scales.feat_next).sum(-2)
+    states, sums = [], []
+    for g in range(v_j.shape[2]):
+        states.append(state)
+        sums.append(key_sum)
+        state = torch.addcmul(updates[:, :, g], pair_decay[:, :, g], state)
+        key_sum = torch.addcmul(sum_updates[:, :, g], feat_decay[:, :, g], key_sum)
+    return torch.stack(states, 2), torch.stack(sums, 2), state, key_sum
 
 
 def _fma(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """c + a @ b for (B, H, ., .) tensors in one BLAS call (no separate pass to add)."""
-    batch = c.shape[:2]
-    return torch.baddbmm(c.flatten(0, 1), a.flatten(0, 1), b.flatten(0, 1)).unflatten(0, batch)
+    """c + a @ b for (..., ., .) tensors in one BLAS call (no separate pass to add)."""
+    batch = c.shape[:-2]
+    return torch.baddbmm(c.reshape(-1, *c.shape[-2:]), a.reshape(-1, *a.shape[-2:]),
+                         b.reshape(-1, *b.shape[-2:])).unflatten(0, batch)
 
 
 def _past(x: torch.Tensor) -> torch.Tensor:
@@ -297,8 +335,29 @@ def _past(x: torch.Tensor) -> torch.Tensor:
     return torch.ones(length, length, dtype=x.dtype, device=x.device).tril_()
 
 
-def _slices(n: int, length: int):
-    return [slice(start, min(start + length, n)) for start in range(0, n, length)]
+class _Run(NamedTuple):
+    """`count` chunks of one length from chunk `first` on, computed with batched ops."""
+    first: int
+    count: int
+    tokens: slice
+
+    def part(self, chunks: slice) -> slice:
+        """The tokens of some of the run's chunks."""
+        length = (self.tokens.stop - self.tokens.start) // self.count
+        return slice(self.tokens.start + chunks.start * length, self.tokens.start + chunks.stop * length)
+
+
+def _runs(v: torch.Tensor, m: int, length: int) -> list[_Run]:
+    """The chunks in runs of up to RUN_ELEMENTS per (B, H, G, L, max(M, Dv)) tensor that never straddle
+    a group of STATE_GROUP chunks; a ragged last chunk is a run of its own."""
+    batch, heads, n, dv = v.shape
+    most = max(1, RUN_ELEMENTS // (batch * heads * length * max(m, dv)))
+    full, runs = n // length, []
+    for group in range(0, full, STATE_GROUP):
+        end = min(group + STATE_GROUP, full)
+        runs += [_Run(first, min(most, end - first), slice(first * length, min(first + most, end) * length))
+                 for first in range(group, end, most)]
+    return runs + ([_Run(full, 1, slice(full * length, n))] if n % length else [])
 
 
 def _rows(source, s):
@@ -309,6 +368,12 @@ def _rows(source, s):
         return x
     rows = torch.addmm(shift[:, :, s].reshape(-1, 1), x.reshape(-1, x.shape[-1]), weight.transpose(-1, -2))
     return rows.view(*x.shape[:-1], -1)
+
+
+def _run_inputs(source, run: _Run):
+    """A run's log-features (B, H, G, L, M), or its values."""
+    x = _rows(source, run.tokens) if isinstance(source, tuple) else source[:, :, run.tokens]
+    return x.unflatten(2, (run.count, -1))
 
 
 def _source_backward(source, grads, d_features, s):
@@ -329,25 +394,30 @@ class _CausalLogAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_inputs, q_weight, q_shift, k_inputs, k_weight, k_shift, v, phases, length, base):
         queries, keys = (q_inputs, q_weight, q_shift), (k_inputs, k_weight, k_shift)
-        slices = _slices(v.shape[-2], length)
         first_keys = _rows(keys, slice(0, v.shape[-2], length))     # every chunk's first token
         m = first_keys.shape[-1]
         out, den = v.new_empty(v.shape), v.new_empty(v.shape[:-1])
         query_scale = torch.empty_like(den)
         state, key_sum = v.new_zeros(*v.shape[:2], m, v.shape[-1]), v.new_zeros(*v.shape[:2], m)
-        feat, seen, saved = [], torch.full_like(key_sum, float("-inf")), []
-        for k, s in enumerate(slices):
-            if k % STATE_GROUP == 0:
+        # F at every chunk's first token, then after the last (-inf until the runs below fill it in)
+        feat = torch.cat([first_keys, torch.full_like(first_keys[:, :, :1], float("-inf"))], 2)
+        seen, saved = torch.full_like(key_sum, float("-inf")), []
+        for run in _runs(v, m, length):
+            if run.first % STATE_GROUP == 0:
                 saved += [state, key_sum]
-            b_j, a_j = _rows(queries, s), _rows(keys, s)
-            if k == 0:
-                feat.append(first_keys[:, :, 0])
-            seen = torch.maximum(seen, a_j.amax(-2))                  # max up to this chunk's last token
-            feat.append(torch.maximum(seen, first_keys[:, :, k + 1]) if k + 1 < len(slices) else seen)
-            scales = _Scales.of(feat[k], feat[k + 1], phases is not None)
-            out[:, :, s], den[:, :, s], query_scale[:, :, s], state, key_sum = _chunk(
-                b_j, a_j, v[:, :, s], state, key_sum, scales, None if phases is None else phases[s], base)
-        feat = torch.stack(feat, 2)
+            b_r, a_r, v_r = _run_inputs(queries, run), _run_inputs(keys, run), _run_inputs(v, run)
+            # F at the next chunk's first token: the max of every key before it, and of that token
+            after = torch.maximum(a_r.amax(-2).cummax(2).values, seen.unsqueeze(2))
+            seen, nexts = after[:, :, -1], feat[:, :, run.first + 1:run.first + run.count + 1]
+            nexts.copy_(torch.maximum(nexts, after))
+            scales, ph = _run_scales(feat, run, phases)
+            for part in _pieces(a_r, scales):
+                s = run.part(part)
+                out_p, den_p, qs_p, state, key_sum = _chunks(
+                    b_r[:, :, part], a_r[:, :, part], v_r[:, :, part], state, key_sum, scales.part(part),
+                    None if ph is None else ph[part], base)
+                out[:, :, s], den[:, :, s], query_scale[:, :, s] = (
+                    x.flatten(2, 3) for x in (out_p, den_p, qs_p))
         ctx.save_for_backward(q_inputs, q_weight, q_shift, k_inputs, k_weight, k_shift, v, out, den,
                               query_scale, feat, phases, *saved)
         ctx.length, ctx.base = length, base
@@ -368,33 +438,40 @@ class _CausalLogAttention(torch.autograd.Function):
         g_num, g_den = output_gradients(grad, out, den)
         later = v.new_zeros(*v.shape[:2], feat.shape[-1], v.shape[-1])    # d loss / d S_{k+1}
         later_sum = v.new_zeros(*v.shape[:2], feat.shape[-1])             # d loss / d Z_{k+1}
-        slices = _slices(v.shape[-2], ctx.length)
-        for first in reversed(range(0, len(slices), STATE_GROUP)):
-            chunks = range(first, min(first + STATE_GROUP, len(slices)))
-            state, key_sum = saved[2 * (first // STATE_GROUP)], saved[2 * (first // STATE_GROUP) + 1]
+        groups = itertools.groupby(_runs(v, feat.shape[-1], ctx.length), lambda run: run.first // STATE_GROUP)
+        for group, runs in reversed([(group, list(runs)) for group, runs in groups]):
+            state, key_sum = saved[2 * group], saved[2 * group + 1]
             walk = []
-            for k in chunks:   # this group's states again, keeping each chunk's key factors
-                s, scales = slices[k], _Scales.of(feat[:, :, k], feat[:, :, k + 1], phases is not None)
-                ph = None if phases is None else phases[s]
-                a_j = _rows(keys, s)
-                factors = _keys(a_j, scales, ph)[1]
-                walk.append((state, key_sum, a_j, factors))
-                state, key_sum = _next_state(state, key_sum, factors, a_j, v[:, :, s], scales, ph)
-            for k, (state, key_sum, a_j, factors) in zip(reversed(chunks), reversed(walk)):
-                s, scales = slices[k], _Scales.of(feat[:, :, k], feat[:, :, k + 1], phases is not None)
-                ph = None if phases is None else phases[s]
-                inputs = (_rows(queries, s), a_j, v[:, :, s])
-                if factors.capped:
-                    (db, da, dv[:, :, s]), later, later_sum = _chunk_backward_autograd(
-                        inputs, state, key_sum, scales, ph, ctx.base, query_scale[:, :, s],
-                        grad[:, :, s], later, later_sum)
+            for run in runs:   # this group's states again, keeping each piece's key factors
+                scales, ph = _run_scales(feat, run, phases)
+                a_r, v_r = _run_inputs(keys, run), _run_inputs(v, run)
+                for part in _pieces(a_r, scales):
+                    piece = (a_r[:, :, part], v_r[:, :, part], scales.part(part), None if ph is None else ph[part])
+                    factors = _keys(piece[0], piece[2], piece[3])[1]
+                    states, key_sums, state, key_sum = _run_states(state, key_sum, factors, *piece)
+                    walk.append((run.part(part), piece, factors, states, key_sums))
+            for s, (a_p, v_p, scales, ph), factors, states, key_sums in reversed(walk):
+                chunks = a_p.shape[2:4]
+                inputs = (_rows(queries, s).unflatten(2, chunks), a_p, v_p)
+                qs = query_scale[:, :, s].unflatten(2, chunks)
+                if factors.capped:   # a run of one chunk
+                    (db, da, dv_p), later, later_sum = _chunk_backward_autograd(
+                        inputs, states[:, :, 0], key_sums[:, :, 0], scales, ph, ctx.base, qs,
+                        grad[:, :, s].unflatten(2, chunks), later, later_sum)
                 else:
-                    (db, da, dv[:, :, s]), later, later_sum = _chunk_backward(
-                        inputs, state, key_sum, factors, scales, ph, query_scale[:, :, s],
-                        g_num[:, :, s], g_den[:, :, s], later, later_sum)
-                _source_backward(queries, q_grads, db, s)
-                _source_backward(keys, k_grads, da, s)
+                    (db, da, dv_p), later, later_sum = _chunk_backward(
+                        inputs, states, key_sums, factors, scales, ph, qs, g_num[:, :, s].unflatten(2, chunks),
+                        g_den[:, :, s].unflatten(2, chunks), later, later_sum)
+                dv[:, :, s] = dv_p.flatten(2, 3)
+                _source_backward(queries, q_grads, db.flatten(2, 3), s)
+                _source_backward(keys, k_grads, da.flatten(2, 3), s)
         return *q_grads, *k_grads, dv, None, None, None
+
+
+def _run_scales(feat, run: _Run, phases):
+    """A run's scales, from F (B, H, chunks + 1, M), and the rotation of its tokens (G, L, M/2) or None."""
+    scales = _Scales.of(feat[:, :, run.first:run.first + run.count + 1], phases is not None)
+    return scales, None if phases is None else phases[run.tokens].unflatten(0, (run.count, -1))
 
 
 def _source_grads(source, weight_needs_grad: bool):
@@ -406,35 +483,46 @@ def _source_grads(source, weight_needs_grad: bool):
             torch.empty_like(shift))
 
 
-def _chunk_backward(inputs, state, key_sum, keys: _Factors, scales: _Scales, phases, query_scale,
+def _chunk_backward(inputs, states, key_sums, keys: _Factors, scales: _Scales, phases, query_scale,
                     g_num, g_den, later, later_sum):
-    """4. of the module docstring for a chunk without exact rows (no key factor capped): the
-    gradients of b, a, v, and d loss / d S_k and d loss / d Z_k."""
+    """4. of the module docstring for a run of chunks without exact rows (no key factor capped), given
+    the states before each chunk and d loss / d S, d loss / d Z after the run: the gradients of b, a, v,
+    and d loss / d S, d loss / d Z before the run."""
     b_j, a_j, v_j = inputs
     queries = _queries(b_j, query_scale, scales, phases)
     pair_decay, feat_decay = scales.decays()
-    later, later_sum = pair_decay * later, feat_decay * later_sum        # G~, H~
+    # d loss / d S_k = e^{P_k - P_{k+1}} d loss / d S_{k+1} + (R q_num)^T g_num of chunk k: only this
+    # sum runs chunk by chunk (in reverse); G~ = e^{P_k - P_{k+1}} d loss / d S_{k+1}, and H~ for Z
+    reads = queries.rotated.transpose(-1, -2) @ g_num
+    read_sums = (queries.den * g_den.unsqueeze(-1)).sum(-2)
+    afters, after_sums = [], []
+    for g in reversed(range(v_j.shape[2])):
+        afters.append(later)
+        after_sums.append(later_sum)
+        later = torch.addcmul(reads[:, :, g], pair_decay[:, :, g], later)
+        later_sum = torch.addcmul(read_sums[:, :, g], feat_decay[:, :, g], later_sum)
+    decayed = torch.stack(afters[::-1], 2).mul_(pair_decay)              # G~ per chunk
+    decayed_sum = torch.stack(after_sums[::-1], 2).mul_(feat_decay)      # H~ per chunk
     scores = (queries.rotated @ keys.rotated.transpose(-1, -2)).tril_()
     d_scores = (g_num @ v_j.transpose(-1, -2)).tril_()
-    dv = _fma(scores.transpose(-1, -2) @ g_num, keys.rotated, later)
+    dv = _fma(scores.transpose(-1, -2) @ g_num, keys.rotated, decayed)
     # The denominator's L x L weights: d den_m / d (q_den_m . k_den_n) = g_den_m for n <= m.
     d_den = _past(a_j) * g_den.unsqueeze(-1)
     if phases is None:   # q_num = q_den, k_num = k_den: one set of scores serves both
         d_scores.add_(d_den)
-        d_q = _fma(g_num @ state.transpose(-1, -2), d_scores, keys.den)
-        d_k = _fma(d_scores.transpose(-1, -2) @ queries.den, v_j, later.transpose(-1, -2))
+        d_q = _fma(g_num @ states.transpose(-1, -2), d_scores, keys.den)
+        d_k = _fma(d_scores.transpose(-1, -2) @ queries.den, v_j, decayed.transpose(-1, -2))
     else:
-        d_q_num = _fma(g_num @ state.transpose(-1, -2), d_scores, keys.rotated)
-        d_k_num = _fma(d_scores.transpose(-1, -2) @ queries.rotated, v_j, later.transpose(-1, -2))
+        d_q_num = _fma(g_num @ states.transpose(-1, -2), d_scores, keys.rotated)
+        d_k_num = _fma(d_scores.transpose(-1, -2) @ queries.rotated, v_j, decayed.transpose(-1, -2))
         d_q = _through_numerator(d_den @ keys.den, d_q_num, phases, queries)
         d_k = _through_numerator(d_den.transpose(-1, -2) @ queries.den, d_k_num, phases, keys)
     # d loss / d log-feature: the factors are exponentials, e^x' = e^x
-    db = d_q.add_(g_den.unsqueeze(-1) * key_sum.unsqueeze(-2)).mul_(queries.den)
-    da = d_k.add_(later_sum.unsqueeze(-2)).mul_(keys.den)
+    db = d_q.addcmul_(g_den.unsqueeze(-1), key_sums.unsqueeze(-2)).mul_(queries.den)
+    da = d_k.add_(decayed_sum.unsqueeze(-2)).mul_(keys.den)
     if phases is not None and queries.ratio is None:   # a wide pair's queries: their own term
         db.add_(rotate_pairs(d_q_num, phases.conj()).mul_(queries.num).masked_fill_(queries.capped, 0))
-    return (db, da, dv), _fma(later, queries.rotated.transpose(-1, -2), g_num), \
-        later_sum + (queries.den * g_den.unsqueeze(-1)).sum(-2)
+    return (db, da, dv), later, later_sum
 
 
 def _through_numerator(d_den, d_rotated, phases, factors: _Factors):
@@ -443,20 +531,20 @@ def _through_numerator(d_den, d_rotated, phases, factors: _Factors):
     wide pairs, take their numerator term separately.)"""
     if factors.ratio is None:
         return d_den
-    return d_den.add_(rotate_pairs(d_rotated, phases.conj()).mul_(factors.ratio))
+    return d_den.addcmul_(rotate_pairs(d_rotated, phases.conj()), factors.ratio)
 
 
 def _chunk_backward_autograd(inputs, state, key_sum, scales, phases, base, query_scale, grad, later, later_sum):
     """A chunk with exact rows: autograd through its recomputed forward."""
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (*inputs, state, key_sum)]
-        out, _, _, state_after, key_sum_after = _chunk(*leaves, scales, phases, base, query_scale)
+        out, _, _, state_after, key_sum_after = _chunks(*leaves, scales, phases, base, query_scale)
         grads = torch.autograd.grad((out, state_after, key_sum_after), leaves, (grad, later, later_sum))
     return grads[:3], grads[3], grads[4]
 
 
 def _exact_rows(rows, b_shifted, a, v, *, rotary, base):
-    """The intra-chunk sums of the given rows (index tuples into (B, H, L)), exactly per (m, n, j),
+    """The intra-chunk sums of the given rows (index tuples into (B, H, G, L)), exactly per (m, n, j),
     a bounded group of rows at a time.  b_shifted = b - Q."""
     length, m = a.shape[-2:]
     phases = rotary_phases(length, m, base=base, device=a.device, dtype=a.dtype) if rotary else None
@@ -464,7 +552,7 @@ def _exact_rows(rows, b_shifted, a, v, *, rotary, base):
     num_parts, den_parts = [], []
     for start in range(0, rows[0].numel(), group):
         index = tuple(i[start:start + group] for i in rows)
-        num, den = _exact_row_sums(b_shifted[index], a[index[:2]], v[index[:2]], index[2], phases)
+        num, den = _exact_row_sums(b_shifted[index], a[index[:-1]], v[index[:-1]], index[-1], phases)
         num_parts.append(num)
         den_parts.append(den)
     return torch.cat(num_parts), torch.cat(den_parts)

@@ -229,12 +229,13 @@ def test_block_takes_log_features_on_both_backends_and_decodes_after_a_triton_pr
 def test_backward_matches_the_reference_whatever_the_saved_state_spacing(state_group, rotary, jumps, monkeypatch):
     """Backward recomputes the states of a group of chunks from the one saved before it; with
     `jumps`, keys growing by 40 every 5 tokens make some chunks compute rows exactly (autograd
-    through the recomputed chunk) between chunks that take the hand-written backward."""
+    through the recomputed chunk) between chunks that take the hand-written backward (one call per run
+    of chunks: `backward_paths` lists each chunk's)."""
     backward_paths = []
     for name in ("_chunk_backward", "_chunk_backward_autograd"):
         original = getattr(stable, name)
-        monkeypatch.setattr(stable, name, lambda *args, name=name, original=original:
-                            backward_paths.append(name) or original(*args))
+        monkeypatch.setattr(stable, name, lambda inputs, *args, name=name, original=original:
+                            backward_paths.extend([name] * inputs[0].shape[2]) or original(inputs, *args))
     monkeypatch.setattr(stable, "STATE_GROUP", state_group)
     b, a = query_log_features(1, 2, 23, 6, scale=3), log_features(1, 2, 23, 6, scale=3, seed=1)
     if jumps:
@@ -261,6 +262,64 @@ def test_gradcheck_in_float64_with_ragged_chunks(rotary):
     assert torch.autograd.gradcheck(
         lambda b, a, v: linear_attention(b, a, v, causal=True, rotary=rotary, chunk_size=3, offset=4,
                                          log_space=True), inputs)
+
+
+def chunk_calls(monkeypatch):
+    """How many chunks each forward call of `stable._chunks` computed together, in order."""
+    calls, original = [], stable._chunks
+    monkeypatch.setattr(stable, "_chunks", lambda b, *args, **kwargs: calls.append(b.shape[2]) or
+                        original(b, *args, **kwargs))
+    return calls
+
+
+@pytest.mark.parametrize("rotary", [True, False])
+@pytest.mark.parametrize("jumps", [False, True])
+def test_runs_of_chunks_give_the_bits_of_one_chunk_at_a_time(rotary, jumps, monkeypatch):
+    """Chunks are computed in batched runs; one chunk per run (RUN_ELEMENTS = 1) gives the same
+    outputs, states and gradients, bit for bit."""
+    b, a = log_features(2, 3, 150, 8, scale=3, seed=3), log_features(2, 3, 150, 8, scale=3, seed=4)
+    if jumps:   # chunks with exact rows (in the first run) and wide pairs (the last) go one at a time
+        a = a + torch.arange(150, dtype=torch.float64).div(37).floor().mul(45).view(1, 1, 150, 1)
+        a[:, :, 140:, 1::2] += 25
+    v = log_features(2, 3, 150, 5, scale=1, seed=5)
+    weights = log_features(2, 3, 150, 5, scale=1, seed=6)
+    results = []
+    for run_elements in (stable.RUN_ELEMENTS, 1):
+        monkeypatch.setattr(stable, "RUN_ELEMENTS", run_elements)
+        calls = chunk_calls(monkeypatch)
+        inputs = [t.clone().requires_grad_() for t in (b, a, v)]
+        out, state = linear_attention(*inputs, causal=True, rotary=rotary, chunk_size=8, offset=3,
+                                      log_space=True, return_state=True)
+        assert sum(calls) == 19 and (max(calls) > 1) == (run_elements > 1)   # 19 chunks in forward
+        results.append((out, *state[:2], state.log_scale,
+                        *torch.autograd.grad((out * weights).sum(), inputs)))
+    for batched, one_by_one in zip(*results):
+        assert torch.equal(batched, one_by_one)
+
+
+def test_a_jump_later_in_a_run_leaves_the_run_s_earlier_chunks_bitwise_unchanged(monkeypatch):
+    """A key that jumps in a run's last chunk makes the run go one chunk at a time: its earlier
+    chunks' outputs keep their bits."""
+    b, a = log_features(1, 2, 64, 8, scale=3, dtype=torch.float32), \
+        log_features(1, 2, 64, 8, scale=3, dtype=torch.float32, seed=1)
+    v = log_features(1, 2, 64, 4, scale=1, dtype=torch.float32, seed=2)
+    calls = chunk_calls(monkeypatch)
+    out = linear_attention(b, a, v, causal=True, rotary=True, chunk_size=16, log_space=True)
+    assert calls == [4]
+    a[:, :, 60] += 100.0
+    calls.clear()
+    changed = linear_attention(b, a, v, causal=True, rotary=True, chunk_size=16, log_space=True)
+    assert calls == [1, 1, 1, 1]
+    assert torch.equal(out[:, :, :60], changed[:, :, :60])
+
+
+def test_runs_cover_every_chunk_within_their_state_groups(monkeypatch):
+    monkeypatch.setattr(stable, "STATE_GROUP", 4)
+    monkeypatch.setattr(stable, "RUN_ELEMENTS", 3 * 2 * 8 * 5)   # three chunks of (B, H, L, Dv) = (1, 2, 8, 5)
+    runs = stable._runs(torch.empty(1, 2, 85, 5), 3, 8)
+    assert [(run.first, run.count) for run in runs] == [(0, 3), (3, 1), (4, 3), (7, 1), (8, 2), (10, 1)]
+    assert [run.tokens for run in runs] == [slice(0, 24), slice(24, 32), slice(32, 56), slice(56, 64),
+                                            slice(64, 80), slice(80, 85)]
 
 
 def test_backward_saves_one_state_per_group_of_chunks_not_per_chunk():
