@@ -299,7 +299,8 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, nu
                     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CAUSAL: tl.constexpr,
                     ROTARY: tl.constexpr, STATE: tl.constexpr, LOG: tl.constexpr, DOT: tl.constexpr,
                     PRECISION: tl.constexpr):
-    i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # int64: the offsets of (B, H, N, M) tensors below pass 2^31 at long contexts (B*H*N*M >= 2^31)
+    i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     n_bh = tl.num_programs(2)
     q_ptr += i_bh * N * M
     k_ptr += i_bh * N * M
@@ -420,7 +421,8 @@ def _backward_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, dnum_ptr, dd
                      dq_ptr, dk_ptr, dv_ptr, offset, N, M, DV,
                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CAUSAL: tl.constexpr,
                      ROTARY: tl.constexpr, LOG: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
-    i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # int64: the offsets of (B, H, N, M) tensors below pass 2^31 at long contexts (B*H*N*M >= 2^31)
+    i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     n_bh = tl.num_programs(2)
     q_ptr += i_bh * N * M
     k_ptr += i_bh * N * M

@@ -340,6 +340,24 @@ def test_gpu_log_space_long_sequence_matches_torch_backend():
 
 
 @pytest.mark.gpu
+def test_gpu_heads_past_element_2_31_are_read_where_they_are():
+    """B*H*N*M >= 2^31: the last heads of phi_q start past element 2^31, so their offsets in the
+    kernels must be int64 (int32 would wrap to another head's memory or outside the tensor)."""
+    heads, n, m, dv = 136, 65536, 256, 16          # head 135 starts at element 135 * 2^24 > 2^31
+    if torch.cuda.get_device_properties(0).total_memory < 40 * 2 ** 30:
+        pytest.skip("needs a GPU with 40 GiB for two 9 GiB feature tensors")
+    gen = torch.Generator("cuda").manual_seed(0)
+    phi_q, phi_k = (torch.rand(1, heads, n, m, device="cuda", generator=gen) + 0.05 for _ in range(2))
+    v = torch.randn(1, heads, n, dv, device="cuda", generator=gen)
+    last = slice(heads - 2, heads)
+    with torch.no_grad():
+        got = linear_attention(phi_q, phi_k, v, causal=True, rotary=True, backend="triton")[:, last]
+        want = linear_attention(phi_q[:, last], phi_k[:, last], v[:, last], causal=True, rotary=True,
+                                backend="torch")
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
+
+
+@pytest.mark.gpu
 def test_gpu_auto_backend_is_triton_on_cuda():
     from linattn.ops.linear_attention.backends import resolve
     assert resolve("auto", torch.device("cuda")) == "triton"
