@@ -73,8 +73,11 @@ first token s_k, a past position for every row of the chunk (1.-3. say how; 4. g
 6. runs: chunks are computed G at a time as (B, H, G, L, .) tensors (up to RUN_ELEMENTS elements
    each, within one group of STATE_GROUP chunks), so that one op serves G chunks: only the state
    sums S_{k+1} = e^{P_k - P_{k+1}} S_k + U_k, and their reverse in backward, run chunk by chunk.
-   A run holding a chunk with exact rows or wide pairs goes one chunk at a time, since those cases
-   are decided per call; every op acts per chunk, so a chunk's bits do not depend on its run.
+   Every run is first computed whole as if no chunk had exact rows or wide pairs, so that its
+   shapes and paths depend on N alone (a batched product or the complex rotation may round a chunk
+   differently when the batch differs); from the first chunk that has them on, chunks are redone
+   one at a time, and in that chunk the rows before the jump keep the run's values.  So a later
+   token that jumps changes no earlier output's bits (test_stable checks shapes where it did).
 
 Nothing at position m reads a position after m (the keys after m in its chunk are masked, and
 their factors are capped so that nothing masked is inf), and every reduction has the same shape
@@ -202,6 +205,9 @@ class _Factors(NamedTuple):
     capped: torch.Tensor | bool  # keys: whether one jumped past JUMP_LIMIT (the chunk has exact rows);
     #                              queries: where the cap acts (False: nowhere)
 
+    def part(self, chunks: slice) -> "_Factors":
+        return _Factors(*(x[:, :, chunks] if isinstance(x, torch.Tensor) else x for x in self))
+
 
 def _exp(x: torch.Tensor, high: float | None = None) -> torch.Tensor:
     """e^x with x clamped from below to the smallest normal float's log (exp is ~40x slower where it
@@ -213,11 +219,12 @@ def _exp(x: torch.Tensor, high: float | None = None) -> torch.Tensor:
     return x.clamp_(low, high).exp_()
 
 
-def _keys(a_j, scales: _Scales, phases):
-    """The key factors, and how far each row's running max grew since its chunk's first token."""
+def _keys(a_j, scales: _Scales, phases, regular: bool = False):
+    """The key factors, and how far each row's running max grew since its chunk's first token (None
+    where the chunks are taken as `regular`: without exact rows, see `_chunks`)."""
     shifted = a_j - scales.feat
-    jump = shifted.amax(-1).cummax(-1).values                                       # (B, H, G, L)
-    capped = bool(jump[..., -1].amax() > JUMP_LIMIT)
+    jump = None if regular else shifted.amax(-1).cummax(-1).values                 # (B, H, G, L)
+    capped = not regular and bool(jump[..., -1].amax() > JUMP_LIMIT)
     den = _exp(shifted, JUMP_LIMIT if capped else None)
     if phases is None:
         return jump, _Factors(den, den, den, None, capped)
@@ -245,12 +252,12 @@ def _query_scale(b_j, a_j, scales: _Scales, exact):
     return own if wide else torch.where(exact, own, (b_j + scales.feat).amax(-1))
 
 
-def _queries(b_j, query_scale, scales: _Scales, phases):
+def _queries(b_j, query_scale, scales: _Scales, phases, regular: bool = False):
     shifted = b_j - query_scale.unsqueeze(-1)
     den = _exp(shifted + scales.feat)
     if phases is None:
         return _Factors(den, den, den, None, False)
-    if not _wide(scales):                        # e^(b + P - Q) = e^(b + F - Q) e^(P - F) <= e^PAIR_SPREAD
+    if regular or not _wide(scales):             # e^(b + P - Q) = e^(b + F - Q) e^(P - F) <= e^PAIR_SPREAD
         ratio = torch.exp(scales.pair - scales.feat)
         num, capped = den * ratio, False
     else:                                        # a wide pair: its own exponential, capped
@@ -260,44 +267,70 @@ def _queries(b_j, query_scale, scales: _Scales, phases):
     return _Factors(den, num, rotate_pairs(num, phases), ratio, capped)
 
 
-def _regular(a, scales: _Scales) -> bool:
-    """Whether no chunk of a run has exact rows (a key past JUMP_LIMIT) or wide pairs."""
-    return not _wide(scales) and bool((a.amax(-2) - scales.feat.squeeze(-2)).amax() <= JUMP_LIMIT)
+def _first_irregular(a, scales: _Scales) -> int:
+    """The first chunk of a run with exact rows (a key past JUMP_LIMIT) or wide pairs, else G."""
+    jumps = (a.amax(-2) - scales.feat.squeeze(-2)).amax((0, 1, 3)) > JUMP_LIMIT                  # (G,)
+    if scales.pair is not scales.feat:
+        jumps |= (scales.pair - scales.feat).amax((0, 1, 3, 4)) > PAIR_SPREAD
+    return int(jumps.int().argmax()) if bool(jumps.any()) else a.shape[2]
 
 
-def _pieces(a, scales: _Scales) -> list[slice]:
-    """How a run's chunks are computed: all together, or one by one where a chunk has exact rows or
-    wide pairs (rare), since those decisions are taken per call.  Every op of a call is per chunk,
-    so a chunk gets the same bits either way (test_stable checks it bitwise)."""
-    count = a.shape[2]
-    if count == 1 or _regular(a, scales):
-        return [slice(0, count)]
-    return [slice(g, g + 1) for g in range(count)]
+class _Chunks(NamedTuple):
+    """What `_chunks` computes for a run of G chunks."""
+    out: torch.Tensor        # (B, H, G, L, Dv)
+    den: torch.Tensor        # (B, H, G, L): denominators
+    query_scale: torch.Tensor
+    states: torch.Tensor     # (B, H, G, M, Dv) and (B, H, G, M): the states before each chunk
+    key_sums: torch.Tensor
+    state: torch.Tensor      # and after the last
+    key_sum: torch.Tensor
+    exact: torch.Tensor | None   # (B, H, G, L): the rows computed exactly
 
 
-def _chunks(b_j, a_j, v_j, state, key_sum, scales: _Scales, phases, base, query_scale=None):
-    """A run of chunks (B, H, G, L, .) given the state before it: outputs, denominators, Q, and the
-    state after it.  Differentiable: the backward of a chunk with exact rows runs autograd through it."""
-    jump, keys = _keys(a_j, scales, phases)
-    exact = jump > JUMP_LIMIT
+def _chunks(b_j, a_j, v_j, state, key_sum, scales: _Scales, phases, base, query_scale=None,
+            regular: bool = False) -> _Chunks:
+    """A run of chunks (B, H, G, L, .) given the state before it.  `regular`: every chunk is taken as
+    one without exact rows or wide pairs, so that no decision depends on the run's data and each
+    chunk's bits depend on its own tokens only (the caller redoes the chunks from the first that is
+    not); otherwise such decisions are taken for the whole call (then one chunk).  Differentiable:
+    the backward of a chunk with exact rows runs autograd through it."""
+    jump, keys = _keys(a_j, scales, phases, regular)
+    exact = None if regular else jump > JUMP_LIMIT
     if query_scale is None:
-        query_scale = _query_scale(b_j, a_j, scales, exact)
-    queries = _queries(b_j, query_scale, scales, phases)
+        query_scale = (b_j + scales.feat).amax(-1) if regular else _query_scale(b_j, a_j, scales, exact)
+    queries = _queries(b_j, query_scale, scales, phases, regular)
     states, key_sums, state, key_sum = _run_states(state, key_sum, keys, a_j, v_j, scales, phases)
     scores = (queries.rotated @ keys.rotated.transpose(-1, -2)).tril_()
     numerator = _fma(queries.rotated @ states, scores, v_j)
     # the unrotated denominator (rotary: its own L x L scores; else the numerator's)
     den_scores = (queries.den @ keys.den.transpose(-1, -2)).tril_() if phases is not None else scores
     denominator = den_scores.sum(-1) + (queries.den @ key_sums.unsqueeze(-1)).squeeze(-1)
-    rows = exact.nonzero(as_tuple=True)
-    if rows[0].numel():   # these rows' intra-chunk parts are replaced; their state parts stay
+    rows = () if regular else exact.nonzero(as_tuple=True)
+    if rows and rows[0].numel():   # these rows' intra-chunk parts are replaced; their state parts stay
         chunk = rows[:-1]
         exact_num, exact_den = _exact_rows(rows, b_j - query_scale.unsqueeze(-1), a_j, v_j, base=base,
                                            rotary=phases is not None)
         numerator = numerator.index_put(rows, (queries.rotated[rows].unsqueeze(-2) @ states[chunk])
                                         .squeeze(-2) + exact_num)
         denominator = denominator.index_put(rows, (queries.den[rows] * key_sums[chunk]).sum(-1) + exact_den)
-    return divide(numerator, denominator), denominator, query_scale, state, key_sum
+    return _Chunks(divide(numerator, denominator), denominator, query_scale, states, key_sums, state,
+                   key_sum, exact)
+
+
+def _irregular_chunk(b_r, a_r, v_r, run: _Chunks, g: int, state, key_sum, scales: _Scales, phases, base,
+                     first: bool) -> _Chunks:
+    """Chunk g of a run, alone, from the state before it.  In the run's `first` irregular chunk the
+    rows before a jump keep the run's values, so that whether later tokens jump never changes their
+    bits (whether a chunk is wide depends on earlier tokens only: a wide one is redone whole)."""
+    one = slice(g, g + 1)
+    alone = _chunks(b_r[:, :, one], a_r[:, :, one], v_r[:, :, one], state, key_sum, scales.part(one),
+                    None if phases is None else phases[one], base)
+    if not first or _wide(scales.part(one)):
+        return alone
+    keep = alone.exact.logical_not()
+    mixed = [torch.where(keep.unsqueeze(-1) if x.dim() == 5 else keep, x_run[:, :, one], x)
+             for x, x_run in ((alone.out, run.out), (alone.den, run.den), (alone.query_scale, run.query_scale))]
+    return alone._replace(out=mixed[0], den=mixed[1], query_scale=mixed[2])
 
 
 def _run_states(state, key_sum, keys: _Factors, a_j, v_j, scales: _Scales, phases):
@@ -411,13 +444,19 @@ class _CausalLogAttention(torch.autograd.Function):
             seen, nexts = after[:, :, -1], feat[:, :, run.first + 1:run.first + run.count + 1]
             nexts.copy_(torch.maximum(nexts, after))
             scales, ph = _run_scales(feat, run, phases)
-            for part in _pieces(a_r, scales):
-                s = run.part(part)
-                out_p, den_p, qs_p, state, key_sum = _chunks(
-                    b_r[:, :, part], a_r[:, :, part], v_r[:, :, part], state, key_sum, scales.part(part),
-                    None if ph is None else ph[part], base)
-                out[:, :, s], den[:, :, s], query_scale[:, :, s] = (
-                    x.flatten(2, 3) for x in (out_p, den_p, qs_p))
+            batched = _chunks(b_r, a_r, v_r, state, key_sum, scales, ph, base, regular=True)
+            outs, state, key_sum = [batched.out, batched.den, batched.query_scale], batched.state, batched.key_sum
+            first = _first_irregular(a_r, scales)
+            if first < run.count:   # from the first chunk with exact rows or wide pairs on, one at a time
+                state, key_sum = batched.states[:, :, first], batched.key_sums[:, :, first]
+                for g in range(first, run.count):
+                    alone = _irregular_chunk(b_r, a_r, v_r, batched, g, state, key_sum, scales, ph, base,
+                                             first=g == first)
+                    for x, y in zip(outs, alone[:3]):
+                        x[:, :, g:g + 1] = y
+                    state, key_sum = alone.state, alone.key_sum
+            out[:, :, run.tokens], den[:, :, run.tokens], query_scale[:, :, run.tokens] = (
+                x.flatten(2, 3) for x in outs)
         ctx.save_for_backward(q_inputs, q_weight, q_shift, k_inputs, k_weight, k_shift, v, out, den,
                               query_scale, feat, phases, *saved)
         ctx.length, ctx.base = length, base
@@ -442,14 +481,24 @@ class _CausalLogAttention(torch.autograd.Function):
         for group, runs in reversed([(group, list(runs)) for group, runs in groups]):
             state, key_sum = saved[2 * group], saved[2 * group + 1]
             walk = []
-            for run in runs:   # this group's states again, keeping each piece's key factors
+            for run in runs:   # this group's states again, as forward took them, keeping the key factors
                 scales, ph = _run_scales(feat, run, phases)
                 a_r, v_r = _run_inputs(keys, run), _run_inputs(v, run)
-                for part in _pieces(a_r, scales):
+                factors = _keys(a_r, scales, ph, regular=True)[1]
+                states, key_sums, state, key_sum = _run_states(state, key_sum, factors, a_r, v_r, scales, ph)
+                first = _first_irregular(a_r, scales)
+                pieces = [slice(0, first)] if first else []
+                if first < run.count:
+                    state, key_sum = states[:, :, first], key_sums[:, :, first]
+                for part in pieces + [slice(g, g + 1) for g in range(first, run.count)]:
                     piece = (a_r[:, :, part], v_r[:, :, part], scales.part(part), None if ph is None else ph[part])
-                    factors = _keys(piece[0], piece[2], piece[3])[1]
-                    states, key_sums, state, key_sum = _run_states(state, key_sum, factors, *piece)
-                    walk.append((run.part(part), piece, factors, states, key_sums))
+                    if part.start < first:
+                        walk.append((run.part(part), piece, factors.part(part), states[:, :, part],
+                                     key_sums[:, :, part]))
+                        continue
+                    piece_factors = _keys(piece[0], piece[2], piece[3])[1]
+                    piece_states, piece_sums, state, key_sum = _run_states(state, key_sum, piece_factors, *piece)
+                    walk.append((run.part(part), piece, piece_factors, piece_states, piece_sums))
             for s, (a_p, v_p, scales, ph), factors, states, key_sums in reversed(walk):
                 chunks = a_p.shape[2:4]
                 inputs = (_rows(queries, s).unflatten(2, chunks), a_p, v_p)
@@ -538,8 +587,8 @@ def _chunk_backward_autograd(inputs, state, key_sum, scales, phases, base, query
     """A chunk with exact rows: autograd through its recomputed forward."""
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (*inputs, state, key_sum)]
-        out, _, _, state_after, key_sum_after = _chunks(*leaves, scales, phases, base, query_scale)
-        grads = torch.autograd.grad((out, state_after, key_sum_after), leaves, (grad, later, later_sum))
+        chunk = _chunks(*leaves, scales, phases, base, query_scale)
+        grads = torch.autograd.grad((chunk.out, chunk.state, chunk.key_sum), leaves, (grad, later, later_sum))
     return grads[:3], grads[3], grads[4]
 
 

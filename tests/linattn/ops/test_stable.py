@@ -274,9 +274,9 @@ def chunk_calls(monkeypatch):
 
 @pytest.mark.parametrize("rotary", [True, False])
 @pytest.mark.parametrize("jumps", [False, True])
-def test_runs_of_chunks_give_the_bits_of_one_chunk_at_a_time(rotary, jumps, monkeypatch):
+def test_runs_of_chunks_agree_with_one_chunk_at_a_time(rotary, jumps, monkeypatch):
     """Chunks are computed in batched runs; one chunk per run (RUN_ELEMENTS = 1) gives the same
-    outputs, states and gradients, bit for bit."""
+    outputs, states and gradients (up to rounding: a batched product may round differently)."""
     b, a = log_features(2, 3, 150, 8, scale=3, seed=3), log_features(2, 3, 150, 8, scale=3, seed=4)
     if jumps:   # chunks with exact rows (in the first run) and wide pairs (the last) go one at a time
         a = a + torch.arange(150, dtype=torch.float64).div(37).floor().mul(45).view(1, 1, 150, 1)
@@ -290,27 +290,31 @@ def test_runs_of_chunks_give_the_bits_of_one_chunk_at_a_time(rotary, jumps, monk
         inputs = [t.clone().requires_grad_() for t in (b, a, v)]
         out, state = linear_attention(*inputs, causal=True, rotary=rotary, chunk_size=8, offset=3,
                                       log_space=True, return_state=True)
-        assert sum(calls) == 19 and (max(calls) > 1) == (run_elements > 1)   # 19 chunks in forward
+        assert (max(calls) > 1) == (run_elements > 1)
         results.append((out, *state[:2], state.log_scale,
                         *torch.autograd.grad((out * weights).sum(), inputs)))
     for batched, one_by_one in zip(*results):
-        assert torch.equal(batched, one_by_one)
+        torch.testing.assert_close(batched, one_by_one, rtol=1e-12, atol=1e-12)
 
 
-def test_a_jump_later_in_a_run_leaves_the_run_s_earlier_chunks_bitwise_unchanged(monkeypatch):
-    """A key that jumps in a run's last chunk makes the run go one chunk at a time: its earlier
-    chunks' outputs keep their bits."""
-    b, a = log_features(1, 2, 64, 8, scale=3, dtype=torch.float32), \
-        log_features(1, 2, 64, 8, scale=3, dtype=torch.float32, seed=1)
-    v = log_features(1, 2, 64, 4, scale=1, dtype=torch.float32, seed=2)
+@pytest.mark.parametrize("rotary,n,m,dv,length,t", [
+    (True, 48, 2, 1, 3, 40), (False, 256, 8, 4, 64, 200), (False, 48, 16, 9, 3, 40)])
+def test_a_jump_later_in_a_run_leaves_earlier_outputs_bitwise_unchanged(rotary, n, m, dv, length, t,
+                                                                         monkeypatch):
+    """A key that jumps in a later chunk of a run makes that chunk go alone: every output before it
+    keeps its bits (shapes where batched products and the complex rotation round differently per
+    chunk than per run, found by review)."""
+    b, a = log_features(1, 1, n, m, scale=3, dtype=torch.float32, seed=7), \
+        log_features(1, 1, n, m, scale=3, dtype=torch.float32, seed=8)
+    v = log_features(1, 1, n, dv, scale=1, dtype=torch.float32, seed=9)
     calls = chunk_calls(monkeypatch)
-    out = linear_attention(b, a, v, causal=True, rotary=True, chunk_size=16, log_space=True)
-    assert calls == [4]
-    a[:, :, 60] += 100.0
+    out = linear_attention(b, a, v, causal=True, rotary=rotary, chunk_size=length, log_space=True)
+    assert max(calls) > 1 and sum(calls) == -(-n // length)
+    a[:, :, t:] += 100.0
     calls.clear()
-    changed = linear_attention(b, a, v, causal=True, rotary=True, chunk_size=16, log_space=True)
-    assert calls == [1, 1, 1, 1]
-    assert torch.equal(out[:, :, :60], changed[:, :, :60])
+    changed = linear_attention(b, a, v, causal=True, rotary=rotary, chunk_size=length, log_space=True)
+    assert sum(calls) > -(-n // length)     # the jumping chunks went alone too
+    assert torch.equal(out[:, :, :t], changed[:, :, :t])
 
 
 def test_runs_cover_every_chunk_within_their_state_groups(monkeypatch):
