@@ -317,6 +317,23 @@ def _chunks(b_j, a_j, v_j, state, key_sum, scales: _Scales, phases, base, query_
                    key_sum, exact)
 
 
+def _run_forward(b_r, a_r, v_r, state, key_sum, scales: _Scales, phases, base):
+    """A run's outputs, denominators and Q, (B, H, G, L, .), and the state after it: the whole run as
+    regular, then from its first chunk with exact rows or wide pairs on, one chunk at a time."""
+    batched = _chunks(b_r, a_r, v_r, state, key_sum, scales, phases, base, regular=True)
+    outs, state, key_sum = [batched.out, batched.den, batched.query_scale], batched.state, batched.key_sum
+    first = _first_irregular(a_r, scales)
+    if first < a_r.shape[2]:
+        state, key_sum = batched.states[:, :, first], batched.key_sums[:, :, first]
+    for g in range(first, a_r.shape[2]):
+        alone = _irregular_chunk(b_r, a_r, v_r, batched, g, state, key_sum, scales, phases, base,
+                                 first=g == first)
+        for x, y in zip(outs, alone[:3]):
+            x[:, :, g:g + 1] = y
+        state, key_sum = alone.state, alone.key_sum
+    return outs, state, key_sum
+
+
 def _irregular_chunk(b_r, a_r, v_r, run: _Chunks, g: int, state, key_sum, scales: _Scales, phases, base,
                      first: bool) -> _Chunks:
     """Chunk g of a run, alone, from the state before it.  In the run's `first` irregular chunk the
@@ -443,18 +460,7 @@ class _CausalLogAttention(torch.autograd.Function):
             after = torch.maximum(a_r.amax(-2).cummax(2).values, seen.unsqueeze(2))
             seen, nexts = after[:, :, -1], feat[:, :, run.first + 1:run.first + run.count + 1]
             nexts.copy_(torch.maximum(nexts, after))
-            scales, ph = _run_scales(feat, run, phases)
-            batched = _chunks(b_r, a_r, v_r, state, key_sum, scales, ph, base, regular=True)
-            outs, state, key_sum = [batched.out, batched.den, batched.query_scale], batched.state, batched.key_sum
-            first = _first_irregular(a_r, scales)
-            if first < run.count:   # from the first chunk with exact rows or wide pairs on, one at a time
-                state, key_sum = batched.states[:, :, first], batched.key_sums[:, :, first]
-                for g in range(first, run.count):
-                    alone = _irregular_chunk(b_r, a_r, v_r, batched, g, state, key_sum, scales, ph, base,
-                                             first=g == first)
-                    for x, y in zip(outs, alone[:3]):
-                        x[:, :, g:g + 1] = y
-                    state, key_sum = alone.state, alone.key_sum
+            outs, state, key_sum = _run_forward(b_r, a_r, v_r, state, key_sum, *_run_scales(feat, run, phases), base)
             out[:, :, run.tokens], den[:, :, run.tokens], query_scale[:, :, run.tokens] = (
                 x.flatten(2, 3) for x in outs)
         ctx.save_for_backward(q_inputs, q_weight, q_shift, k_inputs, k_weight, k_shift, v, out, den,
@@ -482,23 +488,8 @@ class _CausalLogAttention(torch.autograd.Function):
             state, key_sum = saved[2 * group], saved[2 * group + 1]
             walk = []
             for run in runs:   # this group's states again, as forward took them, keeping the key factors
-                scales, ph = _run_scales(feat, run, phases)
-                a_r, v_r = _run_inputs(keys, run), _run_inputs(v, run)
-                factors = _keys(a_r, scales, ph, regular=True)[1]
-                states, key_sums, state, key_sum = _run_states(state, key_sum, factors, a_r, v_r, scales, ph)
-                first = _first_irregular(a_r, scales)
-                pieces = [slice(0, first)] if first else []
-                if first < run.count:
-                    state, key_sum = states[:, :, first], key_sums[:, :, first]
-                for part in pieces + [slice(g, g + 1) for g in range(first, run.count)]:
-                    piece = (a_r[:, :, part], v_r[:, :, part], scales.part(part), None if ph is None else ph[part])
-                    if part.start < first:
-                        walk.append((run.part(part), piece, factors.part(part), states[:, :, part],
-                                     key_sums[:, :, part]))
-                        continue
-                    piece_factors = _keys(piece[0], piece[2], piece[3])[1]
-                    piece_states, piece_sums, state, key_sum = _run_states(state, key_sum, piece_factors, *piece)
-                    walk.append((run.part(part), piece, piece_factors, piece_states, piece_sums))
+                pieces, state, key_sum = _recomputed_pieces(run, keys, v, feat, phases, state, key_sum)
+                walk += pieces
             for s, (a_p, v_p, scales, ph), factors, states, key_sums in reversed(walk):
                 chunks = a_p.shape[2:4]
                 inputs = (_rows(queries, s).unflatten(2, chunks), a_p, v_p)
@@ -515,6 +506,33 @@ class _CausalLogAttention(torch.autograd.Function):
                 _source_backward(queries, q_grads, db.flatten(2, 3), s)
                 _source_backward(keys, k_grads, da.flatten(2, 3), s)
         return *q_grads, *k_grads, dv, None, None, None
+
+
+def _recomputed_pieces(run: _Run, keys, v, feat, phases, state, key_sum):
+    """A run's chunks as forward took them: the ones before its first irregular chunk together, then
+    one at a time.  Each piece is (tokens, (a, v, scales, phases), key factors, the states before its
+    chunks, their key sums); also returned: the state after the run."""
+    scales, ph = _run_scales(feat, run, phases)
+    a_r, v_r = _run_inputs(keys, run), _run_inputs(v, run)
+
+    def inputs(part: slice):
+        return a_r[:, :, part], v_r[:, :, part], scales.part(part), None if ph is None else ph[part]
+
+    factors = _keys(a_r, scales, ph, regular=True)[1]
+    states, key_sums, state_after, key_sum_after = _run_states(state, key_sum, factors, a_r, v_r, scales, ph)
+    first = _first_irregular(a_r, scales)
+    prefix = slice(0, first)
+    pieces = [(run.part(prefix), inputs(prefix), factors.part(prefix), states[:, :, prefix],
+               key_sums[:, :, prefix])] if first else []
+    if first == run.count:
+        return pieces, state_after, key_sum_after
+    state, key_sum = states[:, :, first], key_sums[:, :, first]
+    for g in range(first, run.count):
+        one = inputs(slice(g, g + 1))
+        one_factors = _keys(one[0], one[2], one[3])[1]
+        one_states, one_sums, state, key_sum = _run_states(state, key_sum, one_factors, *one)
+        pieces.append((run.part(slice(g, g + 1)), one, one_factors, one_states, one_sums))
+    return pieces, state, key_sum
 
 
 def _run_scales(feat, run: _Run, phases):
