@@ -310,9 +310,10 @@ def _chunks(b_j, a_j, v_j, state, key_sum, scales: _Scales, phases, base, query_
         chunk = rows[:-1]
         exact_num, exact_den = _exact_rows(rows, b_j - query_scale.unsqueeze(-1), a_j, v_j, base=base,
                                            rotary=phases is not None)
-        numerator = numerator.index_put(rows, (queries.rotated[rows].unsqueeze(-2) @ states[chunk])
+        numerator = numerator.index_put(rows, (queries.rotated[rows].unsqueeze(-2) @ _per_row(states, chunk))
                                         .squeeze(-2) + exact_num)
-        denominator = denominator.index_put(rows, (queries.den[rows] * key_sums[chunk]).sum(-1) + exact_den)
+        denominator = denominator.index_put(rows, (queries.den[rows] * _per_row(key_sums, chunk)).sum(-1)
+                                            + exact_den)
     return _Chunks(divide(numerator, denominator), denominator, query_scale, states, key_sums, state,
                    key_sum, exact)
 
@@ -610,6 +611,15 @@ def _chunk_backward_autograd(inputs, state, key_sum, scales, phases, base, query
     return grads[:3], grads[3], grads[4]
 
 
+def _per_row(x: torch.Tensor, chunk) -> torch.Tensor:
+    """x's (B, H, G, ...) entry for each row, given the rows' (b, h, g) indices.  By index_select:
+    rows share entries, and the backward of advanced indexing adds such duplicates with parallel
+    atomic adds on CPU (float32, 2+ threads), in an order that varies from run to run; index_select's
+    adds them in order."""
+    heads, chunks = x.shape[1:3]
+    return x.flatten(0, 2).index_select(0, (chunk[0] * heads + chunk[1]) * chunks + chunk[2])
+
+
 def _exact_rows(rows, b_shifted, a, v, *, rotary, base):
     """The intra-chunk sums of the given rows (index tuples into (B, H, G, L)), exactly per (m, n, j),
     a bounded group of rows at a time.  b_shifted = b - Q."""
@@ -619,7 +629,8 @@ def _exact_rows(rows, b_shifted, a, v, *, rotary, base):
     num_parts, den_parts = [], []
     for start in range(0, rows[0].numel(), group):
         index = tuple(i[start:start + group] for i in rows)
-        num, den = _exact_row_sums(b_shifted[index], a[index[:-1]], v[index[:-1]], index[-1], phases)
+        num, den = _exact_row_sums(b_shifted[index], _per_row(a, index[:-1]), _per_row(v, index[:-1]),
+                                   index[-1], phases)
         num_parts.append(num)
         den_parts.append(den)
     return torch.cat(num_parts), torch.cat(den_parts)
