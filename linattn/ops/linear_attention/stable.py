@@ -235,9 +235,18 @@ def _keys(a_j, scales: _Scales, phases, regular: bool = False):
     return jump, _Factors(den, num, rotate_pairs(num, phases), ratio, capped)
 
 
+def _wide_chunks(scales: _Scales) -> torch.Tensor | None:
+    """Per chunk of a run, (G,): whether a pair's partner leads some key scale by more than
+    PAIR_SPREAD (positions <= s_k); None without rotation."""
+    if scales.pair is scales.feat:
+        return None
+    return (scales.pair - scales.feat).amax((0, 1, 3, 4)) > PAIR_SPREAD
+
+
 def _wide(scales: _Scales) -> bool:
-    """Whether a pair's partner leads some key scale by more than PAIR_SPREAD (positions <= s_k)."""
-    return scales.pair is not scales.feat and bool((scales.pair - scales.feat).amax() > PAIR_SPREAD)
+    """Whether any chunk of the run has wide pairs."""
+    wide = _wide_chunks(scales)
+    return wide is not None and bool(wide.any())
 
 
 def _query_scale(b_j, a_j, scales: _Scales, exact):
@@ -270,8 +279,8 @@ def _queries(b_j, query_scale, scales: _Scales, phases, regular: bool = False):
 def _first_irregular(a, scales: _Scales) -> int:
     """The first chunk of a run with exact rows (a key past JUMP_LIMIT) or wide pairs, else G."""
     jumps = (a.amax(-2) - scales.feat.squeeze(-2)).amax((0, 1, 3)) > JUMP_LIMIT                  # (G,)
-    if scales.pair is not scales.feat:
-        jumps |= (scales.pair - scales.feat).amax((0, 1, 3, 4)) > PAIR_SPREAD
+    if (wide := _wide_chunks(scales)) is not None:
+        jumps |= wide
     return int(jumps.int().argmax()) if bool(jumps.any()) else a.shape[2]
 
 
@@ -364,13 +373,20 @@ def _run_states(state, key_sum, keys: _Factors, a_j, v_j, scales: _Scales, phase
         k_state = k_state if phases is None else rotate_pairs(k_state, phases)
         updates = k_state.transpose(-1, -2) @ v_j
         sum_updates = torch.exp(a_j - scales.feat_next).sum(-2)
-    states, sums = [], []
-    for g in range(v_j.shape[2]):
-        states.append(state)
-        sums.append(key_sum)
-        state = torch.addcmul(updates[:, :, g], pair_decay[:, :, g], state)
-        key_sum = torch.addcmul(sum_updates[:, :, g], feat_decay[:, :, g], key_sum)
-    return torch.stack(states, 2), torch.stack(sums, 2), state, key_sum
+    states, state = _decayed_sums(state, updates, pair_decay)
+    key_sums, key_sum = _decayed_sums(key_sum, sum_updates, feat_decay)
+    return states, key_sums, state, key_sum
+
+
+def _decayed_sums(x, updates, decays, reverse: bool = False):
+    """x <- decays_k x + updates_k over a run's chunks k (dim 2), from the last back with `reverse`:
+    x before each chunk's update, stacked (B, H, G, ...) in chunk order, and x after the last."""
+    chunks = range(updates.shape[2])
+    befores = []
+    for g in reversed(chunks) if reverse else chunks:
+        befores.append(x)
+        x = torch.addcmul(updates[:, :, g], decays[:, :, g], x)
+    return torch.stack(befores[::-1] if reverse else befores, 2), x
 
 
 def _fma(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -563,14 +579,9 @@ def _chunk_backward(inputs, states, key_sums, keys: _Factors, scales: _Scales, p
     # sum runs chunk by chunk (in reverse); G~ = e^{P_k - P_{k+1}} d loss / d S_{k+1}, and H~ for Z
     reads = queries.rotated.transpose(-1, -2) @ g_num
     read_sums = (queries.den * g_den.unsqueeze(-1)).sum(-2)
-    afters, after_sums = [], []
-    for g in reversed(range(v_j.shape[2])):
-        afters.append(later)
-        after_sums.append(later_sum)
-        later = torch.addcmul(reads[:, :, g], pair_decay[:, :, g], later)
-        later_sum = torch.addcmul(read_sums[:, :, g], feat_decay[:, :, g], later_sum)
-    decayed = torch.stack(afters[::-1], 2).mul_(pair_decay)              # G~ per chunk
-    decayed_sum = torch.stack(after_sums[::-1], 2).mul_(feat_decay)      # H~ per chunk
+    afters, later = _decayed_sums(later, reads, pair_decay, reverse=True)
+    after_sums, later_sum = _decayed_sums(later_sum, read_sums, feat_decay, reverse=True)
+    decayed, decayed_sum = afters.mul_(pair_decay), after_sums.mul_(feat_decay)   # G~, H~ per chunk
     scores = (queries.rotated @ keys.rotated.transpose(-1, -2)).tril_()
     d_scores = (g_num @ v_j.transpose(-1, -2)).tril_()
     dv = _fma(scores.transpose(-1, -2) @ g_num, keys.rotated, decayed)
