@@ -87,6 +87,28 @@ def test_the_exact_rows_are_used_where_the_maximum_jumps_and_agree_with_the_sepa
         torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-9)
 
 
+def test_gradients_through_exact_rows_are_the_same_bits_every_time():
+    """Exact rows share their chunk's keys, values and state.  Gathered by advanced indexing, their
+    gradients were summed by parallel atomic adds (CPU float32, 2 threads), in an order that varied
+    from call to call, and so did training runs; here every row of one head's chunk gathers the same
+    entries, so the two threads' halves of those rows add into the same place."""
+    length, generator = 64, torch.Generator().manual_seed(0)
+    b, a = (torch.randn(1, 1, 3 * length, 128, generator=generator) for _ in range(2))
+    a[..., length + 1:2 * length, 0] += 60.0   # the rows of chunk 1 after its first token are exact,
+    b[..., 0] -= 60.0                          # and its state still weighs in their outputs
+    v, out_grad = (torch.randn(1, 1, 3 * length, 32, generator=generator) for _ in range(2))
+    leaves = [t.requires_grad_() for t in (b, a, v)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        results = set()
+        for _ in range(6):
+            out = linear_attention(b, a, v, causal=True, rotary=True, log_space=True, chunk_size=length)
+            results.add(b"".join(g.numpy().tobytes() for g in torch.autograd.grad(out, leaves, out_grad)))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(results) == 1, f"{len(results)} different gradients from 6 identical calls"
+
 @pytest.mark.parametrize("rotary", [True, False])
 @pytest.mark.parametrize("scale", [3, 20])
 def test_gradients_match_the_reference(rotary, scale):
