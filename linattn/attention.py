@@ -12,19 +12,22 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from .checks import check_rope_base, check_state_position, check_state_tensors
 from .feature_maps import FeatureMap, make_feature_map
 from .functional import BACKENDS, DEFAULT_CHUNK_SIZE, LinearState, linear_attention, linear_attention_step
 from .ops.linear_attention.chunk import check_chunk_size
-from .rotary import DEFAULT_BASE, apply_rotary
+from .rotary import DEFAULT_BASE, apply_rotary, check_offset
 
 ROPE_PLACEMENTS = ("post", "pre", "none")
 SOFTMAX_BACKENDS = ("sdpa", "xformers")
 
 
 class KVCache(NamedTuple):
-    """Softmax decoding state: rotated keys and values of every token so far, (B, H, T, D)."""
+    """Softmax decoding state: rotated keys and values of every token so far, (B, H, T, D), and the
+    position of the next token (the prefill's offset plus T)."""
     k: torch.Tensor
     v: torch.Tensor
+    position: int
 
 
 def _head_dim(dim: int, heads: int) -> int:
@@ -43,10 +46,15 @@ class _Projections(nn.Module):
         self.to_out = nn.Linear(dim, dim, bias=bias)
 
     def _qkv(self, x: torch.Tensor, expected_rank: int):
-        if x.dim() != expected_rank or x.shape[-1] != self.dim:
+        if not isinstance(x, torch.Tensor) or x.dim() != expected_rank or x.shape[-1] != self.dim:
             shape = "(batch, seq_len, dim)" if expected_rank == 3 else "(batch, dim) for one token"
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{type(self).__name__} expects input of shape {shape} with "
-                             f"dim={self.dim}, got {tuple(x.shape)}")
+                             f"dim={self.dim}, got {got}")
+        weight = self.to_qkv.weight
+        if x.dtype != weight.dtype and not (x.is_floating_point() and torch.is_autocast_enabled(x.device.type)):
+            raise ValueError(f"{type(self).__name__}'s parameters are {weight.dtype} but the input is {x.dtype}; "
+                             f"convert one to the other (block.to(dtype) or x.to(dtype)), or use autocast")
         if expected_rank == 2:
             x = x.unsqueeze(1)
         q, k, v = self.to_qkv(x).chunk(3, dim=-1)
@@ -55,18 +63,6 @@ class _Projections(nn.Module):
     def _check_decodable(self) -> None:
         if not self.causal:
             raise ValueError("step() decodes autoregressively and needs causal=True")
-
-    def _check_state_tensors(self, state, x_t: torch.Tensor, shapes: dict) -> None:
-        """Each named field of `state` must be a floating tensor of the given shape on x_t's device."""
-        for name, shape in shapes.items():
-            t = getattr(state, name)
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            if got != shape or not t.is_floating_point() or t.device != x_t.device:
-                where = f" on {t.device}" if isinstance(t, torch.Tensor) else ""
-                raise ValueError(
-                    f"state.{name} must be a floating tensor of shape {shape} on {x_t.device} for this "
-                    f"block and a batch of {x_t.shape[0]}, got {got}{where}; pass the state that this "
-                    f"block returned for the same batch (or state=None to start)")
 
     def _merge(self, out: torch.Tensor) -> torch.Tensor:
         return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
@@ -90,6 +86,7 @@ class LinearAttention(_Projections):
         if rope not in ROPE_PLACEMENTS:
             raise ValueError(f"rope must be one of {ROPE_PLACEMENTS}, got {rope!r}")
         check_chunk_size(chunk_size)
+        check_rope_base(rope_base)
         self.feature_map = make_feature_map(feature_map, self.head_dim, **(feature_map_options or {}))
         rotated_dim = {"post": self.feature_map.num_features, "pre": self.head_dim}.get(rope, 0)
         if rotated_dim % 2:
@@ -124,6 +121,12 @@ class LinearAttention(_Projections):
                return_state: bool = False):
         """The attention between the projections: (B, H, N, head_dim) queries, keys and values ->
         (B, H, N, head_dim), with this block's map, placement and backend (what forward runs)."""
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[1] != self.heads \
+                    or t.shape[-1] != self.head_dim:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"attend takes (batch, heads={self.heads}, seq_len, head_dim={self.head_dim}) "
+                                 f"queries, keys and values, got {name} of shape {got}")
         phi_q, phi_k = self._features(q, k, offset, projected=self.causal)
         return linear_attention(phi_q, phi_k, v, causal=self.causal, rotary=self.rope == "post",
                                 offset=offset, chunk_size=self.chunk_size, rope_base=self.rope_base,
@@ -134,28 +137,15 @@ class LinearAttention(_Projections):
         """Decode one token (B, dim) in O(1) time and memory; `state=None` starts a sequence."""
         self._check_decodable()
         q, k, v = self._qkv(x_t, 2)
-        self._check_state(state, x_t)
-        position = 0 if state is None else state.position
+        if state is not None and not isinstance(state, LinearState):
+            raise ValueError(f"state must be the LinearState returned by forward(..., return_state=True) "
+                             f"or step(), got {type(state).__name__}")
+        position = 0 if state is None else check_state_position(state)   # the op checks the rest
         phi_q, phi_k = self._features(q, k, position)
         out, state = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], state,
                                            rotary=self.rope == "post", rope_base=self.rope_base,
                                            log_space=self.feature_map.log_space)
         return self._merge(out.unsqueeze(2))[:, 0], state
-
-    def _check_state(self, state, x_t: torch.Tensor) -> None:
-        if state is None:
-            return
-        if not isinstance(state, LinearState):
-            raise ValueError(f"state must be the LinearState returned by forward(..., return_state=True) "
-                             f"or step(), got {type(state).__name__}")
-        position = state.position
-        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
-            raise ValueError(f"state.position must be a non-negative int (tokens seen), got {position!r}")
-        b, m = x_t.shape[0], self.feature_map.num_features
-        shapes = {"kv": (b, self.heads, m, self.head_dim), "k_sum": (b, self.heads, m)}
-        if getattr(state, "log_scale", None) is not None:
-            shapes["log_scale"] = (b, self.heads, m)
-        self._check_state_tensors(state, x_t, shapes)
 
     def extra_repr(self) -> str:
         return (f"heads={self.heads}, rope={self.rope!r}, causal={self.causal}, "
@@ -188,6 +178,7 @@ class SoftmaxAttention(_Projections):
         if rope and self.head_dim % 2:
             raise ValueError(f"rope=True rotates pairs of coordinates, so head_dim must be even, "
                              f"got {self.head_dim}")
+        check_rope_base(rope_base)
         self._xops = _xformers_ops() if backend == "xformers" else None
         self.rope, self.causal, self.backend, self.rope_base = rope, causal, backend, rope_base
 
@@ -208,33 +199,33 @@ class SoftmaxAttention(_Projections):
         return self._xops.memory_efficient_attention(q, k, v, attn_bias=bias).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, *, offset: int = 0, return_state: bool = False):
+        check_offset(offset)
         q, k, v = self._qkv(x, 3)
         q, k = self._rotate(q, k, offset)
         out = self._merge(self._attend(q, k, v, self.causal))
-        return (out, KVCache(k, v)) if return_state else out
+        return (out, KVCache(k, v, int(offset) + x.shape[1])) if return_state else out
 
     def step(self, x_t: torch.Tensor, state: KVCache | None = None):
         """Decode one token (B, dim) against the KV cache; `state=None` starts a sequence."""
         self._check_decodable()
         q, k, v = self._qkv(x_t, 2)
-        self._check_state(state, x_t)
-        position = 0 if state is None else state.k.shape[-2]
+        position = 0 if state is None else self._check_state(state, x_t)
         q, k = self._rotate(q, k, position)
         if state is not None:
             k, v = torch.cat((state.k, k), dim=-2), torch.cat((state.v, v), dim=-2)
         # The new token sees every cached token, so no mask is needed.
         out = self._merge(self._attend(q, k, v, causal=False))
-        return out[:, 0], KVCache(k, v)
+        return out[:, 0], KVCache(k, v, position + 1)
 
-    def _check_state(self, state, x_t: torch.Tensor) -> None:
-        if state is None:
-            return
+    def _check_state(self, state, x_t: torch.Tensor) -> int:
+        """The cache's position, once it is checked to be this block's for x_t's batch."""
         if not isinstance(state, KVCache):
             raise ValueError(f"state must be the KVCache returned by forward(..., return_state=True) or "
                              f"step(), got {type(state).__name__}")
         cached = state.k.shape[-2] if isinstance(state.k, torch.Tensor) and state.k.dim() == 4 else 0
         shape = (x_t.shape[0], self.heads, cached, self.head_dim)
-        self._check_state_tensors(state, x_t, {"k": shape, "v": shape})
+        check_state_tensors(state, x_t.device, {"k": shape, "v": shape})
+        return check_state_position(state)
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, rope={self.rope}, causal={self.causal}, backend={self.backend!r}"

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from performer_pytorch.performer_pytorch import gaussian_orthogonal_random_matrix
 from torch import nn
 
+from .checks import is_integer
 from .ops.linear_attention.common import LogProjection
 
 FEATURE_MAPS: dict[str, type["FeatureMap"]] = {}
@@ -46,6 +47,9 @@ def make_feature_map(feature_map: str | FeatureMap, head_dim: int, **options) ->
         if options:
             raise ValueError("feature-map options apply only when the map is given by name, "
                              f"got an instance together with {sorted(options)}")
+        if feature_map.head_dim != head_dim:
+            raise ValueError(f"the feature map was made for head_dim {feature_map.head_dim} but this block's "
+                             f"heads have head_dim {head_dim} (dim / heads); make it with {head_dim}")
         return feature_map
     if feature_map not in FEATURE_MAPS:
         raise ValueError(f"unknown feature map {feature_map!r}; registered feature maps: "
@@ -160,10 +164,10 @@ class FavorFeatureMap(FeatureMap):
                  seed: int | None = None):
         super().__init__(head_dim)
         self.num_features = 4 * head_dim if num_features is None else num_features
-        if self.num_features < 1:
-            raise ValueError(f"num_features must be positive, got {self.num_features}")
-        if redraw_interval < 0:
-            raise ValueError(f"redraw_interval must be >= 0 (0 never redraws), got {redraw_interval}")
+        if not is_integer(self.num_features) or self.num_features < 1:
+            raise ValueError(f"num_features must be a positive integer, got {self.num_features!r}")
+        if not is_integer(redraw_interval) or redraw_interval < 0:
+            raise ValueError(f"redraw_interval must be an integer >= 0 (0 never redraws), got {redraw_interval!r}")
         self.redraw_interval = redraw_interval
         # Without an explicit seed, take one from torch's generator: torch.manual_seed then fixes
         # every map, and two maps in one model still differ.
@@ -179,8 +183,10 @@ class FavorFeatureMap(FeatureMap):
 
     @torch.no_grad()
     def redraw(self) -> None:
+        """A new projection, as a new tensor: a graph that still holds the old one (a second call
+        before backward) keeps it."""
         self.draws += 1
-        self.projection.copy_(self._draw(self.draws))
+        self.projection = self._draw(self.draws).to(self.projection)
 
     @torch.compiler.disable
     def _count_training_call(self) -> None:

@@ -22,11 +22,12 @@ from .ops.linear_attention import backends
 from .ops.linear_attention.chunk import DEFAULT_CHUNK_SIZE, causal_attention, check_chunk_size
 from .ops.linear_attention.common import (LogProjection, check_features, check_log_features,
                                           check_nonnegative, check_not_projection, compute_dtype,
-                                          divide, numerator_features)
+                                          divide, finite_log_features, numerator_features)
 from .ops.linear_attention.naive import linear_attention_reference, softmax_attention_reference
 from .ops.linear_attention.stable import log_linear_attention
 from .ops.linear_attention.recurrent import LinearState, initial_state, linear_attention_step
-from .rotary import DEFAULT_BASE, check_offset, rotary_phases
+from .checks import check_rope_base
+from .rotary import DEFAULT_BASE, check_offset, check_rotated_dim, rotary_phases
 
 BACKENDS = backends.BACKENDS
 
@@ -52,11 +53,16 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     """
     if log_space:
         check_log_features(phi_q, phi_k, v)
+        phi_q, phi_k = finite_log_features(phi_q), finite_log_features(phi_k)
     else:
         check_not_projection(phi_q, phi_k)
         check_features(phi_q, phi_k, v, rank=4)
     check_chunk_size(chunk_size)
     check_offset(offset)
+    check_rope_base(rope_base)
+    offset = int(offset)   # numpy's integers too: the state's position is a plain int
+    if rotary:
+        check_rotated_dim(phi_k.weight.shape[0] if isinstance(phi_k, LogProjection) else phi_k.shape[-1])
     if return_state and not causal:
         raise ValueError("return_state=True needs causal=True: a non-causal pass has no decoding state")
     resolved = backends.resolve(backend, v.device)

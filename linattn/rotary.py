@@ -15,18 +15,19 @@ below 2^63, and below 2^16 it is the plain float64 product p * theta.
 from __future__ import annotations
 
 import math
-import numbers
 from functools import lru_cache
 
 import mpmath
 import torch
+
+from .checks import check_rope_base, is_integer
 
 DEFAULT_BASE = 10000.0
 _DIGIT_BITS = 16
 _MAX_POSITION = 2 ** 63 - 1          # positions are int64
 
 
-def _check_dim(dim: int) -> None:
+def check_rotated_dim(dim: int) -> None:
     if dim % 2:
         raise ValueError(
             f"rotary embedding rotates pairs (2i, 2i+1), so the rotated dimension must be even, "
@@ -35,6 +36,7 @@ def _check_dim(dim: int) -> None:
 
 def rotary_frequencies(dim: int, base: float = DEFAULT_BASE) -> list[float]:
     """theta_i = base^(-2i/dim) in float64, i = 0..dim/2-1."""
+    check_rope_base(base)
     return [base ** (-2 * i / dim) for i in range(dim // 2)]
 
 
@@ -50,7 +52,7 @@ def _digit_angles(dim: int, base: float) -> tuple[tuple[float, ...], ...]:
 
 def check_offset(offset) -> None:
     """A position offset is a non-negative integer (bool is not)."""
-    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral) or offset < 0:
+    if not is_integer(offset) or offset < 0:
         raise ValueError(f"offset must be a non-negative integer position, got {offset!r}")
 
 
@@ -58,7 +60,7 @@ def rotary_angles(length: int, dim: int, *, offset: int = 0, base: float = DEFAU
                   device: torch.device | str = "cpu") -> torch.Tensor:
     """p * theta_i up to multiples of 2 pi, float64 of shape (length, dim/2) and below 2^21, for
     positions p = offset..offset+length-1 (no final fmod: float64's 2 pi would cost more than it saves)."""
-    _check_dim(dim)
+    check_rotated_dim(dim)
     check_offset(offset)
     offset = int(offset)
     if offset + length - 1 > _MAX_POSITION:
@@ -82,9 +84,9 @@ def rotary_phases(length: int, dim: int, *, offset: int = 0, base: float = DEFAU
                   device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """e^(i p theta_j) of shape (length, dim/2) for positions offset..offset+length-1, complex of
     `dtype`'s precision.  Read-only: the last few are cached."""
-    _check_dim(dim)
+    check_rotated_dim(dim)
     complex_dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
-    if isinstance(offset, numbers.Integral) and not isinstance(offset, bool):
+    if is_integer(offset):
         offset = int(offset)          # one cache entry per position, whatever integer type gave it
     return _phases(length, dim, offset, float(base), str(torch.device(device)), complex_dtype)
 

@@ -1,9 +1,11 @@
 """The attention blocks: softmax baseline against a naive reference, strict causality, recurrent
 decoding against the parallel forward, relative positions, and bad input."""
+import numpy as np
 import pytest
 import torch
 
 from linattn import LinearAttention, SoftmaxAttention
+from linattn.feature_maps import EluFeatureMap, FavorFeatureMap
 from linattn.functional import softmax_attention_reference
 from linattn.rotary import apply_rotary
 
@@ -96,6 +98,14 @@ def test_pre_and_post_differ():
     (dict(chunk_size=0), r"chunk_size"),
     (dict(chunk_size=2.5), r"chunk_size must be a positive integer number of tokens, got 2.5"),
     (dict(chunk_size=True), r"chunk_size must be a positive integer"),
+    (dict(rope_base=0), r"rope_base must be a finite number > 0"),
+    (dict(rope_base=-1.0), r"rope_base must be"),
+    (dict(rope_base=float("nan")), r"rope_base must be"),
+    (dict(feature_map_options={"num_features": 8.0}), r"num_features must be a positive integer, got 8.0"),
+    (dict(feature_map_options={"redraw_interval": 2.5}), r"redraw_interval must be an integer >= 0"),
+    (dict(feature_map_options={"redraw_interval": True}), r"redraw_interval must be an integer"),
+    (dict(feature_map=FavorFeatureMap(4)), r"made for head_dim 4 but this block's heads have head_dim 8"),
+    (dict(feature_map=EluFeatureMap(4)), r"made for head_dim 4"),
 ])
 def test_linear_block_bad_arguments(kwargs, message):
     args = dict(dim=32, heads=4) | kwargs
@@ -129,6 +139,48 @@ def test_softmax_bad_arguments():
         SoftmaxAttention(32, 4, backend="flash")
     with pytest.raises(ValueError, match="rope must be True or False"):
         SoftmaxAttention(32, 4, rope="post")
+    with pytest.raises(ValueError, match="rope_base must be a finite number > 0"):
+        SoftmaxAttention(32, 4, rope_base=-1.0)
+    with pytest.raises(ValueError, match="offset must be a non-negative integer"):
+        SoftmaxAttention(32, 4, rope=False)(torch.randn(1, 3, 32), offset=-2)
+
+
+@pytest.mark.parametrize("block", [LinearAttention(32, 4), SoftmaxAttention(32, 4)], ids=["linear", "softmax"])
+def test_decoding_continues_at_the_prefill_offset_of_any_integer_type(block):
+    block.eval()
+    x = torch.randn(2, 6, 32)
+    for offset in (5, np.int64(5)):
+        _, state = block(x[:, :4], offset=offset, return_state=True)
+        assert type(state.position) is int and state.position == 9
+        y, state = block.step(x[:, 4], state)
+        y_next, state = block.step(x[:, 5], state)
+        torch.testing.assert_close(torch.stack([y, y_next], 1), block(x, offset=5)[:, 4:], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [LinearAttention(32, 4), SoftmaxAttention(32, 4)], ids=["linear", "softmax"])
+def test_an_input_of_another_dtype_than_the_block_is_refused_clearly(block):
+    with pytest.raises(ValueError, match=r"parameters are torch.float32 but the input is torch.float64; convert"):
+        block(torch.randn(1, 3, 32, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"but the input is torch.int64"):
+        block(torch.ones(1, 3, 32, dtype=torch.int64))
+
+
+def test_attend_refuses_tensors_that_are_not_this_blocks_heads():
+    block = LinearAttention(32, 4)
+    q = torch.randn(1, 4, 5, 8)
+    with pytest.raises(ValueError, match=r"attend takes \(batch, heads=4, seq_len, head_dim=8\) .* got k of shape"):
+        block.attend(q, torch.randn(1, 4, 5, 6), q)
+    with pytest.raises(ValueError, match=r"got q of shape \(4, 5, 8\)"):
+        block.attend(q[0], q, q)
+
+
+def test_redrawing_keeps_the_projection_a_pending_backward_holds():
+    """Two training calls before one backward (weight sharing, summed micro-batches) with a redraw
+    between them: the first call's graph keeps the projection it used."""
+    block = LinearAttention(16, 2, feature_map_options={"redraw_interval": 1}).train()
+    x = torch.randn(1, 5, 16)
+    (block(x) + block(x)).sum().backward()
+    assert block.feature_map.draws == 2 and block.to_qkv.weight.grad.isfinite().all()
 
 
 def test_xformers_backend_gives_a_clear_error_without_cuda():
@@ -189,3 +241,17 @@ def test_softmax_step_refuses_a_mismatched_state(make_state, message):
     block = SoftmaxAttention(32, 4).eval()
     with pytest.raises(ValueError, match=message):
         block.step(torch.randn(2, 32), make_state(block))
+
+
+@pytest.mark.slow
+def test_the_favor_block_compiles_with_a_ragged_last_chunk():
+    """torch.compile runs the log-space op eagerly (inductor failed on N = 70 with chunks of 64)."""
+    block = LinearAttention(32, 2)
+    x = torch.randn(2, 70, 32, requires_grad=True)
+    compiled = torch.compile(block)(x)
+    compiled.square().sum().backward()
+    grad, x.grad = x.grad, None
+    eager = block(x)
+    eager.square().sum().backward()
+    torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close(grad, x.grad)

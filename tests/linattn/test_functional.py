@@ -143,6 +143,8 @@ def test_post_numerator_rotated_denominator_not():
     (dict(phi_q=torch.ones(1, 2, 8, 4, dtype=torch.int64)), "floating point"),
     (dict(v=torch.ones(1, 2, 8, 3, dtype=torch.int32)), "floating point"),
     (dict(phi_k=-torch.rand(1, 2, 8, 4)), "negative entries"),
+    (dict(rope_base=0.0), "rope_base must be a finite number > 0"),
+    (dict(phi_q=torch.rand(1, 2, 8, 5), phi_k=torch.rand(1, 2, 8, 5), causal=False, log_space=True), "must be even"),
 ])
 def test_bad_input_raises_clear_value_error(bad, message):
     args = dict(phi_q=torch.rand(1, 2, 8, 4), phi_k=torch.rand(1, 2, 8, 4), v=torch.rand(1, 2, 8, 3),
@@ -150,6 +152,51 @@ def test_bad_input_raises_clear_value_error(bad, message):
     args.update(bad)
     with pytest.raises(ValueError, match=message):
         linear_attention(**args)
+
+
+@pytest.mark.parametrize("log_space", [False, True])
+@pytest.mark.parametrize("bad_state, message", [
+    (lambda state: tuple(state), "must be the LinearState"),
+    (lambda state: state._replace(kv=state.kv.expand(3, -1, -1, -1)), r"state.kv must be a floating tensor of shape \(1, 2, 4, 3\)"),
+    (lambda state: state._replace(k_sum=state.k_sum[..., :3]), r"state.k_sum must be"),
+    (lambda state: state._replace(position=-1), "state.position must be a non-negative integer"),
+])
+def test_step_refuses_a_state_that_does_not_fit(log_space, bad_state, message):
+    q, k, v = torch.rand(1, 2, 4), torch.rand(1, 2, 4), torch.rand(1, 2, 3)
+    _, state = linear_attention_step(q, k, v, None, rotary=True, log_space=log_space)
+    with pytest.raises(ValueError, match=message):
+        linear_attention_step(q, k, v, bad_state(state), rotary=True, log_space=log_space)
+
+
+def test_step_refuses_negative_features_and_a_state_of_the_other_kind():
+    q, k, v = torch.rand(1, 2, 4), torch.rand(1, 2, 4), torch.rand(1, 2, 3)
+    with pytest.raises(ValueError, match="negative entries"):
+        linear_attention_step(q, -k, v, None, rotary=True)
+    _, plain = linear_attention_step(q, k, v, None, rotary=True)
+    with pytest.raises(ValueError, match="made from plain features but this step has log_space=True"):
+        linear_attention_step(q, k, v, plain, rotary=True, log_space=True)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("rotary", [True, False])
+def test_log_features_of_exactly_zero_features_give_the_plain_result(causal, rotary):
+    """log 0 = -inf (a masked key, a map that gives zeros) once made -inf - (-inf) = NaN rows."""
+    generator = torch.Generator().manual_seed(0)
+    q, k = torch.rand(1, 2, 7, 4, generator=generator), torch.rand(1, 2, 7, 4, generator=generator)
+    v = torch.randn(1, 2, 7, 3, generator=generator)
+    k[:, :, 1] = 0           # every feature of key 1 is zero
+    k[:, :, :, 2] = 0        # feature 2 is zero in every key
+    k[:, 1, 4, 0] = 0
+    plain = linear_attention(q, k, v, causal=causal, rotary=rotary, chunk_size=2)
+    log = linear_attention(q.log(), k.log(), v, causal=causal, rotary=rotary, chunk_size=2, log_space=True)
+    torch.testing.assert_close(log, plain)
+    if causal:
+        state, steps = None, []
+        for t in range(7):
+            out, state = linear_attention_step(q.log()[:, :, t], k.log()[:, :, t], v[:, :, t], state,
+                                               rotary=rotary, log_space=True)
+            steps.append(out)
+        torch.testing.assert_close(torch.stack(steps, 2), plain)
 
 
 def test_step_bad_rank_raises():

@@ -12,10 +12,9 @@ and the denominator only.  Per chunk the work is a handful of (L x M) @ (M x Dv)
 """
 from __future__ import annotations
 
-import numbers
-
 import torch
 
+from ...checks import is_integer
 from ...rotary import rotate_pairs
 from .common import divide, output_gradients
 
@@ -23,7 +22,7 @@ DEFAULT_CHUNK_SIZE = 64
 
 
 def check_chunk_size(chunk_size) -> None:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
+    if not is_integer(chunk_size) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer number of tokens, got {chunk_size!r}")
 
 

@@ -88,6 +88,16 @@ def check_nonnegative(phi_q: torch.Tensor, phi_k: torch.Tensor) -> None:
                              f"use a feature map such as elu(x)+1 or favor")
 
 
+def finite_log_features(x):
+    """Log-features with -inf (a feature that is exactly 0, such as a masked key's) raised to a
+    finite floor far below any real one: the running maxima of stable.py are then finite, so no
+    -inf - (-inf) makes a NaN, and e^(floor - F) is still exactly 0 beside any real feature.  One
+    read of a tensor (a LogProjection, finite inputs times a weight, is returned as is)."""
+    if isinstance(x, LogProjection) or not x.numel() or not bool(torch.isneginf(x.detach()).any()):
+        return x
+    return x.clamp_min(torch.finfo(x.dtype).min / 4)
+
+
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 

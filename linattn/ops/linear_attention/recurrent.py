@@ -6,7 +6,8 @@ from typing import NamedTuple
 import torch
 
 from ...rotary import DEFAULT_BASE, apply_rotary
-from .common import check_features, compute_dtype, divide
+from ...checks import check_rope_base, check_state_position, check_state_tensors
+from .common import check_features, check_nonnegative, compute_dtype, divide, finite_log_features
 from .stable import numerator_query, numerator_scale
 
 
@@ -37,14 +38,16 @@ def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Ten
     `state.position`.  O(M * Dv) time and memory, whatever the context length.  With
     `log_space=True`, phi_q and phi_k hold log-features and the state carries their running max."""
     check_features(phi_q, phi_k, v, rank=3)
+    check_rope_base(rope_base)
+    if log_space:
+        phi_q, phi_k = finite_log_features(phi_q), finite_log_features(phi_k)
+    else:
+        check_nonnegative(phi_q, phi_k)
     dtype = compute_dtype(phi_q, phi_k, v)
+    b, h, m = phi_q.shape
     if state is None:
-        b, h, m = phi_q.shape
         state = initial_state(b, h, m, v.shape[-1], device=v.device, dtype=dtype, log_space=log_space)
-    if (state.log_scale is not None) != log_space:
-        raise ValueError(f"the state was made from {'log-' if state.log_scale is not None else 'plain '}"
-                         f"features but this step has log_space={log_space}; continue a sequence with "
-                         "the kind of features that started it")
+    state = check_state(state, (b, h, m, v.shape[-1]), v.device, log_space)
     with torch.autocast(phi_q.device.type, enabled=False):
         phi_q, phi_k, v_c = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
         if log_space:
@@ -57,6 +60,21 @@ def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Ten
         numerator = (q_num.unsqueeze(-2) @ kv).squeeze(-2)
         out = divide(numerator, (phi_q * k_sum).sum(-1))
     return out.to(v.dtype), LinearState(kv, k_sum, state.position + 1)
+
+
+def check_state(state, shape: tuple, device, log_space: bool) -> LinearState:
+    """A LinearState for (B, H, M, Dv) = `shape` on `device`, from the same kind of features; returned
+    with its position as a plain int."""
+    if not isinstance(state, LinearState):
+        raise ValueError(f"state must be the LinearState returned by a causal pass with return_state=True "
+                         f"or by a step, got {type(state).__name__}")
+    if (state.log_scale is not None) != log_space:
+        raise ValueError(f"the state was made from {'log-' if state.log_scale is not None else 'plain '}"
+                         f"features but this step has log_space={log_space}; continue a sequence with "
+                         "the kind of features that started it")
+    shapes = {"kv": shape, "k_sum": shape[:3]} | ({"log_scale": shape[:3]} if log_space else {})
+    check_state_tensors(state, device, shapes)
+    return state._replace(position=check_state_position(state))
 
 
 def _rotate_token(x: torch.Tensor, position: int, base: float) -> torch.Tensor:

@@ -123,11 +123,14 @@ def _rotate(x, rotary: bool, offset: int, base: float):
     return apply_rotary(x, offset=offset, base=base) if rotary else x
 
 
+@torch.compiler.disable
 def log_linear_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, base: float,
                          chunk_size: int, return_state: bool = False):
     """Eq. 19 from log-features b = log phi_q, a = log phi_k, each a tensor or a `LogProjection`
     (the causal op then projects chunk by chunk), in float32 (float64 stays float64) with autocast
-    off; outputs in v's dtype.  The state (if asked) carries F."""
+    off; outputs in v's dtype.  The state (if asked) carries F.  Under torch.compile it runs eagerly
+    (a graph break): its chunk loop takes decisions from the data, and inductor failed on a ragged
+    last chunk ("Exponent must be non-negative")."""
     tensors = [t for x in (b, a) for t in (x if isinstance(x, LogProjection) else (x,))]
     out_dtype, dtype = v.dtype, compute_dtype(*tensors, v)
     with torch.autocast(v.device.type, enabled=False):
