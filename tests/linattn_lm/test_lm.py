@@ -108,7 +108,7 @@ def test_favor_layer_seeds_differ_per_layer_and_reproduce(make_model) -> None:
     (dict(attention="softmax", rope="pre", feature_map="", feature_map_options={}), "'pre'"),
     (dict(attention="softmax", feature_map="favor"), "no feature map"),
     (dict(feature_map="elu", feature_map_options={"num_features": 64}), "does not take option"),
-    (dict(feature_map="favor", feature_map_options={"num_features": 0}), "num_features must be positive"),
+    (dict(feature_map="favor", feature_map_options={"num_features": 0}), "num_features must be a positive integer"),
     (dict(feature_map="favor", feature_map_options={"num_features": 33}), "num_features must be even"),
     (dict(feature_map="favor", feature_map_options={"num_features": [1]}), "not a plain value"),
     (dict(feature_map="nope"), "unknown feature map"),
