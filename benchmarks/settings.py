@@ -50,9 +50,12 @@ def seconds(text: str) -> float:
 def int_list(text: str) -> tuple[int, ...]:
     """'1024,256,1024' -> (256, 1024): sweeps run small to large, which the budget relies on."""
     try:
-        return tuple(sorted({positive_int(item) for item in text.split(",") if item.strip()}))
+        values = tuple(sorted({positive_int(item) for item in text.split(",") if item.strip()}))
     except ValueError:
-        raise ValueError(f"expected comma-separated positive integers, got {text!r}") from None
+        values = ()
+    if not values:
+        raise ValueError(f"expected comma-separated positive integers, got {text!r}")
+    return values
 
 
 def names(choices: tuple[str, ...] | None = None) -> Callable[[str], tuple[str, ...]]:
@@ -132,7 +135,7 @@ def show(value) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks",
+        prog="python -m benchmarks", allow_abbrev=False,
         description="Benchmark linattn: attention time and memory vs N beside softmax and peers, "
                     "matmul efficiency, decoding, LM throughput.  Defaults in [brackets]; a preset "
                     "changes them, explicit flags override the preset.")

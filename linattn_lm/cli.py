@@ -23,10 +23,23 @@ class UsageError(ValueError):
 
 
 class Parser(argparse.ArgumentParser):
-    """Usage errors in one line (the full usage is long): what was wrong, then where to look."""
+    """Usage errors in one line (the full usage is long): what was wrong, then where to look.  Flags
+    are never abbreviated: --feature-map must not pass for a prefix of --feature-map-option."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{"allow_abbrev": False} | kwargs)
 
     def error(self, message: str):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it is None or its help already says what it is."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def finite_float(text: str) -> float:
@@ -96,7 +109,7 @@ def given_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def pre_parse_imports(argv: list[str] | None) -> list[str]:
     """The --import values, read before the full parser exists (user maps become choices)."""
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--import", dest="imports", action="append", default=[])
     known, _ = pre.parse_known_args(argv)
     return known.imports

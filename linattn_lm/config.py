@@ -188,8 +188,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                  chunk_size=32, eval_interval=10, eval_iters=2, log_interval=5, ckpt_interval=10,
                  sample_interval=30),
     # The defaults, and the budget of the RoPE-placement study (docs/results/study-cpu.md): about 6
-    # (softmax) to 12 (FAVOR+) minutes per run on 2 CPU cores, where every variant beats the order-2
-    # n-gram line (3.31 val bpc) clearly; FAVOR+ post measured 3.05 at step 1200, 3.36 at step 600.
+    # (softmax) to 10-14 (FAVOR+) minutes per run on 2 CPU cores, where every variant beats the order-2
+    # n-gram line (3.31 val bpc) clearly; FAVOR+ post (the quick start) measured 3.02-3.04 at step 1200.
     # No redraws: a redraw late in a short run costs more than it brings (the study measures it).
     "cpu": dict(n_layer=4, d_model=128, n_head=4, mlp_ratio=4.0, dropout=0.0, seq_len=256,
                 batch_size=16, lr=3e-3, min_lr=3e-4, warmup=50, steps=1200, weight_decay=0.1, grad_clip=1.0,

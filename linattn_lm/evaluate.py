@@ -25,7 +25,7 @@ import torch
 import linattn
 from .data import SPLITS, DataError, SequentialWindows, default_data_dir, load_split
 from .checkpoint import CheckpointError, checkpoint_path, load_checkpoint, model_from_checkpoint
-from .cli import EXIT_USAGE, Parser, UsageError, finite_float, import_user_code, integer, pre_parse_imports
+from .cli import EXIT_USAGE, DefaultsFormatter, Parser, UsageError, finite_float, import_user_code, integer, pre_parse_imports
 from .lm import ByteLM, bits_per_byte
 from .ngram import format_reference, reference_bpc
 from .runtime import autocast, decode_bytes, encode_text, keep_freed_memory, resolve_device, summed_loss
@@ -33,7 +33,7 @@ from .runtime import autocast, decode_bytes, encode_text, keep_freed_memory, res
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(description="Evaluate bits per byte of a train.py checkpoint, or sample from it.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsFormatter)
     p.add_argument("checkpoint", type=Path, help="a ckpt.pt, or a run directory that holds one")
     p.add_argument("--split", choices=SPLITS, default="val", help="split to evaluate")
     p.add_argument("--seq-len", type=integer, nargs="+",

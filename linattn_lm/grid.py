@@ -190,7 +190,10 @@ def parse_grid_flags(given: dict[str, Any], args: Any) -> tuple[dict[tuple[int, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = training.build_parser("Train a grid of attention variants x seeds (same data, steps) and compare "
-                                   "them.", skip=variant_skip())
+                                   "them.  --run-name names the grid directory under --out-dir (default: "
+                                   "grid-<preset>).", skip=variant_skip(),
+                                   resume_help="continue the grid in <out-dir>/<run-name>: finished runs are "
+                                               "kept, interrupted ones resume from their checkpoints")
     parser.add_argument("--variants", help="comma-separated variants (default: softmax-rope, softmax-abs and "
                                            "linear-<map>-<post|pre|none> for every registered map)")
     parser.add_argument("--seeds", help="comma-separated seeds, each trains every variant (default: --seed)")
@@ -206,5 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"{grid_dir} already has checkpoints for {', '.join(started[:3])}"
                                   f"{' ...' if len(started) > 3 else ''}: pass --resume to continue the grid, or "
                                   "choose another --run-name / --out-dir")
+        if args.resume and not grid_dir.exists():
+            raise CheckpointError(f"--resume continues a grid, but there is none at {grid_dir}: drop --resume "
+                                  "to start it, or give the --out-dir / --run-name it was started with")
         return run_grid(configs, grid_dir, args.resume, multiples)
     return training.run_reporting_errors(run)

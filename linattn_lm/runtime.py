@@ -136,19 +136,31 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
         raise
 
 
+class WriteFailed(Exception):
+    """An output could not be written (disk full, no permission); what was there is kept."""
+
+
 def write_staged(path: Path, write: Callable[[Path], None]) -> Path:
     """write(tmp) fills a temporary file next to `path`, on disk and with the permissions open()
     would give; returns it for the caller to rename onto `path` (several files can be staged first
-    and then renamed together).  A failed write leaves nothing behind."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    and then renamed together).  A failed write leaves nothing behind and raises WriteFailed (torch
+    reports a full disk as a RuntimeError)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as error:
+        raise WriteFailed(f"cannot write {path}: {error.strerror or error}") from None
     os.close(handle)
     try:
         write(Path(tmp))
         with open(tmp, "rb+") as written:    # on disk before it takes the real name
             os.fsync(written.fileno())
         os.chmod(tmp, 0o666 & ~_umask())      # mkstemp makes 0600; give what open() would
-    except BaseException:
+    except BaseException as error:
         os.unlink(tmp)
+        if isinstance(error, (OSError, RuntimeError)):
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else first_line(error)
+            raise WriteFailed(f"cannot write {path} ({reason}); the file already there, if any, is kept: "
+                              f"free some space or choose a writable --out-dir") from None
         raise
     return Path(tmp)

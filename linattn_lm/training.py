@@ -32,7 +32,7 @@ from .cli import (EXIT_ERROR, EXIT_USAGE, Parser, UsageError, add_config_flags, 
 from .config import TrainConfig, config_differences, config_from_flags
 from .data import DataError, RandomWindows, load_split
 from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss
-from .runtime import (autocast, decode_bytes, keep_freed_memory, peak_memory_mb, reset_peak_memory,
+from .runtime import (WriteFailed, autocast, decode_bytes, keep_freed_memory, peak_memory_mb, reset_peak_memory,
                       resolve_device, summed_loss)
 
 SAMPLE_PROMPT_BYTES = 128
@@ -519,7 +519,7 @@ def train(config: TrainConfig, ctx: Distributed, *, resume: bool = False) -> Tra
 
 EXIT_INTERRUPTED = EXIT_SIGNAL_BASE + signal.SIGINT
 RUN_ERRORS = (DataError, CheckpointError, UsageError)                    # exit 2: fix the input
-RUN_FAILURES = (TrainingDiverged, torch.OutOfMemoryError, MemoryError)   # exit 1: the run failed
+RUN_FAILURES = (TrainingDiverged, WriteFailed, torch.OutOfMemoryError, MemoryError)   # exit 1: the run failed
 
 
 def failure_message(error: BaseException) -> str:
@@ -528,11 +528,11 @@ def failure_message(error: BaseException) -> str:
     return str(error)
 
 
-def build_parser(description: str = "Train a byte-level LM on enwik8.", *, skip: set[str] = frozenset()
-                 ) -> argparse.ArgumentParser:
+def build_parser(description: str = "Train a byte-level LM on enwik8.", *, skip: set[str] = frozenset(),
+                 resume_help: str = "continue from <out-dir>/<run-name>/ckpt.pt") -> argparse.ArgumentParser:
     parser = Parser(description=description)
     add_config_flags(parser, skip=skip)
-    parser.add_argument("--resume", action="store_true", help="continue from <out-dir>/<run-name>/ckpt.pt")
+    parser.add_argument("--resume", action="store_true", help=resume_help)
     return parser
 
 

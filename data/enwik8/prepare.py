@@ -330,7 +330,7 @@ def verify(out_dir: Path | str, log: Log = print) -> dict[str, Any]:
 
 def build_parser() -> Parser:
     parser = Parser(description="Download and verify enwik8 (the bundled sample when that fails) and write "
-                                "byte-level train/val/test splits (90%%/5%%/5%%) plus meta.json.")
+                                "byte-level train/val/test splits (90%/5%/5%) plus meta.json.")
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR,
                         help="directory for the splits, meta.json and the download cache (default: %(default)s)")
     sources = parser.add_mutually_exclusive_group()

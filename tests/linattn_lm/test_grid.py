@@ -185,3 +185,11 @@ def test_grid_rejects_bad_flags(argv: list[str], message: str, run_main) -> None
 def test_default_variants_cover_every_registered_map() -> None:
     variants = default_variants()
     assert all(f"linear-{name}-post" in variants for name in linattn.available_feature_maps())
+
+
+def test_resume_of_a_grid_that_does_not_exist_is_refused(data_dir: Path, tiny: list[str], tmp_path: Path,
+                                                         run_main) -> None:
+    argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--variants", VARIANTS, "--resume"]
+    code, _, err = run_main(grid.main, argv)
+    assert code == 2 and "there is none at" in err and "drop --resume" in err
+    assert not (tmp_path / "grid-tiny").exists()

@@ -1,7 +1,10 @@
 """Runtime helpers shared by training, evaluation, data preparation and benchmarks."""
 import os
 
-from linattn_lm.runtime import write_atomically
+import pytest
+
+from linattn_lm.runtime import WriteFailed, write_atomically
+from linattn_lm.training import EXIT_ERROR, run_reporting_errors
 
 
 def test_write_atomically_gives_the_permissions_open_would_and_leaves_no_temporary(tmp_path):
@@ -13,3 +16,24 @@ def test_write_atomically_gives_the_permissions_open_would_and_leaves_no_tempora
     assert (tmp_path / "split.bin").read_bytes() == b"abc"
     assert (tmp_path / "split.bin").stat().st_mode & 0o777 == 0o644
     assert sorted(p.name for p in tmp_path.iterdir()) == ["split.bin"]
+
+
+def test_a_write_that_fails_keeps_the_old_file_and_says_why_in_one_line(tmp_path, capsys):
+    """torch.save reports a full disk as a RuntimeError; training then stops with one line, exit 1."""
+    target = tmp_path / "ckpt.pt"
+    target.write_bytes(b"old")
+
+    def full_disk(tmp):
+        tmp.write_bytes(b"par")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1013184 vs 1013072\nmore")
+
+    with pytest.raises(WriteFailed, match=r"cannot write .*ckpt.pt \(\[enforce fail .* vs 1013072\); the file "
+                                          r"already there, if any, is kept"):
+        write_atomically(target, full_disk)
+    assert target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
+
+    def save():
+        write_atomically(target, full_disk)
+    assert run_reporting_errors(save) == EXIT_ERROR
+    message = capsys.readouterr().err
+    assert message.startswith("error: cannot write") and message.count("\n") == 1 and "Traceback" not in message
