@@ -334,6 +334,10 @@ class Trainer:
             torch.manual_seed(config.model.seed + 1 + ctx.rank)   # per-rank dropout masks
         else:
             path = self.ckpt_file
+            if checkpoint["step"] > config.optim.steps:
+                raise CheckpointError(f"{path} is at step {checkpoint['step']}, past --steps {config.optim.steps}: "
+                                      f"there is nothing to train; pass --steps {checkpoint['step']} to score it "
+                                      f"again, more to go on, or another --run-name")
             load_state(path, "model", lambda: self.model.load_state_dict(checkpoint["model"]))
             load_state(path, "optimizer", lambda: self.optimizer.load_state_dict(checkpoint["optimizer"]))
             load_state(path, "loader", lambda: self.train_batches.load_state_dict(checkpoint["loader"]))

@@ -188,6 +188,14 @@ def test_resume_refuses_damaged_checkpoints(damage, message: str, tiny_run: Path
     assert code == 2 and message in err and "Traceback" not in err, err
 
 
+def test_resume_with_fewer_steps_than_the_checkpoint_says_there_is_nothing_to_train(
+        tiny_run: Path, data_dir: Path, tiny: list[str], tmp_path: Path, run_main) -> None:
+    shutil.copytree(tiny_run, tmp_path / "tiny")
+    code, _, err = run_main(training.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path),
+                                            "--run-name", "tiny", "--resume", "--steps", "20", "--decay-steps", "30"])
+    assert code == 2 and "is at step 30, past --steps 20: there is nothing to train; pass --steps 30" in err, err
+
+
 def test_stale_checkpoint_temporaries_are_removed(tiny_run: Path, data_dir: Path, tiny: list[str],
                                                   tmp_path: Path) -> None:
     shutil.copytree(tiny_run, tmp_path / "tiny")
