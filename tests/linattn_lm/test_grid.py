@@ -84,7 +84,7 @@ def test_grid_resumes_and_adds_seeds_without_retraining(data_dir: Path, tiny: li
         (s, v) for s in "02" for v in VARIANTS.split(",")]
 
     code, _, err = run_main(grid.main, [*argv, "--seeds", "0", "--resume", "--steps", "3", "--decay-steps", "4"])
-    assert code == 2 and "has trained 4 steps, more than --steps 3" in err
+    assert code == 2 and "is at step 4, past --steps 3: there is nothing to train; pass --steps 4" in err
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
