@@ -188,7 +188,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                  chunk_size=32, eval_interval=10, eval_iters=2, log_interval=5, ckpt_interval=10,
                  sample_interval=30),
     # The defaults, and the budget of the RoPE-placement study (docs/results/study-cpu.md): about 6
-    # (softmax) to 10-14 (FAVOR+) minutes per run on 2 CPU cores, where every variant beats the order-2
+    # (softmax) to 9-14 (FAVOR+) minutes per run on 2 CPU cores, where every variant beats the order-2
     # n-gram line (3.31 val bpc) clearly; FAVOR+ post (the quick start) measured 3.02-3.04 at step 1200.
     # No redraws: a redraw late in a short run costs more than it brings (the study measures it).
     "cpu": dict(n_layer=4, d_model=128, n_head=4, mlp_ratio=4.0, dropout=0.0, seq_len=256,
