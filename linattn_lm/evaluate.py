@@ -67,6 +67,23 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--seed must be in [0, 2**63), --threads <= 4096, --max-new-tokens <= 16,777,216")
 
 
+SAMPLING_FLAGS = ("--max-new-tokens", "--temperature", "--top-k", "--seed")
+SCORING_FLAGS = ("--split", "--seq-len", "--max-bytes", "--batch-size", "--data-dir")
+
+
+def check_mode_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> None:
+    """Sampling flags act only with --generate, scoring flags only without: a flag given to the
+    other mode would be ignored without a word.  (Flags are never abbreviated, so argv names them.)"""
+    given = {token.split("=", 1)[0] for token in argv if token.startswith("--")}
+    sampling, scoring = given.intersection(SAMPLING_FLAGS), given.intersection(SCORING_FLAGS)
+    if args.generate is None and sampling:
+        parser.error(f"{', '.join(sorted(sampling))} apply only with --generate PROMPT (sampling); "
+                     "without it eval.py scores bits per byte")
+    if args.generate is not None and scoring:
+        parser.error(f"{', '.join(sorted(scoring))} apply to scoring bits per byte, not to --generate; "
+                     "drop them, or drop --generate")
+
+
 def evaluate_bpc(model: ByteLM, data: np.ndarray, seq_len: int, batch_size: int,
                  device: torch.device) -> tuple[float, float]:
     """(bits per byte, tokens per second) over `data` in non-overlapping windows of seq_len."""
@@ -129,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     args = parser.parse_args(argv)
     check_args(parser, args)
+    check_mode_flags(parser, args, sys.argv[1:] if argv is None else argv)
     keep_freed_memory()   # large CPU temporaries reuse freed memory instead of page-faulting
     try:
         device = resolve_device(args.device)

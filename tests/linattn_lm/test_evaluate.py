@@ -132,3 +132,14 @@ def test_nan_weights_are_refused(data_dir: Path, tmp_path: Path, run_main, make_
     for argv in ([str(ckpt)], [str(ckpt), "--generate", "The "]):
         code, out, err = run_main(evaluate.main, argv)
         assert code == 2 and "holds NaN or inf" in err and "bpc" not in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--temperature", "0.5", "--top-k=5"], "--temperature, --top-k apply only with --generate PROMPT"),
+    (["--generate", "The ", "--split", "test"], "--split apply to scoring bits per byte, not to --generate"),
+])
+def test_flags_of_the_other_mode_are_refused_not_ignored(argv: list[str], message: str, data_dir: Path,
+                                                          tmp_path: Path, run_main, make_model) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", make_model(), data_dir)
+    code, _, err = run_main(evaluate.main, [str(ckpt), *argv])
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
