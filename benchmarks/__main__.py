@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from .report import Report, write_outputs
-from .sections import run_attention, run_decode, run_efficiency, run_model, selected_methods
-from .settings import Settings, parse_settings
+from .sections import run_attention, run_decode, run_efficiency, run_model
+from .settings import Settings, parse_settings, selected_methods
 from .timing import ChildRunner
 
 

@@ -9,7 +9,6 @@ and a runner that sweeps the configs in the parent and prints its tables.
 """
 from __future__ import annotations
 
-import fnmatch
 import functools
 from dataclasses import replace
 from typing import Callable
@@ -24,7 +23,7 @@ from . import report as tables
 from .methods import (DTYPES, MASKS, Method, Shape, build_attention, forward_call, make_inputs,
                       method_table, runs_with, train_call, unavailable)
 from .report import Report, fmt, markdown_table, measured
-from .settings import PASSES, Settings
+from .settings import PASSES, Settings, selected_methods
 from .timing import (MB, ChildRunner, History, PeakMemory, child_timeout, median_time, run_budgeted,
                      saved_tensor_bytes, time_call)
 
@@ -58,12 +57,6 @@ def attention_task(task: dict) -> dict:
         result["train_peak_bytes"] = memory.peak_above_baseline()
         result["saved_bytes"] = saved_tensor_bytes(lambda: attend(q, k, v))
     return result
-
-
-def selected_methods(settings: Settings) -> list[Method]:
-    """The methods whose names match a --methods pattern, in table order."""
-    return [m for m in method_table(settings.backends)
-            if any(fnmatch.fnmatchcase(m.name, pattern) for pattern in settings.methods)]
 
 
 def attention_configs(settings: Settings, device: torch.device, report: Report) -> list[tuple[Method, str, str]]:

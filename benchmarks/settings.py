@@ -13,7 +13,9 @@ from typing import Callable
 from linattn.functional import BACKENDS as LINATTN_BACKENDS
 from linattn_lm.runtime import resolve_device
 
-from .methods import DTYPES, MASKS, Shape, method_table
+import torch
+
+from .methods import DTYPES, MASKS, Method, Shape, build_attention, method_table, unavailable
 
 SECTIONS = ("attention", "efficiency", "decode", "model")
 PASSES = ("fwd", "fwd+bwd")
@@ -109,6 +111,7 @@ class Settings:
     model_tokens: int = option(4096, "LM tokens per training batch, the same at every context", positive_int)
     model_steps: int = option(3, "timed LM optimizer steps", positive_int)
     out: str = option("bench_results/bench", "output prefix: writes OUT.json, OUT.md and OUT.png", str)
+    overwrite: bool = option(False, "replace the results of an earlier run at --out (refused without it)", bool)
 
     @property
     def shape(self) -> Shape:
@@ -142,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--preset", choices=PRESETS, default="full",
                         help="; ".join(f"{name}: {show_preset(values)}" for name, values in PRESETS.items()))
     for spec in fields(Settings):
+        if spec.metadata["parse"] is bool:
+            parser.add_argument(flag(spec.name), action="store_true", help=spec.metadata["help"])
+            continue
         parser.add_argument(flag(spec.name), type=_argparse_type(spec.metadata["parse"]), default=spec.default,
                             metavar=spec.name.upper(), help=spec.metadata["help"] + (f" [{show(spec.default)}]" if spec.default != () else ""))
     return parser
@@ -186,6 +192,7 @@ def resolve(settings: Settings) -> Settings:
     if unmatched:
         raise BadSetting(f"--methods {','.join(unmatched)} matches no method; with --backends "
                          f"{','.join(settings.backends)} the methods are: {', '.join(known)}")
+    check_methods_build(settings, device)
     out = Path(settings.out)
     try:   # the folder of a run that will start anyway, and a probe that it takes files
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -195,4 +202,29 @@ def resolve(settings: Settings) -> Settings:
                          "give a writable file prefix such as bench_results/bench") from None
     if out.is_dir():
         raise BadSetting(f"--out {settings.out} is a folder; give a file prefix such as {out / 'bench'}")
+    earlier = [path.name for path in (out.with_name(out.name + suffix) for suffix in (".json", ".md", ".png"))
+               if path.exists()]
+    if earlier and not settings.overwrite:
+        raise BadSetting(f"--out {settings.out}: {', '.join(earlier)} from an earlier run would be replaced; "
+                         "pass --overwrite to replace them, or give another --out")
     return replace(settings, device=str(device), lengths=settings.lengths or DEFAULT_LENGTHS[device.type])
+
+
+def selected_methods(settings: Settings) -> list[Method]:
+    """The methods whose names match a --methods pattern, in table order."""
+    return [m for m in method_table(settings.backends)
+            if any(fnmatch.fnmatchcase(m.name, pattern) for pattern in settings.methods)]
+
+
+def check_methods_build(settings: Settings, device: torch.device) -> None:
+    """Every selected method that can run here accepts the shape and chunk settings (an odd M with a
+    rotation, say), checked once with one head on the CPU rather than as an error row per config."""
+    shape = replace(settings.shape, heads=1)
+    for method in selected_methods(settings):
+        if unavailable(method, device) is not None:
+            continue   # the sweep notes why it is skipped
+        for mask in settings.masks:
+            try:
+                build_attention(method, shape, torch.device("cpu"), MASKS[mask], settings.chunk_size)
+            except (ValueError, TypeError) as error:
+                raise BadSetting(f"method {method.name} ({mask}) cannot run with these settings: {error}") from None

@@ -108,6 +108,8 @@ class RunConfig:
         check_types(self)
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose from {', '.join(PRESETS)}")
+        if not self.out_dir:
+            raise ValueError("out_dir must name a directory, got ''; pass --out-dir . for the current directory")
         if not self.run_name or self.run_name.startswith("/") or ".." in self.run_name.split("/"):
             raise ValueError(f"run_name must be a relative name inside --out-dir, got {self.run_name!r}")
         if not 0 <= self.threads <= 4096:

@@ -33,7 +33,7 @@ from . import training
 from .checkpoint import CHECKPOINT_NAME, CheckpointError
 from .cli import variant_skip
 from .config import DEFAULT_PRESET, TrainConfig, config_differences, config_from_flags
-from .data import load_split
+from .data import DataError, check_window_fits, load_split
 from .evaluate import bpc_table
 from .grid_report import RECORD_KEYS, RESULT_NAME, write_report
 from .lm import feature_map_parameters
@@ -71,6 +71,8 @@ def run_configs(given: dict[str, Any], variants: list[str], seeds: list[int]) ->
     unused = sorted(set(shared_options) - used)
     if unused:
         raise ValueError(f"no variant's feature map takes option(s) {unused}")
+    if "chunk_size" in given and all(config.model.attention == "softmax" for config in configs.values()):
+        raise ValueError("--chunk-size applies to linear variants only, and none is listed: drop it or add one")
     return configs
 
 
@@ -209,5 +211,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume and not grid_dir.exists():
             raise CheckpointError(f"--resume continues a grid, but there is none at {grid_dir}: drop --resume "
                                   "to start it, or give the --out-dir / --run-name it was started with")
+        check_eval_windows(configs.values(), multiples)
         return run_grid(configs, grid_dir, args.resume, multiples)
     return training.run_reporting_errors(run)
+
+
+def check_eval_windows(configs, multiples: list[int]) -> None:
+    """The longest scoring window fits the val and test splits, checked before the first run trains."""
+    for data_path, seq_len in {(config.run.data_path, config.model.seq_len) for config in configs}:
+        for split in EVAL_SPLITS:
+            length = len(load_split(data_path, split).data)
+            try:
+                check_window_fits(length, max(multiples) * seq_len)
+            except DataError as error:
+                raise DataError(f"--eval-multiples {max(multiples)} x --seq-len {seq_len}: {error} "
+                                f"({split}); choose smaller multiples") from None

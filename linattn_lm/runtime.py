@@ -144,7 +144,7 @@ def write_staged(path: Path, write: Callable[[Path], None]) -> Path:
     """write(tmp) fills a temporary file next to `path`, on disk and with the permissions open()
     would give; returns it for the caller to rename onto `path` (several files can be staged first
     and then renamed together).  A failed write leaves nothing behind and raises WriteFailed (torch
-    reports a full disk as a RuntimeError)."""
+    reports a full disk as a RuntimeError from its archive writer)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -158,9 +158,15 @@ def write_staged(path: Path, write: Callable[[Path], None]) -> Path:
         os.chmod(tmp, 0o666 & ~_umask())      # mkstemp makes 0600; give what open() would
     except BaseException as error:
         os.unlink(tmp)
-        if isinstance(error, (OSError, RuntimeError)):
+        if isinstance(error, OSError) or _torch_write_error(error):
             reason = error.strerror if isinstance(error, OSError) and error.strerror else first_line(error)
             raise WriteFailed(f"cannot write {path} ({reason}); the file already there, if any, is kept: "
                               f"free some space or choose a writable --out-dir") from None
         raise
     return Path(tmp)
+
+
+def _torch_write_error(error: BaseException) -> bool:
+    """torch.save's archive writer (inline_container.cc) reports a failed write, a full disk for one,
+    as a RuntimeError; any other RuntimeError is a bug and keeps its traceback."""
+    return isinstance(error, RuntimeError) and "inline_container" in str(error)

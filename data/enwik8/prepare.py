@@ -358,6 +358,9 @@ def main(argv: list[str] | None = None, *, download: Download = ENWIK8) -> int:
     args = parser.parse_args(argv)
     if args.verify and (args.force or args.allow_noncanonical):
         parser.error("--verify checks the prepared data as it is: it takes no --force or --allow-noncanonical")
+    if args.allow_noncanonical and args.source is None:
+        parser.error("--allow-noncanonical applies to a --source file (the download is checked against enwik8's "
+                     "hash, and the bundled sample is always accepted): add --source PATH or drop it")
     previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         if args.verify:

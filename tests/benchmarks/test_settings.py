@@ -28,6 +28,8 @@ def test_lengths_default_to_the_device_and_run_small_to_large(tmp_path):
     (["--methods", "favor-*,flash3"], "flash3 matches no method"),
     (["--backends", "cuda"], "auto,torch,triton"),
     (["--device", "tpu"], "one of auto, cpu, cuda"),
+    (["--methods", "favor-post", "--num-features", "7"], "method favor-post (causal) cannot run"),
+    (["--methods", "elu-*", "--head-dim", "5"], "method elu-post (causal) cannot run"),
 ])
 def test_bad_flags_exit_2_with_one_line_that_names_the_flag(flags, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
@@ -44,3 +46,12 @@ def test_an_output_prefix_that_cannot_be_written_is_refused_before_any_run(tmp_p
         with pytest.raises(SystemExit):
             parse_settings(["--out", out])
         assert "--out" in capsys.readouterr().err
+
+
+def test_results_of_an_earlier_run_are_replaced_only_with_overwrite(tmp_path, capsys):
+    (tmp_path / "bench.md").write_text("earlier")
+    with pytest.raises(SystemExit):
+        parse_settings(["--out", str(tmp_path / "bench")])
+    assert "bench.md from an earlier run would be replaced; pass --overwrite" in capsys.readouterr().err
+    assert parse_settings(["--out", str(tmp_path / "bench"), "--overwrite"]).overwrite
+    assert (tmp_path / "bench.md").read_text() == "earlier"

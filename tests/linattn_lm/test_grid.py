@@ -176,6 +176,7 @@ def test_variant_names_carry_feature_map_options() -> None:
     (["--seeds", "0,1", "--seed", "3"], "give either --seed or --seeds"),
     (["--seeds", "-1"], "--seeds must be >= 0"),
     (["--eval-multiples", "0"], "--eval-multiples >= 1"),
+    (["--variants", "softmax-rope,softmax-abs", "--chunk-size", "32"], "--chunk-size applies to linear variants only"),
 ])
 def test_grid_rejects_bad_flags(argv: list[str], message: str, run_main) -> None:
     code, _, err = run_main(grid.main, argv)
@@ -193,3 +194,12 @@ def test_resume_of_a_grid_that_does_not_exist_is_refused(data_dir: Path, tiny: l
     code, _, err = run_main(grid.main, argv)
     assert code == 2 and "there is none at" in err and "drop --resume" in err
     assert not (tmp_path / "grid-tiny").exists()
+
+
+def test_eval_windows_longer_than_a_split_are_refused_before_training(data_dir: Path, tiny: list[str], tmp_path: Path,
+                                                                      run_main) -> None:
+    argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--variants", VARIANTS,
+            "--eval-multiples", "1,100000"]
+    code, _, err = run_main(grid.main, argv)
+    assert code == 2 and "--eval-multiples 100000 x --seq-len" in err and "choose smaller multiples" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "grid-tiny").exists()

@@ -100,6 +100,7 @@ def test_resume_continues_exactly(data_dir: Path, tiny: list[str], tmp_path: Pat
     (["--device", "gpu"], "device 'gpu' is not a device name"),
     (["--device", "cuda:abc"], "device 'cuda:abc' is not a device name"),
     (["--run-name", "../elsewhere"], "run_name must be a relative name"),
+    (["--out-dir", ""], "out_dir must name a directory, got ''"),
     (["--threads", "-1"], "threads must be in"),
     (["--import", "no_such_module_here"], "--import no_such_module_here: cannot import it"),
 ])

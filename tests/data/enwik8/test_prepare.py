@@ -341,6 +341,8 @@ def test_unusable_sources_are_one_line_errors(kind: str, message: str, tmp_path:
     (["--sample", "--source", "x.gz"], "not allowed with argument"),
     (["--sample", "--verify"], "not allowed with argument"),
     (["--bogus"], "unrecognized arguments"),
+    (["--allow-noncanonical"], "--allow-noncanonical applies to a --source file"),
+    (["--sample", "--allow-noncanonical"], "--allow-noncanonical applies to a --source file"),
 ])
 def test_bad_flags_are_one_line_usage_errors(argv: list[str], message: str, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
