@@ -46,8 +46,9 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     With `return_state=True` (causal only) also returns the `LinearState` after the last token,
     so decoding can continue with `linear_attention_step`.  `backend`: "torch", "triton" (fused
     kernels: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1) or "auto" (triton on CUDA
-    tensors when it is installed, else torch).  `log_space=True`: phi_q and phi_k hold log-features,
-    and the stabilised algorithm of `ops/linear_attention/stable.py` runs, on either backend; each
+    tensors when it is installed, torch for float64 and elsewhere).  `log_space=True`: phi_q and
+    phi_k hold log-features, and the stabilised algorithm of `ops/linear_attention/stable.py` runs,
+    on either backend; each
     may also be a `LogProjection` (inputs @ weight^T + shift), which the torch backend's causal pass
     projects chunk by chunk without holding the (B, H, N, M) log-features.
     """
@@ -65,7 +66,8 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
         check_rotated_dim(phi_k.weight.shape[0] if isinstance(phi_k, LogProjection) else phi_k.shape[-1])
     if return_state and not causal:
         raise ValueError("return_state=True needs causal=True: a non-causal pass has no decoding state")
-    resolved = backends.resolve(backend, v.device)
+    tensors = [t for x in (phi_q, phi_k) for t in (x if isinstance(x, LogProjection) else (x,))] + [v]
+    resolved = backends.resolve(backend, v.device, float64=any(t.dtype == torch.float64 for t in tensors))
     chunk_size = max(1, min(chunk_size, v.shape[-2]))   # a short sequence is one chunk, unpadded
     if log_space and resolved == "triton" and v.shape[-2] > 0:
         from .ops.linear_attention import fused

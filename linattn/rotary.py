@@ -56,15 +56,20 @@ def check_offset(offset) -> None:
         raise ValueError(f"offset must be a non-negative integer position, got {offset!r}")
 
 
+def check_positions(offset, length: int) -> None:
+    """Positions offset..offset+length-1 are int64s: rotations are exact below 2^63."""
+    check_offset(offset)
+    if int(offset) + length - 1 > _MAX_POSITION:
+        raise ValueError(f"rotary positions must stay below 2^63, got offset {offset} with {length} tokens")
+
+
 def rotary_angles(length: int, dim: int, *, offset: int = 0, base: float = DEFAULT_BASE,
                   device: torch.device | str = "cpu") -> torch.Tensor:
     """p * theta_i up to multiples of 2 pi, float64 of shape (length, dim/2) and below 2^21, for
     positions p = offset..offset+length-1 (no final fmod: float64's 2 pi would cost more than it saves)."""
     check_rotated_dim(dim)
-    check_offset(offset)
+    check_positions(offset, length)
     offset = int(offset)
-    if offset + length - 1 > _MAX_POSITION:
-        raise ValueError(f"rotary positions must stay below 2^63, got offset {offset} with {length} tokens")
     positions = torch.arange(length, dtype=torch.int64, device=device) + offset
     angles = torch.zeros(length, dim // 2, dtype=torch.float64, device=device)
     digits = max(1, math.ceil((offset + length).bit_length() / _DIGIT_BITS))

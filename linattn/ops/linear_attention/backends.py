@@ -15,16 +15,21 @@ def triton_installed() -> bool:
 
 def interpreting() -> bool:
     """Triton's interpreter runs kernels on CPU tensors; it must be switched on before the kernel
-    module is imported, because @triton.jit reads the variable when it decorates."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    module is imported, because @triton.jit reads the variable when it decorates.  Read the way
+    triton reads it (TRITON_INTERPRET=false or 2 is off there), so that the two never disagree."""
+    if "TRITON_INTERPRET" not in os.environ or not triton_installed():
+        return False
+    import triton
+    return bool(triton.knobs.runtime.interpret)
 
 
-def resolve(backend: str, device: torch.device) -> str:
-    """The backend that runs on `device`, or a ValueError that says how to get the one asked for."""
+def resolve(backend: str, device: torch.device, float64: bool = False) -> str:
+    """The backend that runs on `device` (for float64 inputs if `float64`: "auto" then takes torch,
+    since the kernels compute in float32), or a ValueError that says how to get the one asked for."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_installed() else "torch"
+        return "triton" if device.type == "cuda" and triton_installed() and not float64 else "torch"
     if backend == "triton":
         if not triton_installed():
             raise ValueError("backend='triton' needs the triton package: pip install 'linattn[triton]' "

@@ -23,8 +23,10 @@ The partial gradients of a program (over its value tile for dq, dk, over its fea
 are summed on the host.  Without `causal` the state is the sum over all tokens: a first loop builds
 it, the second reads it.
 
-Angles: position p times theta_i / 2pi is formed in float64 and reduced to a fraction of a turn
-before going to float32, so offsets of 1e9 stay accurate to ~1e-6 rad.
+Angles: the offset's turns, offset * theta_i / 2pi mod 1, come from rotary.py's exact reduction
+(any offset below 2^63); the kernels add row * theta_i / 2pi in float64 for the rows of the call
+and reduce to a fraction of a turn before going to float32, so every position is accurate to ~1e-6
+rad.
 
 Log-features (LOG, stable.py's algorithm; the FAVOR+ block's path): the kernels read b = log phi_q,
 a = log phi_k and three tensors made in torch by `_log_scales` (F, the running max of a; Q per row;
@@ -46,8 +48,9 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
-from ...rotary import DEFAULT_BASE
+from ...rotary import DEFAULT_BASE, check_positions, rotary_angles
 from .backends import interpreting
 from . import stable
 from .common import LogProjection, divide
@@ -65,6 +68,13 @@ MIN_VALUE_TILE = 32
 # 248-264 KB of shared memory on sm_90, over an H100's 227 KB per block; 2 stages need 206 KB
 # (compiled for sm_90 without a GPU by tests/linattn/ops/compile_kernels.py).
 LOG_BACKWARD_STAGES = 2
+# (largest feature tile, largest value tile, pipelining stages or None for triton's default) per
+# level, tried in order until the kernels fit the GPU's shared memory per block (`_launch_fitting`).
+# Compiled without a GPU (tests/linattn/ops/compile_kernels.py), the causal log-space backward needs
+# the most in every level: level 0 206 KB on sm_90 (H100: 227 KB per block) and 140 KB on sm_86;
+# level 1 64 KB on sm_86 (RTX 30xx/40xx, A10, L4: 99 KB) but 68 KB on sm_75; level 2 49 KB on sm_75
+# (T4: 64 KB).
+TILE_LEVELS = ((FEATURE_TILE, VALUE_TILE, None), (FEATURE_TILE, MIN_VALUE_TILE, 1), (16, 16, 1))
 TWO_PI = 2 * math.pi
 JUMP_LIMIT = tl.constexpr(stable.JUMP_LIMIT)          # the log-space limits of stable.py, for the kernels
 NUMERATOR_CAP = tl.constexpr(stable.NUMERATOR_CAP)
@@ -79,11 +89,13 @@ def _rotate(x, cos, sin, BT: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def _phases(turns_ptr, first, i_k, HALF, BT: tl.constexpr, BK: tl.constexpr):
-    """cos and sin of positions first..first+BT-1 for the feature pairs of tile i_k."""
+    """cos and sin of rows first..first+BT-1 (positions offset + row) for the feature pairs of tile
+    i_k; the table holds theta / 2pi, then offset * theta / 2pi mod 1 (both float64)."""
     pairs = i_k * (BK // 2) + tl.arange(0, BK // 2)
-    turns = tl.load(turns_ptr + pairs, mask=pairs < HALF, other=0.0)        # theta / 2pi, float64
-    position = (first + tl.arange(0, BT)).to(tl.float64)
-    turn = position[:, None] * turns[None, :]
+    turns = tl.load(turns_ptr + pairs, mask=pairs < HALF, other=0.0)
+    start = tl.load(turns_ptr + HALF + pairs, mask=pairs < HALF, other=0.0)
+    row = (first + tl.arange(0, BT)).to(tl.float64)
+    turn = start[None, :] + row[:, None] * turns[None, :]
     angle = (turn - tl.floor(turn)).to(tl.float32) * 6.283185307179586
     return tl.cos(angle), tl.sin(angle)
 
@@ -166,7 +178,7 @@ def _factors(q_ptr, k_ptr, f_ptr, qs_ptr, rows, k_cols, f_s, p_s, N, M,
 
 
 @triton.jit
-def _token(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, turns_ptr, row, offset, i_k, k_cols, v_cols, N, M, DV,
+def _token(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, turns_ptr, row, i_k, k_cols, v_cols, N, M, DV,
            BK: tl.constexpr, ROTARY: tl.constexpr):
     """One token's factors at its own scales (1, BK), rotated, with its value and phases."""
     rows = row + tl.arange(0, 1)
@@ -177,7 +189,7 @@ def _token(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, turns_ptr, row, offset, i_k, k_co
     sin = tl.zeros((1, BK // 2), tl.float32)
     q_rot, k_rot = q_num, k_num
     if ROTARY:
-        cos, sin = _phases(turns_ptr, offset + row, i_k, M // 2, 1, BK)
+        cos, sin = _phases(turns_ptr, row, i_k, M // 2, 1, BK)
         q_rot, k_rot = _rotate(q_num, cos, sin, 1, BK), _rotate(k_num, cos, sin, 1, BK)
     v = _tile(v_ptr, rows, v_cols, N, DV, DV)
     return rows, f, p, q_rot, q_den, k_rot, k_den, q_grad, k_num_grad, k_den_grad, v, cos, sin
@@ -185,7 +197,7 @@ def _token(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, turns_ptr, row, offset, i_k, k_co
 
 @triton.jit
 def _tokens_forward(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, out_ptr, den_ptr,
-                    dnum_ptr, dden_ptr, state, k_sum, f_ref, p_ref, first, offset, i_k, i_v, k_cols,
+                    dnum_ptr, dden_ptr, state, k_sum, f_ref, p_ref, first, i_k, i_v, k_cols,
                     v_cols, N, M, DV, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                     ROTARY: tl.constexpr, GRAD: tl.constexpr):
     """A chunk with exact rows (stable.py, 3.), token by token, each at its own scales: the state
@@ -196,7 +208,7 @@ def _tokens_forward(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, ou
         row = first + i
         if row < N:
             rows, f, p, q_rot, q_den, k_rot, k_den, q_grad, _kn, _kd, v, cos, sin = _token(
-                q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, turns_ptr, row, offset, i_k, k_cols, v_cols, N, M,
+                q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, turns_ptr, row, i_k, k_cols, v_cols, N, M,
                 DV, BK, ROTARY)
             state, k_sum = _decay(state, k_sum, f_ref, p_ref, f, p, BK)
             f_ref, p_ref = f, p
@@ -223,7 +235,7 @@ def _tokens_forward(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, ou
 
 @triton.jit
 def _tokens_backward(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, dnum_ptr, dden_ptr,
-                     d_state, dq_sum, first, offset, i_k, i_v, k_cols, v_cols, N, M, DV,
+                     d_state, dq_sum, first, i_k, i_v, k_cols, v_cols, N, M, DV,
                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ROTARY: tl.constexpr):
     """The reverse of _tokens_forward for keys and values.  With S_i = e^{P_{i-1} - P_i} S_{i-1}
     + (R k_i) v_i^T and exact rows reading S_i, G_i = d loss / d S_i runs backward as
@@ -239,7 +251,7 @@ def _tokens_backward(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, d
         row = first + i
         if row < N:
             rows, f, p, q_rot, q_den, k_rot, k_den, _qg, k_num_grad, k_den_grad, v, cos, sin = _token(
-                q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, turns_ptr, row, offset, i_k, k_cols, v_cols, N, M,
+                q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, turns_ptr, row, i_k, k_cols, v_cols, N, M,
                 DV, BK, ROTARY)
             if tl.load(exact_ptr + row) != 0:
                 g = _tile(dnum_ptr, rows, v_cols, N, DV, DV)
@@ -273,7 +285,7 @@ def _chunk_is_exact(exact_ptr, first, N, BT: tl.constexpr):
 
 @triton.jit
 def _state_after_chunk(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, out_ptr, den_ptr, dnum_ptr,
-                       dden_ptr, state, k_sum, f_ref, p_ref, k_rot, v, k_den, first, offset, i_k, i_v, k_cols,
+                       dden_ptr, state, k_sum, f_ref, p_ref, k_rot, v, k_den, first, i_k, i_v, k_cols,
                        v_cols, N, M, DV, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        ROTARY: tl.constexpr, LOG: tl.constexpr, GRAD: tl.constexpr, DOT: tl.constexpr,
                        PRECISION: tl.constexpr):
@@ -285,7 +297,7 @@ def _state_after_chunk(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr,
     if exact_chunk:
         state, k_sum, f_ref, p_ref = _tokens_forward(
             q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, out_ptr, den_ptr, dnum_ptr, dden_ptr,
-            state, k_sum, f_ref, p_ref, first, offset, i_k, i_v, k_cols, v_cols, N, M, DV, BT, BK, BV,
+            state, k_sum, f_ref, p_ref, first, i_k, i_v, k_cols, v_cols, N, M, DV, BT, BK, BV,
             ROTARY, GRAD)
     else:
         state += _mm(tl.trans(k_rot), v, DOT, PRECISION)
@@ -293,9 +305,9 @@ def _state_after_chunk(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr,
     return state, k_sum, f_ref, p_ref
 
 
-@triton.jit(do_not_specialize=["offset", "N"])
+@triton.jit(do_not_specialize=["N"])
 def _forward_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, num_ptr, den_ptr, kv_ptr,
-                    ksum_ptr, offset, N, M, DV,
+                    ksum_ptr, N, M, DV,
                     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CAUSAL: tl.constexpr,
                     ROTARY: tl.constexpr, STATE: tl.constexpr, LOG: tl.constexpr, DOT: tl.constexpr,
                     PRECISION: tl.constexpr):
@@ -329,7 +341,7 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, nu
             v = _tile(v_ptr, rows, v_cols, N, DV, DV)
             k_rot = k_num
             if ROTARY:
-                cos, sin = _phases(turns_ptr, offset + t * BT, i_k, M // 2, BT, BK)
+                cos, sin = _phases(turns_ptr, t * BT, i_k, M // 2, BT, BK)
                 k_rot = _rotate(k_num, cos, sin, BT, BK)
             state += _mm(tl.trans(k_rot), v, DOT, PRECISION)
             k_sum += tl.sum(k_den, axis=0)
@@ -344,7 +356,7 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, nu
                                                               f_ref, p_ref, N, M, BT, BK, ROTARY, LOG)
         q_rot = q_num
         if ROTARY:
-            cos, sin = _phases(turns_ptr, offset + first, i_k, M // 2, BT, BK)
+            cos, sin = _phases(turns_ptr, first, i_k, M // 2, BT, BK)
             q_rot = _rotate(q_num, cos, sin, BT, BK)
         written = rows < N
         if CAUSAL:
@@ -366,7 +378,7 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, nu
         if CAUSAL:
             state, k_sum, f_ref, p_ref = _state_after_chunk(
                 q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, num_ptr, den_ptr, num_ptr, den_ptr,
-                state, k_sum, f_ref, p_ref, k_rot, v, k_den, first, offset, i_k, i_v, k_cols, v_cols, N, M, DV,
+                state, k_sum, f_ref, p_ref, k_rot, v, k_den, first, i_k, i_v, k_cols, v_cols, N, M, DV,
                 BT, BK, BV, ROTARY, LOG, False, DOT, PRECISION)
     if STATE:
         if LOG:   # hand the state over at the last token's own scales, as the recurrent step keeps it
@@ -379,7 +391,7 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, nu
 
 @triton.jit
 def _backward_chunk(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, dnum_ptr, dden_ptr, turns_ptr, first, f_s, p_s,
-                    offset, i_k, k_cols, v_cols, N, M, DV, BT: tl.constexpr, BK: tl.constexpr,
+                    i_k, k_cols, v_cols, N, M, DV, BT: tl.constexpr, BK: tl.constexpr,
                     ROTARY: tl.constexpr, LOG: tl.constexpr):
     """Chunk tiles for backward: factors (and their derivatives), values, output gradients, the
     rotated factors and the phases that rotate back their gradients (identity without rotation)."""
@@ -393,7 +405,7 @@ def _backward_chunk(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, dnum_ptr, dden_ptr, turn
     sin = tl.zeros((BT, BK // 2), tl.float32)
     q_rot, k_rot = q_num, k_num
     if ROTARY:
-        cos, sin = _phases(turns_ptr, offset + first, i_k, M // 2, BT, BK)
+        cos, sin = _phases(turns_ptr, first, i_k, M // 2, BT, BK)
         q_rot, k_rot = _rotate(q_num, cos, sin, BT, BK), _rotate(k_num, cos, sin, BT, BK)
     return (rows, q_den, k_den, q_grad, k_num_grad, k_den_grad, v, g_num, g_den, q_rot, k_rot, cos, sin)
 
@@ -416,9 +428,9 @@ def _by_log_feature(d_rot, cos, sin, d_den, factor_grad, den_factor, first_value
     return d
 
 
-@triton.jit(do_not_specialize=["offset", "N"])
+@triton.jit(do_not_specialize=["N"])
 def _backward_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, dnum_ptr, dden_ptr, turns_ptr,
-                     dq_ptr, dk_ptr, dv_ptr, offset, N, M, DV,
+                     dq_ptr, dk_ptr, dv_ptr, N, M, DV,
                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CAUSAL: tl.constexpr,
                      ROTARY: tl.constexpr, LOG: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
     # int64: the offsets of (B, H, N, M) tensors below pass 2^31 at long contexts (B*H*N*M >= 2^31)
@@ -458,7 +470,7 @@ def _backward_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, dnum_ptr, dd
             state, k_sum = _decay(state, k_sum, f_ref, p_ref, f_s, p_s, BK)
             f_ref, p_ref = f_s, p_s
         rows, q_den, k_den, q_grad, _kng, _kdg, v, g_num, g_den, q_rot, k_rot, cos, sin = _backward_chunk(
-            q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, dnum_ptr, dden_ptr, turns_ptr, first, f_ref, p_ref, offset,
+            q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, dnum_ptr, dden_ptr, turns_ptr, first, f_ref, p_ref,
             i_k, k_cols, v_cols, N, M, DV, BT, BK, ROTARY, LOG)
         if CAUSAL:
             d_scores = tl.where(causal_mask, _mm(g_num, tl.trans(v), DOT, PRECISION), 0.0)
@@ -471,7 +483,7 @@ def _backward_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, dnum_ptr, dd
             _store(dq_ptr, dq, rows, k_cols, written, M, M)
             state, k_sum, f_ref, p_ref = _state_after_chunk(
                 q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, dq_ptr, dden_ptr, dnum_ptr, dden_ptr,
-                state, k_sum, f_ref, p_ref, k_rot, v, k_den, first, offset, i_k, i_v, k_cols, v_cols, N, M, DV,
+                state, k_sum, f_ref, p_ref, k_rot, v, k_den, first, i_k, i_v, k_cols, v_cols, N, M, DV,
                 BT, BK, BV, ROTARY, LOG, True, DOT, PRECISION)
         else:
             d_state += _mm(tl.trans(q_rot), g_num, DOT, PRECISION)
@@ -499,7 +511,7 @@ def _backward_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, dnum_ptr, dd
             d_state, dq_sum = _decay(d_state, dq_sum, f_end, p_end, f_ref, p_ref, BK)
         rows, q_den, k_den, q_grad, k_num_grad, k_den_grad, v, g_num, g_den, q_rot, k_rot, cos, sin = \
             _backward_chunk(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, dnum_ptr, dden_ptr, turns_ptr, first, f_s,
-                            p_s, offset, i_k, k_cols, v_cols, N, M, DV, BT, BK, ROTARY, LOG)
+                            p_s, i_k, k_cols, v_cols, N, M, DV, BT, BK, ROTARY, LOG)
         if CAUSAL:
             # A chunk with exact rows: they and the state it hands on come from the token pass;
             # the chunk form below covers the other rows' reads only.
@@ -509,7 +521,7 @@ def _backward_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, dnum_ptr, dd
             if exact_chunk:
                 dk_tokens, dv_tokens, d_state, dq_sum = _tokens_backward(
                     q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, dnum_ptr, dden_ptr, d_state,
-                    dq_sum, first, offset, i_k, i_v, k_cols, v_cols, N, M, DV, BT, BK, BV, ROTARY)
+                    dq_sum, first, i_k, i_v, k_cols, v_cols, N, M, DV, BT, BK, BV, ROTARY)
                 carried = tl.zeros((BK, BV), dtype=tl.float32)
                 carried_sum = tl.zeros((BK,), dtype=tl.float32)
                 chunk_form = _chunk_form_rows(exact_ptr, rows, N)
@@ -543,10 +555,10 @@ def _tile_size(dim: int, largest: int) -> int:
     return min(largest, max(16, triton.next_power_of_2(dim)))
 
 
-def _value_tile(dv: int, programs_per_value_tile: int, device: torch.device) -> int:
+def _value_tile(dv: int, programs_per_value_tile: int, device: torch.device, largest: int) -> int:
     """Each program scans the whole sequence, so a grid of fewer programs than the GPU has SMs
     leaves most of it idle (b=1, h=8, M=256 gives 32): narrow the value tile until it fills them."""
-    tile = _tile_size(dv, VALUE_TILE)
+    tile = _tile_size(dv, largest)
     if device.type != "cuda":
         return tile
     processors = torch.cuda.get_device_properties(device).multi_processor_count
@@ -556,18 +568,24 @@ def _value_tile(dv: int, programs_per_value_tile: int, device: torch.device) -> 
 
 
 def _dot_settings(dtype: torch.dtype):
-    """Half-precision inputs multiply in their own type.  float32 multiplies on tensor cores as
-    3xTF32 (split operands: about float32 accuracy at a fraction of plain float32's cost).  Plain
-    TF32 is not offered: with triton 3.6 on an H100 the backward kernel failed to compile with it
-    (TritonGPUOptimizeDotOperands), and 3xTF32 was already 5-13x faster than plain float32 there."""
-    if dtype in (torch.bfloat16, torch.float16):
-        return (tl.bfloat16 if dtype == torch.bfloat16 else tl.float16), "ieee"
+    """bf16 inputs multiply in bf16.  Everything else multiplies as float32 on tensor cores, as
+    3xTF32 (split operands: about float32 accuracy at a fraction of plain float32's cost): fp16 too,
+    since the float32 state and scores cast to fp16 overflow past 65504 (bf16 keeps float32's
+    range).  In the interpreter bf16 multiplies as float32 as well: triton 3.7's interpreted bf16
+    tl.dot is wrong (off by 1e8 on a 16 x 16 product).  Plain TF32 is not offered: with triton 3.6
+    on an H100 the backward kernel failed to compile with it (TritonGPUOptimizeDotOperands), and
+    3xTF32 was already 5-13x faster than plain float32 there."""
+    if dtype == torch.bfloat16 and not INTERPRETED:
+        return tl.bfloat16, "ieee"
     return tl.float32, "tf32x3"
 
 
-def _turns(half: int, base: float, device) -> torch.Tensor:
-    """theta_i / 2pi = base^(-2i/M) / 2pi in float64: rotations per position of pair i."""
-    return base ** (-torch.arange(half, dtype=torch.float64, device=device) / half) / TWO_PI
+def _turns(half: int, base: float, offset: int, device) -> torch.Tensor:
+    """The kernels' angle table (2 * half,) in float64: theta_i / 2pi = base^(-2i/M) / 2pi, then the
+    offset's turns offset * theta_i / 2pi mod 1, reduced exactly by rotary_angles."""
+    turns = base ** (-torch.arange(half, dtype=torch.float64) / half) / TWO_PI
+    start = rotary_angles(1, 2 * half, offset=offset, base=base)[0] / TWO_PI
+    return torch.cat([turns, start - start.floor()]).to(device)
 
 
 def _reduce(partials: torch.Tensor) -> torch.Tensor:
@@ -576,27 +594,59 @@ def _reduce(partials: torch.Tensor) -> torch.Tensor:
 
 
 class _Launch:
-    """The shapes, tiles and settings of one call, shared by forward and backward."""
+    """The shapes, tiles and settings of one kernel launch.  `level` indexes TILE_LEVELS: a GPU with
+    less shared memory per block than the tiles of level 0 need takes the next level that fits."""
 
-    def __init__(self, q: torch.Tensor, v: torch.Tensor, *, causal: bool, rotary: bool, offset: int,
-                 base: float):
+    def __init__(self, q: torch.Tensor, v: torch.Tensor, *, causal: bool, rotary: bool, turns: torch.Tensor,
+                 level: int, backward: bool, log: bool):
+        feature_tile, value_tile, stages = TILE_LEVELS[level]
+        self.level, self.turns = level, turns
         self.batch_heads, self.n, self.m = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
         self.dv = v.shape[-1]
-        self.bk = _tile_size(self.m, FEATURE_TILE)
+        self.bk = _tile_size(self.m, feature_tile)
         self.n_k = triton.cdiv(self.m, self.bk)
-        self.bv = _value_tile(self.dv, self.batch_heads * self.n_k, q.device)
+        self.bv = _value_tile(self.dv, self.batch_heads * self.n_k, q.device, value_tile)
         self.n_v = triton.cdiv(self.dv, self.bv)
-        self.causal, self.rotary, self.offset = causal, rotary, offset
+        self.causal, self.rotary = causal, rotary
         self.dot, self.precision = _dot_settings(q.dtype)
-        # Without rotation the kernels never read the table: any float64 tensor will do.
-        self.turns = _turns(max(self.m // 2, 1), base, q.device)
+        stages = pipelining_stages(level, backward=backward, log=log, causal=causal)
+        self.stages = {} if stages is None else {"num_stages": stages}
 
     def grid(self):
         return (self.n_v, self.n_k, self.batch_heads)
 
     def constants(self):
         return dict(BT=CHUNK, BK=self.bk, BV=self.bv, CAUSAL=self.causal, ROTARY=self.rotary,
-                    DOT=self.dot, PRECISION=self.precision)
+                    DOT=self.dot, PRECISION=self.precision, **self.stages)
+
+
+def pipelining_stages(level: int, *, backward: bool, log: bool, causal: bool) -> int | None:
+    """The num_stages a launch at `level` passes (None: triton's default, 3)."""
+    stages = TILE_LEVELS[level][2]
+    return LOG_BACKWARD_STAGES if stages is None and backward and log and causal else stages
+
+
+_FITTING_LEVEL: dict = {}   # (kernel, device, mode) -> the first level whose tiles fitted
+
+
+def _launch_fitting(name: str, q: torch.Tensor, run_at_level):
+    """run_at_level(level) launches a kernel with TILE_LEVELS[level]'s tiles and returns its outputs.
+    Triton raises OutOfResources when the compiled kernel needs more shared memory than the GPU
+    has per block (level 0 needs up to 206 KB, sized for an H100; an RTX 30xx or L4 has 99 KB):
+    then the next level is tried, and the one that fits is remembered for this device and mode."""
+    key = (name, q.device, q.dtype)
+    level = _FITTING_LEVEL.get(key, 0)
+    while True:
+        try:
+            result = run_at_level(level)
+        except OutOfResources as error:
+            if level + 1 == len(TILE_LEVELS):
+                raise RuntimeError(f"linattn's {name} kernel does not fit this GPU even with its smallest "
+                                   f"tiles ({error}); use backend='torch'") from None
+            level += 1
+            continue
+        _FITTING_LEVEL[key] = level
+        return result
 
 
 def _log_scales(b: torch.Tensor, a: torch.Tensor, causal: bool):
@@ -621,37 +671,46 @@ class _FusedLinearAttention(torch.autograd.Function):
     in torch."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, rotary, offset, base, want_state, log):
-        run = _Launch(q, v, causal=causal, rotary=rotary, offset=offset, base=base)
-        num = q.new_empty((run.n_k, *v.shape), dtype=torch.float32)
-        den = q.new_empty((run.n_k, *q.shape[:-1]), dtype=torch.float32)
-        state_shape = (*q.shape[:2], run.m) if want_state else (0,)   # kernels skip it without STATE
-        kv = q.new_empty((*state_shape, run.dv) if want_state else state_shape, dtype=torch.float32)
-        k_sum = q.new_empty(state_shape, dtype=torch.float32)
+    def forward(ctx, q, k, v, causal, rotary, turns, want_state, log):
         scales = _log_scales(q, k, causal) if log else (q, q, q)   # the kernels read them with LOG only
-        _forward_kernel[run.grid()](q, k, v, *scales, run.turns, num, den, kv, k_sum, offset, run.n, run.m,
-                                    run.dv, STATE=want_state, LOG=log, **run.constants())
-        ctx.save_for_backward(q, k, v)
-        ctx.run, ctx.log = run, log
+
+        def at_level(level):
+            run = _Launch(q, v, causal=causal, rotary=rotary, turns=turns, level=level, backward=False, log=log)
+            num = q.new_empty((run.n_k, *v.shape), dtype=torch.float32)
+            den = q.new_empty((run.n_k, *q.shape[:-1]), dtype=torch.float32)
+            state_shape = (*q.shape[:2], run.m) if want_state else (0,)   # kernels skip it without STATE
+            kv = q.new_empty((*state_shape, run.dv) if want_state else state_shape, dtype=torch.float32)
+            k_sum = q.new_empty(state_shape, dtype=torch.float32)
+            _forward_kernel[run.grid()](q, k, v, *scales, run.turns, num, den, kv, k_sum, run.n, run.m, run.dv,
+                                        STATE=want_state, LOG=log, **run.constants())
+            return _reduce(num), _reduce(den), kv, k_sum
+
+        num, den, kv, k_sum = _launch_fitting(f"forward{'-log' if log else ''}", q, at_level)
+        ctx.save_for_backward(q, k, v, turns)
+        ctx.causal, ctx.rotary, ctx.log = causal, rotary, log
         ctx.mark_non_differentiable(kv, k_sum)
-        return _reduce(num), _reduce(den), kv, k_sum
+        return num, den, kv, k_sum
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_num, d_den, _d_kv, _d_k_sum):
-        q, k, v = ctx.saved_tensors
-        run = ctx.run
+        q, k, v, turns = ctx.saved_tensors
         d_num = torch.zeros_like(v, dtype=torch.float32) if d_num is None else d_num.contiguous()
         d_den = q.new_zeros(q.shape[:-1], dtype=torch.float32) if d_den is None else d_den.contiguous()
-        dq = q.new_empty((run.n_v, *q.shape), dtype=torch.float32)
-        dk = q.new_empty((run.n_v, *q.shape), dtype=torch.float32)
-        dv = q.new_empty((run.n_k, *v.shape), dtype=torch.float32)
-        scales = _log_scales(q, k, run.causal) if ctx.log else (q, q, q)
-        stages = {"num_stages": LOG_BACKWARD_STAGES} if ctx.log and run.causal else {}
-        _backward_kernel[run.grid()](q, k, v, *scales, d_num, d_den, run.turns, dq, dk, dv, run.offset,
-                                     run.n, run.m, run.dv, LOG=ctx.log, **run.constants(), **stages)
-        return (_reduce(dq).to(q.dtype), _reduce(dk).to(k.dtype), _reduce(dv).to(v.dtype),
-                None, None, None, None, None, None)
+        scales = _log_scales(q, k, ctx.causal) if ctx.log else (q, q, q)
+
+        def at_level(level):
+            run = _Launch(q, v, causal=ctx.causal, rotary=ctx.rotary, turns=turns, level=level, backward=True,
+                          log=ctx.log)
+            dq = q.new_empty((run.n_v, *q.shape), dtype=torch.float32)
+            dk = q.new_empty((run.n_v, *q.shape), dtype=torch.float32)
+            dv = q.new_empty((run.n_k, *v.shape), dtype=torch.float32)
+            _backward_kernel[run.grid()](q, k, v, *scales, d_num, d_den, run.turns, dq, dk, dv, run.n, run.m,
+                                         run.dv, LOG=ctx.log, **run.constants())
+            return _reduce(dq).to(q.dtype), _reduce(dk).to(k.dtype), _reduce(dv).to(v.dtype)
+
+        dq, dk, dv = _launch_fitting(f"backward{'-log' if ctx.log else ''}", q, at_level)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _common_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -668,10 +727,12 @@ def _attend(q, k, v, dtype, *, causal, rotary, offset, rope_base, return_state, 
                            "imported and has changed since; set it before the first triton call")
     if rotary and q.shape[-1] % 2:
         raise ValueError(f"rotary=True rotates pairs of features, so M must be even, got {q.shape[-1]}")
+    if rotary:
+        check_positions(offset, q.shape[-2])
+    turns = _turns(max(q.shape[-1] // 2, 1), float(rope_base), offset if rotary else 0, q.device)
     with torch.autocast(q.device.type, enabled=False):
         q_c, k_c, v_c = (t.to(dtype).contiguous() for t in (q, k, v))
-        num, den, kv, k_sum = _FusedLinearAttention.apply(q_c, k_c, v_c, causal, rotary, int(offset),
-                                                          float(rope_base), return_state, log)
+        num, den, kv, k_sum = _FusedLinearAttention.apply(q_c, k_c, v_c, causal, rotary, turns, return_state, log)
         out = divide(num, den).to(v.dtype)
     if not return_state:
         return out

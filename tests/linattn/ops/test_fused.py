@@ -1,8 +1,8 @@
 """The fused Triton kernels against the O(N^2) reference: values, gradients and decoding states.
 
 Without a GPU they run in Triton's interpreter (conftest.py), in float32 against float64
-references; bf16 and TF32 are checked on a GPU only (`gpu` marker), since the interpreter's bf16
-dot is not the hardware's."""
+references; bf16 dots and TF32 are checked on a GPU only (`gpu` marker): the interpreter's bf16
+dot is wrong, so there the kernels multiply bf16 as float32."""
 import json
 import os
 import subprocess
@@ -14,6 +14,7 @@ import torch
 
 from linattn import LinearAttention, SoftmaxAttention
 from linattn.functional import linear_attention, linear_attention_reference, linear_attention_step
+from linattn.ops.linear_attention import fused as fused_module
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 B, H = 1, 2
@@ -121,11 +122,14 @@ def test_float64_is_refused_with_a_way_out():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error without the interpreter")
-def test_cpu_tensors_outside_the_interpreter_get_a_clear_error():
+@pytest.mark.parametrize("interpret", [None, "0", "false", "2"])
+def test_cpu_tensors_outside_the_interpreter_get_a_clear_error(interpret):
+    """Whatever value triton reads as off ("false", "2") is off for linattn too."""
     code = ("import torch; from linattn.functional import linear_attention\n"
             "x = torch.rand(1, 1, 4, 16)\n"
             "linear_attention(x, x, x, causal=True, rotary=True, backend='triton')")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {} if interpret is None else {"TRITON_INTERPRET": interpret}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert result.returncode != 0
     assert "TRITON_INTERPRET=1" in result.stderr and "backend='torch'" in result.stderr
@@ -301,6 +305,104 @@ def test_log_space_kernels_compile_for_an_h100_within_its_shared_memory():
     assert len(compiled) == 6
     for kernel in compiled:
         assert kernel["shared"] <= H100_SHARED_MEMORY, kernel
+
+
+SHARED_MEMORY_PER_BLOCK = {86: 101_376, 75: 65_536}   # sm_86 (RTX 30xx, A10; sm_89 the same), sm_75 (T4)
+
+
+@pytest.mark.slow
+def test_smaller_tile_levels_fit_gpus_with_less_shared_memory():
+    """Level 0 needs 140 KB on sm_86; a launch there raises OutOfResources and `_launch_fitting`
+    moves on: level 1 must fit sm_86 and level 2 sm_75, in the causal log-space mode that needs the most."""
+    script = Path(__file__).with_name("compile_kernels.py")
+    result = subprocess.run([sys.executable, str(script), "--causal-log", "86:1", "75:2"], capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    compiled = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(compiled) == 4
+    for kernel in compiled:
+        assert kernel["shared"] <= SHARED_MEMORY_PER_BLOCK[kernel["arch"]], kernel
+
+
+def test_a_launch_that_does_not_fit_takes_the_next_tile_level_and_remembers_it(monkeypatch):
+    from triton.runtime.errors import OutOfResources
+    monkeypatch.setattr(fused_module, "_FITTING_LEVEL", {})
+    tried = []
+
+    def launch(level):
+        tried.append(level)
+        if level < 2:
+            raise OutOfResources(140_000, 101_376, "shared memory")
+        return "outputs"
+
+    q = torch.zeros(1)
+    assert fused_module._launch_fitting("forward", q, launch) == "outputs" and tried == [0, 1, 2]
+    assert fused_module._launch_fitting("forward", q, launch) == "outputs" and tried == [0, 1, 2, 2]
+
+    def never(level):
+        raise OutOfResources(140_000, 1_000, "shared memory")
+    with pytest.raises(RuntimeError, match="does not fit this GPU even with its smallest tiles.*backend='torch'"):
+        fused_module._launch_fitting("backward", q, never)
+
+
+def test_every_tile_level_gives_the_same_results(monkeypatch):
+    """The levels change tiles and pipelining only: each matches the reference."""
+    for level in range(len(fused_module.TILE_LEVELS)):
+        monkeypatch.setattr(fused_module, "_FITTING_LEVEL", {
+            (name, torch.device(DEVICE), torch.float32): level for name in ("forward", "backward")})
+        assert_matches_reference(True, True, 70, 64, 40, 3)
+
+
+@pytest.mark.parametrize("offset", [10 ** 12, 2 ** 53 + 1, 2 ** 62 + 12345])
+def test_large_offsets_rotate_as_exactly_as_the_torch_backend(offset):
+    """The offset's turns are reduced exactly on the host (rotary.py); float64 products of the
+    whole position lost 0.1-0.2 of a radian at 2^53 and beyond."""
+    phi_q, phi_k, v = (t.detach() for t in inputs(70, 16, 8))
+    for causal in (True, False):
+        want = linear_attention(phi_q, phi_k, v, causal=causal, rotary=True, offset=offset, backend="torch")
+        got = linear_attention(phi_q, phi_k, v, causal=causal, rotary=True, offset=offset, backend="triton")
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_positions_past_int64_are_refused_with_rotation_and_any_offset_works_without():
+    phi_q, phi_k, v = (t.detach() for t in inputs(40, 16, 8))
+    with pytest.raises(ValueError, match="rotary positions must stay below 2\\^63"):
+        linear_attention(phi_q, phi_k, v, causal=True, rotary=True, offset=2 ** 63 - 10, backend="triton")
+    out, state = linear_attention(phi_q, phi_k, v, causal=True, rotary=False, offset=2 ** 64, backend="triton",
+                                  return_state=True)
+    torch.testing.assert_close(out, linear_attention(phi_q, phi_k, v, causal=True, rotary=False, backend="torch"))
+    assert state.position == 2 ** 64 + 40
+
+
+def test_fp16_sums_past_its_range_stay_finite():
+    """The state (about N |phi_k| |v|) passes fp16's 65504: the kernels multiply fp16 inputs as
+    float32, so the result is the torch backend's (which sums in float32)."""
+    gen = torch.Generator().manual_seed(0)
+    phi_q, phi_k = (torch.rand(1, 1, 200, 16, generator=gen) + 0.5 for _ in range(2))
+    v = torch.rand(1, 1, 200, 8, generator=gen) * 100 + 300
+    half = [t.half() for t in (phi_q, phi_k, v)]
+    want = linear_attention(*half, causal=True, rotary=False, backend="torch")
+    got = linear_attention(*half, causal=True, rotary=False, backend="triton")
+    assert got.dtype == torch.float16 and torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=1e-2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's bf16; on a GPU see test_gpu_bf16_*")
+def test_bf16_in_the_interpreter_is_right():
+    """triton 3.7's interpreted bf16 tl.dot is wrong (off by 1e8 here); the kernels then multiply
+    as float32, so bf16 inputs give the float32 result rounded to bf16."""
+    phi_q, phi_k, v = (t.detach() for t in inputs(10, 16, 16))
+    want = linear_attention(phi_q, phi_k, v, causal=True, rotary=True, backend="torch")
+    got = linear_attention(*(t.bfloat16() for t in (phi_q, phi_k, v)), causal=True, rotary=True, backend="triton")
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
+
+
+def test_auto_takes_torch_for_float64_on_cuda():
+    """The kernels compute in float32: `auto` does not send float64 to them (asking for triton is an error)."""
+    from linattn.ops.linear_attention.backends import resolve
+    cuda = torch.device("cuda")
+    assert resolve("auto", cuda) == "triton" and resolve("auto", cuda, float64=True) == "torch"
 
 
 # ---- on a GPU ------------------------------------------------------------------------------------
