@@ -7,6 +7,7 @@ log_window (the open train/loss average), data (description).
 from __future__ import annotations
 
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -44,7 +45,9 @@ def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu") 
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
     try:
-        checkpoint = torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():   # a foreign pickle's protocol warning would precede the error below
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            checkpoint = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError:
         raise CheckpointError(f"cannot read checkpoint {path}: not a weights-only torch checkpoint "
                               "(corrupt, or written by something other than train.py)") from None

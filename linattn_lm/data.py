@@ -291,8 +291,10 @@ class RandomWindows:
         for key in ("global_batch_size", "seq_len", "split_size"):
             if state[key] != mine[key]:
                 raise ValueError(f"cannot resume: saved {key} is {state[key]:,}, this stream's is {mine[key]:,}")
-        self.seed = int(state["seed"])
-        self.batches_drawn = int(state["batches_drawn"])
+        for key in ("seed", "batches_drawn"):
+            if isinstance(state[key], bool) or not isinstance(state[key], int) or state[key] < 0:
+                raise ValueError(f"saved {key} must be an integer >= 0, got {state[key]!r}")
+        self.seed, self.batches_drawn = state["seed"], state["batches_drawn"]
 
 
 class SequentialWindows:

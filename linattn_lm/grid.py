@@ -125,6 +125,10 @@ def train_and_score(name: str, config: TrainConfig, ctx: training.Distributed, r
     result = training.train(config, ctx, resume=resume and checkpoint.exists())
     if result.interrupted:
         return training.exit_code(result)
+    if result.late_signal:   # the run is complete: the grid stops before scoring it
+        print(f"stopped after {config.run.run_name} finished training; --resume scores it and goes on",
+              file=sys.stderr)
+        return training.EXIT_SIGNAL_BASE + result.late_signal
     if not ctx.is_main:
         return None
     try:

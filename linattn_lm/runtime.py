@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import os
 import resource
 import sys
@@ -62,6 +63,15 @@ def autocast(device: torch.device) -> contextlib.AbstractContextManager:
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def release_free_memory() -> None:
+    """Hand the heap's free memory back to the OS (glibc's malloc_trim), so that the resident set is
+    what is in use: after keep_freed_memory() a process keeps every earlier peak reserved, and the
+    runs of a grid would each measure what the runs before them left behind."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -32,8 +32,8 @@ from .cli import (EXIT_ERROR, EXIT_USAGE, Parser, UsageError, add_config_flags, 
 from .config import TrainConfig, config_differences, config_from_flags
 from .data import DataError, RandomWindows, load_split
 from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss
-from .runtime import (WriteFailed, autocast, decode_bytes, keep_freed_memory, peak_memory_mb, reset_peak_memory,
-                      resolve_device, summed_loss)
+from .runtime import (WriteFailed, autocast, decode_bytes, keep_freed_memory, peak_memory_mb, release_free_memory,
+                      reset_peak_memory, resolve_device, summed_loss)
 
 SAMPLE_PROMPT_BYTES = 128
 SAMPLE_NEW_BYTES = 256
@@ -149,6 +149,10 @@ class StopRequest:
             signal.signal(signum, handler)
 
 
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 @dataclass
 class RunStats:
     """Counters that survive resumes, so rates and curves cover the whole run."""
@@ -160,6 +164,20 @@ class RunStats:
     peak_memory_mb: float = 0.0     # the largest peak of the run's segments (resumes included)
     val_steps: list[int] = field(default_factory=list)
     val_bpc: list[float] = field(default_factory=list)
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "RunStats":
+        """The counters saved in a checkpoint, refused unless each has its type (a ValueError)."""
+        stats = cls(**state)
+        for spec in fields(cls):
+            value = getattr(stats, spec.name)
+            numbers = value if spec.name in ("val_steps", "val_bpc") else [value]
+            if not isinstance(numbers, list) or not all(_is_number(x) for x in numbers) or \
+                    (numbers is not value and value < 0):
+                raise ValueError(f"{spec.name} is {value!r}, not {'a list of numbers' if numbers is value else 'a number >= 0'}")
+        if len(stats.val_steps) != len(stats.val_bpc):
+            raise ValueError(f"val_steps and val_bpc differ in length ({len(stats.val_steps)} and {len(stats.val_bpc)})")
+        return stats
 
     @property
     def best_val_bpc(self) -> float:
@@ -192,6 +210,7 @@ class TrainResult:
     val_steps: list[int]
     val_bpc: list[float]
     stop_signal: int = 0             # the signal that stopped the run early, 0 if it finished
+    late_signal: int = 0             # a signal that came with the last step (the run finished)
     model: ByteLM | None = None
 
     @property
@@ -297,6 +316,7 @@ class Trainer:
         self.log = tqdm.write if ctx.is_main else (lambda message: None)
         self.run_dir = config.run.run_dir
         self.ckpt_file = self.run_dir / CHECKPOINT_NAME
+        release_free_memory()   # so that this run's peak is its own (a grid trains many in one process)
         reset_peak_memory(self.device)
         self._load_data()      # first, so missing or too-small data fails before anything is written
         checkpoint = load_for_resume(self.ckpt_file, config, self.data) if resume else self._no_checkpoint()
@@ -342,7 +362,7 @@ class Trainer:
             load_state(path, "optimizer", lambda: self.optimizer.load_state_dict(checkpoint["optimizer"]))
             load_state(path, "loader", lambda: self.train_batches.load_state_dict(checkpoint["loader"]))
             load_state(path, "rng", lambda: restore_rng(checkpoint["rng"], ctx, config.model.seed))
-            load_state(path, "stats", lambda: setattr(self, "stats", RunStats(**checkpoint["stats"])))
+            load_state(path, "stats", lambda: setattr(self, "stats", RunStats.from_state(checkpoint["stats"])))
             load_state(path, "log_window", lambda: self._restore_log_window(checkpoint["log_window"]))
             self.step = self.saved_step = checkpoint["step"]
             self.log(f"resumed {self.ckpt_file} at step {self.step}")
@@ -356,10 +376,14 @@ class Trainer:
                  f"{ctx.world_size} process(es)")
 
     def _restore_log_window(self, window: dict[str, Any]) -> None:
-        loss_sum, count = window["loss_sum"], window["count"]
-        if not isinstance(loss_sum, torch.Tensor) or loss_sum.numel() != 1 or not isinstance(count, int) or count < 0:
-            raise ValueError(f"expected a one-element loss_sum tensor and a count >= 0, got {window}")
-        self.loss_sum, self.loss_count = loss_sum.reshape(()).to(self.device), count
+        """Each rank's open loss sum (log_train adds them up); a job of another size splits their
+        total evenly, which gives the same mean.  (Checkpoints before this held rank 0's sum alone.)"""
+        sums, count = window["loss_sums"] if "loss_sums" in window else [window["loss_sum"]], window["count"]
+        if not isinstance(sums, list) or not sums or not all(isinstance(t, torch.Tensor) and t.numel() == 1
+                                                             for t in sums) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"expected one one-element loss sum per rank and a count >= 0, got {window}")
+        mine = sums[self.ctx.rank] if len(sums) == self.ctx.world_size else sum(sums) / len(sums)
+        self.loss_sum, self.loss_count = mine.reshape(()).to(self.device), count
 
     def _open_logs(self, checkpoint: dict[str, Any] | None) -> None:
         # purge_step hides what a stopped or killed run logged after its last checkpoint.
@@ -441,7 +465,8 @@ class Trainer:
         payload = dict(config=asdict(self.config), step=self.step, model=self.model.state_dict(),
                        optimizer=self.optimizer.state_dict(), loader=self.train_batches.state_dict(),
                        rng=self.ctx.gather(rng_states(self.device)), stats=asdict(self.stats), data=self.data,
-                       log_window={"loss_sum": self.loss_sum.cpu().clone(), "count": self.loss_count})
+                       log_window={"loss_sums": self.ctx.gather(self.loss_sum.cpu().clone()),
+                                   "count": self.loss_count})
         if self.ctx.is_main:
             save_checkpoint(self.ckpt_file, payload)
         self.saved_step = self.step
@@ -451,7 +476,7 @@ class Trainer:
 
         Evaluation and sampling are timed apart from the loop, so tokens/s and the loop overhead
         (time outside forward/backward/optimiser step) describe training alone."""
-        config, stop_signal = self.config, 0
+        config, stop_signal, late_signal = self.config, 0, 0
         with StopRequest() as stop:
             while self.step < config.optim.steps:
                 step_start = time.perf_counter()
@@ -465,7 +490,11 @@ class Trainer:
                 self.stats.other_seconds += excluded
                 self.window_start += excluded
                 if self.ctx.any(stop.requested):
-                    stop_signal = stop.signum or signal.SIGINT   # another rank's signal
+                    received = stop.signum or signal.SIGINT   # another rank's signal
+                    if self.step < config.optim.steps:
+                        stop_signal = received
+                    else:   # it came with the last step or evaluation: the run is complete
+                        late_signal = received
                 self.stats.train_seconds += time.perf_counter() - step_start - excluded
                 if stop_signal or self.step == config.optim.steps or (
                         config.log.ckpt_interval and self.step % config.log.ckpt_interval == 0):
@@ -477,7 +506,11 @@ class Trainer:
                              "(continue with --resume)")
                     break
         self.bar.close()
-        return self.finish(int(stop_signal))
+        if late_signal:
+            self.log(f"{signal.Signals(late_signal).name} came with the last step: the run is complete")
+        result = self.finish(int(stop_signal))
+        result.late_signal = int(late_signal)
+        return result
 
     def finish(self, stop_signal: int) -> TrainResult:
         stats, config = self.stats, self.config

@@ -2,13 +2,14 @@
 TensorBoard scalars (the prepared data slice, `data_dir`, is in tests/conftest.py)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from linattn_lm import ModelConfig
+from linattn_lm import ModelConfig, training
 
 @pytest.fixture(scope="session")
 def tiny() -> list[str]:
@@ -54,3 +55,17 @@ def scalars() -> Callable[[Path, str], list[tuple[int, float]]]:
         events.Reload()
         return [(event.step, event.value) for event in events.Scalars(tag)]
     return read
+
+
+@pytest.fixture
+def signal_at_the_last_step(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
+    """Send this process a signal during each run's final evaluation, after its last optimiser step."""
+    def arrange(signum: int) -> None:
+        evaluate_and_sample = training.Trainer.evaluate_and_sample
+
+        def late(self: training.Trainer) -> None:
+            evaluate_and_sample(self)
+            if self.step == self.config.optim.steps:
+                os.kill(os.getpid(), signum)
+        monkeypatch.setattr(training.Trainer, "evaluate_and_sample", late)
+    return arrange

@@ -3,7 +3,9 @@ sampling, and clear errors for bad checkpoints and missing data."""
 from __future__ import annotations
 
 import math
+import pickle
 import re
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -102,6 +104,11 @@ def test_errors_are_clear(data_dir: Path, tmp_path: Path, run_main, make_model) 
     torch.save({"weights": torch.zeros(2)}, tmp_path / "foreign.pt")
     code, _, err = run_main(evaluate.main, [str(tmp_path / "foreign.pt")])
     assert code == 2 and "not a linattn LM checkpoint" in err
+    (tmp_path / "pickle.pt").write_bytes(pickle.dumps({"format": "x"}, protocol=4))
+    with warnings.catch_warnings(record=True) as caught:   # torch warns about the protocol first
+        warnings.simplefilter("always")
+        code, _, err = run_main(evaluate.main, [str(tmp_path / "pickle.pt")])
+    assert code == 2 and "not a weights-only torch checkpoint" in err and not caught, [str(w.message) for w in caught]
     ckpt = write_checkpoint(tmp_path / "ckpt.pt", make_model(), data_dir)
     code, _, err = run_main(evaluate.main, [str(ckpt), "--data-dir", str(tmp_path / "nodata")])
     assert code == 2 and "data not found" in err and "prepare.py" in err

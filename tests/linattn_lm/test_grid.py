@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import signal
 from pathlib import Path
 
 import linattn
@@ -203,3 +204,12 @@ def test_eval_windows_longer_than_a_split_are_refused_before_training(data_dir: 
     code, _, err = run_main(grid.main, argv)
     assert code == 2 and "--eval-multiples 100000 x --seq-len" in err and "choose smaller multiples" in err, err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "grid-tiny").exists()
+
+
+def test_a_signal_with_a_runs_last_step_stops_the_grid_before_scoring_it(grid_argv: list[str], tmp_path: Path,
+                                                                        run_main, signal_at_the_last_step) -> None:
+    signal_at_the_last_step(signal.SIGINT)
+    code, _, err = run_main(grid.main, [*grid_argv, "--variants", "linear-elu-post", "--seeds", "0"])
+    run = tmp_path / "grid-tiny" / "linear-elu-post" / "seed-0"
+    assert code == 130 and "--resume scores it and goes on" in err, err
+    assert load_checkpoint(run)["step"] == 4 and not (run / "result.json").exists()

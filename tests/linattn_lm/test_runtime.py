@@ -1,5 +1,7 @@
 """Runtime helpers shared by training, evaluation, data preparation and benchmarks."""
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -50,3 +52,22 @@ def test_a_bug_while_writing_is_not_taken_for_a_full_disk(tmp_path):
     with pytest.raises(RuntimeError, match="shape mismatch"):
         write_atomically(tmp_path / "ckpt.pt", buggy)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's VmHWM reset")
+def test_each_run_measures_its_own_peak_after_earlier_ones_freed_memory():
+    """keep_freed_memory() keeps freed heap resident; a grid's next run first hands it back, so
+    its peak is not the earlier runs' (it was 512, 629, 634 MB for three identical runs)."""
+    code = ("import torch\n"
+            "from linattn_lm.runtime import keep_freed_memory, peak_memory_mb, release_free_memory, "
+            "reset_peak_memory\n"
+            "cpu = torch.device('cpu')\n"
+            "keep_freed_memory()\n"
+            "before = peak_memory_mb(cpu)\n"
+            "x = torch.ones(2 ** 26)\n"       # 256 MiB
+            "del x\n"
+            "release_free_memory()\n"
+            "reset_peak_memory(cpu)\n"
+            "print(peak_memory_mb(cpu) - before)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert float(result.stdout) < 64, result.stdout
