@@ -76,6 +76,7 @@ LOG_BACKWARD_STAGES = 2
 # (T4: 64 KB).
 TILE_LEVELS = ((FEATURE_TILE, VALUE_TILE, None), (FEATURE_TILE, MIN_VALUE_TILE, 1), (16, 16, 1))
 TWO_PI = 2 * math.pi
+MAX_GRID_Z = 65_535   # CUDA's limit on a grid's third dimension, which holds batch x heads
 JUMP_LIMIT = tl.constexpr(stable.JUMP_LIMIT)          # the log-space limits of stable.py, for the kernels
 NUMERATOR_CAP = tl.constexpr(stable.NUMERATOR_CAP)
 
@@ -602,6 +603,9 @@ class _Launch:
         feature_tile, value_tile, stages = TILE_LEVELS[level]
         self.level, self.turns = level, turns
         self.batch_heads, self.n, self.m = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
+        if self.batch_heads > MAX_GRID_Z:
+            raise ValueError(f"backend='triton' takes at most {MAX_GRID_Z:,} batch x heads per call (CUDA's "
+                             f"grid limit), got {q.shape[0]} x {q.shape[1]}; split the batch or use backend='torch'")
         self.dv = v.shape[-1]
         self.bk = _tile_size(self.m, feature_tile)
         self.n_k = triton.cdiv(self.m, self.bk)

@@ -398,6 +398,12 @@ def test_bf16_in_the_interpreter_is_right():
     torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
 
 
+def test_more_batch_x_heads_than_a_cuda_grid_holds_is_refused():
+    x = torch.rand(2, 32768, 1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="at most 65,535 batch x heads per call.*2 x 32768.*backend='torch'"):
+        linear_attention(x, x, x, causal=True, rotary=False, backend="triton")
+
+
 def test_auto_takes_torch_for_float64_on_cuda():
     """The kernels compute in float32: `auto` does not send float64 to them (asking for triton is an error)."""
     from linattn.ops.linear_attention.backends import resolve
