@@ -142,10 +142,13 @@ def train_and_score(name: str, config: TrainConfig, ctx: training.Distributed, r
     return record
 
 
-def run_grid(configs: dict[tuple[int, str], TrainConfig], grid_dir: Path, resume: bool, multiples: list[int]) -> int:
+def run_grid(configs: dict[tuple[int, str], TrainConfig], grid_dir: Path, resume: bool, multiples: list[int],
+             earlier: dict[tuple[int, str], TrainConfig] | None = None) -> int:
     """Train and score the runs in order (a run whose result.json is complete is kept as it is),
-    rewriting the report after each; stop on Ctrl-C with the run's checkpoint saved."""
-    records: dict[tuple[int, str], dict[str, Any]] = {}
+    rewriting the report after each; stop on Ctrl-C with the run's checkpoint saved.  The report
+    also keeps the `earlier` runs (seeds this invocation does not list) whose records still match."""
+    records: dict[tuple[int, str], dict[str, Any]] = {
+        key: record for key, config in (earlier or {}).items() if (record := saved_record(config, multiples))}
     first = next(iter(configs.values()))
     data_dir = first.run.data_path
     with training.distributed(first.run.device) as ctx:
@@ -161,7 +164,7 @@ def run_grid(configs: dict[tuple[int, str], TrainConfig], grid_dir: Path, resume
                     return record
             if ctx.is_main:
                 records[seed, name] = record
-                write_report(grid_dir, records, config, reference)
+                write_report(grid_dir, dict(sorted(records.items(), key=lambda item: item[0][0])), config, reference)
         if ctx.is_main:
             print(f"\n{(grid_dir / 'results.md').read_text()}\nwrote {grid_dir}/results.md, results.csv, val_bpc.png")
     return 0
@@ -187,8 +190,19 @@ def parse_grid_flags(given: dict[str, Any], args: Any) -> tuple[dict[tuple[int, 
     multiples = sorted({1, *listed(args.eval_multiples, [1], int, "--eval-multiples", "integers")})
     if any(seed < 0 for seed in seeds) or any(multiple < 1 for multiple in multiples):
         raise ValueError(f"--seeds must be >= 0 and --eval-multiples >= 1, got {seeds} and {multiples}")
-    configs = run_configs(given, listed(args.variants, default_variants(), str, "--variants", "variant names"), seeds)
-    return configs, multiples, Path(next(iter(configs.values())).run.out_dir) / grid_name(given)
+    variants = listed(args.variants, default_variants(), str, "--variants", "variant names")
+    configs = run_configs(given, variants, seeds)
+    grid_dir = Path(next(iter(configs.values())).run.out_dir) / grid_name(given)
+    earlier = run_configs(given, variants, earlier_seeds(grid_dir, variants, seeds)) if args.resume else {}
+    return configs, earlier, multiples, grid_dir
+
+
+def earlier_seeds(grid_dir: Path, variants: list[str], seeds: list[int]) -> list[int]:
+    """Seeds of the grid's finished runs of these variants that this invocation does not list."""
+    found = {int(path.parent.name.removeprefix("seed-")) for name in variants
+             for path in (grid_dir / name).glob(f"seed-*/{RESULT_NAME}")
+             if path.parent.name.removeprefix("seed-").isdigit()}
+    return sorted(found - set(seeds))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-multiples", help="score each finished run on the whole val and test splits in "
                                                  "windows of these multiples of --seq-len, e.g. 1,2,4,8 for a "
                                                  "length-extrapolation table (1 is always scored)")
-    args, (configs, multiples, grid_dir) = training.parse_config(parser, argv, resolve=parse_grid_flags)
+    args, (configs, earlier, multiples, grid_dir) = training.parse_config(parser, argv, resolve=parse_grid_flags)
     keep_freed_memory()   # large CPU temporaries reuse freed memory instead of page-faulting
     started = [config.run.run_name for config in configs.values() if (config.run.run_dir / CHECKPOINT_NAME).exists()]
 
@@ -216,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"--resume continues a grid, but there is none at {grid_dir}: drop --resume "
                                   "to start it, or give the --out-dir / --run-name it was started with")
         check_eval_windows(configs.values(), multiples)
-        return run_grid(configs, grid_dir, args.resume, multiples)
+        return run_grid(configs, grid_dir, args.resume, multiples, earlier)
     return training.run_reporting_errors(run)
 
 

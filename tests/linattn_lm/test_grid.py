@@ -213,3 +213,13 @@ def test_a_signal_with_a_runs_last_step_stops_the_grid_before_scoring_it(grid_ar
     run = tmp_path / "grid-tiny" / "linear-elu-post" / "seed-0"
     assert code == 130 and "--resume scores it and goes on" in err, err
     assert load_checkpoint(run)["step"] == 4 and not (run / "result.json").exists()
+
+
+def test_resume_with_fewer_seeds_keeps_the_finished_ones_in_the_report(grid_argv: list[str], tmp_path: Path,
+                                                                       run_main) -> None:
+    argv = [*grid_argv, "--variants", "linear-elu-post", "--eval-multiples", "1"]
+    assert run_main(grid.main, [*argv, "--seeds", "1,2"])[0] == 0
+    code, out, _ = run_main(grid.main, [*argv, "--seeds", "0", "--resume"])
+    assert code == 0, out
+    assert [row["seed"] for row in read_rows(tmp_path / "grid-tiny")] == ["0", "1", "2"]
+    assert "seeds 0,1,2" in (tmp_path / "grid-tiny" / "results.md").read_text()
