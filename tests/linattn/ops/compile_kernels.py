@@ -1,7 +1,8 @@
 """Compile the fused kernels for a GPU on a machine without one and print, per mode, the shared
 memory each needs (JSON lines).  Targets are ARCH:LEVEL (default 90:0, an H100 with the first tile
 level of fused.TILE_LEVELS); modes are the log-space ones (non-causal: rotated only), the causal
-log-space one alone with --causal-log, or every mode with --all.  The interpreter runs constructs
+log-space one alone with --causal-log, or every mode with --all; --backward compiles the backward
+kernels only (they need the most shared memory in every mode measured).  The interpreter runs constructs
 the compiler rejects and knows no resource limits; triton's compiler and bundled ptxas need no
 device.  Run by test_fused.py in a subprocess, since TRITON_INTERPRET must be off when the kernels
 are imported."""
@@ -54,8 +55,8 @@ def main(args: list[str]):
         precision = "tf32x3" if dot == tl.float32 else "ieee"
         constants = dict(BT=fused.CHUNK, BK=feature_tile, BV=value_tile, CAUSAL=causal,
                          ROTARY=rotary, LOG=log, DOT=dot, PRECISION=precision)
-        for kernel, extra, backward in [(fused._forward_kernel, {"STATE": True}, False),
-                                        (fused._backward_kernel, {}, True)]:
+        kernels = [(fused._forward_kernel, {"STATE": True}, False), (fused._backward_kernel, {}, True)]
+        for kernel, extra, backward in kernels[1:] if "--backward" in args else kernels:
             stages = fused.pipelining_stages(level, backward=backward, log=log, causal=causal) or 3
             compiled = compile_kernel(kernel, {**constants, **extra}, stages, arch)
             print(json.dumps({"arch": arch, "level": level, "kernel": kernel.fn.__name__, "causal": causal,
