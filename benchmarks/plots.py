@@ -15,10 +15,10 @@ def plot_scaling(records: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullLocator
 
-    # One colour per family (sdpa, favor, elu, ...); RoPE none is dashed next to its post twin,
-    # and a second dtype gets square markers.
-    families = list(dict.fromkeys(r["method"].split("-")[0] for r in records))
-    colors = {family: plt.cm.tab10(i % 10) for i, family in enumerate(families)}
+    # One colour per method (backends and kernels apart), shared by a RoPE-none method with its
+    # post twin, which is dashed; a second dtype gets square markers.
+    families = list(dict.fromkeys(_twin(r["method"]) for r in records))
+    colors = {family: plt.cm.tab20(i % 20) for i, family in enumerate(families)}
     dtypes = list(dict.fromkeys(r["dtype"] for r in records))
     masks = list(dict.fromkeys(r["mask"] for r in records))
     lengths = sorted({r["n"] for r in records})
@@ -30,7 +30,7 @@ def plot_scaling(records: list[dict], path: Path) -> None:
             if not points:
                 continue
             first = points[0]
-            style = {"color": colors[first["method"].split("-")[0]],
+            style = {"color": colors[_twin(first["method"])],
                      "marker": "os"[dtypes.index(first["dtype"]) % 2],
                      "linestyle": "--" if "-none" in first["method"] else "-",
                      "label": first["method"] + (f" {first['dtype']}" if len(dtypes) > 1 else "")}
@@ -50,3 +50,8 @@ def plot_scaling(records: list[dict], path: Path) -> None:
     figure.tight_layout()
     write_atomically(path, lambda tmp: figure.savefig(tmp, format="png", dpi=110))
     plt.close(figure)
+
+
+def _twin(method: str) -> str:
+    """favor-none-torch -> favor-post-torch: the method a RoPE-none one is drawn beside."""
+    return method.replace("-none", "-post")

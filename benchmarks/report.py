@@ -174,11 +174,12 @@ def linear_labels(records: list[dict]) -> list[dict]:
     return [first for first in first_records(records) if first["linear"]]
 
 
-def crossover_summary(records: list[dict], softmax: str) -> list[dict]:
+def crossover_summary(records: list[dict], peer: str) -> list[dict]:
+    """From which N each linear method (other than `peer` itself) is faster than `peer`."""
     key = time_key(records)
     return [{"label": first["label"], **crossover(measured(records, first["label"]),
-                                                  measured(records, peer_label(first, softmax)), key)}
-            for first in linear_labels(records)]
+                                                  measured(records, peer_label(first, peer)), key)}
+            for first in linear_labels(records) if first["method"] != peer]
 
 
 def speedup_summary(records: list[dict], peer: str) -> list[dict]:
@@ -278,7 +279,8 @@ def target_summary(records: list[dict], device_type: str) -> list[dict]:
 def targets_table(rows: list[dict]) -> str:
     """The measured targets, then one line naming those this run's lengths and methods cannot give."""
     measured_rows = [r for r in rows if r["ratio"] is not None]
-    missing = list(dict.fromkeys(r["target"] for r in rows if r["ratio"] is None))
+    given = {r["target"] for r in measured_rows}   # by some row: fp32 rows have no sdpa-flash, say
+    missing = list(dict.fromkeys(r["target"] for r in rows if r["ratio"] is None and r["target"] not in given))
     table = markdown_table(["method", "target", "measured", "bound", ""],
                            [[r["label"], r["target"], fmt(r["ratio"], digits=2), r["bound"],
                              "met" if r["met"] else "NOT met"] for r in measured_rows]) if measured_rows else ""

@@ -24,10 +24,10 @@ from .methods import (DTYPES, MASKS, Method, Shape, build_attention, forward_cal
                       method_table, runs_with, train_call, unavailable)
 from .report import Report, fmt, markdown_table, measured
 from .settings import PASSES, Settings, selected_methods
-from .timing import (MB, ChildRunner, History, PeakMemory, child_timeout, median_time, run_budgeted,
-                     saved_tensor_bytes, time_call)
+from .timing import (MB, SLOW_RUN_REPEATS, SLOW_RUN_S, ChildRunner, History, PeakMemory, child_timeout,
+                     median_time, one_call_peak, run_budgeted, saved_tensor_bytes, time_call)
 
-QUADRATIC_FAMILIES = ("softmax", "performer")   # the budget assumes time ~ N^2 for these
+QUADRATIC_FAMILIES = ("softmax",)   # the budget assumes time ~ N^2 for these (performer's CPU path is linear)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -46,15 +46,16 @@ def attention_task(task: dict) -> dict:
     attend = build_attention(task["method"], shape, device, MASKS[task["mask"]], task["chunk_size"])
     prime(attend, shape, device, dtype)
     q, k, v, grad = make_inputs(shape, n, device, dtype)
-    memory = PeakMemory(device)
     timing = dict(repeats=task["repeats"], warmup=task["warmup"], device=device)
-    result = {"baseline_bytes": memory.baseline}
+    result = {}
     if "fwd" in task["passes"]:
-        result["forward_s"] = median_time(forward_call(attend, q, k, v), **timing)
-        result["forward_peak_bytes"] = memory.peak_above_baseline()   # VmHWM only grows: read it before backward
+        call = forward_call(attend, q, k, v)
+        result["forward_s"], result["forward_repeats"] = median_time(call, **timing)
+        result["baseline_bytes"], result["forward_peak_bytes"] = one_call_peak(call, device)
     if "fwd+bwd" in task["passes"]:
-        result["train_s"] = median_time(train_call(attend, q, k, v, grad), **timing)
-        result["train_peak_bytes"] = memory.peak_above_baseline()
+        call = train_call(attend, q, k, v, grad)
+        result["train_s"], result["train_repeats"] = median_time(call, **timing)
+        result["baseline_bytes"], result["train_peak_bytes"] = one_call_peak(call, device)
         result["saved_bytes"] = saved_tensor_bytes(lambda: attend(q, k, v))
     return result
 
@@ -109,11 +110,12 @@ def attention_sweep(settings: Settings, device: torch.device, runner: ChildRunne
 
 
 PEAK_MEMORY_NOTE = {
-    "cpu": "peak MB: rise of the child process's VmHWM (peak RSS) above its baseline after imports, "
-           "a tiny priming run and input creation (baseline_bytes in the JSON); fwd peak is read "
-           "before any backward ran.",
-    "cuda": "peak MB: torch.cuda.max_memory_allocated above memory_allocated after a tiny priming "
-            "run and input creation (reset_peak_memory_stats first).",
+    "cpu": "peak MB: what one call raises the child process's VmHWM (peak RSS) by, measured on a call "
+           "of its own after the timed ones, with the heap's free memory handed back to the OS first "
+           "(so that what glibc kept from earlier calls neither hides nor adds to it; resident "
+           "before the call: baseline_bytes in the JSON).",
+    "cuda": "peak MB: torch.cuda.max_memory_allocated above memory_allocated during one call of its "
+            "own after the timed ones (reset_peak_memory_stats first).",
 }
 
 
@@ -122,7 +124,8 @@ def run_attention(settings: Settings, device: torch.device, runner: ChildRunner,
     configs = attention_configs(settings, device, report)
     records = attention_sweep(settings, device, runner, report, configs)
     report.add(f"\nfwd: forward under no_grad; fwd+bwd: forward + backward to q, k, v. Medians of "
-               f"{settings.repeats} runs after {settings.warmup} warm-up. {PEAK_MEMORY_NOTE[device.type]} "
+               f"{settings.repeats} runs after {settings.warmup} warm-up ({SLOW_RUN_REPEATS} for runs over "
+               f"{SLOW_RUN_S:g} s; the count is in the JSON). {PEAK_MEMORY_NOTE[device.type]} "
                "saved MB: distinct storages autograd keeps for backward (deterministic).\n")
     report.add(tables.results_table(records))
     summary = {"peak_memory": PEAK_MEMORY_NOTE[device.type], "records": records,
@@ -170,7 +173,7 @@ def causal_favor_flops(n: int, shape: Shape, chunk_size: int) -> tuple[float, fl
 def matmul_task(task: dict) -> dict:
     device, size = torch.device(task["device"]), task["size"]
     a, b = (torch.randn(size, size, device=device, dtype=DTYPES[task["dtype"]]) for _ in range(2))
-    seconds = median_time(lambda: a @ b, repeats=task["repeats"], warmup=task["warmup"], device=device)
+    seconds = median_time(lambda: a @ b, repeats=task["repeats"], warmup=task["warmup"], device=device).seconds
     return {"size": size, "seconds": seconds, "gflops": 2 * size ** 3 / seconds / 1e9}
 
 
@@ -235,7 +238,7 @@ def decode_task(task: dict) -> dict:
         prefill_s = time_call(lambda: outputs.append(block(prompt, return_state=True)), device)
         _, state = outputs[0]
         # Every timed step extends the same state, so the context length stays `context`.
-        step_s = median_time(lambda: block.step(token, state), repeats=task["repeats"], warmup=3, device=device)
+        step_s = median_time(lambda: block.step(token, state), repeats=task["repeats"], warmup=3, device=device).seconds
     state_bytes = sum(t.numel() * t.element_size() for t in state if isinstance(t, torch.Tensor))
     return {"prefill_s": prefill_s, "step_s": step_s, "state_bytes": state_bytes}
 
@@ -322,7 +325,7 @@ def model_task(task: dict) -> dict:
         optimizer.step()
 
     memory = PeakMemory(device)
-    step_s = median_time(train_step, repeats=task["repeats"], warmup=1, device=device)
+    step_s = median_time(train_step, repeats=task["repeats"], warmup=1, device=device).seconds
     return {"step_s": step_s, "batch": batch, "tokens_per_step": batch * context,
             "tokens_per_s": batch * context / step_s, "peak_bytes": memory.peak_above_baseline(),
             "parameters": model.num_parameters()}

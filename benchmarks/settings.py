@@ -193,6 +193,11 @@ def resolve(settings: Settings) -> Settings:
         raise BadSetting(f"--methods {','.join(unmatched)} matches no method; with --backends "
                          f"{','.join(settings.backends)} the methods are: {', '.join(known)}")
     check_methods_build(settings, device)
+    uneven = [c for c in settings.model_contexts if settings.model_tokens % c]
+    if "model" in settings.sections and uneven:
+        raise BadSetting(f"--model-tokens {settings.model_tokens} is not a whole number of sequences at context(s) "
+                         f"{','.join(map(str, uneven))}: the model section trains the same tokens per batch at every "
+                         "context, so give a multiple of every --model-contexts length")
     out = Path(settings.out)
     try:   # the folder of a run that will start anyway, and a probe that it takes files
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -218,12 +223,17 @@ def selected_methods(settings: Settings) -> list[Method]:
 
 def check_methods_build(settings: Settings, device: torch.device) -> None:
     """Every selected method that can run here accepts the shape and chunk settings (an odd M with a
-    rotation, say), checked once with one head on the CPU rather than as an error row per config."""
+    rotation, say), checked once with one head on the CPU rather than as an error row per config;
+    so does causal favor-post, which the efficiency, decode and model sections always run."""
     shape = replace(settings.shape, heads=1)
-    for method in selected_methods(settings):
+    favor_post = [m for m in method_table(settings.backends) if m.name.startswith("favor-post")][:1]
+    methods = selected_methods(settings)
+    if set(settings.sections) - {"attention"}:
+        methods += [m for m in favor_post if m not in methods]
+    for method in methods:
         if unavailable(method, device) is not None:
             continue   # the sweep notes why it is skipped
-        for mask in settings.masks:
+        for mask in settings.masks if method in selected_methods(settings) else ["causal"]:
             try:
                 build_attention(method, shape, torch.device("cpu"), MASKS[mask], settings.chunk_size)
             except (ValueError, TypeError) as error:

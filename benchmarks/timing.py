@@ -13,11 +13,11 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
-from linattn_lm.runtime import peak_memory_mb, reset_peak_memory
+from linattn_lm.runtime import peak_memory_mb, release_free_memory, reset_peak_memory
 
 SLOW_RUN_S = 1.0               # runs longer than this are timed at most SLOW_RUN_REPEATS times
 SLOW_RUN_REPEATS = 3
@@ -53,15 +53,33 @@ def interleaved_samples(calls: dict[Any, Callable[[], object]], *, repeats: int,
     return samples
 
 
-def median_time(call: Callable[[], object], *, repeats: int, warmup: int, device: torch.device) -> float:
-    """Median of `repeats` runs after `warmup` untimed ones.  When the last warm-up run took over
-    SLOW_RUN_S, at most SLOW_RUN_REPEATS runs are timed: such runs are long enough that noise is
-    small relative to them, and they dominate the length of a full sweep."""
-    if warmup:
-        last_warmup = interleaved_samples({0: call}, repeats=warmup, warmup=0, device=device)[0][-1]
-        if last_warmup > SLOW_RUN_S:
-            repeats = min(repeats, SLOW_RUN_REPEATS)
-    return statistics.median(interleaved_samples({0: call}, repeats=repeats, warmup=0, device=device)[0])
+class Timing(NamedTuple):
+    seconds: float   # the median
+    repeats: int     # how many runs were timed
+
+
+def median_time(call: Callable[[], object], *, repeats: int, warmup: int, device: torch.device) -> Timing:
+    """Median of `repeats` runs after `warmup` untimed ones.  When the last warm-up run (without
+    warm-up: the first timed run) took over SLOW_RUN_S, at most SLOW_RUN_REPEATS runs are timed:
+    such runs are long enough that noise is small relative to them, and they dominate the length of
+    a full sweep."""
+    slow = bool(warmup) and interleaved_samples({0: call}, repeats=warmup, warmup=0, device=device)[0][-1] > SLOW_RUN_S
+    samples: list[float] = []
+    while len(samples) < (min(repeats, SLOW_RUN_REPEATS) if slow else repeats):
+        samples.append(time_call(call, device))
+        slow = slow or samples[0] > SLOW_RUN_S
+    return Timing(statistics.median(samples), len(samples))
+
+
+def one_call_peak(call: Callable[[], object], device: torch.device) -> tuple[int, int]:
+    """(bytes resident before, peak bytes above that) of one call of its own.  On CPU the heap's free
+    memory goes back to the OS first: glibc keeps what earlier calls freed (its mmap threshold rises
+    after the first large free), which would otherwise count toward, or hide, this call's peak, the
+    more so the more often it was called (SDPA at N=8192: 83 MB for one call, 160 MB after five)."""
+    release_free_memory()
+    memory = PeakMemory(device)
+    call()
+    return memory.baseline, memory.peak_above_baseline()
 
 
 def saved_tensor_bytes(forward: Callable[[], torch.Tensor]) -> int:
@@ -162,8 +180,8 @@ class ChildRunner:
 
 @dataclass
 class History:
-    """Measured (N, seconds in the child, peak bytes) of one method, to extrapolate to the next N.
-    The child's own time leaves out process start-up, which does not grow with N."""
+    """Measured (N, seconds that grow with N, peak bytes) of one method, to extrapolate to the next N:
+    the time of the timed calls (`run_budgeted`), not the child's one-time costs (a Triton compile)."""
     assume_quadratic: bool
     points: list[tuple[int, float, float]] = field(default_factory=list)
     failure: str | None = None     # once a config fails, larger N are not attempted
@@ -218,5 +236,16 @@ def run_budgeted(runner: ChildRunner, run_task: Callable[[dict], dict], task: di
     if "error" in result:
         history.failure = f"failed at N={n}"
     else:
-        history.points.append((n, result["elapsed_s"], result.get(peak_key, 0)))
+        history.points.append((n, scaling_seconds(result, task), result.get(peak_key, 0)))
     return result
+
+
+def scaling_seconds(result: dict, task: dict) -> float:
+    """The part of a child's time that grows with N: each pass's median times the calls made of it
+    (warm-up, timed, and the memory and saved-tensor calls).  What is left of elapsed_s (imports,
+    priming, a kernel compile at the first call) does not grow, and is not extrapolated."""
+    passes = [(result[f"{name}_s"], result.get(f"{name}_repeats", task.get("repeats", 1)))
+              for name in ("forward", "train") if f"{name}_s" in result]
+    if not passes:
+        return result["elapsed_s"]
+    return sum(seconds * (repeats + task.get("warmup", 0) + 2) for seconds, repeats in passes)

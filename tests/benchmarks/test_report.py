@@ -1,6 +1,6 @@
 import pytest
 
-from benchmarks.report import crossover, loglog_slope, target_summary, targets_table
+from benchmarks.report import crossover, crossover_summary, loglog_slope, target_summary, targets_table
 
 
 def test_loglog_slope_recovers_power_laws():
@@ -51,3 +51,17 @@ def test_cuda_worst_ratio_takes_every_common_length():
     rows = {row["target"]: row for row in target_summary(records, "cuda")}
     assert rows["fwd+bwd time / fla-chunk's, worst N"]["ratio"] == pytest.approx(1.6)
     assert rows["fwd+bwd time / fla-chunk's, worst N"]["met"] is False
+
+
+def test_a_target_measured_by_some_rows_is_not_named_as_not_measured():
+    rows = [{"label": "favor-post causal bf16", "target": "speed-up over sdpa-flash", "ratio": 2.0, "bound": "≥ 1",
+             "met": True},
+            {"label": "favor-post causal fp32", "target": "speed-up over sdpa-flash", "ratio": None, "bound": "≥ 1",
+             "met": None}]
+    assert "Not measured" not in targets_table(rows)
+
+
+def test_a_peer_is_not_compared_with_itself():
+    records = [record(method, n, 1.0, 1) | {"linear": True} for method in ("fla-chunk", "favor-post")
+               for n in (1024, 4096)]
+    assert [row["label"] for row in crossover_summary(records, "fla-chunk")] == ["favor-post causal fp32"]

@@ -30,6 +30,9 @@ def test_lengths_default_to_the_device_and_run_small_to_large(tmp_path):
     (["--device", "tpu"], "one of auto, cpu, cuda"),
     (["--methods", "favor-post", "--num-features", "7"], "method favor-post (causal) cannot run"),
     (["--methods", "elu-*", "--head-dim", "5"], "method elu-post (causal) cannot run"),
+    (["--sections", "decode", "--methods", "sdpa", "--num-features", "255"], "method favor-post (causal) cannot run"),
+    (["--sections", "model", "--model-contexts", "96,128", "--model-tokens", "128"],
+     "--model-tokens 128 is not a whole number of sequences at context(s) 96"),
 ])
 def test_bad_flags_exit_2_with_one_line_that_names_the_flag(flags, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:

@@ -21,5 +21,29 @@ def test_slow_runs_are_timed_at_most_three_times(monkeypatch):
     """A warm-up over a second caps the timed runs at 3; the median of what was timed is kept."""
     durations = iter([2.0, 3.0, 1.0, 2.5, 9.0, 9.0])
     monkeypatch.setattr(timing, "time_call", lambda call, device: next(durations))
-    assert timing.median_time(lambda: None, repeats=5, warmup=1, device=CPU) == 2.5
+    assert timing.median_time(lambda: None, repeats=5, warmup=1, device=CPU) == (2.5, 3)
     assert next(durations) == 9.0      # runs 4 and 5 were never timed
+
+
+def test_without_warm_up_the_first_timed_run_caps_slow_runs(monkeypatch):
+    durations = iter([2.0, 3.0, 1.0, 9.0, 9.0])
+    monkeypatch.setattr(timing, "time_call", lambda call, device: next(durations))
+    assert timing.median_time(lambda: None, repeats=5, warmup=0, device=CPU) == (2.0, 3)
+
+
+def test_the_budget_extrapolates_the_timed_calls_not_one_time_costs():
+    """fla-chunk's first call compiles for 90 s; 3 ms calls must not be predicted to take minutes."""
+    result = {"elapsed_s": 92.2, "train_s": 0.003, "train_repeats": 5}
+    seconds = timing.scaling_seconds(result, {"repeats": 5, "warmup": 1})
+    assert seconds == pytest.approx(0.003 * 8)
+    history = History(assume_quadratic=False, points=[(1024, seconds, 1e6)])
+    assert skip_reason(history, 65536, budget_s=60, free_bytes=2**40) is None
+
+
+def test_one_call_peak_does_not_count_what_earlier_calls_left_in_the_heap():
+    def make_and_free():
+        torch.ones(2 ** 23).add_(1)   # 32 MiB
+    for _ in range(3):
+        make_and_free()
+    baseline, peak = timing.one_call_peak(make_and_free, CPU)
+    assert baseline > 0 and 30 * 2 ** 20 < peak < 80 * 2 ** 20
