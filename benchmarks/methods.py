@@ -178,10 +178,14 @@ def forward_call(attend: Attend, q, k, v) -> Callable[[], None]:
     return run
 
 
+def drop_grads(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        t.grad = None
+
+
 def train_call(attend: Attend, q, k, v, grad) -> Callable[[], None]:
     """Forward + backward to q, k, v; gradients are dropped first so they never accumulate."""
     def run() -> None:
-        for t in (q, k, v):
-            t.grad = None
+        drop_grads(q, k, v)
         attend(q, k, v).backward(grad)
     return run
