@@ -40,10 +40,12 @@ def test_the_budget_extrapolates_the_timed_calls_not_one_time_costs():
     assert skip_reason(history, 65536, budget_s=60, free_bytes=2**40) is None
 
 
-def test_one_call_peak_does_not_count_what_earlier_calls_left_in_the_heap():
+def test_one_call_peak_is_not_hidden_by_what_earlier_calls_left_in_the_heap():
+    """After glibc's first free of an 8 MiB block its mmap threshold rises, and later 8 MiB blocks
+    stay resident in the heap when freed: the next call reuses them and VmHWM would not rise at all."""
     def make_and_free():
-        torch.ones(2 ** 23).add_(1)   # 32 MiB
+        torch.ones(2 ** 21).add_(1)   # 8 MiB
     for _ in range(3):
         make_and_free()
     baseline, peak = timing.one_call_peak(make_and_free, CPU)
-    assert baseline > 0 and 30 * 2 ** 20 < peak < 80 * 2 ** 20
+    assert baseline > 0 and 7 * 2 ** 20 < peak < 40 * 2 ** 20
