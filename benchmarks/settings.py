@@ -226,14 +226,14 @@ def check_methods_build(settings: Settings, device: torch.device) -> None:
     rotation, say), checked once with one head on the CPU rather than as an error row per config;
     so does causal favor-post, which the efficiency, decode and model sections always run."""
     shape = replace(settings.shape, heads=1)
-    favor_post = [m for m in method_table(settings.backends) if m.name.startswith("favor-post")][:1]
-    methods = selected_methods(settings)
+    builds = [(method, settings.masks) for method in selected_methods(settings)]
     if set(settings.sections) - {"attention"}:
-        methods += [m for m in favor_post if m not in methods]
-    for method in methods:
+        builds.append((next(m for m in method_table(settings.backends) if m.name.startswith("favor-post")),
+                       ("causal",)))
+    for method, masks in builds:
         if unavailable(method, device) is not None:
             continue   # the sweep notes why it is skipped
-        for mask in settings.masks if method in selected_methods(settings) else ["causal"]:
+        for mask in masks:
             try:
                 build_attention(method, shape, torch.device("cpu"), MASKS[mask], settings.chunk_size)
             except (ValueError, TypeError) as error:

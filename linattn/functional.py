@@ -22,12 +22,12 @@ from .ops.linear_attention import backends
 from .ops.linear_attention.chunk import DEFAULT_CHUNK_SIZE, causal_attention, check_chunk_size
 from .ops.linear_attention.common import (LogProjection, check_features, check_log_features,
                                           check_nonnegative, check_not_projection, compute_dtype,
-                                          divide, finite_log_features, numerator_features)
+                                          divide, feature_tensors, finite_log_features, numerator_features)
 from .ops.linear_attention.naive import linear_attention_reference, softmax_attention_reference
 from .ops.linear_attention.stable import log_linear_attention
 from .ops.linear_attention.recurrent import LinearState, initial_state, linear_attention_step
 from .checks import check_rope_base
-from .rotary import DEFAULT_BASE, check_offset, check_rotated_dim, rotary_phases
+from .rotary import DEFAULT_BASE, check_offset, check_positions, check_rotated_dim, rotary_phases
 
 BACKENDS = backends.BACKENDS
 
@@ -64,10 +64,11 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     offset = int(offset)   # numpy's integers too: the state's position is a plain int
     if rotary:
         check_rotated_dim(phi_k.weight.shape[0] if isinstance(phi_k, LogProjection) else phi_k.shape[-1])
+        check_positions(offset, v.shape[-2])
     if return_state and not causal:
         raise ValueError("return_state=True needs causal=True: a non-causal pass has no decoding state")
-    tensors = [t for x in (phi_q, phi_k) for t in (x if isinstance(x, LogProjection) else (x,))] + [v]
-    resolved = backends.resolve(backend, v.device, float64=any(t.dtype == torch.float64 for t in tensors))
+    float64 = compute_dtype(*feature_tensors(phi_q, phi_k), v) == torch.float64
+    resolved = backends.resolve(backend, v.device, float64=float64)
     chunk_size = max(1, min(chunk_size, v.shape[-2]))   # a short sequence is one chunk, unpadded
     if log_space and resolved == "triton" and v.shape[-2] > 0:
         from .ops.linear_attention import fused

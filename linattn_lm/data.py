@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
+from linattn.checks import is_integer
+
 SPLITS = ("train", "val", "test")
 META_NAME = "meta.json"
 META_FORMAT_VERSION = 1
@@ -292,9 +294,9 @@ class RandomWindows:
             if state[key] != mine[key]:
                 raise ValueError(f"cannot resume: saved {key} is {state[key]:,}, this stream's is {mine[key]:,}")
         for key in ("seed", "batches_drawn"):
-            if isinstance(state[key], bool) or not isinstance(state[key], int) or state[key] < 0:
+            if not is_integer(state[key]) or state[key] < 0:
                 raise ValueError(f"saved {key} must be an integer >= 0, got {state[key]!r}")
-        self.seed, self.batches_drawn = state["seed"], state["batches_drawn"]
+        self.seed, self.batches_drawn = int(state["seed"]), int(state["batches_drawn"])
 
 
 class SequentialWindows:

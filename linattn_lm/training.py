@@ -171,10 +171,11 @@ class RunStats:
         stats = cls(**state)
         for spec in fields(cls):
             value = getattr(stats, spec.name)
-            numbers = value if spec.name in ("val_steps", "val_bpc") else [value]
-            if not isinstance(numbers, list) or not all(_is_number(x) for x in numbers) or \
-                    (numbers is not value and value < 0):
-                raise ValueError(f"{spec.name} is {value!r}, not {'a list of numbers' if numbers is value else 'a number >= 0'}")
+            if spec.name in ("val_steps", "val_bpc"):
+                if not isinstance(value, list) or not all(map(_is_number, value)):
+                    raise ValueError(f"{spec.name} is {value!r}, not a list of numbers")
+            elif not _is_number(value) or value < 0:
+                raise ValueError(f"{spec.name} is {value!r}, not a number >= 0")
         if len(stats.val_steps) != len(stats.val_bpc):
             raise ValueError(f"val_steps and val_bpc differ in length ({len(stats.val_steps)} and {len(stats.val_bpc)})")
         return stats

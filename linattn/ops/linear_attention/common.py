@@ -98,6 +98,11 @@ def finite_log_features(x):
     return x.clamp_min(torch.finfo(x.dtype).min / 4)
 
 
+def feature_tensors(*features) -> list[torch.Tensor]:
+    """The tensors behind features given as tensors or `LogProjection`s."""
+    return [t for x in features for t in (x if isinstance(x, LogProjection) else (x,))]
+
+
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 

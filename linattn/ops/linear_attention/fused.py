@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from ...rotary import DEFAULT_BASE, check_positions, rotary_angles
+from ...rotary import DEFAULT_BASE, rotary_angles
 from .backends import interpreting
 from . import stable
 from .common import LogProjection, divide
@@ -630,22 +630,22 @@ def pipelining_stages(level: int, *, backward: bool, log: bool, causal: bool) ->
     return LOG_BACKWARD_STAGES if stages is None and backward and log and causal else stages
 
 
-_FITTING_LEVEL: dict = {}   # (kernel, device, mode) -> the first level whose tiles fitted
+_FITTING_LEVEL: dict = {}   # (kernel and mode, device, dtype) -> the first level whose tiles fitted
 
 
-def _launch_fitting(name: str, q: torch.Tensor, run_at_level):
+def _launch_fitting(mode: tuple, q: torch.Tensor, run_at_level):
     """run_at_level(level) launches a kernel with TILE_LEVELS[level]'s tiles and returns its outputs.
     Triton raises OutOfResources when the compiled kernel needs more shared memory than the GPU
     has per block (level 0 needs up to 206 KB, sized for an H100; an RTX 30xx or L4 has 99 KB):
     then the next level is tried, and the one that fits is remembered for this device and mode."""
-    key = (name, q.device, q.dtype)
+    key = (mode, q.device, q.dtype)   # mode: (kernel, causal, rotary, log)
     level = _FITTING_LEVEL.get(key, 0)
     while True:
         try:
             result = run_at_level(level)
         except OutOfResources as error:
             if level + 1 == len(TILE_LEVELS):
-                raise RuntimeError(f"linattn's {name} kernel does not fit this GPU even with its smallest "
+                raise RuntimeError(f"linattn's {mode[0]} kernel does not fit this GPU even with its smallest "
                                    f"tiles ({error}); use backend='torch'") from None
             level += 1
             continue
@@ -689,7 +689,7 @@ class _FusedLinearAttention(torch.autograd.Function):
                                         STATE=want_state, LOG=log, **run.constants())
             return _reduce(num), _reduce(den), kv, k_sum
 
-        num, den, kv, k_sum = _launch_fitting(f"forward{'-log' if log else ''}", q, at_level)
+        num, den, kv, k_sum = _launch_fitting(("forward", causal, rotary, log), q, at_level)
         ctx.save_for_backward(q, k, v, turns)
         ctx.causal, ctx.rotary, ctx.log = causal, rotary, log
         ctx.mark_non_differentiable(kv, k_sum)
@@ -713,7 +713,7 @@ class _FusedLinearAttention(torch.autograd.Function):
                                          run.dv, LOG=ctx.log, **run.constants())
             return _reduce(dq).to(q.dtype), _reduce(dk).to(k.dtype), _reduce(dv).to(v.dtype)
 
-        dq, dk, dv = _launch_fitting(f"backward{'-log' if ctx.log else ''}", q, at_level)
+        dq, dk, dv = _launch_fitting(("backward", ctx.causal, ctx.rotary, ctx.log), q, at_level)
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -729,10 +729,6 @@ def _attend(q, k, v, dtype, *, causal, rotary, offset, rope_base, return_state, 
     if interpreting() != INTERPRETED:
         raise RuntimeError(f"TRITON_INTERPRET was {'on' if INTERPRETED else 'off'} when linattn's kernels were "
                            "imported and has changed since; set it before the first triton call")
-    if rotary and q.shape[-1] % 2:
-        raise ValueError(f"rotary=True rotates pairs of features, so M must be even, got {q.shape[-1]}")
-    if rotary:
-        check_positions(offset, q.shape[-2])
     turns = _turns(max(q.shape[-1] // 2, 1), float(rope_base), offset if rotary else 0, q.device)
     with torch.autocast(q.device.type, enabled=False):
         q_c, k_c, v_c = (t.to(dtype).contiguous() for t in (q, k, v))

@@ -95,7 +95,7 @@ from typing import NamedTuple
 import torch
 
 from ...rotary import apply_rotary, rotary_phases, rotate_pairs
-from .common import LogProjection, compute_dtype, divide, output_gradients
+from .common import LogProjection, compute_dtype, divide, feature_tensors, output_gradients
 
 JUMP_LIMIT = 30.0      # a row whose running max grew more than this within its chunk is computed exactly
 NUMERATOR_CAP = 30.0   # numerator query factors are capped at e^30 (saturation beyond float32, see above)
@@ -131,8 +131,7 @@ def log_linear_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, ba
     off; outputs in v's dtype.  The state (if asked) carries F.  Under torch.compile it runs eagerly
     (a graph break): its chunk loop takes decisions from the data, and inductor failed on a ragged
     last chunk ("Exponent must be non-negative")."""
-    tensors = [t for x in (b, a) for t in (x if isinstance(x, LogProjection) else (x,))]
-    out_dtype, dtype = v.dtype, compute_dtype(*tensors, v)
+    out_dtype, dtype = v.dtype, compute_dtype(*feature_tensors(b, a), v)
     with torch.autocast(v.device.type, enabled=False):
         b, a = (_to(x, dtype) for x in (b, a))
         result = _log_linear_attention(b, a, v.to(dtype), causal=causal, rotary=rotary, offset=offset,

@@ -337,20 +337,22 @@ def test_a_launch_that_does_not_fit_takes_the_next_tile_level_and_remembers_it(m
         return "outputs"
 
     q = torch.zeros(1)
-    assert fused_module._launch_fitting("forward", q, launch) == "outputs" and tried == [0, 1, 2]
-    assert fused_module._launch_fitting("forward", q, launch) == "outputs" and tried == [0, 1, 2, 2]
+    forward = ("forward", True, True, True)
+    assert fused_module._launch_fitting(forward, q, launch) == "outputs" and tried == [0, 1, 2]
+    assert fused_module._launch_fitting(forward, q, launch) == "outputs" and tried == [0, 1, 2, 2]
 
     def never(level):
         raise OutOfResources(140_000, 1_000, "shared memory")
     with pytest.raises(RuntimeError, match="does not fit this GPU even with its smallest tiles.*backend='torch'"):
-        fused_module._launch_fitting("backward", q, never)
+        fused_module._launch_fitting(("backward", True, True, True), q, never)
 
 
 def test_every_tile_level_gives_the_same_results(monkeypatch):
     """The levels change tiles and pipelining only: each matches the reference."""
     for level in range(len(fused_module.TILE_LEVELS)):
         monkeypatch.setattr(fused_module, "_FITTING_LEVEL", {
-            (name, torch.device(DEVICE), torch.float32): level for name in ("forward", "backward")})
+            ((kernel, True, True, False), torch.device(DEVICE), torch.float32): level
+            for kernel in ("forward", "backward")})
         assert_matches_reference(True, True, 70, 64, 40, 3)
 
 
