@@ -230,10 +230,14 @@ def ddp_worker(rank: int, world_size: int, port: int, argv: list[str], out_dir: 
     with training.distributed(config.run.device) as ctx:
         trainer = training.Trainer(config, ctx, resume=args.resume)
         result = trainer.run()
+        first_windows = torch.from_numpy(trainer.train_batches.window_starts(0))
+        # DDP goes while the process group lives, as in train.py: dropped after destroy_process_group,
+        # its teardown joined gloo's thread, which waited for the GIL to free a gathered tensor (a hang).
+        del trainer
     state = result.model.state_dict()
     torch.save({"tensors": {k: v for k, v in state.items() if isinstance(v, torch.Tensor)},
                 "favor": [fm.get_extra_state() for fm in result.model.feature_maps()],
-                "first_windows": torch.from_numpy(trainer.train_batches.window_starts(0))},
+                "first_windows": first_windows},
                Path(out_dir) / f"rank{rank}.pt")
 
 
