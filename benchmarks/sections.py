@@ -51,12 +51,12 @@ def attention_task(task: dict) -> dict:
     if "fwd" in task["passes"]:
         call = forward_call(attend, q, k, v)
         result["forward_s"], result["forward_repeats"] = median_time(call, **timing)
-        result["baseline_bytes"], result["forward_peak_bytes"] = one_call_peak(call, device)
+        result["forward_baseline_bytes"], result["forward_peak_bytes"] = one_call_peak(call, device)
     if "fwd+bwd" in task["passes"]:
         call = train_call(attend, q, k, v, grad)
         result["train_s"], result["train_repeats"] = median_time(call, **timing)
         drop_grads(q, k, v)   # so that the call's own gradients count toward its peak
-        result["baseline_bytes"], result["train_peak_bytes"] = one_call_peak(call, device)
+        result["train_baseline_bytes"], result["train_peak_bytes"] = one_call_peak(call, device)
         result["saved_bytes"] = saved_tensor_bytes(lambda: attend(q, k, v))
     return result
 
@@ -114,7 +114,7 @@ PEAK_MEMORY_NOTE = {
     "cpu": "peak MB: what one call raises the child process's VmHWM (peak RSS) by, measured on a call "
            "of its own after the timed ones, with the heap's free memory handed back to the OS first "
            "(so that what glibc kept from earlier calls neither hides nor adds to it; resident "
-           "before the call: baseline_bytes in the JSON).",
+           "before each pass's call: forward_baseline_bytes and train_baseline_bytes in the JSON).",
     "cuda": "peak MB: torch.cuda.max_memory_allocated above memory_allocated during one call of its "
             "own after the timed ones (reset_peak_memory_stats first).",
 }

@@ -25,8 +25,8 @@ def test_quick_smoke_prints_every_table_and_writes_json_markdown_and_plot(tmp_pa
     results = json.loads(out.with_suffix(".json").read_text())
     measured = {(r["method"], r["n"]) for r in results["attention"]["records"] if "train_s" in r}
     assert measured == {(m, n) for m in ("sdpa", "favor-post") for n in (128, 256)}
-    assert {"forward_s", "train_s", "forward_peak_bytes", "train_peak_bytes", "saved_bytes"} <= \
-        set(results["attention"]["records"][0])
+    assert {"forward_s", "train_s", "forward_peak_bytes", "train_peak_bytes", "saved_bytes",
+            "forward_baseline_bytes", "train_baseline_bytes"} <= set(results["attention"]["records"][0])
     # Each config's fresh process sees its own peak: favor-post's features alone are MBs at N=256.
     assert all(r["train_peak_bytes"] > 2**20 for r in results["attention"]["records"] if r["method"] == "favor-post")
     assert results["efficiency"]["matmul_peak"]["gflops"] > 0

@@ -19,7 +19,7 @@ from typing import Iterator
 
 import pytest
 
-from linattn_lm.data import DataNotFoundError, load_split
+from linattn_lm.data import load_split
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = REPO_ROOT / "data" / "enwik8" / "prepare.py"
