@@ -50,6 +50,9 @@ class OptimConfig:
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ValueError(f"weight_decay and grad_clip must be >= 0, got {self.weight_decay} and "
                              f"{self.grad_clip}")
+        if self.lr * self.weight_decay >= 1:   # AdamW multiplies weights by 1 - lr * weight_decay
+            raise ValueError(f"lr * weight_decay must be below 1 (AdamW scales the weights by 1 - lr * weight_decay "
+                             f"each step), got {self.lr} * {self.weight_decay}; lower --weight-decay")
 
 
 @dataclass
@@ -189,9 +192,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                  feature_map="favor", feature_map_options=dict(num_features=32, redraw_interval=1000),
                  chunk_size=32, eval_interval=10, eval_iters=2, log_interval=5, ckpt_interval=10,
                  sample_interval=30),
-    # The defaults, and the budget of the RoPE-placement study (docs/results/study-cpu.md): about 6
-    # (softmax) to 9-14 (FAVOR+) minutes per run on 2 CPU cores, where every variant beats the order-2
-    # n-gram line (3.31 val bpc) clearly; FAVOR+ post (the quick start) measured 3.02-3.04 at step 1200.
+    # The defaults, and the budget of the RoPE-placement study (docs/results/study-cpu.md): about 6-8
+    # (softmax) and 8-12 (FAVOR+) minutes of training per run on 2 CPU cores; softmax and FAVOR+ with
+    # RoPE beat the order-2 n-gram line (3.31 val bpc) clearly, FAVOR+ without RoPE does not (3.50);
+    # FAVOR+ post (the quick start) measured 3.02-3.04 at step 1200.
     # No redraws: a redraw late in a short run costs more than it brings (the study measures it).
     "cpu": dict(n_layer=4, d_model=128, n_head=4, mlp_ratio=4.0, dropout=0.0, seq_len=256,
                 batch_size=16, lr=3e-3, min_lr=3e-4, warmup=50, steps=1200, weight_decay=0.1, grad_clip=1.0,

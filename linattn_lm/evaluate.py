@@ -137,6 +137,14 @@ def import_recorded(checkpoint: dict[str, Any], path: Path) -> None:
                               f"which failed: {error}; pass --import MODULE_OR_FILE to give its new place") from None
 
 
+def recorded_data_dir(checkpoint: dict[str, Any]) -> str:
+    """The data directory the run trained on, or "" when the checkpoint does not say (or says
+    something that is not a path)."""
+    run = checkpoint["config"].get("run")
+    data_dir = run.get("data_dir") if isinstance(run, dict) else ""
+    return data_dir if isinstance(data_dir, str) else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -162,8 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.generate is not None:
             print(sample_text(model, args, device))
             return 0
-        run = checkpoint["config"].get("run")
-        data_dir = args.data_dir or (run.get("data_dir") if isinstance(run, dict) else "") or str(default_data_dir())
+        data_dir = args.data_dir or recorded_data_dir(checkpoint) or str(default_data_dir())
         split = load_split(data_dir, args.split)
         data = split.data[:args.max_bytes] if args.max_bytes else split.data
         print(f"data: {split.description} from {data_dir}, {args.split} split, "

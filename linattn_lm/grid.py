@@ -36,7 +36,7 @@ from .config import DEFAULT_PRESET, TrainConfig, config_differences, config_from
 from .data import DataError, check_window_fits, load_split
 from .evaluate import bpc_table
 from .grid_report import RECORD_KEYS, RESULT_NAME, write_report
-from .lm import feature_map_parameters
+from .lm import ATTENTION_BACKENDS, feature_map_parameters
 from .ngram import reference_bpc
 from .runtime import keep_freed_memory, write_atomically
 from .training import TrainResult
@@ -52,13 +52,16 @@ def grid_name(given: dict[str, Any]) -> str:
 def run_configs(given: dict[str, Any], variants: list[str], seeds: list[int]) -> dict[tuple[int, str], TrainConfig]:
     """One TrainConfig per (seed, variant), seed-major, all checked before anything trains.  Each
     variant takes the grid's feature-map options its map accepts, then its own; an option of the
-    grid that no variant's map takes is an error."""
+    grid that no variant's map takes is an error.  --backend goes to the variants of the attention
+    it names a kernel of (torch/triton: linear; sdpa/xformers: softmax; auto: both)."""
     shared_options = given.get("feature_map_options", {})
     used: set[str] = set()
     configs = {}
     for seed in seeds:
         for name in variants:
             flags = {**given, **variant_flags(name), "seed": seed, "run_name": f"{grid_name(given)}/{name}/seed-{seed}"}
+            if "backend" in flags and flags["backend"] not in ATTENTION_BACKENDS[flags["attention"]]:
+                flags.pop("backend")
             if flags["attention"] == "softmax":
                 flags.pop("chunk_size", None)
                 flags.pop("feature_map_options", None)
@@ -71,6 +74,9 @@ def run_configs(given: dict[str, Any], variants: list[str], seeds: list[int]) ->
     unused = sorted(set(shared_options) - used)
     if unused:
         raise ValueError(f"no variant's feature map takes option(s) {unused}")
+    if "backend" in given and all(config.model.backend != given["backend"] for config in configs.values()):
+        raise ValueError(f"--backend {given['backend']} is a kernel of no listed variant's attention (linear: "
+                         f"{', '.join(ATTENTION_BACKENDS['linear'])}; softmax: {', '.join(ATTENTION_BACKENDS['softmax'])})")
     if "chunk_size" in given and all(config.model.attention == "softmax" for config in configs.values()):
         raise ValueError("--chunk-size applies to linear variants only, and none is listed: drop it or add one")
     return configs

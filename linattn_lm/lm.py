@@ -28,6 +28,7 @@ import linattn
 ATTENTIONS = ("softmax", "linear")
 SOFTMAX_ROPE = ("post", "none")     # softmax has no feature map: "post" = RoPE on q and k
 SOFTMAX_BACKENDS = ("auto",) + linattn.attention.SOFTMAX_BACKENDS   # auto = sdpa
+ATTENTION_BACKENDS = {"linear": linattn.functional.BACKENDS, "softmax": SOFTMAX_BACKENDS}
 INIT_STD = 0.02
 PLAIN_OPTION_TYPES = (bool, int, float, str, type(None))
 
@@ -42,12 +43,17 @@ def setting(default: Any = dataclasses.MISSING, help: str = "", *, resumable: bo
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
 
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def check_finite(config: Any) -> None:
-    """Every float field of a config is finite (nan and inf pass range checks silently)."""
+    """Every float field of a config is finite, and within float32's range, where torch uses it
+    (nan and inf pass range checks silently)."""
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{f.name} must be a finite number, got {value}")
+        if isinstance(value, float) and not abs(value) <= FLOAT32_MAX:
+            raise ValueError(f"{f.name} must be a finite number within float32's range "
+                             f"(|x| <= {FLOAT32_MAX:.3g}), got {value}")
 
 
 def check_types(config: Any) -> None:
@@ -413,7 +419,9 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
     """(B, vocab) logits -> (B,) sampled ids."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    # the max first and float64 so that any temperature > 0 works: (<= 0) / tiny is -inf or 0, never nan
+    logits = logits.double()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth_largest = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))

@@ -1,6 +1,6 @@
 """Reference lines: smoothed byte n-gram count models, the bpc a model must beat to be using context.
 
-    lines = reference_bpc(data_dir, "val")      # {0: 5.05, 1: 3.95, 2: 3.27, ...}, cached in <data_dir>/ngram.json
+    lines = reference_bpc(data_dir, "val")      # {0: 5.05, 1: 3.95, 2: 3.31, ...}, cached in <data_dir>/ngram.json
     print(format_reference(lines))
 
 The order-k model predicts each byte from the k bytes before it with additive smoothing,

@@ -131,8 +131,12 @@ def _umask() -> int:
 
 
 def first_line(error: BaseException) -> str:
-    """An error's message as one short line, for messages that must not become tracebacks."""
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+    """An error's message as one short line, for messages that must not become tracebacks; a first
+    line that only introduces what follows ("Error(s) in loading state_dict for ByteLM:") takes the
+    next line with it."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+    line = f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+    return line[:300]
 
 
 def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
@@ -146,8 +150,10 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
         raise
 
 
-class WriteFailed(Exception):
-    """An output could not be written (disk full, no permission); what was there is kept."""
+class WriteFailed(OSError):
+    """An output could not be written (disk full, no permission); what was there is kept.  An
+    OSError, so that code which tolerates a failed write (a cache) or reports one (prepare.py)
+    catches it as it catches the error it replaces."""
 
 
 def write_staged(path: Path, write: Callable[[Path], None]) -> Path:

@@ -41,7 +41,8 @@ EXIT_SIGNAL_BASE = 128   # a run stopped by signal S exits 128 + S, as shells re
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss or the gradient norm became non-finite: the step is not taken, nothing is saved."""
+    """The loss, the gradient norm or, after the optimiser step, a weight became non-finite: that
+    step is not saved."""
 
 
 # ----------------------------------------------------------------------------- distributed
@@ -255,8 +256,8 @@ def load_for_resume(path: Path, config: TrainConfig, data: str) -> dict[str, Any
     differences = config_differences(flat_saved, config.flat())
     if differences:
         raise CheckpointError(f"cannot resume {path}: it was trained with a different configuration "
-                              f"({'; '.join(differences)}); only steps, intervals, paths, device, compile, "
-                              "threads and imports may change")
+                              f"({'; '.join(differences)}); only steps, intervals, paths, device, backend, "
+                              "compile, threads, imports and the preset name may change")
     if checkpoint["data"] != data:
         raise CheckpointError(f"cannot resume {path}: it was trained on {checkpoint['data']}, "
                               f"the data directory now holds {data}")
@@ -276,7 +277,7 @@ def sample_prompt(val: np.ndarray, config: TrainConfig) -> tuple[torch.Tensor, i
     """The first bytes of val as a prompt, and how many bytes to sample after it (learned absolute
     positions cannot go past seq_len)."""
     seq_len = config.model.seq_len
-    prompt_len = min(SAMPLE_PROMPT_BYTES, seq_len // 2)
+    prompt_len = max(1, min(SAMPLE_PROMPT_BYTES, seq_len // 2))
     new_bytes = seq_len - prompt_len + 1 if config.model.abs_pos else SAMPLE_NEW_BYTES
     return torch.from_numpy(val[:prompt_len].astype(np.int64)), min(new_bytes, SAMPLE_NEW_BYTES)
 
@@ -404,7 +405,8 @@ class Trainer:
 
     def train_step(self) -> torch.Tensor:
         """One optimiser step on the next batch; returns the gradient norm before clipping.  A
-        non-finite loss or gradient stops training before the step changes the weights."""
+        non-finite loss or gradient stops training before the step changes the weights, and a step
+        that makes a weight non-finite stops it before anything is saved."""
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(self.step, self.config)
         x, y = (t.to(self.device, non_blocking=True) for t in next(self.train_batches))
@@ -415,11 +417,10 @@ class Trainer:
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.grad_clip or math.inf)
         if self.ctx.any(~(torch.isfinite(loss) & torch.isfinite(grad_norm))):
-            kept = (f"the last good checkpoint (step {self.saved_step}) is kept in {self.ckpt_file}"
-                    if self.saved_step is not None else "no checkpoint was written")
-            raise TrainingDiverged(f"training stopped at step {self.step + 1}: loss {loss.item():.4g}, gradient "
-                                   f"norm {grad_norm.item():.4g} (non-finite); {kept}; lower --lr")
+            raise self.diverged(f"loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g} (non-finite)")
         self.optimizer.step()
+        if self.ctx.any(~torch.stack([p.isfinite().all() for p in self.model.parameters()]).all()):
+            raise self.diverged("the optimiser step made weights non-finite")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)   # so the compute timer covers the GPU work
         self.stats.compute_seconds += time.perf_counter() - compute_start
@@ -428,6 +429,12 @@ class Trainer:
         self.loss_sum += loss.detach()
         self.loss_count += 1
         return grad_norm
+
+    def diverged(self, what: str) -> TrainingDiverged:
+        """The error that stops a run whose step went non-finite; nothing of that step is saved."""
+        kept = (f"the last good checkpoint (step {self.saved_step}) is kept in {self.ckpt_file}"
+                if self.saved_step is not None else "no checkpoint was written")
+        return TrainingDiverged(f"training stopped at step {self.step + 1}: {what}; {kept}; lower --lr")
 
     def log_train(self, grad_norm: torch.Tensor) -> None:
         """Mean training loss since the last log (over all ranks), lr, gradient norm, tokens/s.  The
@@ -454,8 +461,9 @@ class Trainer:
             self.stats.val_bpc.append(val_bpc)
             self.scalar("val/loss", val_bpc / BITS_PER_NAT)
             self.scalar("val/bpc", val_bpc)
-            self.log(f"step {step}/{config.optim.steps} | val bpc {val_bpc:.4f} | "
-                     f"{self.stats.tokens_per_s:,.0f} tokens/s")
+            speed = self.stats.tokens_per_s   # nan until a step's time is counted (right after the first)
+            self.log(f"step {step}/{config.optim.steps} | val bpc {val_bpc:.4f}"
+                     + (f" | {speed:,.0f} tokens/s" if math.isfinite(speed) else ""))
         if self.writer and config.log.sample_interval and step % config.log.sample_interval == 0:
             sample = text_sample(self.model, self.prompt, self.sample_bytes, config.model.seed, self.device)
             self.writer.add_text("sample", sample, step)

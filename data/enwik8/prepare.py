@@ -152,6 +152,8 @@ class Corpus:
 
 def local_corpus(path: Path, download: Download) -> Corpus:
     path = path.expanduser().resolve()
+    if path == SAMPLE and not path.exists():
+        raise DataError(f"the bundled sample {path} is missing: restore it with git checkout -- data/enwik8/{path.name}")
     data = read_source(path, download.member)
     digest = Digest.of(data)
     if path == SAMPLE and digest != SAMPLE_DIGEST:
@@ -298,6 +300,9 @@ def prepare(
         raise DataError(f"{corpus.name} has only {digest.size} bytes; at least {MIN_SOURCE_BYTES} are needed")
     if prepared and (prepared["source"]["sha256"], prepared["canonical"]) == (digest.sha256, canonical):
         return already_prepared(out_dir, prepared, log)
+    if prepared and prepared["canonical"] and not canonical:
+        raise DataError(f"{out_dir} holds the real enwik8, which {corpus.name} would replace: pass --force to "
+                        "replace it, or --out-dir DIR to prepare it elsewhere")
     meta = build_meta(corpus, digest, canonical)
     write_prepared(out_dir, corpus.data, meta)
     report(out_dir, meta, log)
@@ -368,7 +373,7 @@ def main(argv: list[str] | None = None, *, download: Download = ENWIK8) -> int:
         else:
             prepare(args.out_dir, source=SAMPLE if args.sample else args.source,
                     allow_noncanonical=args.allow_noncanonical, force=args.force, download=download)
-    except (DataError, OSError) as error:  # OSError: the disk filled up or vanished while writing
+    except (DataError, OSError) as error:  # OSError: a write failed (WriteFailed: disk full, read-only)
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

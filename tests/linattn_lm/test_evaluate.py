@@ -150,3 +150,22 @@ def test_flags_of_the_other_mode_are_refused_not_ignored(argv: list[str], messag
     ckpt = write_checkpoint(tmp_path / "ckpt.pt", make_model(), data_dir)
     code, _, err = run_main(evaluate.main, [str(ckpt), *argv])
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_tiny_temperature_samples_as_greedy(data_dir: Path, tmp_path: Path, run_main, make_model) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", make_model(), data_dir)
+    outputs = [run_main(evaluate.main, [str(ckpt), "--generate", "The ", "--max-new-tokens", "12",
+                                        "--temperature", temperature]) for temperature in ("0", "1e-300")]
+    assert [code for code, _, _ in outputs] == [0, 0], outputs[1][2]
+    assert outputs[0][1] == outputs[1][1]
+
+
+def test_a_recorded_data_dir_that_is_not_a_path_is_ignored(data_dir: Path, tmp_path: Path, run_main, make_model,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", make_model(), data_dir)
+    checkpoint = torch.load(ckpt, weights_only=True)
+    checkpoint["config"]["run"]["data_dir"] = 5   # hand-edited
+    torch.save(checkpoint, ckpt)
+    monkeypatch.setattr(evaluate, "default_data_dir", lambda: data_dir)
+    code, out, err = run_main(evaluate.main, [str(ckpt), "--max-bytes", "2000"])
+    assert code == 0 and f"from {data_dir}, val split" in out, err

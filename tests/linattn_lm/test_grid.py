@@ -109,6 +109,15 @@ def test_each_run_gets_its_seed_and_the_options_its_map_takes(data_dir: Path) ->
                        "linear-favor-post+redraw_interval=0": {"num_features": 16, "redraw_interval": 0}}
 
 
+def test_backend_goes_to_the_variants_of_its_attention(data_dir: Path) -> None:
+    mixed = ["softmax-rope", "linear-favor-post"]
+    for backend, softmax, linear in (("torch", "auto", "torch"), ("sdpa", "sdpa", "auto"), ("auto", "auto", "auto")):
+        configs = grid.run_configs(dict(preset="tiny", data_dir=str(data_dir), backend=backend), mixed, [0])
+        assert [configs[0, name].model.backend for name in mixed] == [softmax, linear]
+    with pytest.raises(ValueError, match="--backend sdpa is a kernel of no listed variant's attention"):
+        grid.run_configs(dict(preset="tiny", data_dir=str(data_dir), backend="sdpa"), ["linear-favor-post"], [0])
+
+
 def record(seed: int, variant: str, val: float) -> dict:
     return {"variant": variant, "seed": seed, "scores": {"val": {"256": val}}}
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from linattn_lm import ngram
+from linattn_lm.runtime import WriteFailed
 
 
 def test_order_0_equals_the_hand_computation():
@@ -67,3 +68,16 @@ def test_a_damaged_cache_is_recomputed(data_dir):
     cache.write_text(json.dumps({key: {"0": {"bpc": "x"}} for key in json.loads(cache.read_text())}))
     assert ngram.reference_bpc(data_dir, "val", max_order=1, max_bytes=3000) == lines
     assert next(iter(json.loads(cache.read_text()).values())) == entry
+
+
+def test_a_cache_that_cannot_be_written_still_gives_the_lines(data_dir, monkeypatch):
+    """A read-only data directory: the lines are computed, only not kept (as a WriteFailed says)."""
+    (data_dir / ngram.CACHE_NAME).unlink(missing_ok=True)
+    expected = ngram.reference_bpc(data_dir, "val", max_order=1, max_bytes=2000)
+    (data_dir / ngram.CACHE_NAME).unlink()
+
+    def read_only(path, write):
+        raise WriteFailed(f"cannot write {path}: Read-only file system")
+    monkeypatch.setattr(ngram, "write_atomically", read_only)
+    assert ngram.reference_bpc(data_dir, "val", max_order=1, max_bytes=2000) == expected
+    assert not (data_dir / ngram.CACHE_NAME).exists()

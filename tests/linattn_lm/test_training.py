@@ -8,6 +8,7 @@ import signal
 import socket
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -91,6 +92,8 @@ def test_resume_continues_exactly(data_dir: Path, tiny: list[str], tmp_path: Pat
     (["--weight-decay", "nan"], "must be a finite number"),
     (["--grad-clip", "nan"], "must be a finite number"),
     (["--mlp-ratio", "inf"], "must be a finite number"),
+    (["--lr", "1e39"], "lr must be a finite number within float32's range"),
+    (["--lr", "0.5", "--weight-decay", "2"], "lr * weight_decay must be below 1"),
     (["--mlp-ratio", "0.001"], "gives an MLP 0 wide"),
     (["--seed", "18446744073709551616"], "seed must be in [0, 2**63)"),
     (["--batch-size", "1000000000"], "would need about"),
@@ -142,6 +145,30 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir: Path
     assert load_checkpoint(tmp_path / "boom2")["step"] == 2
 
 
+def test_a_step_that_makes_weights_non_finite_stops_before_any_save(data_dir: Path, tiny: list[str], tmp_path: Path,
+                                                                   run_main, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An optimiser step can turn finite gradients into non-finite weights (an overflowing update):
+    the run stops there, and the checkpoint of that step, due by --ckpt-interval 1, is not written."""
+    real_step, steps = torch.optim.AdamW.step, []
+
+    def step_then_overflow(self, *args, **kwargs):
+        result = real_step(self, *args, **kwargs)
+        steps.append(1)
+        if len(steps) == 3:
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].fill_(float("inf"))
+        return result
+    monkeypatch.setattr(torch.optim.AdamW, "step", step_then_overflow)
+    code, _, err = run_main(training.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path),
+                                            "--steps", "5", "--ckpt-interval", "1", "--sample-interval", "0",
+                                            "--eval-interval", "100", "--eval-iters", "1"])
+    assert code == 1 and "training stopped at step 3: the optimiser step made weights non-finite" in err, err
+    assert "last good checkpoint (step 2)" in err
+    saved = load_checkpoint(tmp_path / "linear-favor-post-M32")
+    assert saved["step"] == 2 and all(t.isfinite().all() for t in saved["model"].values()
+                                      if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
 def test_checkpoint_refusals(tiny_run: Path, data_dir: Path, tiny: list[str], tmp_path: Path, run_main) -> None:
     run_dir = tmp_path / "tiny"
     shutil.copytree(tiny_run, run_dir)
@@ -177,7 +204,10 @@ def damage_weights(c): c["model"]["head.weight"][0, 0] = float("nan")
 
 
 @pytest.mark.parametrize("damage, message", [
-    (damage_extra_key, "'model' entry does not fit"), (damage_missing_key, "'model' entry does not fit"),
+    (damage_extra_key, "'model' entry does not fit this run (Error(s) in loading state_dict for ByteLM: "
+                       "Unexpected key(s) in state_dict: \"extra.weight\""),
+    (damage_missing_key, "'model' entry does not fit this run (Error(s) in loading state_dict for ByteLM: "
+                         "Missing key(s) in state_dict: \"head.weight\""),
     (damage_step, "'step' entry should be a int"), (damage_config, "'config' entry should be a dict"),
     (damage_optimizer, "'optimizer' entry should be a dict, found missing"),
     (damage_loader, "'loader' entry should be a dict"), (damage_loader_contents, "'loader' entry does not fit"),
@@ -328,3 +358,15 @@ def test_a_signal_with_the_last_step_finishes_the_run(data_dir: Path, tiny: list
                                               "--run-name", "late", "--steps", "10", "--decay-steps", "10"])
     assert code == 0 and "SIGTERM came with the last step: the run is complete" in out + err
     assert load_checkpoint(tmp_path / "late")["step"] == 10 and scalars(tmp_path / "late", "hparams/final_val_bpc")
+
+
+@pytest.mark.parametrize("seq_len, abs_pos, prompt_bytes, new_bytes", [
+    (1, True, 1, 1), (1, False, 1, 256), (64, True, 32, 33), (1024, False, 128, 256)])
+def test_text_samples_have_a_prompt_and_stay_within_learned_positions(seq_len, abs_pos, prompt_bytes, new_bytes,
+                                                                      small_config) -> None:
+    config = TrainConfig(model=small_config(seq_len=seq_len, abs_pos=abs_pos))
+    prompt, new = training.sample_prompt(np.arange(500, dtype=np.uint8), config)
+    assert (len(prompt), new) == (prompt_bytes, new_bytes)
+    model = ByteLM(config.model).eval()
+    text = training.text_sample(model, prompt, new, seed=0, device=torch.device("cpu"))
+    assert isinstance(text, str) and text

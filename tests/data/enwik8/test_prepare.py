@@ -20,6 +20,7 @@ from typing import Iterator
 import pytest
 
 from linattn_lm.data import load_split
+from linattn_lm.runtime import WriteFailed
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = REPO_ROOT / "data" / "enwik8" / "prepare.py"
@@ -275,6 +276,37 @@ def test_a_damaged_bundled_sample_is_refused(tmp_path: Path, monkeypatch: pytest
     with pytest.raises(prep.DataError, match="the bundled sample .* is damaged"):
         prep.prepare(tmp_path / "out", source=damaged, allow_noncanonical=True)
 
+    damaged.unlink()
+    with pytest.raises(prep.DataError, match="the bundled sample .* is missing: restore it with git checkout"):
+        prep.prepare(tmp_path / "out", source=damaged, allow_noncanonical=True)
+
+
+def test_real_enwik8_is_replaced_by_other_data_only_with_force(sources: dict[str, Path], tmp_path: Path) -> None:
+    out_dir = tmp_path / "out"
+    quiet = {"log": lambda message: None, "download": download_of(refused_url())}
+    prep.prepare(out_dir, source=sources["raw"], **quiet)          # plays the real enwik8 here
+    other = tmp_path / "other"
+    other.write_bytes(CORPUS[::-1])
+    with pytest.raises(prep.DataError, match="holds the real enwik8, which other would replace: pass --force"):
+        prep.prepare(out_dir, source=other, allow_noncanonical=True, **quiet)
+    assert prepared_bytes(out_dir) == split_bytes(CORPUS)
+    prep.prepare(out_dir, source=other, allow_noncanonical=True, force=True, **quiet)
+    assert prepared_bytes(out_dir) == split_bytes(CORPUS[::-1])
+    prep.prepare(out_dir, source=sources["gz"], **quiet)           # back to the real data needs no force
+    assert prepared_bytes(out_dir) == split_bytes(CORPUS)
+
+
+def test_a_failed_write_is_a_one_line_error_that_keeps_what_was_there(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    def disk_full(path: Path, write) -> Path:
+        raise WriteFailed(f"cannot write {path} (No space left on device); the file already there, if any, "
+                               "is kept: free some space or choose a writable --out-dir")
+    monkeypatch.setattr(prep, "write_staged", disk_full)
+    assert prep.main(["--out-dir", str(tmp_path / "out"), "--sample"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write") and "No space left" in err and len(err.strip().splitlines()) == 1
+    assert list((tmp_path / "out").iterdir()) == []
+
 
 # ----------------------------------------------------------------------------- local sources
 
@@ -396,7 +428,7 @@ def test_an_interrupted_run_leaves_the_old_preparation_whole_and_no_temporaries(
     assert_no_temporaries(out_dir)
     assert prepared_bytes(out_dir) == split_bytes(CORPUS)    # nothing already written was lost
     assert bytes(load_split(out_dir, "val").data) == split_bytes(CORPUS)[1]
-    prep.prepare(out_dir, source=other, allow_noncanonical=True, **quiet)
+    prep.prepare(out_dir, source=other, allow_noncanonical=True, force=True, **quiet)
     assert prepared_bytes(out_dir) == split_bytes(CORPUS[::-1])
 
 
