@@ -12,9 +12,14 @@ def is_integer(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def is_real(x) -> bool:
+    """A finite real number of any real type, not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def check_rope_base(base) -> None:
     """theta_i = base^(-2i/dim) needs a finite base > 0."""
-    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not math.isfinite(base) or base <= 0:
+    if not is_real(base) or base <= 0:
         raise ValueError(f"rope_base must be a finite number > 0 (RoFormer uses 10000), got {base!r}")
 
 

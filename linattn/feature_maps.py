@@ -194,11 +194,15 @@ class FavorFeatureMap(FeatureMap):
         if self.redraw_interval and self.training_calls % self.redraw_interval == 0:
             self.redraw()
 
-    def _scaled(self, x, is_query):
-        """x scaled by D^(-1/4), in float32 (float64 stays); counts the training calls."""
+    def _input(self, x, is_query):
+        """x in float32 (float64 stays); counts the training calls."""
         if self.training and is_query:
             self._count_training_call()
-        return _float(x) * self.head_dim ** -0.25
+        return _float(x)
+
+    def _scaled(self, x, is_query):
+        """x scaled by D^(-1/4), in float32 (float64 stays); counts the training calls."""
+        return self._input(x, is_query) * self.head_dim ** -0.25
 
     def _logits(self, x, is_query):
         """(w^T x, x), x scaled."""
@@ -222,11 +226,14 @@ class FavorFeatureMap(FeatureMap):
         return self.log_projection(x, is_query=is_query).materialize()
 
     def log_projection(self, x, *, is_query):
-        """log phi = w^T x - (|x|^2 / 2 + log(M) / 2), x scaled."""
+        """log phi = w^T x - |x|^2 / 2 - log(M) / 2 with x = input D^(-1/4): the scale goes into the
+        weight and the squared norm's factor, so the op reads the inputs as they are (no scaled copy
+        of them is made or kept for backward)."""
         with torch.autocast(x.device.type, enabled=False):
-            x = self._scaled(x, is_query)
-            shift = x.square().sum(-1, keepdim=True) / -2 - 0.5 * math.log(self.num_features)
-            return LogProjection(x, self.projection.to(x.dtype), shift)
+            x = self._input(x, is_query)
+            scale = self.head_dim ** -0.25
+            return LogProjection(x, self.projection.to(x.dtype) * scale, -0.5 * math.log(self.num_features),
+                                 -0.5 * scale ** 2)
 
     # The redraw schedule travels in checkpoints (state_dict), so a resumed run redraws on time.
     def get_extra_state(self):

@@ -6,23 +6,41 @@ from typing import NamedTuple
 
 import torch
 
+from ...checks import is_real
 from ...rotary import apply_rotary
 
 
 class LogProjection(NamedTuple):
-    """Log-features given as inputs @ weight^T + shift: (B, H, N, D) inputs, an (M, D) weight and a
-    (B, H, N, 1) shift (FAVOR+: w^T x - |x|^2 / 2 - log(M) / 2).  The causal op then computes them
-    chunk by chunk and returns gradients for the inputs, never holding an N x M tensor."""
+    """Log-features given as inputs @ weight^T + square_scale |inputs|^2 + shift: (B, H, N, D) inputs,
+    an (M, D) weight, a shift that is a number or a (B, H, N, 1) tensor, and a number square_scale
+    (FAVOR+: weight w D^(-1/4), square_scale -D^(-1/2) / 2, shift -log(M) / 2).  The causal op then
+    computes them chunk by chunk and returns gradients for the inputs, never holding an N x M tensor;
+    the squared norm is taken inside it too, so its gradient needs no (B, H, N, D) tensor of its own."""
     inputs: torch.Tensor
     weight: torch.Tensor
-    shift: torch.Tensor
+    shift: torch.Tensor | float = 0.0
+    square_scale: float = 0.0
+
+    def row_shift(self, inputs: torch.Tensor, shift) -> torch.Tensor | float:
+        """square_scale |inputs|^2 + shift for some rows of the inputs (and the shift's rows)."""
+        if not self.square_scale:
+            return shift
+        return inputs.square().sum(-1, keepdim=True).mul_(self.square_scale).add_(shift)
+
+    def rows(self, positions: slice) -> torch.Tensor:
+        """The log-features (B, H, len, M) of some positions, projected from their inputs alone."""
+        x = self.inputs[:, :, positions]
+        logits = (x.reshape(-1, x.shape[-1]) @ self.weight.transpose(-1, -2)).view(*x.shape[:-1], -1)
+        shift = self.shift[:, :, positions] if isinstance(self.shift, torch.Tensor) else self.shift
+        row_shift = self.row_shift(x, shift)
+        return logits.add_(row_shift) if isinstance(row_shift, torch.Tensor) or row_shift else logits
 
     def materialize(self) -> torch.Tensor:
         """The log-features, in the inputs' dtype whatever autocast says (adding the shift keeps its
         backward a plain sum: sub's would negate the (N, M) gradient first)."""
         with torch.autocast(self.inputs.device.type, enabled=False):
-            return self.inputs @ self.weight.to(self.inputs.dtype).transpose(-1, -2) + self.shift
-
+            logits = self.inputs @ self.weight.to(self.inputs.dtype).transpose(-1, -2)
+            return logits + self.row_shift(self.inputs, self.shift)
 
 def check_features(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *, rank: int) -> None:
     names = "(B, H, N, M) features and (B, H, N, Dv) values" if rank == 4 else \
@@ -55,14 +73,18 @@ def check_log_features(phi_q, phi_k, v: torch.Tensor) -> None:
             check_features(x, x, v, rank=4)
             shapes.append(tuple(x.shape))
             continue
-        if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in x):
-            raise ValueError(f"{name}: a LogProjection holds floating tensors (inputs, weight, shift)")
-        inputs, weight, shift = x
+        inputs, weight, shift, square_scale = x
+        if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in (inputs, weight)) \
+                or not (isinstance(shift, torch.Tensor) and shift.is_floating_point() or is_real(shift)) \
+                or not is_real(square_scale):
+            raise ValueError(f"{name}: a LogProjection holds floating tensors (inputs, weight), a shift that is a "
+                             f"floating tensor or a finite number, and a finite number square_scale")
+        shift_shape = tuple(shift.shape) if isinstance(shift, torch.Tensor) else (*inputs.shape[:-1], 1)
         if inputs.dim() != 4 or weight.dim() != 2 or weight.shape[-1] != inputs.shape[-1] \
-                or tuple(shift.shape) != (*inputs.shape[:-1], 1):
+                or shift_shape != (*inputs.shape[:-1], 1):
             raise ValueError(f"{name}: a LogProjection takes (B, H, N, D) inputs, an (M, D) weight and a "
-                             f"(B, H, N, 1) shift, got {tuple(inputs.shape)}, {tuple(weight.shape)} and "
-                             f"{tuple(shift.shape)}")
+                             f"(B, H, N, 1) shift (or a number), got {tuple(inputs.shape)}, {tuple(weight.shape)} "
+                             f"and {shift_shape}")
         if inputs.shape[:-1] != v.shape[:-1]:
             raise ValueError(f"{name}: inputs {tuple(inputs.shape)} and values {tuple(v.shape)} disagree "
                              f"before the last dimension")
@@ -100,7 +122,7 @@ def finite_log_features(x):
 
 def feature_tensors(*features) -> list[torch.Tensor]:
     """The tensors behind features given as tensors or `LogProjection`s."""
-    return [t for x in features for t in (x if isinstance(x, LogProjection) else (x,))]
+    return [t for x in features for t in (x if isinstance(x, LogProjection) else (x,)) if isinstance(t, torch.Tensor)]
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:

@@ -140,8 +140,11 @@ def log_linear_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, ba
 
 
 def _to(x, dtype):
+    """In the compute dtype; a projection's inputs in any layout (each chunk's rows are gathered when
+    projected), log-feature tensors contiguous."""
     if isinstance(x, LogProjection):
-        return LogProjection(*(t.to(dtype).contiguous() for t in x))
+        return x._replace(inputs=x.inputs.to(dtype), weight=x.weight.to(dtype).contiguous(),
+                          shift=x.shift.to(dtype) if isinstance(x.shift, torch.Tensor) else x.shift)
     return x.to(dtype).contiguous()
 
 
@@ -161,8 +164,7 @@ def _log_linear_attention(b, a, v, *, causal, rotary, offset, base, chunk_size, 
     if causal:
         phases = rotary_phases(n, m, offset=offset, base=base, device=v.device, dtype=v.dtype) \
             if rotary else None
-        sources = [tuple(x) if isinstance(x, LogProjection) else (x, None, None) for x in (b, a)]
-        out, kv, k_sum, last = _CausalLogAttention.apply(*sources[0], *sources[1], v, phases, chunk_size, base)
+        out, kv, k_sum, last = _CausalLogAttention.apply(*_parts(b), *_parts(a), v, phases, chunk_size, base)
         return (out, LinearState(kv, k_sum, offset + n, last)) if return_state else out
     with torch.no_grad():   # the scales cancel exactly: no gradient
         feature_scale = a.amax(dim=-2, keepdim=True)
@@ -430,39 +432,69 @@ def _runs(v: torch.Tensor, m: int, length: int) -> list[_Run]:
 
 
 def _rows(source, s):
-    """Log-features of positions `s` from (inputs, weight, shift); weight None: inputs are them."""
-    inputs, weight, shift = source
-    x = inputs[:, :, s]
-    if weight is None:
-        return x
-    rows = torch.addmm(shift[:, :, s].reshape(-1, 1), x.reshape(-1, x.shape[-1]), weight.transpose(-1, -2))
-    return rows.view(*x.shape[:-1], -1)
+    """Log-features of positions `s` from a log-feature tensor or a `LogProjection` of its rows."""
+    return source.rows(s) if isinstance(source, LogProjection) else source[:, :, s]
 
 
 def _run_inputs(source, run: _Run):
-    """A run's log-features (B, H, G, L, M), or its values."""
-    x = _rows(source, run.tokens) if isinstance(source, tuple) else source[:, :, run.tokens]
-    return x.unflatten(2, (run.count, -1))
+    """A run's log-features (B, H, G, L, M), or its values, contiguous (batched products would
+    otherwise copy a slice of the sequence every time they read it)."""
+    return _rows(source, run.tokens).contiguous().unflatten(2, (run.count, -1))
 
 
-def _source_backward(source, grads, d_features, s):
-    """Writes the gradients of a source's tensors for positions `s`, given d loss / d features."""
-    (inputs, weight, _), (d_inputs, d_weight, d_shift) = source, grads
-    if weight is None:
-        d_inputs[:, :, s] = d_features
-        return
-    d_inputs[:, :, s] = d_features @ weight
-    d_shift[:, :, s] = d_features.sum(-1, keepdim=True)
-    if d_weight is not None:
-        d_weight.add_((d_features.transpose(-1, -2) @ inputs[:, :, s]).sum((0, 1)))
+def _source(inputs, weight, shift, square_scale):
+    """A log-feature tensor (weight None) or the `LogProjection` given in parts."""
+    return inputs if weight is None else LogProjection(inputs, weight, shift, square_scale)
+
+
+def _parts(x) -> tuple:
+    """The autograd function's arguments for a log-feature tensor or a `LogProjection`."""
+    return tuple(x) if isinstance(x, LogProjection) else (x, None, None, None)
+
+
+class _Gradients(NamedTuple):
+    """Gradients of a source's parts (None where not needed)."""
+    inputs: torch.Tensor | None
+    weight: torch.Tensor | None
+    shift: torch.Tensor | None
+
+    @classmethod
+    def of(cls, source, needs):
+        """Empty gradients for the parts of `source` that need one (`needs`: inputs, weight, shift)."""
+        if not isinstance(source, LogProjection):
+            return cls(torch.empty_like(source) if needs[0] else None, None, None)
+        return cls(torch.empty_like(source.inputs) if needs[0] else None,
+                   torch.zeros_like(source.weight) if needs[1] else None,
+                   torch.empty_like(source.shift) if needs[2] else None)
+
+    def write(self, source, d_features, s) -> None:
+        """The gradients for positions `s`, given d loss / d log-features there.  For a projection,
+        d row shift = the row sums, and the squared norm adds 2 square_scale x d row shift to d x."""
+        if not isinstance(source, LogProjection):
+            if self.inputs is not None:
+                self.inputs[:, :, s] = d_features
+            return
+        x = source.inputs[:, :, s]
+        d_row = d_features.sum(-1, keepdim=True) if self.shift is not None or source.square_scale else None
+        if self.inputs is not None:
+            d_x = d_features @ source.weight
+            self.inputs[:, :, s] = d_x.addcmul_(x, d_row, value=2 * source.square_scale) \
+                if source.square_scale else d_x
+        if self.shift is not None:
+            self.shift[:, :, s] = d_row
+        if self.weight is not None:
+            self.weight.add_((d_features.transpose(-1, -2) @ x).sum((0, 1)))
 
 
 class _CausalLogAttention(torch.autograd.Function):
-    """Causal Eq. 19 from log-features, each given as (inputs, weight, shift) (see `_rows`)."""
+    """Causal Eq. 19 from log-features, each given as a tensor or a `LogProjection` in parts
+    (inputs, weight, shift, square_scale; weight None: the inputs are the log-features)."""
 
     @staticmethod
-    def forward(ctx, q_inputs, q_weight, q_shift, k_inputs, k_weight, k_shift, v, phases, length, base):
-        queries, keys = (q_inputs, q_weight, q_shift), (k_inputs, k_weight, k_shift)
+    def forward(ctx, q_inputs, q_weight, q_shift, q_square, k_inputs, k_weight, k_shift, k_square, v, phases,
+                length, base):
+        queries = _source(q_inputs, q_weight, q_shift, q_square)
+        keys = _source(k_inputs, k_weight, k_shift, k_square)
         first_keys = _rows(keys, slice(0, v.shape[-2], length))     # every chunk's first token
         m = first_keys.shape[-1]
         out, den = v.new_empty(v.shape), v.new_empty(v.shape[:-1])
@@ -482,7 +514,10 @@ class _CausalLogAttention(torch.autograd.Function):
             outs, state, key_sum = _run_forward(b_r, a_r, v_r, state, key_sum, *_run_scales(feat, run, phases), base)
             out[:, :, run.tokens], den[:, :, run.tokens], query_scale[:, :, run.tokens] = (
                 x.flatten(2, 3) for x in outs)
-        ctx.save_for_backward(q_inputs, q_weight, q_shift, k_inputs, k_weight, k_shift, v, out, den,
+        # numbers (a constant shift, square_scale) ride on ctx; tensors are saved
+        parts = (q_inputs, q_weight, q_shift, q_square, k_inputs, k_weight, k_shift, k_square)
+        ctx.numbers = [None if isinstance(x, torch.Tensor) else x for x in parts]
+        ctx.save_for_backward(*(x if isinstance(x, torch.Tensor) else None for x in parts), v, out, den,
                               query_scale, feat, phases, *saved)
         ctx.length, ctx.base = length, base
         last = feat[:, :, -1]
@@ -492,14 +527,13 @@ class _CausalLogAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad, _state_grad, _key_sum_grad, _last_grad):
-        q_inputs, q_weight, q_shift, k_inputs, k_weight, k_shift, v, out, den, query_scale, feat, phases, \
-            *saved = ctx.saved_tensors
-        queries, keys = (q_inputs, q_weight, q_shift), (k_inputs, k_weight, k_shift)
+        *tensors, v, out, den, query_scale, feat, phases = ctx.saved_tensors[:14]
+        saved = ctx.saved_tensors[14:]
+        parts = [x if number is None else number for x, number in zip(tensors, ctx.numbers)]
+        queries, keys = _source(*parts[:4]), _source(*parts[4:])
         needs = ctx.needs_input_grad
-        q_grads = _source_grads(queries, needs[1])
-        k_grads = _source_grads(keys, needs[4])
+        q_grads, k_grads = _Gradients.of(queries, needs[0:3]), _Gradients.of(keys, needs[4:7])
         dv = torch.empty_like(v)
-        g_num, g_den = output_gradients(grad, out, den)
         later = v.new_zeros(*v.shape[:2], feat.shape[-1], v.shape[-1])    # d loss / d S_{k+1}
         later_sum = v.new_zeros(*v.shape[:2], feat.shape[-1])             # d loss / d Z_{k+1}
         groups = itertools.groupby(_runs(v, feat.shape[-1], ctx.length), lambda run: run.first // STATE_GROUP)
@@ -513,18 +547,19 @@ class _CausalLogAttention(torch.autograd.Function):
                 chunks = a_p.shape[2:4]
                 inputs = (_rows(queries, s).unflatten(2, chunks), a_p, v_p)
                 qs = query_scale[:, :, s].unflatten(2, chunks)
+                g = grad[:, :, s].unflatten(2, chunks)
                 if factors.capped:   # a run of one chunk
                     (db, da, dv_p), later, later_sum = _chunk_backward_autograd(
-                        inputs, states[:, :, 0], key_sums[:, :, 0], scales, ph, ctx.base, qs,
-                        grad[:, :, s].unflatten(2, chunks), later, later_sum)
+                        inputs, states[:, :, 0], key_sums[:, :, 0], scales, ph, ctx.base, qs, g, later, later_sum)
                 else:
+                    g_num, g_den = output_gradients(g, out[:, :, s].unflatten(2, chunks),
+                                                    den[:, :, s].unflatten(2, chunks))
                     (db, da, dv_p), later, later_sum = _chunk_backward(
-                        inputs, states, key_sums, factors, scales, ph, qs, g_num[:, :, s].unflatten(2, chunks),
-                        g_den[:, :, s].unflatten(2, chunks), later, later_sum)
+                        inputs, states, key_sums, factors, scales, ph, qs, g_num, g_den, later, later_sum)
                 dv[:, :, s] = dv_p.flatten(2, 3)
-                _source_backward(queries, q_grads, db.flatten(2, 3), s)
-                _source_backward(keys, k_grads, da.flatten(2, 3), s)
-        return *q_grads, *k_grads, dv, None, None, None
+                q_grads.write(queries, db.flatten(2, 3), s)
+                k_grads.write(keys, da.flatten(2, 3), s)
+        return (*q_grads, None, *k_grads, None, dv, None, None, None)
 
 
 def _recomputed_pieces(run: _Run, keys, v, feat, phases, state, key_sum):
@@ -558,15 +593,6 @@ def _run_scales(feat, run: _Run, phases):
     """A run's scales, from F (B, H, chunks + 1, M), and the rotation of its tokens (G, L, M/2) or None."""
     scales = _Scales.of(feat[:, :, run.first:run.first + run.count + 1], phases is not None)
     return scales, None if phases is None else phases[run.tokens].unflatten(0, (run.count, -1))
-
-
-def _source_grads(source, weight_needs_grad: bool):
-    """Empty gradients for (inputs, weight, shift), the weight's only if it needs one."""
-    inputs, weight, shift = source
-    if weight is None:
-        return torch.empty_like(inputs), None, None
-    return (torch.empty_like(inputs), torch.zeros_like(weight) if weight_needs_grad else None,
-            torch.empty_like(shift))
 
 
 def _chunk_backward(inputs, states, key_sums, keys: _Factors, scales: _Scales, phases, query_scale,

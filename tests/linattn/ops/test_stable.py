@@ -359,11 +359,15 @@ def test_backward_saves_one_state_per_group_of_chunks_not_per_chunk():
     assert sum(t.numel() for t in saved) < 6 * b.numel()
 
 
-def projection(n, *, jumps, seed=0, weight_grad=False):
+def projection(n, *, jumps, seed=0, weight_grad=False, squared=False):
     """A LogProjection of (1, 2, n, 4) inputs onto 8 features; with `jumps`, shifts that grow by 40
-    every 6 tokens (chunks with exact rows)."""
+    every 6 tokens (chunks with exact rows); `squared`: a number shift and a squared-norm term
+    instead of a shift tensor (FAVOR+'s form)."""
     inputs = log_features(1, 2, n, 4, scale=1, seed=seed)
     weight = log_features(8, 4, scale=1, seed=seed + 1)
+    if squared:
+        return stable.LogProjection(inputs.mul(1 + 10 * jumps).requires_grad_(), weight.requires_grad_(weight_grad),
+                                    -1.5, -0.3)
     shift = log_features(1, 2, n, 1, scale=1, seed=seed + 2)
     if jumps:
         shift = shift + torch.arange(n, dtype=torch.float64).div(6).floor().mul(40).view(1, 1, n, 1)
@@ -371,13 +375,15 @@ def projection(n, *, jumps, seed=0, weight_grad=False):
                                 shift.requires_grad_())
 
 
+@pytest.mark.parametrize("squared", [False, True])
 @pytest.mark.parametrize("rotary", [True, False])
 @pytest.mark.parametrize("jumps", [False, True])
 @pytest.mark.parametrize("n", [5, 23])
-def test_a_projection_gives_the_outputs_state_and_gradients_of_its_log_features(rotary, jumps, n):
-    q_proj, k_proj = projection(n, jumps=False), projection(n, jumps=jumps, seed=3, weight_grad=True)
+def test_a_projection_gives_the_outputs_state_and_gradients_of_its_log_features(rotary, jumps, n, squared):
+    q_proj = projection(n, jumps=False, squared=squared)
+    k_proj = projection(n, jumps=jumps, seed=3, weight_grad=True, squared=squared)
     v = log_features(1, 2, n, 3, scale=1, seed=9).requires_grad_()
-    leaves = [*q_proj, *k_proj, v]
+    leaves = [t for t in (*q_proj, *k_proj, v) if isinstance(t, torch.Tensor)]
     kwargs = dict(causal=True, rotary=rotary, offset=4, chunk_size=4, log_space=True, return_state=True)
     out, state = linear_attention(q_proj, k_proj, v, **kwargs)
     ref, ref_state = linear_attention(q_proj.materialize(), k_proj.materialize(), v, **kwargs)
@@ -411,6 +417,10 @@ def test_non_causal_and_empty_projections_take_the_log_features():
     (lambda p: p._replace(weight=torch.zeros(6, 4, dtype=torch.float64)), "same feature map"),
     (lambda p: p.materialize()[..., :6], "same feature map"),
     (lambda p: p._replace(shift=torch.zeros(1, 2, 6, 1, dtype=torch.int64)), "floating"),
+    (lambda p: p._replace(shift=float("nan")), "finite number"),
+    (lambda p: p._replace(shift=True), "finite number"),
+    (lambda p: p._replace(square_scale=float("inf")), "finite number square_scale"),
+    (lambda p: p._replace(square_scale=torch.tensor(1.0)), "finite number square_scale"),
 ])
 def test_bad_projections_are_refused_with_what_they_should_be(bad, message):
     q_proj, k_proj = projection(6, jumps=False), projection(6, jumps=False, seed=3)
