@@ -76,7 +76,8 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
                                           rope_base=rope_base, return_state=return_state)
     if log_space:   # log-features: the stabilised algorithm of stable.py, in torch ops
         return log_linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset,
-                                    base=rope_base, chunk_size=chunk_size, return_state=return_state)
+                                    base=rope_base, chunk_size=chunk_size, return_state=return_state,
+                                    fused=resolved == "cpp")
     check_nonnegative(phi_q, phi_k)
     if phi_q.shape[-2] == 0:   # no tokens: an empty output (every backend's chunk loops want one)
         if not return_state:

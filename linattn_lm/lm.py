@@ -93,8 +93,9 @@ class ModelConfig:
                                 "softmax: post = RoPE on q,k, none = no RoPE", variant=True)
     abs_pos: bool = setting(False, "add learned absolute position embeddings", variant=True)
     chunk_size: int = setting(64, "causal linear attention block size (speed only; linear only)")
-    backend: str = setting("auto", "attention kernels (speed only): linear auto, torch or triton (auto = "
-                                   "triton on CUDA when installed); softmax auto (= sdpa), sdpa or xformers",
+    backend: str = setting("auto", "attention kernels (speed only): linear auto, torch, triton or cpp (auto = "
+                                   "triton on CUDA when installed, cpp on CPU where it builds); softmax auto "
+                                   "(= sdpa), sdpa or xformers",
                            resumable=True)
     seed: int = setting(0, "seed for init, data order and feature-map draws")
 

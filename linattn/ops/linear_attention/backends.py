@@ -1,12 +1,13 @@
-"""Choosing the backend of a linear-attention call: "torch", "triton" or "auto"."""
+"""Choosing the backend of a linear-attention call: "torch", "triton", "cpp" or "auto"."""
 from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 
 import torch
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cpp")
 
 
 def triton_installed() -> bool:
@@ -29,7 +30,16 @@ def resolve(backend: str, device: torch.device, float64: bool = False) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_installed() and not float64 else "torch"
+        if device.type == "cuda" and triton_installed() and not float64:
+            return "triton"
+        return "cpp" if device.type == "cpu" and cpp_runs_here() else "torch"
+    if backend == "cpp":
+        if device.type != "cpu":
+            raise ValueError(f"backend='cpp' runs on CPU tensors, got tensors on {device}; use backend='auto' "
+                             "(triton on CUDA) or 'torch'")
+        from . import cpp
+        if (reason := cpp.unavailable()) is not None:
+            raise ValueError(reason)
     if backend == "triton":
         if not triton_installed():
             raise ValueError("backend='triton' needs the triton package: pip install 'linattn[triton]' "
@@ -39,3 +49,19 @@ def resolve(backend: str, device: torch.device, float64: bool = False) -> str:
                              "to a GPU, set TRITON_INTERPRET=1 before importing linattn to run the kernels "
                              "in Triton's CPU interpreter, or use backend='torch'")
     return backend
+
+
+_warned = False
+
+
+def cpp_runs_here() -> bool:
+    """Whether the C++ kernel builds and loads here (built on the first call); "auto" otherwise
+    takes "torch" and says why, once per process."""
+    global _warned
+    from . import cpp
+    reason = cpp.unavailable()
+    if reason is not None and not _warned:
+        _warned = True
+        warnings.warn(f"linattn: the cpp backend is unavailable, so CPU tensors take the slower torch backend: "
+                      f"{reason}", RuntimeWarning, stacklevel=3)
+    return reason is None

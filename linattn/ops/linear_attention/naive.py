@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ...rotary import DEFAULT_BASE, check_offset
+from ...rotary import DEFAULT_BASE, check_offset, rotary_phases
 from .common import check_features, check_nonnegative, compute_dtype, divide, numerator_features
 
 
@@ -34,3 +34,33 @@ def softmax_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         future = torch.ones(n, s, dtype=torch.bool, device=q.device).triu(s - n + 1)
         scores = scores.masked_fill(future, float("-inf"))
     return scores.softmax(dim=-1) @ v
+
+
+def log_linear_attention_reference(b: torch.Tensor, a: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                                   rotary: bool, offset: int = 0, rope_base: float = DEFAULT_BASE) -> torch.Tensor:
+    """Eq. 19 from log-features b = log phi_q, a = log phi_k, in float64, never exponentiating more
+    than it must: every term e^(b_ms + a_nt) of query m is shifted by the largest exponent of that
+    query's numerator and denominator, so nothing overflows and the largest term is 1.  Per pair,
+    (R_m x)^T (R_n y) = Re((x1 + i x2)(y1 - i y2) e^(i (m - n) theta)).  O(N^2 M) memory: tests only."""
+    check_offset(offset)
+    b, a, v = b.double(), a.double(), v.double()
+    n, m = a.shape[-2:]
+    pairs = m // 2 if rotary else m
+    bq = b.unflatten(-1, (pairs, -1)).unsqueeze(-3)        # (B, H, N, 1, P, s)
+    ak = a.unflatten(-1, (pairs, -1)).unsqueeze(-4)        # (B, H, 1, N, P, t)
+    terms = bq.unsqueeze(-1) + ak.unsqueeze(-2)            # (B, H, N, N, P, s, t)
+    if causal:
+        future = torch.ones(n, n, dtype=torch.bool, device=b.device).triu(1)
+        terms = terms.masked_fill(future[:, :, None, None, None], float("-inf"))
+    shift = terms.flatten(-3).amax(dim=(-1, -2))[..., None, None, None, None]
+    weights = torch.exp(terms - shift)
+    diagonal = weights.diagonal(dim1=-2, dim2=-1)          # (B, H, N, N, P, s): same coordinate
+    denominator = diagonal.sum((-1, -2, -3))
+    if rotary:
+        phases = rotary_phases(n, m, offset=offset, base=rope_base, device=b.device, dtype=torch.float64)
+        relative = phases.unsqueeze(1) * phases.conj().unsqueeze(0)     # (N, N, P): e^(i (m - n) theta)
+        scores = (diagonal.sum(-1) * relative.real
+                  + (weights[..., 0, 1] - weights[..., 1, 0]) * relative.imag).sum(-1)
+    else:
+        scores = diagonal.sum((-1, -2))
+    return (scores @ v) / denominator.unsqueeze(-1)

@@ -125,17 +125,18 @@ def _rotate(x, rotary: bool, offset: int, base: float):
 
 @torch.compiler.disable
 def log_linear_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, base: float,
-                         chunk_size: int, return_state: bool = False):
+                         chunk_size: int, return_state: bool = False, fused: bool = False):
     """Eq. 19 from log-features b = log phi_q, a = log phi_k, each a tensor or a `LogProjection`
     (the causal op then projects chunk by chunk), in float32 (float64 stays float64) with autocast
     off; outputs in v's dtype.  The state (if asked) carries F.  Under torch.compile it runs eagerly
     (a graph break): its chunk loop takes decisions from the data, and inductor failed on a ragged
-    last chunk ("Exponent must be non-negative")."""
+    last chunk ("Exponent must be non-negative").  `fused`: the causal pass runs its regular chunks
+    in the C++ kernel (cpp.py, CPU tensors)."""
     out_dtype, dtype = v.dtype, compute_dtype(*feature_tensors(b, a), v)
     with torch.autocast(v.device.type, enabled=False):
         b, a = (_to(x, dtype) for x in (b, a))
         result = _log_linear_attention(b, a, v.to(dtype), causal=causal, rotary=rotary, offset=offset,
-                                       base=base, chunk_size=chunk_size, return_state=return_state)
+                                       base=base, chunk_size=chunk_size, return_state=return_state, fused=fused)
     return (result[0].to(out_dtype), result[1]) if return_state else result.to(out_dtype)
 
 
@@ -148,7 +149,7 @@ def _to(x, dtype):
     return x.to(dtype).contiguous()
 
 
-def _log_linear_attention(b, a, v, *, causal, rotary, offset, base, chunk_size, return_state):
+def _log_linear_attention(b, a, v, *, causal, rotary, offset, base, chunk_size, return_state, fused):
     from .recurrent import LinearState, initial_state
     n = v.shape[-2]
     if not causal or n == 0:   # no chunk loop: the log-features themselves
@@ -164,7 +165,11 @@ def _log_linear_attention(b, a, v, *, causal, rotary, offset, base, chunk_size, 
     if causal:
         phases = rotary_phases(n, m, offset=offset, base=base, device=v.device, dtype=v.dtype) \
             if rotary else None
-        out, kv, k_sum, last = _CausalLogAttention.apply(*_parts(b), *_parts(a), v, phases, chunk_size, base)
+        if fused:
+            from . import cpp
+            out, kv, k_sum, last = cpp.causal(b, a, v, phases, chunk_size, base)
+        else:
+            out, kv, k_sum, last = _CausalLogAttention.apply(*_parts(b), *_parts(a), v, phases, chunk_size, base)
         return (out, LinearState(kv, k_sum, offset + n, last)) if return_state else out
     with torch.no_grad():   # the scales cancel exactly: no gradient
         feature_scale = a.amax(dim=-2, keepdim=True)

@@ -1,41 +1,25 @@
 """Log-space linear attention (stable.py): exact Eq. 19 from log-features at any scale, strictly
-causal, against an O(N^2) float64 reference that never exponentiates more than it must."""
+causal, against an O(N^2) float64 reference that never exponentiates more than it must.  What the
+algorithm promises is checked on both CPU backends (`attend`): stable.py's torch ops and the C++
+kernel that runs its regular chunks (cpp.py); its internals on the torch backend."""
+from functools import partial
+
 import pytest
 import torch
 
-from linattn import LinearAttention
+from linattn import LinearAttention, functional
 from linattn.feature_maps import FavorFeatureMap
-from linattn.functional import linear_attention, linear_attention_reference, linear_attention_step
+from linattn.functional import linear_attention_reference, linear_attention_step
 from linattn.ops.linear_attention import stable
-from linattn.rotary import rotary_phases
+from linattn.ops.linear_attention.naive import log_linear_attention_reference
+
+linear_attention = partial(functional.linear_attention, backend="torch")   # stable.py's own ops
 
 
-def log_space_reference(b, a, v, *, causal, rotary, offset=0):
-    """Eq. 19 in float64 from log-features: every term e^(b_ms + a_nt) of query m is shifted by the
-    largest exponent of that query's numerator and denominator, so nothing overflows and the
-    largest term is 1.  (R_m x)^T (R_n y) per pair is Re((x1 + i x2)(y1 - i y2) e^(i (m - n) theta))."""
-    b, a, v = b.double(), a.double(), v.double()
-    n, m = a.shape[-2:]
-    pairs = m // 2 if rotary else m
-    bq = b.unflatten(-1, (pairs, -1)).unsqueeze(-3)        # (B, H, N, 1, P, s)
-    ak = a.unflatten(-1, (pairs, -1)).unsqueeze(-4)        # (B, H, 1, N, P, t)
-    terms = bq.unsqueeze(-1) + ak.unsqueeze(-2)            # (B, H, N, N, P, s, t)
-    if causal:
-        future = torch.ones(n, n, dtype=torch.bool).triu(1)
-        terms = terms.masked_fill(future[:, :, None, None, None], float("-inf"))
-    shift = terms.flatten(-3).amax(dim=(-1, -2))[..., None, None, None, None]
-    weights = torch.exp(terms - shift)
-    diagonal = weights.diagonal(dim1=-2, dim2=-1)          # (B, H, N, N, P, s): same coordinate
-    denominator = diagonal.sum((-1, -2, -3))
-    if rotary:
-        positions = torch.arange(offset, offset + n)
-        phases = rotary_phases(n + offset, m, dtype=torch.float64)  # e^(i p theta)
-        relative = phases[positions].unsqueeze(1) * phases[positions].conj().unsqueeze(0)  # (N, N, P)
-        scores = (diagonal.sum(-1) * relative.real
-                  + (weights[..., 0, 1] - weights[..., 1, 0]) * relative.imag).sum(-1)
-    else:
-        scores = diagonal.sum((-1, -2))
-    return (scores @ v) / denominator.unsqueeze(-1)
+@pytest.fixture(params=["torch", "cpp"])
+def attend(request):
+    """linear_attention on one CPU backend."""
+    return partial(functional.linear_attention, backend=request.param)
 
 
 def log_features(*shape, scale, dtype=torch.float64, seed=0):
@@ -56,38 +40,38 @@ def test_reference_agrees_with_plain_features_where_they_do_not_underflow(rotary
     b, a, v = log_features(2, 3, 9, 8, scale=1), log_features(2, 3, 9, 8, scale=1, seed=1), \
         log_features(2, 3, 9, 4, scale=1, seed=2)
     plain = linear_attention_reference(b.exp(), a.exp(), v, causal=causal, rotary=rotary, offset=5)
-    torch.testing.assert_close(log_space_reference(b, a, v, causal=causal, rotary=rotary, offset=5), plain)
+    torch.testing.assert_close(log_linear_attention_reference(b, a, v, causal=causal, rotary=rotary, offset=5), plain)
 
 
 @pytest.mark.parametrize("rotary", [True, False])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("scale", [1, 30, 300])
 @pytest.mark.parametrize("chunk_size", [1, 4, 7, 64])
-def test_matches_the_reference_at_any_scale(rotary, causal, scale, chunk_size):
+def test_matches_the_reference_at_any_scale(rotary, causal, scale, chunk_size, attend):
     """scale 300: logits far beyond exp's range, with running maxima that jump inside chunks (the
     rows computed exactly).  The same-coordinate maxima keep Eq. 19's output within range here."""
     n = 23
     b, a = query_log_features(1, 2, n, 8, scale=scale), log_features(1, 2, n, 8, scale=scale, seed=1)
     v = log_features(1, 2, n, 3, scale=1, seed=2)
-    expected = log_space_reference(b, a, v, causal=causal, rotary=rotary, offset=3)
-    out = linear_attention(b, a, v, causal=causal, rotary=rotary, offset=3, chunk_size=chunk_size,
+    expected = log_linear_attention_reference(b, a, v, causal=causal, rotary=rotary, offset=3)
+    out = attend(b, a, v, causal=causal, rotary=rotary, offset=3, chunk_size=chunk_size,
                            log_space=True)
     torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-9)
 
 
-def test_the_exact_rows_are_used_where_the_maximum_jumps_and_agree_with_the_separable_form():
+def test_the_exact_rows_are_used_where_the_maximum_jumps_and_agree_with_the_separable_form(attend):
     """Keys growing by 40 per token: every row past its chunk's first token is computed exactly."""
     n = 12
     a = torch.arange(n, dtype=torch.float64).mul(40).view(1, 1, n, 1).expand(1, 1, n, 4).contiguous()
     a = a + log_features(1, 1, n, 4, scale=1)
     b, v = log_features(1, 1, n, 4, scale=1, seed=1), log_features(1, 1, n, 2, scale=1, seed=2)
-    expected = log_space_reference(b, a, v, causal=True, rotary=True)
+    expected = log_linear_attention_reference(b, a, v, causal=True, rotary=True)
     for chunk_size in (4, 12):
-        out = linear_attention(b, a, v, causal=True, rotary=True, chunk_size=chunk_size, log_space=True)
+        out = attend(b, a, v, causal=True, rotary=True, chunk_size=chunk_size, log_space=True)
         torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-9)
 
 
-def test_gradients_through_exact_rows_are_the_same_bits_every_time():
+def test_gradients_through_exact_rows_are_the_same_bits_every_time(attend):
     """Exact rows share their chunk's keys, values and state.  Gathered by advanced indexing, their
     gradients were summed by parallel atomic adds (CPU float32, 2 threads), in an order that varied
     from call to call, and so did training runs; here every row of one head's chunk gathers the same
@@ -103,7 +87,7 @@ def test_gradients_through_exact_rows_are_the_same_bits_every_time():
     try:
         results = set()
         for _ in range(6):
-            out = linear_attention(b, a, v, causal=True, rotary=True, log_space=True, chunk_size=length)
+            out = attend(b, a, v, causal=True, rotary=True, log_space=True, chunk_size=length)
             results.add(b"".join(g.numpy().tobytes() for g in torch.autograd.grad(out, leaves, out_grad)))
     finally:
         torch.set_num_threads(threads)
@@ -111,15 +95,15 @@ def test_gradients_through_exact_rows_are_the_same_bits_every_time():
 
 @pytest.mark.parametrize("rotary", [True, False])
 @pytest.mark.parametrize("scale", [3, 20])
-def test_gradients_match_the_reference(rotary, scale):
+def test_gradients_match_the_reference(rotary, scale, attend):
     """scale 3: a pair's key maxima stay within PAIR_SPREAD, so numerator factors are the
     denominator's times e^(P - F); scale 20: wide pairs, whose queries take their own exponential."""
     b, a = query_log_features(1, 2, 11, 6, scale=scale), log_features(1, 2, 11, 6, scale=scale, seed=1)
     v = log_features(1, 2, 11, 3, scale=1, seed=2)
     inputs = [t.clone().requires_grad_(True) for t in (b, a, v)]
     expected = [t.clone().requires_grad_(True) for t in (b, a, v)]
-    out = linear_attention(*inputs, causal=True, rotary=rotary, chunk_size=4, log_space=True)
-    ref = log_space_reference(*expected, causal=True, rotary=rotary)
+    out = attend(*inputs, causal=True, rotary=rotary, chunk_size=4, log_space=True)
+    ref = log_linear_attention_reference(*expected, causal=True, rotary=rotary)
     weights = torch.randn_like(out)
     grads = torch.autograd.grad((out * weights).sum(), inputs)
     ref_grads = torch.autograd.grad((ref * weights).sum(), expected)
@@ -128,26 +112,26 @@ def test_gradients_match_the_reference(rotary, scale):
 
 
 @pytest.mark.parametrize("rotary", [True, False])
-def test_past_outputs_are_bitwise_unchanged_when_future_tokens_change(rotary):
+def test_past_outputs_are_bitwise_unchanged_when_future_tokens_change(rotary, attend):
     b, a = log_features(1, 2, 40, 8, scale=50, dtype=torch.float32), \
         log_features(1, 2, 40, 8, scale=50, dtype=torch.float32, seed=1)
     v = log_features(1, 2, 40, 4, scale=1, dtype=torch.float32, seed=2)
-    out = linear_attention(b, a, v, causal=True, rotary=rotary, chunk_size=16, log_space=True)
+    out = attend(b, a, v, causal=True, rotary=rotary, chunk_size=16, log_space=True)
     for t in (5, 17, 32):            # the first changed token: mid-chunk, after a chunk start
         b2, a2, v2 = b.clone(), a.clone(), v.clone()
         a2[:, :, t:] += 500.0        # a key maximum jumps inside the chunk
         b2[:, :, t:] *= -3
         v2[:, :, t:] = 7.0
-        changed = linear_attention(b2, a2, v2, causal=True, rotary=rotary, chunk_size=16, log_space=True)
+        changed = attend(b2, a2, v2, causal=True, rotary=rotary, chunk_size=16, log_space=True)
         assert torch.equal(out[:, :, :t], changed[:, :, :t])
 
 
 @pytest.mark.parametrize("rotary", [True, False])
-def test_state_hand_off_and_steps_continue_the_parallel_pass(rotary):
+def test_state_hand_off_and_steps_continue_the_parallel_pass(rotary, attend):
     b, a = query_log_features(2, 2, 30, 6, scale=40), log_features(2, 2, 30, 6, scale=40, seed=1)
     v = log_features(2, 2, 30, 3, scale=1, seed=2)
-    full = linear_attention(b, a, v, causal=True, rotary=rotary, offset=9, chunk_size=8, log_space=True)
-    out, state = linear_attention(b[:, :, :17], a[:, :, :17], v[:, :, :17], causal=True, rotary=rotary,
+    full = attend(b, a, v, causal=True, rotary=rotary, offset=9, chunk_size=8, log_space=True)
+    out, state = attend(b[:, :, :17], a[:, :, :17], v[:, :, :17], causal=True, rotary=rotary,
                                   offset=9, chunk_size=8, log_space=True, return_state=True)
     assert state.position == 26 and state.log_scale.shape == (2, 2, 6)
     steps = []
@@ -158,14 +142,14 @@ def test_state_hand_off_and_steps_continue_the_parallel_pass(rotary):
     torch.testing.assert_close(torch.cat([out, torch.stack(steps, 2)], 2), full, rtol=1e-10, atol=1e-10)
 
 
-def test_steps_from_scratch_match_the_parallel_pass():
+def test_steps_from_scratch_match_the_parallel_pass(attend):
     b, a = query_log_features(1, 2, 10, 4, scale=60), log_features(1, 2, 10, 4, scale=60, seed=1)
     v = log_features(1, 2, 10, 3, scale=1, seed=2)
     state, steps = None, []
     for t in range(10):
         y, state = linear_attention_step(b[:, :, t], a[:, :, t], v[:, :, t], state, rotary=True, log_space=True)
         steps.append(y)
-    full = linear_attention(b, a, v, causal=True, rotary=True, log_space=True)
+    full = attend(b, a, v, causal=True, rotary=True, log_space=True)
     torch.testing.assert_close(torch.stack(steps, 2), full, rtol=1e-10, atol=1e-10)
 
 
@@ -176,21 +160,21 @@ def test_a_plain_state_cannot_continue_with_log_features():
         linear_attention_step(b[:, :, 0], b[:, :, 0], b[:, :, 0], state, rotary=False, log_space=True)
 
 
-def test_empty_sequence_gives_empty_output_and_an_empty_state():
+def test_empty_sequence_gives_empty_output_and_an_empty_state(attend):
     b = torch.zeros(1, 2, 0, 4)
-    out, state = linear_attention(b, b, b, causal=True, rotary=True, offset=3, log_space=True,
+    out, state = attend(b, b, b, causal=True, rotary=True, offset=3, log_space=True,
                                   return_state=True)
     assert out.shape == (1, 2, 0, 4) and state.position == 3 and torch.isneginf(state.log_scale).all()
 
 
-def test_capped_numerator_saturates_instead_of_overflowing():
+def test_capped_numerator_saturates_instead_of_overflowing(attend):
     """A query whose two coordinates of a pair differ by 200 in log space, against keys that favour
     the other coordinate: Eq. 19's exact output is about e^200 * |v|, beyond float32.  The capped
     numerator keeps it finite (and the gradients too) instead of returning inf or NaN."""
     b = torch.tensor([[[[0.0, -200.0]]]]).expand(1, 1, 3, 2).contiguous().requires_grad_(True)
     a = torch.tensor([[[[-200.0, 0.0]]]]).expand(1, 1, 3, 2).contiguous().requires_grad_(True)
     v = torch.ones(1, 1, 3, 1, requires_grad=True)
-    out = linear_attention(b, a, v, causal=True, rotary=True, log_space=True)
+    out = attend(b, a, v, causal=True, rotary=True, log_space=True)
     out.sum().backward()
     assert torch.isfinite(out).all() and out.abs().max() > 1e10
     assert all(torch.isfinite(t.grad).all() for t in (b, a, v))
@@ -220,12 +204,12 @@ def test_group_size_does_not_change_the_exact_rows(monkeypatch):
 
 @pytest.mark.parametrize("rotary", [True, False])
 @pytest.mark.parametrize("n", [1, 13, 64, 70])
-def test_float32_gradients_stay_finite_for_ragged_lengths_at_large_scale(rotary, n):
+def test_float32_gradients_stay_finite_for_ragged_lengths_at_large_scale(rotary, n, attend):
     """Padding of a ragged last chunk must read and weigh nothing, even where e^(scale) is inf."""
     b = query_log_features(1, 2, n, 8, scale=200, dtype=torch.float32).requires_grad_(True)
     a = log_features(1, 2, n, 8, scale=200, dtype=torch.float32, seed=1).add(150).requires_grad_(True)
     v = log_features(1, 2, n, 3, scale=1, dtype=torch.float32, seed=2).requires_grad_(True)
-    out = linear_attention(b, a, v, causal=True, rotary=rotary, chunk_size=64, log_space=True)
+    out = attend(b, a, v, causal=True, rotary=rotary, chunk_size=64, log_space=True)
     out.sum().backward()
     assert torch.isfinite(out).all() and all(torch.isfinite(t.grad).all() for t in (b, a, v))
 
@@ -266,7 +250,7 @@ def test_backward_matches_the_reference_whatever_the_saved_state_spacing(state_g
     inputs = [t.clone().requires_grad_(True) for t in (b, a, v)]
     expected = [t.clone().requires_grad_(True) for t in (b, a, v)]
     out = linear_attention(*inputs, causal=True, rotary=rotary, chunk_size=4, offset=2, log_space=True)
-    ref = log_space_reference(*expected, causal=True, rotary=rotary, offset=2)
+    ref = log_linear_attention_reference(*expected, causal=True, rotary=rotary, offset=2)
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
     weights = torch.randn_like(out)
     for got, want in zip(torch.autograd.grad((out * weights).sum(), inputs),
@@ -277,12 +261,12 @@ def test_backward_matches_the_reference_whatever_the_saved_state_spacing(state_g
 
 
 @pytest.mark.parametrize("rotary", [True, False])
-def test_gradcheck_in_float64_with_ragged_chunks(rotary):
+def test_gradcheck_in_float64_with_ragged_chunks(rotary, attend):
     b, a = query_log_features(1, 2, 7, 4, scale=3), log_features(1, 2, 7, 4, scale=3, seed=1)
     v = log_features(1, 2, 7, 2, scale=1, seed=2)
     inputs = [t.clone().requires_grad_(True) for t in (b, a, v)]
     assert torch.autograd.gradcheck(
-        lambda b, a, v: linear_attention(b, a, v, causal=True, rotary=rotary, chunk_size=3, offset=4,
+        lambda b, a, v: attend(b, a, v, causal=True, rotary=rotary, chunk_size=3, offset=4,
                                          log_space=True), inputs)
 
 
@@ -379,14 +363,14 @@ def projection(n, *, jumps, seed=0, weight_grad=False, squared=False):
 @pytest.mark.parametrize("rotary", [True, False])
 @pytest.mark.parametrize("jumps", [False, True])
 @pytest.mark.parametrize("n", [5, 23])
-def test_a_projection_gives_the_outputs_state_and_gradients_of_its_log_features(rotary, jumps, n, squared):
+def test_a_projection_gives_the_outputs_state_and_gradients_of_its_log_features(rotary, jumps, n, squared, attend):
     q_proj = projection(n, jumps=False, squared=squared)
     k_proj = projection(n, jumps=jumps, seed=3, weight_grad=True, squared=squared)
     v = log_features(1, 2, n, 3, scale=1, seed=9).requires_grad_()
     leaves = [t for t in (*q_proj, *k_proj, v) if isinstance(t, torch.Tensor)]
     kwargs = dict(causal=True, rotary=rotary, offset=4, chunk_size=4, log_space=True, return_state=True)
-    out, state = linear_attention(q_proj, k_proj, v, **kwargs)
-    ref, ref_state = linear_attention(q_proj.materialize(), k_proj.materialize(), v, **kwargs)
+    out, state = attend(q_proj, k_proj, v, **kwargs)
+    ref, ref_state = attend(q_proj.materialize(), k_proj.materialize(), v, **kwargs)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     for got, want in zip(state, ref_state):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
@@ -397,15 +381,15 @@ def test_a_projection_gives_the_outputs_state_and_gradients_of_its_log_features(
         torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
 
 
-def test_non_causal_and_empty_projections_take_the_log_features():
+def test_non_causal_and_empty_projections_take_the_log_features(attend):
     q_proj, k_proj = projection(6, jumps=False), projection(6, jumps=False, seed=3)
     v = log_features(1, 2, 6, 3, scale=1, seed=9)
     torch.testing.assert_close(
-        linear_attention(q_proj, k_proj, v, causal=False, rotary=True, log_space=True),
-        linear_attention(q_proj.materialize(), k_proj.materialize(), v, causal=False, rotary=True,
+        attend(q_proj, k_proj, v, causal=False, rotary=True, log_space=True),
+        attend(q_proj.materialize(), k_proj.materialize(), v, causal=False, rotary=True,
                          log_space=True))
     empty = stable.LogProjection(torch.zeros(1, 2, 0, 4), torch.zeros(8, 4), torch.zeros(1, 2, 0, 1))
-    assert linear_attention(empty, empty, torch.zeros(1, 2, 0, 3), causal=True, rotary=True,
+    assert attend(empty, empty, torch.zeros(1, 2, 0, 3), causal=True, rotary=True,
                             log_space=True).shape == (1, 2, 0, 3)
 
 
@@ -429,26 +413,26 @@ def test_bad_projections_are_refused_with_what_they_should_be(bad, message):
                          rotary=True, log_space=True)
 
 
-def test_a_projection_pairs_with_a_log_feature_tensor_and_needs_log_space():
+def test_a_projection_pairs_with_a_log_feature_tensor_and_needs_log_space(attend):
     q_proj, k_proj = projection(6, jumps=False), projection(6, jumps=False, seed=3)
     v = log_features(1, 2, 6, 3, scale=1, seed=9)
     torch.testing.assert_close(
-        linear_attention(q_proj, k_proj.materialize(), v, causal=True, rotary=True, log_space=True),
-        linear_attention(q_proj.materialize(), k_proj.materialize(), v, causal=True, rotary=True,
+        attend(q_proj, k_proj.materialize(), v, causal=True, rotary=True, log_space=True),
+        attend(q_proj.materialize(), k_proj.materialize(), v, causal=True, rotary=True,
                          log_space=True))
     with pytest.raises(ValueError, match="log_space=True"):
-        linear_attention(q_proj, k_proj, v, causal=True, rotary=True)
+        attend(q_proj, k_proj, v, causal=True, rotary=True)
 
 
-def test_the_cap_acts_only_beyond_it_whatever_the_chunking():
+def test_the_cap_acts_only_beyond_it_whatever_the_chunking(attend):
     """A wide pair (key scales 28 apart in one pair) with a query that leads by 20 within its pair:
     Eq. 19's output is 1.2e12, far below e^30, and every chunk size and the steps give it."""
     a = torch.tensor([[0.0, 40.0], [12.0, 40.0]], dtype=torch.float64).view(1, 1, 2, 2)
     b = torch.tensor([[0.0, 0.0], [20.0, -100.0]], dtype=torch.float64).view(1, 1, 2, 2)
     v = torch.tensor([[1.0], [2.0]], dtype=torch.float64).view(1, 1, 2, 1)
-    expected = log_space_reference(b, a, v, causal=True, rotary=True)
+    expected = log_linear_attention_reference(b, a, v, causal=True, rotary=True)
     for chunk_size in (1, 2):
-        torch.testing.assert_close(linear_attention(b, a, v, causal=True, rotary=True, log_space=True,
+        torch.testing.assert_close(attend(b, a, v, causal=True, rotary=True, log_space=True,
                                                     chunk_size=chunk_size), expected, rtol=1e-10, atol=0)
     state, steps = None, []
     for t in range(2):

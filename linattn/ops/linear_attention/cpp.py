@@ -1,0 +1,347 @@
+"""The "cpp" backend: stable.py's causal log-space pass with each (head, chunk) fused in C++.
+
+stable.py computes runs of chunks op by op over (B, H, G, L, M) tensors, so on a CPU every op
+streams them through memory.  `stable_cpu.cpp` does the same maths for one head and one chunk at a
+time, in cache, with the BLAS that torch links (MKL's sgemm_) on one thread per head, and hands the
+rare irregular chunks (exact rows, wide pairs) back to stable.py's own functions.  Outputs, states
+and gradients are those of the torch backend up to float rounding (tests/linattn/ops/test_cpp.py).
+
+It is built on first use with the system's C++ compiler and OpenMP (a few seconds), into a cache
+(`LINATTN_CACHE_DIR`, else `$XDG_CACHE_HOME/linattn` or `~/.cache/linattn`) under a name that holds
+the source, compiler, flags and CPU, and loaded with ctypes.  Where it cannot be built (no compiler,
+not Linux, a torch without sgemm_), `unavailable()` says why, and backend="auto" uses "torch".
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from . import stable
+from .common import LogProjection
+
+SOURCE = Path(__file__).with_name("stable_cpu.cpp")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp", "-shared", "-fPIC")
+_lock = threading.Lock()
+_loaded: dict[str, object] = {}   # "library" or "error"
+
+
+class CppUnavailable(RuntimeError):
+    """The C++ kernel cannot be built or loaded here; the message says why."""
+
+
+def cache_dir() -> Path:
+    if os.environ.get("LINATTN_CACHE_DIR"):
+        return Path(os.environ["LINATTN_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "linattn"
+
+
+def compiler() -> str:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
+
+
+def unavailable() -> str | None:
+    """Why the kernel cannot run here, or None (building it on the first call)."""
+    try:
+        library()
+    except CppUnavailable as error:
+        return str(error)
+    return None
+
+
+def library() -> ctypes.CDLL:
+    """The kernel, built and loaded once per process (a failure is remembered too)."""
+    with _lock:
+        if "library" not in _loaded and "error" not in _loaded:
+            try:
+                _loaded["library"] = _load(_build())
+            except CppUnavailable as error:
+                _loaded["error"] = error
+        if "error" in _loaded:
+            raise _loaded["error"]
+        return _loaded["library"]
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU's feature flags (a cache shared by machines stays right)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build() -> Path:
+    if not sys.platform.startswith("linux"):
+        raise CppUnavailable(f"the cpp backend is built on Linux only (this is {sys.platform}); use backend='torch'")
+    cxx = compiler()
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        raise CppUnavailable(f"no C++ compiler to build the cpp backend ({cxx}: {error}); install one "
+                             f"(g++) or set CXX, or use backend='torch'") from None
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode(),
+                                     _cpu_signature().encode()])).hexdigest()[:20]
+    target = cache_dir() / f"stable_cpu-{key}.so"
+    if target.exists():
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, partial = tempfile.mkstemp(prefix=target.stem, suffix=".so.partial", dir=target.parent)
+        os.close(handle)
+    except OSError as error:
+        raise CppUnavailable(f"cannot write the cpp backend's build to {target.parent} ({error}); set "
+                             "LINATTN_CACHE_DIR to a writable directory, or use backend='torch'") from None
+    try:
+        built = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True,
+                               timeout=600)
+        if built.returncode:
+            raise CppUnavailable(f"building the cpp backend failed ({cxx} {' '.join(FLAGS)}):\n"
+                                 f"{built.stderr.strip()[-2000:]}\nuse backend='torch'")
+        os.replace(partial, target)   # whole or not at all: another process may be loading it
+    except (OSError, subprocess.SubprocessError) as error:
+        raise CppUnavailable(f"building the cpp backend failed ({error}); use backend='torch'") from None
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+    return target
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as error:
+        raise CppUnavailable(f"cannot load the cpp backend ({error}); delete {path} to rebuild it, "
+                             "or use backend='torch'") from None
+    blas = _torch_blas()
+    lib.linattn_set_blas(blas["sgemm_"], blas["dgemm_"], ctypes.c_double(stable.JUMP_LIMIT),
+                         ctypes.c_double(stable.PAIR_SPREAD))
+    i64, ptr, call = ctypes.c_int64, ctypes.c_void_p, ctypes.POINTER(_Call)
+    grads = ctypes.POINTER(_SourceGrad)
+    signatures = {   # stable_cpu.cpp's extern "C" entry points: (result, arguments)
+        "forward": (i64, [ctypes.c_int, call, i64, i64, *[ptr] * 7, i64, ptr]),
+        "states": (None, [ctypes.c_int, call, i64, i64, *[ptr] * 5]),
+        "backward": (i64, [ctypes.c_int, call, i64, i64, ptr, ptr, ptr, i64, i64, *[ptr] * 6, grads, grads, ptr]),
+    }
+    for name, (result, arguments) in signatures.items():
+        function = getattr(lib, f"linattn_{name}")
+        function.restype, function.argtypes = result, arguments
+    return lib
+
+
+def _torch_blas() -> dict[str, ctypes.c_void_p]:
+    """The BLAS products torch links (MKL's on x86 builds): the kernel's products run where torch's do."""
+    libraries = sorted((Path(torch.__file__).parent / "lib").glob("libtorch_cpu.*"))
+    try:
+        torch_cpu = ctypes.CDLL(str(libraries[0]))
+        return {name: ctypes.cast(getattr(torch_cpu, name), ctypes.c_void_p) for name in ("sgemm_", "dgemm_")}
+    except (IndexError, OSError, AttributeError):
+        raise CppUnavailable("this torch build exports no BLAS sgemm_/dgemm_ for the cpp backend; "
+                             "use backend='torch'") from None
+
+
+# The C structs of stable_cpu.cpp, field for field.
+class _Source(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("stride_b", ctypes.c_int64), ("stride_h", ctypes.c_int64),
+                ("stride_n", ctypes.c_int64), ("dim", ctypes.c_int64), ("weight", ctypes.c_void_p),
+                ("shift", ctypes.c_void_p), ("shift_b", ctypes.c_int64), ("shift_h", ctypes.c_int64),
+                ("shift_n", ctypes.c_int64), ("shift_value", ctypes.c_double), ("square_scale", ctypes.c_double)]
+
+
+class _SourceGrad(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("shift", ctypes.c_void_p), ("weight", ctypes.c_void_p)]
+
+
+class _Call(ctypes.Structure):
+    _fields_ = [("batch", ctypes.c_int64), ("heads", ctypes.c_int64), ("n", ctypes.c_int64), ("m", ctypes.c_int64),
+                ("dv", ctypes.c_int64), ("length", ctypes.c_int64), ("q", _Source), ("k", _Source),
+                ("v", ctypes.c_void_p), ("v_b", ctypes.c_int64), ("v_h", ctypes.c_int64), ("v_n", ctypes.c_int64),
+                ("phases", ctypes.c_void_p), ("feat", ctypes.c_void_p), ("threads", ctypes.c_int64)]
+
+
+def _pointer(t: torch.Tensor | None):
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def _source(x) -> tuple[_Source, list[torch.Tensor]]:
+    """The C view of a log-feature tensor or a projection, and the tensors it points into."""
+    if not isinstance(x, LogProjection):
+        return _Source(_pointer(x), *x.stride()[:3], x.shape[-1], None, None, 0, 0, 0, 0.0, 0.0), [x]
+    inputs = _last_dim_contiguous(x.inputs)
+    shift = x.shift if isinstance(x.shift, torch.Tensor) else None
+    shift_strides = shift.stride()[:3] if shift is not None else (0, 0, 0)
+    return (_Source(_pointer(inputs), *inputs.stride()[:3], inputs.shape[-1], _pointer(x.weight), _pointer(shift),
+                    *shift_strides, 0.0 if shift is not None else float(x.shift), float(x.square_scale)),
+            [inputs, x.weight] + ([shift] if shift is not None else []))
+
+
+class _Kernel:
+    """One call's arguments for the C entry points, holding every tensor they point into."""
+
+    def __init__(self, queries, keys, v: torch.Tensor, phases, feat: torch.Tensor, length: int):
+        self.lib = library()
+        self.dtype = 1 if v.dtype == torch.float64 else 0
+        v = _last_dim_contiguous(v)
+        (q, q_keep), (k, k_keep) = _source(queries), _source(keys)
+        real_phases = None if phases is None else torch.view_as_real(phases).contiguous()
+        batch, heads, n, dv = v.shape
+        self.keep = [v, real_phases, feat, *q_keep, *k_keep]
+        self.call = _Call(batch, heads, n, feat.shape[-1], dv, length, q, k, _pointer(v), *v.stride()[:3],
+                          _pointer(real_phases), _pointer(feat), torch.get_num_threads())
+
+    def run(self, name: str, *args):
+        """lib.linattn_<name>(dtype, call, *args), tensors passed as pointers."""
+        function = getattr(self.lib, f"linattn_{name}")
+        return function(self.dtype, ctypes.byref(self.call),
+                        *(_pointer(a) if isinstance(a, torch.Tensor) else a for a in args))
+
+
+def causal(b, a, v, phases, length: int, base: float):
+    """Causal Eq. 19 from log-features (tensors or `LogProjection`s) on CPU: (out, state, key sum, F
+    after the last token), as stable._CausalLogAttention gives them."""
+    return _FusedCausalLogAttention.apply(*stable._parts(b), *stable._parts(a), v, phases, length, base)
+
+
+class _FusedCausalLogAttention(torch.autograd.Function):
+    """stable._CausalLogAttention with its regular chunks in stable_cpu.cpp."""
+
+    @staticmethod
+    def forward(ctx, q_inputs, q_weight, q_shift, q_square, k_inputs, k_weight, k_shift, k_square, v, phases,
+                length, base):
+        queries = stable._source(q_inputs, q_weight, q_shift, q_square)
+        keys = stable._source(k_inputs, k_weight, k_shift, k_square)
+        batch, heads, n, dv = v.shape
+        m = k_inputs.shape[-1] if k_weight is None else k_weight.shape[0]
+        chunks, groups = -(-n // length), -(-n // (length * stable.STATE_GROUP))
+        feat = v.new_empty(batch, heads, chunks + 1, m)
+        kernel = _Kernel(queries, keys, v, phases, feat, length)
+        out, den = v.new_empty(batch, heads, n, dv), v.new_empty(batch, heads, n)
+        query_scale = torch.empty_like(den)
+        state, key_sum = v.new_zeros(batch, heads, m, dv), v.new_zeros(batch, heads, m)
+        saved_states, saved_sums = v.new_empty(groups, batch, heads, m, dv), v.new_empty(groups, batch, heads, m)
+        flags = torch.zeros(chunks, dtype=torch.int32)
+        start = 0
+        while start < chunks:
+            start = kernel.run("forward", start, chunks, state, key_sum, out, den, query_scale, saved_states, saved_sums,
+                                   stable.STATE_GROUP, flags)
+            if start < chunks:   # an irregular chunk: stable.py's own, from the state before it
+                _irregular_forward(start, queries, keys, v, phases, feat, length, base, state, key_sum, out, den,
+                                   query_scale)
+                start += 1
+        parts = (q_inputs, q_weight, q_shift, q_square, k_inputs, k_weight, k_shift, k_square)
+        ctx.numbers = [None if isinstance(x, torch.Tensor) else x for x in parts]
+        ctx.save_for_backward(*(x if isinstance(x, torch.Tensor) else None for x in parts), v, out, den,
+                              query_scale, feat, phases, saved_states, saved_sums, flags)
+        ctx.length, ctx.base = length, base
+        last = feat[:, :, -1]
+        ctx.mark_non_differentiable(state, key_sum, last)
+        return out, state, key_sum, last
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad, _state_grad, _key_sum_grad, _last_grad):
+        *tensors, v, out, den, query_scale, feat, phases, saved_states, saved_sums, flags = ctx.saved_tensors
+        parts = [x if number is None else number for x, number in zip(tensors, ctx.numbers)]
+        queries, keys = stable._source(*parts[:4]), stable._source(*parts[4:])
+        needs = ctx.needs_input_grad
+        kernel = _Kernel(queries, keys, v, phases, feat, ctx.length)
+        grad = grad.contiguous()
+        q_grads, k_grads = _FusedGradients(queries, needs[0:3]), _FusedGradients(keys, needs[4:7])
+        dv = torch.empty(v.shape, dtype=v.dtype)
+        later, later_sum = torch.zeros_like(saved_states[0]), torch.zeros_like(saved_sums[0])
+        chunks, length = feat.shape[2] - 1, ctx.length
+        for group in reversed(range(saved_states.shape[0])):
+            lo, hi = group * stable.STATE_GROUP, min((group + 1) * stable.STATE_GROUP, chunks)
+            states = v.new_empty(*v.shape[:2], hi - lo, feat.shape[-1], v.shape[-1])
+            sums = v.new_empty(*v.shape[:2], hi - lo, feat.shape[-1])
+            kernel.run("states", lo, hi, flags, saved_states[group], saved_sums[group], states, sums)
+            top = hi - 1
+            while top >= lo:
+                top = kernel.run("backward", top, lo, flags, states, sums, lo, hi - lo, grad, out, den, query_scale, later,
+                                      later_sum, ctypes.byref(q_grads.c), ctypes.byref(k_grads.c), dv)
+                if top >= lo:   # an irregular chunk: stable.py's backward of it
+                    _irregular_backward(top, queries, keys, v, phases, feat, length, ctx.base, states[:, :, top - lo],
+                                        sums[:, :, top - lo], grad, out, den, query_scale, later, later_sum,
+                                        q_grads, k_grads, dv, capped=bool(flags[top] & 1))
+                    top -= 1
+        return (*q_grads.result(), None, *k_grads.result(), None, dv, None, None, None)
+
+
+class _FusedGradients:
+    """A source's gradients, written by the kernel (C view `c`) and, for irregular chunks, by
+    stable._Gradients (`eager`): contiguous buffers, and the weight's as per-head partial sums."""
+
+    def __init__(self, source, needs):
+        projection = isinstance(source, LogProjection)
+        inputs = source.inputs if projection else source
+        self.inputs = torch.empty(inputs.shape, dtype=inputs.dtype) if needs[0] else None
+        self.shift = torch.empty(inputs.shape[:-1], dtype=inputs.dtype) if projection and needs[2] else None
+        self.weight_parts = None
+        weight = None
+        if projection and needs[1]:
+            self.weight_parts = inputs.new_zeros(inputs.shape[0] * inputs.shape[1], *source.weight.shape)
+            weight = torch.zeros_like(source.weight)
+        self.eager = stable._Gradients(self.inputs, weight,
+                                       None if self.shift is None else self.shift.unsqueeze(-1))
+        self.c = _SourceGrad(_pointer(self.inputs), _pointer(self.shift), _pointer(self.weight_parts))
+
+    def result(self):
+        weight = None if self.weight_parts is None else self.eager.weight + self.weight_parts.sum(0)
+        return self.inputs, weight, None if self.shift is None else self.shift.unsqueeze(-1)
+
+
+def _chunk_inputs(chunk: int, queries, keys, v, phases, feat, length: int):
+    """One chunk's (b, a, v) as (B, H, 1, L, .), its scales and its rotation, for stable.py's functions."""
+    s = slice(chunk * length, min((chunk + 1) * length, v.shape[-2]))
+    b, a, v_c = (stable._rows(x, s).contiguous().unsqueeze(2) for x in (queries, keys, v))
+    scales = stable._Scales.of(feat[:, :, chunk:chunk + 2], phases is not None)
+    return s, (b, a, v_c), scales, None if phases is None else phases[s].unsqueeze(0)
+
+
+def _irregular_forward(chunk, queries, keys, v, phases, feat, length, base, state, key_sum, out, den, query_scale):
+    """stable._irregular_chunk for the kernel's first irregular chunk: rows before a jump keep the
+    kernel's regular values (unless the chunk is wide, then redone whole); the state after it
+    replaces `state`, `key_sum`."""
+    s, inputs, scales, ph = _chunk_inputs(chunk, queries, keys, v, phases, feat, length)
+    regular = stable._Chunks(*(x[:, :, s].unsqueeze(2) for x in (out, den, query_scale)), None, None, None, None, None)
+    alone = stable._irregular_chunk(*inputs, regular, 0, state, key_sum, scales, ph, base, first=True)
+    out[:, :, s], den[:, :, s], query_scale[:, :, s] = (x.squeeze(2) for x in (alone.out, alone.den, alone.query_scale))
+    state.copy_(alone.state)
+    key_sum.copy_(alone.key_sum)
+
+
+def _irregular_backward(chunk, queries, keys, v, phases, feat, length, base, state, key_sum, grad, out, den,
+                        query_scale, later, later_sum, q_grads, k_grads, dv, capped: bool):
+    """stable.py's backward of one irregular chunk (autograd through it where keys passed the cap),
+    updating `later`, `later_sum` and writing the chunk's gradients."""
+    s, inputs, scales, ph = _chunk_inputs(chunk, queries, keys, v, phases, feat, length)
+    qs, g = query_scale[:, :, s].unsqueeze(2), grad[:, :, s].unsqueeze(2)
+    if capped:
+        (db, da, dv_c), after, after_sum = stable._chunk_backward_autograd(
+            inputs, state, key_sum, scales, ph, base, qs, g, later, later_sum)
+    else:
+        g_num, g_den = stable.output_gradients(g, out[:, :, s].unsqueeze(2), den[:, :, s].unsqueeze(2))
+        factors = stable._keys(inputs[1], scales, ph)[1]
+        (db, da, dv_c), after, after_sum = stable._chunk_backward(
+            inputs, state.unsqueeze(2), key_sum.unsqueeze(2), factors, scales, ph, qs, g_num, g_den, later, later_sum)
+    later.copy_(after)
+    later_sum.copy_(after_sum)
+    dv[:, :, s] = dv_c.squeeze(2)
+    q_grads.eager.write(queries, db.squeeze(2), s)
+    k_grads.eager.write(keys, da.squeeze(2), s)
