@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from linattn.ops.linear_attention import backends
+
 from .report import Report, write_outputs
 from .sections import run_attention, run_decode, run_efficiency, run_model
 from .settings import Settings, parse_settings, selected_methods
@@ -34,7 +36,8 @@ def header(settings: Settings, machine: dict) -> str:
         f"attention: b={settings.batch}, h={settings.heads}, D={settings.head_dim}, M={settings.num_features}, "
         f"causal chunk C={settings.chunk_size}, dtypes {','.join(settings.dtypes)}, "
         f"masks {','.join(settings.masks)}, passes {','.join(settings.passes)}",
-        f"methods: {', '.join(m.name for m in selected_methods(settings))}",
+        f"methods: {', '.join(m.name for m in selected_methods(settings))} (linattn's auto backend here: "
+        f"{backends.resolve('auto', torch.device(machine['device']))})",
         f"timing: median of {settings.repeats} after {settings.warmup} warm-up, each config in a fresh "
         f"process; budget {settings.budget_s:g} s per config; sections: {','.join(settings.sections)}"])
 
