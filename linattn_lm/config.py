@@ -195,7 +195,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The defaults, and the budget of the RoPE-placement study (docs/results/study-cpu.md): about 6-8
     # (softmax) and 8-12 (FAVOR+) minutes of training per run on 2 CPU cores; softmax and FAVOR+ with
     # RoPE beat the order-2 n-gram line (3.31 val bpc) clearly, FAVOR+ without RoPE does not (3.50);
-    # FAVOR+ post (the quick start) measured 3.02-3.04 at step 1200.
+    # FAVOR+ post (the quick start) measured 3.02-3.04 at step 1200 on the torch backend, 3.06 on the cpp
+    # backend (the same maths to float rounding: a different trajectory, like another seed).
     # No redraws: a redraw late in a short run costs more than it brings (the study measures it).
     "cpu": dict(n_layer=4, d_model=128, n_head=4, mlp_ratio=4.0, dropout=0.0, seq_len=256,
                 batch_size=16, lr=3e-3, min_lr=3e-4, warmup=50, steps=1200, weight_decay=0.1, grad_clip=1.0,

@@ -238,17 +238,14 @@ class _FusedCausalLogAttention(torch.autograd.Function):
         flags = torch.zeros(chunks, dtype=torch.int32)
         start = 0
         while start < chunks:
-            start = kernel.run("forward", start, chunks, state, key_sum, out, den, query_scale, saved_states, saved_sums,
-                                   stable.STATE_GROUP, flags)
+            start = kernel.run("forward", start, chunks, state, key_sum, out, den, query_scale, saved_states,
+                               saved_sums, stable.STATE_GROUP, flags)
             if start < chunks:   # an irregular chunk: stable.py's own, from the state before it
                 _irregular_forward(start, queries, keys, v, phases, feat, length, base, state, key_sum, out, den,
                                    query_scale)
                 start += 1
-        parts = (q_inputs, q_weight, q_shift, q_square, k_inputs, k_weight, k_shift, k_square)
-        ctx.numbers = [None if isinstance(x, torch.Tensor) else x for x in parts]
-        ctx.save_for_backward(*(x if isinstance(x, torch.Tensor) else None for x in parts), v, out, den,
-                              query_scale, feat, phases, saved_states, saved_sums, flags)
-        ctx.length, ctx.base = length, base
+        stable.save_sources(ctx, (q_inputs, q_weight, q_shift, q_square, k_inputs, k_weight, k_shift, k_square),
+                            length, base, v, out, den, query_scale, feat, phases, saved_states, saved_sums, flags)
         last = feat[:, :, -1]
         ctx.mark_non_differentiable(state, key_sum, last)
         return out, state, key_sum, last
@@ -256,9 +253,8 @@ class _FusedCausalLogAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad, _state_grad, _key_sum_grad, _last_grad):
-        *tensors, v, out, den, query_scale, feat, phases, saved_states, saved_sums, flags = ctx.saved_tensors
-        parts = [x if number is None else number for x, number in zip(tensors, ctx.numbers)]
-        queries, keys = stable._source(*parts[:4]), stable._source(*parts[4:])
+        queries, keys, (v, out, den, query_scale, feat, phases, saved_states, saved_sums, flags) = \
+            stable.saved_sources(ctx)
         needs = ctx.needs_input_grad
         kernel = _Kernel(queries, keys, v, phases, feat, ctx.length)
         grad = grad.contiguous()

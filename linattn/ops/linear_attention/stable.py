@@ -85,6 +85,10 @@ whatever comes later, so past outputs are bitwise unchanged when future tokens c
 
 The recurrent state of decoding keeps F (`LinearState.log_scale`): kv is scaled by e^{-P}, k_sum by
 e^{-F}, and each step rescales them by the growth of the maxima, as online softmax does.
+
+On CPU the "cpp" backend (cpp.py) runs the regular chunks of the causal pass one (head, chunk) at a
+time in C++ (stable_cpu.cpp), and calls this module's functions for the chunks with exact rows or
+wide pairs.
 """
 from __future__ import annotations
 
@@ -155,13 +159,13 @@ def _log_linear_attention(b, a, v, *, causal, rotary, offset, base, chunk_size, 
     if not causal or n == 0:   # no chunk loop: the log-features themselves
         b, a = (x.materialize() if isinstance(x, LogProjection) else x for x in (b, a))
     m = (a.weight.shape[0] if isinstance(a, LogProjection) else a.shape[-1])
-    if n == 0:
-        out = v.new_zeros(v.shape)
+    if v.shape[:-1].numel() == 0:   # no tokens, or an empty batch: nothing to attend (an empty
+        out = v.clone()             # output, in v's graph as the plain path's is)
         if not return_state:
             return out
-        state = initial_state(a.shape[0], a.shape[1], m, v.shape[-1], device=v.device, dtype=v.dtype,
+        state = initial_state(v.shape[0], v.shape[1], m, v.shape[-1], device=v.device, dtype=v.dtype,
                               log_space=True)
-        return out, state._replace(position=offset)
+        return out, state._replace(position=offset + n)
     if causal:
         phases = rotary_phases(n, m, offset=offset, base=base, device=v.device, dtype=v.dtype) \
             if rotary else None
@@ -401,8 +405,7 @@ def _decayed_sums(x, updates, decays, reverse: bool = False):
 def _fma(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """c + a @ b for (..., ., .) tensors in one BLAS call (no separate pass to add)."""
     batch = c.shape[:-2]
-    return torch.baddbmm(c.reshape(-1, *c.shape[-2:]), a.reshape(-1, *a.shape[-2:]),
-                         b.reshape(-1, *b.shape[-2:])).unflatten(0, batch)
+    return torch.baddbmm(c.flatten(0, -3), a.flatten(0, -3), b.flatten(0, -3)).unflatten(0, batch)
 
 
 def _past(x: torch.Tensor) -> torch.Tensor:
@@ -427,7 +430,7 @@ def _runs(v: torch.Tensor, m: int, length: int) -> list[_Run]:
     """The chunks in runs of up to RUN_ELEMENTS per (B, H, G, L, max(M, Dv)) tensor that never straddle
     a group of STATE_GROUP chunks; a ragged last chunk is a run of its own."""
     batch, heads, n, dv = v.shape
-    most = max(1, RUN_ELEMENTS // (batch * heads * length * max(m, dv)))
+    most = max(1, RUN_ELEMENTS // max(1, batch * heads * length * max(m, dv)))   # (an empty batch: any)
     full, runs = n // length, []
     for group in range(0, full, STATE_GROUP):
         end = min(group + STATE_GROUP, full)
@@ -455,6 +458,21 @@ def _source(inputs, weight, shift, square_scale):
 def _parts(x) -> tuple:
     """The autograd function's arguments for a log-feature tensor or a `LogProjection`."""
     return tuple(x) if isinstance(x, LogProjection) else (x, None, None, None)
+
+
+def save_sources(ctx, parts: tuple, length: int, base: float, *tensors) -> None:
+    """For backward: the sources' parts (numbers such as a constant shift on ctx, tensors through
+    autograd), the chunk length, the rotary base and `tensors`."""
+    ctx.numbers = [None if isinstance(x, torch.Tensor) else x for x in parts]
+    ctx.save_for_backward(*(x if isinstance(x, torch.Tensor) else None for x in parts), *tensors)
+    ctx.length, ctx.base = length, base
+
+
+def saved_sources(ctx):
+    """What `save_sources` kept: the query and key sources, and the other tensors."""
+    saved = ctx.saved_tensors
+    parts = [x if number is None else number for x, number in zip(saved[:8], ctx.numbers)]
+    return _source(*parts[:4]), _source(*parts[4:]), saved[8:]
 
 
 class _Gradients(NamedTuple):
@@ -519,12 +537,8 @@ class _CausalLogAttention(torch.autograd.Function):
             outs, state, key_sum = _run_forward(b_r, a_r, v_r, state, key_sum, *_run_scales(feat, run, phases), base)
             out[:, :, run.tokens], den[:, :, run.tokens], query_scale[:, :, run.tokens] = (
                 x.flatten(2, 3) for x in outs)
-        # numbers (a constant shift, square_scale) ride on ctx; tensors are saved
-        parts = (q_inputs, q_weight, q_shift, q_square, k_inputs, k_weight, k_shift, k_square)
-        ctx.numbers = [None if isinstance(x, torch.Tensor) else x for x in parts]
-        ctx.save_for_backward(*(x if isinstance(x, torch.Tensor) else None for x in parts), v, out, den,
-                              query_scale, feat, phases, *saved)
-        ctx.length, ctx.base = length, base
+        save_sources(ctx, (q_inputs, q_weight, q_shift, q_square, k_inputs, k_weight, k_shift, k_square), length,
+                     base, v, out, den, query_scale, feat, phases, *saved)
         last = feat[:, :, -1]
         ctx.mark_non_differentiable(state, key_sum, last)
         return out, state, key_sum, last
@@ -532,10 +546,7 @@ class _CausalLogAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad, _state_grad, _key_sum_grad, _last_grad):
-        *tensors, v, out, den, query_scale, feat, phases = ctx.saved_tensors[:14]
-        saved = ctx.saved_tensors[14:]
-        parts = [x if number is None else number for x, number in zip(tensors, ctx.numbers)]
-        queries, keys = _source(*parts[:4]), _source(*parts[4:])
+        queries, keys, (v, out, den, query_scale, feat, phases, *saved) = saved_sources(ctx)
         needs = ctx.needs_input_grad
         q_grads, k_grads = _Gradients.of(queries, needs[0:3]), _Gradients.of(keys, needs[4:7])
         dv = torch.empty_like(v)

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -33,19 +34,19 @@ double jump_limit = 30.0, pair_spread = 20.0;   // set from stable.py's constant
 
 // Row-major C (m x n) = op(A) op(B) + beta C, op = transpose where asked; ld* are row strides.
 // BLAS is column-major, so it is asked for C^T = op(B)^T op(A)^T.
-void gemm(bool ta, bool tb, int64_t m_, int64_t n_, int64_t k_, const float* a, int64_t lda_, const float* b,
-          int64_t ldb_, float beta, float* c, int64_t ldc_) {
+template <typename T>
+void gemm(bool ta, bool tb, int64_t m_, int64_t n_, int64_t k_, const T* a, int64_t lda_, const T* b, int64_t ldb_,
+          T beta, T* c, int64_t ldc_) {
   if (m_ == 0 || n_ == 0) return;
+  if (k_ == 0) {   // an empty sum (BLAS would reject its zero leading dimensions)
+    for (int64_t i = 0; i < m_; ++i)
+      for (int64_t j = 0; j < n_; ++j) c[i * ldc_ + j] = beta == T(0) ? T(0) : beta * c[i * ldc_ + j];
+    return;
+  }
   const int m = int(m_), n = int(n_), k = int(k_), lda = int(lda_), ldb = int(ldb_), ldc = int(ldc_);
-  const float one = 1.f;
-  sgemm(tb ? "T" : "N", ta ? "T" : "N", &n, &m, &k, &one, b, &ldb, a, &lda, &beta, c, &ldc);
-}
-void gemm(bool ta, bool tb, int64_t m_, int64_t n_, int64_t k_, const double* a, int64_t lda_, const double* b,
-          int64_t ldb_, double beta, double* c, int64_t ldc_) {
-  if (m_ == 0 || n_ == 0) return;
-  const int m = int(m_), n = int(n_), k = int(k_), lda = int(lda_), ldb = int(ldb_), ldc = int(ldc_);
-  const double one = 1.0;
-  dgemm(tb ? "T" : "N", ta ? "T" : "N", &n, &m, &k, &one, b, &ldb, a, &lda, &beta, c, &ldc);
+  const T one = 1;
+  if constexpr (std::is_same_v<T, float>) sgemm(tb ? "T" : "N", ta ? "T" : "N", &n, &m, &k, &one, b, &ldb, a, &lda, &beta, c, &ldc);
+  else dgemm(tb ? "T" : "N", ta ? "T" : "N", &n, &m, &k, &one, b, &ldb, a, &lda, &beta, c, &ldc);
 }
 
 // e^x for float in a form the compiler vectorises: x = n ln2 + r, |r| <= ln2/2, e^r from Cephes'
@@ -301,14 +302,15 @@ template <typename T> struct Chunk {
   }
 };
 
-// F at the next chunk's first token: the max of every key up to this chunk's last and of that token
-// (stable.py's `feat`); after the last chunk, of every key.
-template <typename T> void write_next_scale(const Call& c, int64_t head, int64_t chunk, const Chunk<T>& ch, T* first) {
+// F at the next chunk's first token, from this chunk's F and its keys (rows x M): the max of every key
+// up to this chunk's last and of that token (stable.py's `feat`); after the last chunk, of every key.
+template <typename T> void write_next_scale(const Call& c, int64_t head, int64_t chunk, const T* keys, int64_t rows,
+                                            T* first) {
   T* f_next = static_cast<T*>(c.feat) + (head * (chunk_count(c) + 1) + chunk + 1) * c.m;
   const T* f = f_next - c.m;
   for (int64_t j = 0; j < c.m; ++j) f_next[j] = f[j];
-  for (int64_t r = 0; r < ch.rows; ++r)
-    for (int64_t j = 0; j < c.m; ++j) f_next[j] = std::max(f_next[j], ch.a[r * c.m + j]);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < c.m; ++j) f_next[j] = std::max(f_next[j], keys[r * c.m + j]);
   if (chunk + 1 < chunk_count(c)) {
     load(c.k, c, head, (chunk + 1) * c.length, 1, first);
     for (int64_t j = 0; j < c.m; ++j) f_next[j] = std::max(f_next[j], first[j]);
@@ -326,6 +328,7 @@ int64_t forward(const Call& c, int64_t start, int64_t end, T* state, T* key_sum,
   std::vector<T> spare_states(heads * m * dv), spare_sums(heads * m);
   std::vector<int> head_flags(heads);
   T *s_now = state, *z_now = key_sum, *s_next = spare_states.data(), *z_next = spare_sums.data();
+  bool in_spare = false;   // whether the state now lives in the spare buffers
   int64_t stop = end;
 #pragma omp parallel num_threads(int(c.threads))
   {
@@ -346,8 +349,7 @@ int64_t forward(const Call& c, int64_t start, int64_t end, T* state, T* key_sum,
         load(c.q, c, head, row, rows, ch.b.data());
         T* f = static_cast<T*>(c.feat) + (head * (chunk_count(c) + 1) + chunk) * m;
         if (chunk == 0) std::copy(ch.a.begin(), ch.a.begin() + m, f);   // F at the first token: its key
-        ch.rows = rows;
-        write_next_scale(c, head, chunk, ch, first.data());
+        write_next_scale(c, head, chunk, ch.a.data(), rows, first.data());
         ch.at(head, chunk);
         head_flags[head] = ch.irregular();
         ch.keys();
@@ -380,12 +382,16 @@ int64_t forward(const Call& c, int64_t start, int64_t end, T* state, T* key_sum,
         for (int64_t head = 0; head < heads; ++head) chunk_flags |= head_flags[head];
         flags[chunk] = chunk_flags;
         if (chunk_flags) stop = chunk;
-        else { std::swap(s_now, s_next); std::swap(z_now, z_next); }
+        else {
+          std::swap(s_now, s_next);
+          std::swap(z_now, z_next);
+          in_spare = !in_spare;
+        }
       }
       if (stop != end) break;   // every thread reads the same `stop` after the single's barrier
     }
   }
-  if (s_now != state) {
+  if (in_spare) {
     std::copy(s_now, s_now + heads * m * dv, state);
     std::copy(z_now, z_now + heads * m, key_sum);
   }

@@ -167,6 +167,19 @@ def test_empty_sequence_gives_empty_output_and_an_empty_state(attend):
     assert out.shape == (1, 2, 0, 4) and state.position == 3 and torch.isneginf(state.log_scale).all()
 
 
+@pytest.mark.parametrize("shape", [(0, 2, 10, 3), (1, 0, 10, 3), (1, 2, 10, 0)])
+def test_an_empty_batch_heads_or_values_give_empty_outputs_and_the_keys_state(shape, attend):
+    b = log_features(*shape[:3], 4, scale=1, dtype=torch.float32).requires_grad_()
+    v = torch.zeros(shape, requires_grad=True)
+    out, state = attend(b, b, v, causal=True, rotary=True, log_space=True, chunk_size=4, return_state=True)
+    out.sum().backward()
+    assert out.shape == shape and state.position == 10 and state.kv.shape == (*shape[:2], 4, shape[3])
+    _, with_values = attend(b, b, torch.zeros(*shape[:3], 1), causal=True, rotary=True, log_space=True,
+                            chunk_size=4, return_state=True)
+    torch.testing.assert_close(state.k_sum, with_values.k_sum)
+    torch.testing.assert_close(state.log_scale, with_values.log_scale)
+
+
 def test_capped_numerator_saturates_instead_of_overflowing(attend):
     """A query whose two coordinates of a pair differ by 200 in log space, against keys that favour
     the other coordinate: Eq. 19's exact output is about e^200 * |v|, beyond float32.  The capped
