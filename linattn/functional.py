@@ -68,7 +68,7 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     if return_state and not causal:
         raise ValueError("return_state=True needs causal=True: a non-causal pass has no decoding state")
     float64 = compute_dtype(*feature_tensors(phi_q, phi_k), v) == torch.float64
-    resolved = backends.resolve(backend, v.device, float64=float64)
+    resolved = backends.resolve(backend, v.device, float64=float64, cpp_kernel_runs=log_space and causal)
     chunk_size = max(1, min(chunk_size, v.shape[-2]))   # a short sequence is one chunk, unpadded
     if log_space and resolved == "triton" and v.shape[-2] > 0:
         from .ops.linear_attention import fused

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from linattn.attention import _xformers_ops
+from linattn.feature_maps import FEATURE_MAPS
 from linattn.ops.linear_attention.backends import resolve as resolve_linear_backend
 
 from .data import default_data_dir
@@ -125,7 +126,8 @@ class RunConfig:
 def check_backend_runs_on(model: ModelConfig, device: torch.device) -> None:
     """The attention kernels asked for exist for the device (each error says what to do instead)."""
     if model.attention == "linear":
-        resolve_linear_backend(model.backend, device)
+        log_space = getattr(FEATURE_MAPS.get(model.feature_map), "log_space", True)
+        resolve_linear_backend(model.backend, device, cpp_kernel_runs=log_space)
     elif model.backend == "xformers":
         if device.type != "cuda":
             raise ValueError(f"backend 'xformers' runs on CUDA only, and this run is on {device}; "

@@ -24,21 +24,22 @@ def interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
-def resolve(backend: str, device: torch.device, float64: bool = False) -> str:
-    """The backend that runs on `device` (for float64 inputs if `float64`: "auto" then takes torch,
-    since the kernels compute in float32), or a ValueError that says how to get the one asked for."""
+def resolve(backend: str, device: torch.device, float64: bool = False, cpp_kernel_runs: bool = True) -> str:
+    """The backend that runs on `device` (for float64 inputs if `float64`: "auto" then takes torch
+    rather than triton, whose kernels compute in float32), or a ValueError that says how to get the one
+    asked for.  `cpp_kernel_runs`: the call is one the C++ kernel computes (log-space, causal); for
+    others "auto" takes torch on CPU without building the kernel."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         if device.type == "cuda" and triton_installed() and not float64:
             return "triton"
-        return "cpp" if device.type == "cpu" and cpp_runs_here() else "torch"
+        return "cpp" if device.type == "cpu" and cpp_kernel_runs and cpp_runs_here() else "torch"
     if backend == "cpp":
         if device.type != "cpu":
             raise ValueError(f"backend='cpp' runs on CPU tensors, got tensors on {device}; use backend='auto' "
                              "(triton on CUDA) or 'torch'")
-        from . import cpp
-        if (reason := cpp.unavailable()) is not None:
+        if (reason := cpp_unavailable()) is not None:
             raise ValueError(reason)
     if backend == "triton":
         if not triton_installed():
@@ -54,12 +55,18 @@ def resolve(backend: str, device: torch.device, float64: bool = False) -> str:
 _warned = False
 
 
-def cpp_runs_here() -> bool:
-    """Whether the C++ kernel builds and loads here (built on the first call); "auto" otherwise
-    takes "torch" and says why, once per process."""
-    global _warned
+@torch.compiler.disable   # loading the kernel takes a lock, which dynamo does not trace
+def cpp_unavailable() -> str | None:
+    """Why the C++ kernel cannot run here, or None (it is built on the first call)."""
     from . import cpp
-    reason = cpp.unavailable()
+    return cpp.unavailable()
+
+
+def cpp_runs_here() -> bool:
+    """Whether the C++ kernel builds and loads here; "auto" otherwise takes "torch" and says why, once
+    per process."""
+    global _warned
+    reason = cpp_unavailable()
     if reason is not None and not _warned:
         _warned = True
         warnings.warn(f"linattn: the cpp backend is unavailable, so CPU tensors take the slower torch backend: "

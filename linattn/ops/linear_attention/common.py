@@ -64,9 +64,13 @@ def check_features(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *,
 
 def check_log_features(phi_q, phi_k, v: torch.Tensor) -> None:
     """Log-features for log_space=True: each a (B, H, N, M) tensor or a LogProjection of
-    (B, H, N, D) inputs, an (M, D) weight and a (B, H, N, 1) shift."""
+    (B, H, N, D) inputs, an (M, D) weight and a (B, H, N, 1) shift; M and D at least 1 (a feature
+    map gives some features, and a projection reads some inputs)."""
     if not any(isinstance(x, LogProjection) for x in (phi_q, phi_k)):
-        return check_features(phi_q, phi_k, v, rank=4)
+        check_features(phi_q, phi_k, v, rank=4)
+        if phi_q.shape[-1] == 0:
+            raise ValueError(f"log-features need at least one feature, got shape {tuple(phi_q.shape)} (M = 0)")
+        return
     shapes = []
     for name, x in (("phi_q", phi_q), ("phi_k", phi_k)):
         if not isinstance(x, LogProjection):
@@ -88,6 +92,9 @@ def check_log_features(phi_q, phi_k, v: torch.Tensor) -> None:
         if inputs.shape[:-1] != v.shape[:-1]:
             raise ValueError(f"{name}: inputs {tuple(inputs.shape)} and values {tuple(v.shape)} disagree "
                              f"before the last dimension")
+        if 0 in weight.shape:
+            raise ValueError(f"{name}: a LogProjection projects D >= 1 inputs onto M >= 1 features, got a weight "
+                             f"of shape {tuple(weight.shape)}")
         shapes.append((*inputs.shape[:-1], weight.shape[0]))
     if shapes[0] != shapes[1]:
         raise ValueError(f"phi_q and phi_k give log-features of shapes {shapes[0]} and {shapes[1]}; map "

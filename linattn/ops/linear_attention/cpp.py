@@ -17,6 +17,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -45,8 +46,9 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "linattn"
 
 
-def compiler() -> str:
-    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
+def compiler() -> list[str]:
+    """The C++ compiler's command ($CXX may hold arguments, such as "ccache g++")."""
+    return shlex.split(os.environ.get("CXX", "")) or [shutil.which("c++") or shutil.which("g++") or "c++"]
 
 
 def unavailable() -> str | None:
@@ -60,6 +62,8 @@ def unavailable() -> str | None:
 
 def library() -> ctypes.CDLL:
     """The kernel, built and loaded once per process (a failure is remembered too)."""
+    if "library" in _loaded:
+        return _loaded["library"]
     with _lock:
         if "library" not in _loaded and "error" not in _loaded:
             try:
@@ -87,14 +91,18 @@ def _build() -> Path:
         raise CppUnavailable(f"the cpp backend is built on Linux only (this is {sys.platform}); use backend='torch'")
     cxx = compiler()
     try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+        version = subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as error:
-        raise CppUnavailable(f"no C++ compiler to build the cpp backend ({cxx}: {error}); install one "
-                             f"(g++) or set CXX, or use backend='torch'") from None
+        raise CppUnavailable(f"no C++ compiler to build the cpp backend ({shlex.join(cxx)}: {error}); install "
+                             f"one (g++) or set CXX, or use backend='torch'") from None
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode(),
+    key = hashlib.sha256(b"\0".join([source, version.encode(), shlex.join([*cxx, *FLAGS]).encode(),
                                      _cpu_signature().encode()])).hexdigest()[:20]
-    target = cache_dir() / f"stable_cpu-{key}.so"
+    try:
+        target = cache_dir() / f"stable_cpu-{key}.so"
+    except RuntimeError as error:   # Path.home() without a home directory
+        raise CppUnavailable(f"no directory for the cpp backend's build ({error}); set LINATTN_CACHE_DIR, "
+                             "or use backend='torch'") from None
     if target.exists():
         return target
     try:
@@ -105,11 +113,17 @@ def _build() -> Path:
         raise CppUnavailable(f"cannot write the cpp backend's build to {target.parent} ({error}); set "
                              "LINATTN_CACHE_DIR to a writable directory, or use backend='torch'") from None
     try:
-        built = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True,
+        built = subprocess.run([*cxx, *FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True,
                                timeout=600)
+        command = shlex.join([*cxx, *FLAGS])
         if built.returncode:
-            raise CppUnavailable(f"building the cpp backend failed ({cxx} {' '.join(FLAGS)}):\n"
+            raise CppUnavailable(f"building the cpp backend failed ({command}):\n"
                                  f"{built.stderr.strip()[-2000:]}\nuse backend='torch'")
+        try:   # only a library that loads goes into the cache
+            ctypes.CDLL(partial).linattn_forward
+        except (OSError, AttributeError) as error:
+            raise CppUnavailable(f"building the cpp backend ({command}) gave no loadable library ({error}); "
+                                 "use backend='torch'") from None
         os.replace(partial, target)   # whole or not at all: another process may be loading it
     except (OSError, subprocess.SubprocessError) as error:
         raise CppUnavailable(f"building the cpp backend failed ({error}); use backend='torch'") from None
@@ -132,7 +146,7 @@ def _load(path: Path) -> ctypes.CDLL:
     grads = ctypes.POINTER(_SourceGrad)
     signatures = {   # stable_cpu.cpp's extern "C" entry points: (result, arguments)
         "forward": (i64, [ctypes.c_int, call, i64, i64, *[ptr] * 7, i64, ptr]),
-        "states": (None, [ctypes.c_int, call, i64, i64, *[ptr] * 5]),
+        "states": (i64, [ctypes.c_int, call, i64, i64, *[ptr] * 5]),
         "backward": (i64, [ctypes.c_int, call, i64, i64, ptr, ptr, ptr, i64, i64, *[ptr] * 6, grads, grads, ptr]),
     }
     for name, (result, arguments) in signatures.items():
@@ -171,19 +185,28 @@ class _Call(ctypes.Structure):
                 ("phases", ctypes.c_void_p), ("feat", ctypes.c_void_p), ("threads", ctypes.c_int64)]
 
 
+_OUT_OF_MEMORY = -2   # stable_cpu.cpp's error results
+
+
 def _pointer(t: torch.Tensor | None):
     return None if t is None else ctypes.c_void_p(t.data_ptr())
 
 
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+def _rows_layout(t: torch.Tensor) -> torch.Tensor:
+    """t as the kernel reads it: each (N, last) matrix in rows that BLAS takes, i.e. a contiguous last
+    dimension and a row stride of at least its length (batch and head strides are free, 0 too).
+    An expanded N or a single row with a small stride is copied (.contiguous() keeps those strides)."""
+    if t.stride(-1) == 1 and t.stride(-2) >= t.shape[-1]:
+        return t
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t)
 
 
 def _source(x) -> tuple[_Source, list[torch.Tensor]]:
     """The C view of a log-feature tensor or a projection, and the tensors it points into."""
     if not isinstance(x, LogProjection):
+        x = _rows_layout(x)
         return _Source(_pointer(x), *x.stride()[:3], x.shape[-1], None, None, 0, 0, 0, 0.0, 0.0), [x]
-    inputs = _last_dim_contiguous(x.inputs)
+    inputs = _rows_layout(x.inputs)
     shift = x.shift if isinstance(x.shift, torch.Tensor) else None
     shift_strides = shift.stride()[:3] if shift is not None else (0, 0, 0)
     return (_Source(_pointer(inputs), *inputs.stride()[:3], inputs.shape[-1], _pointer(x.weight), _pointer(shift),
@@ -197,7 +220,7 @@ class _Kernel:
     def __init__(self, queries, keys, v: torch.Tensor, phases, feat: torch.Tensor, length: int):
         self.lib = library()
         self.dtype = 1 if v.dtype == torch.float64 else 0
-        v = _last_dim_contiguous(v)
+        v = _rows_layout(v)
         (q, q_keep), (k, k_keep) = _source(queries), _source(keys)
         real_phases = None if phases is None else torch.view_as_real(phases).contiguous()
         batch, heads, n, dv = v.shape
@@ -205,11 +228,20 @@ class _Kernel:
         self.call = _Call(batch, heads, n, feat.shape[-1], dv, length, q, k, _pointer(v), *v.stride()[:3],
                           _pointer(real_phases), _pointer(feat), torch.get_num_threads())
 
-    def run(self, name: str, *args):
-        """lib.linattn_<name>(dtype, call, *args), tensors passed as pointers."""
+    def run(self, name: str, *args) -> int:
+        """lib.linattn_<name>(dtype, call, *args), tensors passed as pointers; its result, or the error
+        that a result below -1 stands for."""
         function = getattr(self.lib, f"linattn_{name}")
-        return function(self.dtype, ctypes.byref(self.call),
-                        *(_pointer(a) if isinstance(a, torch.Tensor) else a for a in args))
+        result = function(self.dtype, ctypes.byref(self.call),
+                          *(_pointer(a) if isinstance(a, torch.Tensor) else a for a in args))
+        if result == _OUT_OF_MEMORY:
+            call = self.call
+            raise MemoryError(f"the cpp backend's buffers do not fit in memory (per thread about "
+                              f"{call.length}^2 + 8 x {call.length} x {call.m} values at chunk_size {call.length}); "
+                              "use a smaller chunk_size")
+        if result < -1:
+            raise RuntimeError(f"the cpp backend's {name} failed (code {result}); use backend='torch'")
+        return result
 
 
 def causal(b, a, v, phases, length: int, base: float):

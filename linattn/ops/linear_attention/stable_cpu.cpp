@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <new>
+#include <omp.h>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -76,6 +78,9 @@ template <typename T> inline T exp_floored(T x) {
   const T low = T(std::log(double(std::numeric_limits<T>::min())) + 1.0);
   return exp_value(x < low ? low : x);
 }
+
+// max that keeps a NaN, as torch.amax does (std::max drops one in its second argument)
+template <typename T> inline T max_nan(T a, T b) { return (a > b || a != a) ? a : b; }
 
 template <typename T> inline T guard() { return std::sqrt(std::numeric_limits<T>::min()); }   // common.divide
 
@@ -214,7 +219,7 @@ template <typename T> struct Chunk {
 
   void pair_max(const std::vector<T>& f, std::vector<T>& p) const {
     if (!rotary) { p = f; return; }
-    for (int64_t i = 0; i < m; i += 2) p[i] = p[i + 1] = std::max(f[i], f[i + 1]);
+    for (int64_t i = 0; i < m; i += 2) p[i] = p[i + 1] = max_nan(f[i], f[i + 1]);
   }
 
   // a: e^(a - F) and R e^(a - P) = R e^(a - F) e^(F - P) (stable._keys); `cap`: a key past
@@ -237,7 +242,7 @@ template <typename T> struct Chunk {
       const T* br = b.data() + r * m;
       if (!given) {
         T q = -std::numeric_limits<T>::infinity();
-        for (int64_t j = 0; j < m; ++j) q = std::max(q, br[j] + feat[j]);
+        for (int64_t j = 0; j < m; ++j) q = max_nan(q, br[j] + feat[j]);
         query_scale[r] = q;
       }
       const T q = query_scale[r];
@@ -302,6 +307,24 @@ template <typename T> struct Chunk {
   }
 };
 
+// A thread's buffers, allocated before any parallel region (an allocation that fails inside one
+// could not be reported): one chunk's factors and everything forward and backward keep per chunk.
+template <typename T> struct Workspace {
+  Chunk<T> ch;
+  std::vector<T> first, numerator, running, g_num, g_den, d_scores, d_q, d_k, decayed, decayed_sum, reads, sums;
+  explicit Workspace(const Call& c)
+      : ch(c), first(c.m), numerator(c.length * c.dv), running(c.m), g_num(c.length * c.dv), g_den(c.length),
+        d_scores(c.length * c.length), d_q(c.length * c.m), d_k(c.length * c.m), decayed(c.m * c.dv),
+        decayed_sum(c.m), reads(c.m * c.dv), sums(c.length) {}
+};
+
+template <typename T> std::vector<Workspace<T>> workspaces(const Call& c) {
+  std::vector<Workspace<T>> spaces;
+  spaces.reserve(c.threads);
+  for (int64_t t = 0; t < c.threads; ++t) spaces.emplace_back(c);
+  return spaces;
+}
+
 // F at the next chunk's first token, from this chunk's F and its keys (rows x M): the max of every key
 // up to this chunk's last and of that token (stable.py's `feat`); after the last chunk, of every key.
 template <typename T> void write_next_scale(const Call& c, int64_t head, int64_t chunk, const T* keys, int64_t rows,
@@ -310,10 +333,10 @@ template <typename T> void write_next_scale(const Call& c, int64_t head, int64_t
   const T* f = f_next - c.m;
   for (int64_t j = 0; j < c.m; ++j) f_next[j] = f[j];
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < c.m; ++j) f_next[j] = std::max(f_next[j], keys[r * c.m + j]);
+    for (int64_t j = 0; j < c.m; ++j) f_next[j] = max_nan(f_next[j], keys[r * c.m + j]);
   if (chunk + 1 < chunk_count(c)) {
     load(c.k, c, head, (chunk + 1) * c.length, 1, first);
-    for (int64_t j = 0; j < c.m; ++j) f_next[j] = std::max(f_next[j], first[j]);
+    for (int64_t j = 0; j < c.m; ++j) f_next[j] = max_nan(f_next[j], first[j]);
   }
 }
 
@@ -327,13 +350,15 @@ int64_t forward(const Call& c, int64_t start, int64_t end, T* state, T* key_sum,
   const int64_t heads = c.batch * c.heads, m = c.m, dv = c.dv;
   std::vector<T> spare_states(heads * m * dv), spare_sums(heads * m);
   std::vector<int> head_flags(heads);
+  std::vector<Workspace<T>> spaces = workspaces<T>(c);
   T *s_now = state, *z_now = key_sum, *s_next = spare_states.data(), *z_next = spare_sums.data();
   bool in_spare = false;   // whether the state now lives in the spare buffers
   int64_t stop = end;
 #pragma omp parallel num_threads(int(c.threads))
   {
-    Chunk<T> ch(c);
-    std::vector<T> first(m), numerator(c.length * dv), running(m);
+    Workspace<T>& w = spaces[omp_get_thread_num()];
+    Chunk<T>& ch = w.ch;
+    std::vector<T>&first = w.first, &numerator = w.numerator, &running = w.running;
     for (int64_t chunk = start; chunk < end; ++chunk) {
 #pragma omp for schedule(static)
       for (int64_t head = 0; head < heads; ++head) {
@@ -404,9 +429,10 @@ template <typename T>
 void states(const Call& c, int64_t lo, int64_t hi, const std::int32_t* flags, const T* state, const T* key_sum,
             T* states_out, T* sums_out) {
   const int64_t heads = c.batch * c.heads, m = c.m, dv = c.dv, count = hi - lo;
+  std::vector<Workspace<T>> spaces = workspaces<T>(c);
 #pragma omp parallel num_threads(int(c.threads))
   {
-    Chunk<T> ch(c);
+    Chunk<T>& ch = spaces[omp_get_thread_num()].ch;
 #pragma omp for schedule(static)
     for (int64_t head = 0; head < heads; ++head) {
       T* s = states_out + head * count * m * dv;
@@ -435,11 +461,14 @@ int64_t backward(const Call& c, int64_t hi, int64_t lo, const std::int32_t* flag
   int64_t stop = hi;
   while (stop >= lo && !flags[stop]) --stop;
   const int64_t heads = c.batch * c.heads, m = c.m, dv = c.dv, L = c.length;
+  std::vector<Workspace<T>> spaces = workspaces<T>(c);
 #pragma omp parallel num_threads(int(c.threads))
   {
-    Chunk<T> ch(c);
-    std::vector<T> g_num(L * dv), g_den(L), d_scores(L * L), d_q(L * m), d_k(L * m), decayed(m * dv),
-        decayed_sum(m), reads(m * dv), sums(L), running(m);
+    Workspace<T>& w = spaces[omp_get_thread_num()];
+    Chunk<T>& ch = w.ch;
+    std::vector<T>&g_num = w.g_num, &g_den = w.g_den, &d_scores = w.d_scores, &d_q = w.d_q, &d_k = w.d_k,
+                  &decayed = w.decayed, &decayed_sum = w.decayed_sum, &reads = w.reads, &sums = w.sums,
+                  &running = w.running;
 #pragma omp for schedule(static)
     for (int64_t head = 0; head < heads; ++head) {
       T* G = later + head * m * dv;
@@ -525,6 +554,20 @@ int64_t backward(const Call& c, int64_t hi, int64_t lo, const std::int32_t* flag
   return stop;
 }
 
+// Results below -1 are errors (a C caller cannot catch C++ exceptions): the buffers did not fit in
+// memory, or something else failed.
+constexpr int64_t OUT_OF_MEMORY = -2, FAILED = -3;
+
+template <typename F> int64_t guarded(F&& run) {
+  try {
+    return run();
+  } catch (const std::bad_alloc&) {
+    return OUT_OF_MEMORY;
+  } catch (...) {
+    return FAILED;
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -540,33 +583,41 @@ void linattn_set_blas(void* s, void* d, double jump, double spread) {
 int64_t linattn_forward(int dtype, const Call* c, int64_t start, int64_t end, void* state, void* key_sum, void* out,
                         void* den, void* query_scale, void* saved_states, void* saved_sums, int64_t state_group,
                         std::int32_t* flags) {
-  if (dtype == 0)
-    return forward<float>(*c, start, end, (float*)state, (float*)key_sum, (float*)out, (float*)den,
-                          (float*)query_scale, (float*)saved_states, (float*)saved_sums, state_group, flags);
-  return forward<double>(*c, start, end, (double*)state, (double*)key_sum, (double*)out, (double*)den,
-                         (double*)query_scale, (double*)saved_states, (double*)saved_sums, state_group, flags);
+  return guarded([&] {
+    if (dtype == 0)
+      return forward<float>(*c, start, end, (float*)state, (float*)key_sum, (float*)out, (float*)den,
+                            (float*)query_scale, (float*)saved_states, (float*)saved_sums, state_group, flags);
+    return forward<double>(*c, start, end, (double*)state, (double*)key_sum, (double*)out, (double*)den,
+                           (double*)query_scale, (double*)saved_states, (double*)saved_sums, state_group, flags);
+  });
 }
 
-void linattn_states(int dtype, const Call* c, int64_t lo, int64_t hi, const std::int32_t* flags, const void* state,
-                    const void* key_sum, void* states_out, void* sums_out) {
-  if (dtype == 0)
-    states<float>(*c, lo, hi, flags, (const float*)state, (const float*)key_sum, (float*)states_out, (float*)sums_out);
-  else
-    states<double>(*c, lo, hi, flags, (const double*)state, (const double*)key_sum, (double*)states_out,
-                   (double*)sums_out);
+int64_t linattn_states(int dtype, const Call* c, int64_t lo, int64_t hi, const std::int32_t* flags, const void* state,
+                       const void* key_sum, void* states_out, void* sums_out) {
+  return guarded([&] {
+    if (dtype == 0)
+      states<float>(*c, lo, hi, flags, (const float*)state, (const float*)key_sum, (float*)states_out,
+                    (float*)sums_out);
+    else
+      states<double>(*c, lo, hi, flags, (const double*)state, (const double*)key_sum, (double*)states_out,
+                     (double*)sums_out);
+    return int64_t(0);
+  });
 }
 
 int64_t linattn_backward(int dtype, const Call* c, int64_t hi, int64_t lo, const std::int32_t* flags,
                          const void* states_in, const void* sums_in, int64_t first, int64_t count, const void* grad,
                          const void* out, const void* den, const void* query_scale, void* later, void* later_sum,
                          const SourceGrad* dq, const SourceGrad* dk, void* dv) {
-  if (dtype == 0)
-    return backward<float>(*c, hi, lo, flags, (const float*)states_in, (const float*)sums_in, first, count,
-                           (const float*)grad, (const float*)out, (const float*)den, (const float*)query_scale,
-                           (float*)later, (float*)later_sum, *dq, *dk, (float*)dv);
-  return backward<double>(*c, hi, lo, flags, (const double*)states_in, (const double*)sums_in, first, count,
-                          (const double*)grad, (const double*)out, (const double*)den, (const double*)query_scale,
-                          (double*)later, (double*)later_sum, *dq, *dk, (double*)dv);
+  return guarded([&] {
+    if (dtype == 0)
+      return backward<float>(*c, hi, lo, flags, (const float*)states_in, (const float*)sums_in, first, count,
+                             (const float*)grad, (const float*)out, (const float*)den, (const float*)query_scale,
+                             (float*)later, (float*)later_sum, *dq, *dk, (float*)dv);
+    return backward<double>(*c, hi, lo, flags, (const double*)states_in, (const double*)sums_in, first, count,
+                            (const double*)grad, (const double*)out, (const double*)den, (const double*)query_scale,
+                            (double*)later, (double*)later_sum, *dq, *dk, (double*)dv);
+  });
 }
 
 }  // extern "C"

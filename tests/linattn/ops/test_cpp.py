@@ -119,6 +119,47 @@ def test_projections_of_strided_inputs_give_the_gradients_of_every_part(squared)
         torch.testing.assert_close(c, t, rtol=1e-10, atol=1e-10)
 
 
+def both_backends(*args, **kwargs):
+    """linear_attention's output on the cpp and torch backends, for the same call."""
+    return [functional.linear_attention(*args, backend=backend, **kwargs) for backend in ("cpp", "torch")]
+
+
+def test_rows_in_any_layout_are_read_as_the_torch_backend_reads_them():
+    """BLAS takes rows with a stride of at least their length: values expanded along N, a single
+    token whose row stride is below its length, and projection inputs expanded along N are copied
+    first (they used to give zeros, and BLAS printed an error)."""
+    b, a = log_features(1, 2, 16, 8, scale=1), log_features(1, 2, 16, 8, scale=1, seed=1)
+    kwargs = dict(causal=True, rotary=False, log_space=True, chunk_size=4)
+    expanded = torch.ones(1, 1, 1, 4, dtype=torch.float64).expand(1, 2, 16, 4)
+    one_row = log_features(1, 2, 4, 1, scale=1, seed=2).transpose(-1, -2)    # (1, 2, 1, 4), row stride 1
+    projection = stable.LogProjection(log_features(1, 2, 1, 6, scale=1, seed=3).expand(1, 2, 16, 6),
+                                      log_features(8, 6, scale=1, seed=4), 0.0, -0.1)
+    cases = [((b, a, expanded), expanded), ((b[:, :, :1], a[:, :, :1], one_row), one_row),
+             ((projection, a, expanded), None)]
+    for inputs, expected in cases:
+        cpp_out, torch_out = both_backends(*inputs, **kwargs)
+        torch.testing.assert_close(cpp_out, torch_out, rtol=1e-12, atol=1e-12)
+        if expected is not None:   # each output row is a weighted mean of equal (or single) values
+            torch.testing.assert_close(cpp_out, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_buffers_that_do_not_fit_in_memory_raise_instead_of_aborting():
+    b = torch.zeros(1, 1, 200_000, 2)
+    with pytest.raises(MemoryError, match="chunk_size"):   # L x L scores per thread at L = 200,000
+        functional.linear_attention(b, b, b[..., :1], causal=True, rotary=False, log_space=True,
+                                    chunk_size=200_000, backend="cpp")
+
+
+def test_a_nan_key_poisons_the_running_maximum_as_on_the_torch_backend():
+    b, a = log_features(1, 2, 12, 4, scale=1), log_features(1, 2, 12, 4, scale=1, seed=1)
+    a[0, 1, 5, 2] = float("nan")
+    v = log_features(1, 2, 12, 3, scale=1, seed=2)
+    (cpp_out, cpp_state), (torch_out, torch_state) = both_backends(
+        b, a, v, causal=True, rotary=True, log_space=True, chunk_size=4, return_state=True)
+    assert torch.equal(cpp_state.log_scale.isnan(), torch_state.log_scale.isnan())
+    assert torch.equal(cpp_out.isnan(), torch_out.isnan())
+
+
 @pytest.mark.parametrize("batch, heads, n, length", [(1, 1, 5, 64), (1, 1, 64, 64), (3, 1, 65, 8), (1, 7, 9, 1)])
 def test_odd_shapes(batch, heads, n, length):
     b, a = log_features(batch, heads, n, 4, scale=3), log_features(batch, heads, n, 4, scale=3, seed=1)
@@ -162,6 +203,44 @@ except ValueError as error:
     lines = done.stdout.splitlines()
     assert lines[0].startswith("True 1 linattn: the cpp backend is unavailable") and "no-compiler" in lines[0]
     assert lines[1].startswith("refused: no C++ compiler") and "backend='torch'" in lines[1]
+
+
+def test_calls_the_kernel_does_not_compute_neither_build_it_nor_warn(tmp_path):
+    code = """
+import warnings, torch
+from linattn import functional
+warnings.simplefilter("error")
+b = torch.rand(1, 1, 6, 4)
+functional.linear_attention(b, b, b, causal=True, rotary=True)                    # plain features
+functional.linear_attention(b, b, b, causal=False, rotary=True, log_space=True)   # not causal
+print("quiet")
+"""
+    done = python(code, CXX=str(tmp_path / "no-compiler"), LINATTN_CACHE_DIR=str(tmp_path / "cache"))
+    assert done.stdout.strip() == "quiet", done.stderr
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("cxx, reason", [(f"{cpp.compiler()[0]} -Wall", None),
+                                         ("true", "gave no loadable library")])
+def test_cxx_may_hold_arguments_and_a_build_that_loads_nothing_is_not_kept(tmp_path, cxx, reason):
+    done = python("from linattn.ops.linear_attention import cpp; print(cpp.unavailable())",
+                  CXX=cxx, LINATTN_CACHE_DIR=str(tmp_path))
+    assert (done.stdout.strip() == "None") if reason is None else (reason in done.stdout), done.stdout + done.stderr
+    assert len(list(tmp_path.glob("*.so"))) == (reason is None) and not list(tmp_path.glob("*.partial"))
+
+
+def test_without_a_home_directory_the_cache_asks_for_linattn_cache_dir():
+    code = """
+import pathlib
+def no_home(cls):
+    raise RuntimeError("Could not determine home directory.")
+pathlib.Path.home = classmethod(no_home)
+from linattn.ops.linear_attention import cpp
+print(cpp.unavailable())
+"""
+    env = {key: value for key, value in os.environ.items() if key not in ("LINATTN_CACHE_DIR", "XDG_CACHE_HOME")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert "set LINATTN_CACHE_DIR" in done.stdout, done.stdout + done.stderr
 
 
 def test_an_unwritable_cache_is_reported(tmp_path):

@@ -418,12 +418,20 @@ def test_non_causal_and_empty_projections_take_the_log_features(attend):
     (lambda p: p._replace(shift=True), "finite number"),
     (lambda p: p._replace(square_scale=float("inf")), "finite number square_scale"),
     (lambda p: p._replace(square_scale=torch.tensor(1.0)), "finite number square_scale"),
+    (lambda p: p._replace(inputs=torch.zeros(1, 2, 6, 0), weight=torch.zeros(8, 0)), "D >= 1 inputs"),
+    (lambda p: p.materialize()[..., :0], "same feature map"),
 ])
 def test_bad_projections_are_refused_with_what_they_should_be(bad, message):
     q_proj, k_proj = projection(6, jumps=False), projection(6, jumps=False, seed=3)
     with pytest.raises(ValueError, match=message):
         linear_attention(q_proj, bad(k_proj), torch.zeros(1, 2, 6, 3, dtype=torch.float64), causal=True,
                          rotary=True, log_space=True)
+
+
+def test_log_features_need_at_least_one_feature():
+    empty = torch.zeros(1, 2, 6, 0)
+    with pytest.raises(ValueError, match="at least one feature"):
+        linear_attention(empty, empty, torch.zeros(1, 2, 6, 3), causal=True, rotary=False, log_space=True)
 
 
 def test_a_projection_pairs_with_a_log_feature_tensor_and_needs_log_space(attend):
