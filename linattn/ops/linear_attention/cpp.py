@@ -276,16 +276,14 @@ class _FusedCausalLogAttention(torch.autograd.Function):
                 _irregular_forward(start, queries, keys, v, phases, feat, length, base, state, key_sum, out, den,
                                    query_scale)
                 start += 1
-        stable.save_sources(ctx, (q_inputs, q_weight, q_shift, q_square, k_inputs, k_weight, k_shift, k_square),
-                            length, base, v, out, den, query_scale, feat, phases, saved_states, saved_sums, flags)
-        last = feat[:, :, -1]
-        ctx.mark_non_differentiable(state, key_sum, last)
-        return out, state, key_sum, last
+        parts = (q_inputs, q_weight, q_shift, q_square, k_inputs, k_weight, k_shift, k_square)
+        return stable.finish_forward(ctx, parts, length, base, v, out, den, query_scale, feat, phases, state, key_sum,
+                                     saved_states, saved_sums, flags)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad, _state_grad, _key_sum_grad, _last_grad):
-        queries, keys, (v, out, den, query_scale, feat, phases, saved_states, saved_sums, flags) = \
+        queries, keys, (v, out, den, query_scale, feat, phases), (saved_states, saved_sums, flags) = \
             stable.saved_sources(ctx)
         needs = ctx.needs_input_grad
         kernel = _Kernel(queries, keys, v, phases, feat, ctx.length)

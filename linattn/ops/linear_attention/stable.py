@@ -460,19 +460,25 @@ def _parts(x) -> tuple:
     return tuple(x) if isinstance(x, LogProjection) else (x, None, None, None)
 
 
-def save_sources(ctx, parts: tuple, length: int, base: float, *tensors) -> None:
-    """For backward: the sources' parts (numbers such as a constant shift on ctx, tensors through
-    autograd), the chunk length, the rotary base and `tensors`."""
+def finish_forward(ctx, parts: tuple, length: int, base: float, v, out, den, query_scale, feat, phases, state,
+                   key_sum, *extra):
+    """The causal function's outputs (out, state, key sum, F after the last token), with what backward
+    needs saved: the sources' parts (numbers such as a constant shift on ctx, tensors through
+    autograd), the chunk length, the rotary base, v, out, den, Q, F, the rotation and `extra`."""
     ctx.numbers = [None if isinstance(x, torch.Tensor) else x for x in parts]
-    ctx.save_for_backward(*(x if isinstance(x, torch.Tensor) else None for x in parts), *tensors)
+    ctx.save_for_backward(*(x if isinstance(x, torch.Tensor) else None for x in parts), v, out, den, query_scale,
+                          feat, phases, *extra)
     ctx.length, ctx.base = length, base
+    last = feat[:, :, -1]
+    ctx.mark_non_differentiable(state, key_sum, last)
+    return out, state, key_sum, last
 
 
 def saved_sources(ctx):
-    """What `save_sources` kept: the query and key sources, and the other tensors."""
+    """What `finish_forward` saved: the query and key sources, (v, out, den, Q, F, rotation) and `extra`."""
     saved = ctx.saved_tensors
     parts = [x if number is None else number for x, number in zip(saved[:8], ctx.numbers)]
-    return _source(*parts[:4]), _source(*parts[4:]), saved[8:]
+    return _source(*parts[:4]), _source(*parts[4:]), saved[8:14], saved[14:]
 
 
 class _Gradients(NamedTuple):
@@ -537,16 +543,13 @@ class _CausalLogAttention(torch.autograd.Function):
             outs, state, key_sum = _run_forward(b_r, a_r, v_r, state, key_sum, *_run_scales(feat, run, phases), base)
             out[:, :, run.tokens], den[:, :, run.tokens], query_scale[:, :, run.tokens] = (
                 x.flatten(2, 3) for x in outs)
-        save_sources(ctx, (q_inputs, q_weight, q_shift, q_square, k_inputs, k_weight, k_shift, k_square), length,
-                     base, v, out, den, query_scale, feat, phases, *saved)
-        last = feat[:, :, -1]
-        ctx.mark_non_differentiable(state, key_sum, last)
-        return out, state, key_sum, last
+        return finish_forward(ctx, (q_inputs, q_weight, q_shift, q_square, k_inputs, k_weight, k_shift, k_square),
+                              length, base, v, out, den, query_scale, feat, phases, state, key_sum, *saved)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad, _state_grad, _key_sum_grad, _last_grad):
-        queries, keys, (v, out, den, query_scale, feat, phases, *saved) = saved_sources(ctx)
+        queries, keys, (v, out, den, query_scale, feat, phases), saved = saved_sources(ctx)
         needs = ctx.needs_input_grad
         q_grads, k_grads = _Gradients.of(queries, needs[0:3]), _Gradients.of(keys, needs[4:7])
         dv = torch.empty_like(v)
