@@ -95,8 +95,8 @@ def _build() -> Path:
     except (OSError, subprocess.SubprocessError) as error:
         raise CppUnavailable(f"no C++ compiler to build the cpp backend ({shlex.join(cxx)}: {error}); install "
                              f"one (g++) or set CXX, or use backend='torch'") from None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, version.encode(), shlex.join([*cxx, *FLAGS]).encode(),
+    command = shlex.join([*cxx, *FLAGS])
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), version.encode(), command.encode(),
                                      _cpu_signature().encode()])).hexdigest()[:20]
     try:
         target = cache_dir() / f"stable_cpu-{key}.so"
@@ -115,7 +115,6 @@ def _build() -> Path:
     try:
         built = subprocess.run([*cxx, *FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True,
                                timeout=600)
-        command = shlex.join([*cxx, *FLAGS])
         if built.returncode:
             raise CppUnavailable(f"building the cpp backend failed ({command}):\n"
                                  f"{built.stderr.strip()[-2000:]}\nuse backend='torch'")
@@ -299,8 +298,8 @@ class _FusedCausalLogAttention(torch.autograd.Function):
             kernel.run("states", lo, hi, flags, saved_states[group], saved_sums[group], states, sums)
             top = hi - 1
             while top >= lo:
-                top = kernel.run("backward", top, lo, flags, states, sums, lo, hi - lo, grad, out, den, query_scale, later,
-                                      later_sum, ctypes.byref(q_grads.c), ctypes.byref(k_grads.c), dv)
+                top = kernel.run("backward", top, lo, flags, states, sums, lo, hi - lo, grad, out, den, query_scale,
+                                 later, later_sum, ctypes.byref(q_grads.c), ctypes.byref(k_grads.c), dv)
                 if top >= lo:   # an irregular chunk: stable.py's backward of it
                     _irregular_backward(top, queries, keys, v, phases, feat, length, ctx.base, states[:, :, top - lo],
                                         sums[:, :, top - lo], grad, out, den, query_scale, later, later_sum,
