@@ -97,10 +97,11 @@ def runs_with(method: Method, causal: bool, dtype: str) -> bool:
 
 
 def make_feature_map(name: str, shape: Shape) -> linattn.FeatureMap:
-    """A registered map with M = shape.num_features where the map has that option."""
+    """A registered map with M = shape.num_features where the map has that option (and the shape's
+    heads, for maps with weights per head)."""
     takes_num_features = "num_features" in inspect.signature(FEATURE_MAPS[name]).parameters
     options = {"num_features": shape.num_features} if takes_num_features else {}
-    return linattn.make_feature_map(name, shape.head_dim, **options).eval()
+    return linattn.make_feature_map(name, shape.head_dim, heads=shape.heads, **options).eval()
 
 
 def build_attention(method: Method, shape: Shape, device: torch.device, causal: bool,

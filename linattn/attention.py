@@ -20,6 +20,8 @@ from .ops.linear_attention.recurrent import check_state
 from .rotary import DEFAULT_BASE, apply_rotary, check_offset
 
 ROPE_PLACEMENTS = ("post", "pre", "none")
+NORMALIZATIONS = ("denominator", "rmsnorm")
+RMSNORM_EPS = 1e-5   # flash-linear-attention's layers' default norm_eps
 SOFTMAX_BACKENDS = ("sdpa", "xformers")
 
 
@@ -75,20 +77,35 @@ class LinearAttention(_Projections):
     * `post` (RoFormer Eq. 19): rotate phi(q), phi(k) in the numerator only;
     * `pre`: rotate q, k before the feature map (what performer-pytorch does);
     * `none`: no rotation.
+
+    `normalization`: "denominator" (the default) divides the numerator by sum_n phi_q . phi_k;
+    "rmsnorm" drops the denominator and applies an RMSNorm over head_dim to each head's output
+    before the heads are merged (one learnable gain of size head_dim shared by the heads, as
+    flash-linear-attention's GLA layer and TransNormer do).  The denominator is a positive scalar per
+    (row, head) and RMSNorm over head_dim is invariant to such a scalar, so RMSNorm(num / den) =
+    RMSNorm(num) up to eps (RMSNorm's eps acts on num / den rather than num: the same wherever the
+    output's RMS is well above sqrt(eps)).  The block therefore runs the op unchanged and normalises
+    its output, which keeps every backend and the log-space path exact (the numerator alone can
+    overflow where the ratio does not).
     """
 
     def __init__(self, dim: int, heads: int, *, feature_map: str | FeatureMap = "favor",
                  rope: str = "post", causal: bool = True, feature_map_options: dict | None = None,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, rope_base: float = DEFAULT_BASE,
-                 bias: bool = False, backend: str = "auto"):
+                 bias: bool = False, backend: str = "auto", normalization: str = "denominator"):
         super().__init__(dim, heads, bias)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if rope not in ROPE_PLACEMENTS:
             raise ValueError(f"rope must be one of {ROPE_PLACEMENTS}, got {rope!r}")
+        if normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
         check_chunk_size(chunk_size)
         check_rope_base(rope_base)
-        self.feature_map = make_feature_map(feature_map, self.head_dim, **(feature_map_options or {}))
+        self.feature_map = make_feature_map(feature_map, self.head_dim, heads=self.heads,
+                                            **(feature_map_options or {}))
+        self.normalization = normalization
+        self.norm = nn.RMSNorm(self.head_dim, eps=RMSNORM_EPS) if normalization == "rmsnorm" else None
         rotated_dim = {"post": self.feature_map.num_features, "pre": self.head_dim}.get(rope, 0)
         if rotated_dim % 2:
             what = "num_features M" if rope == "post" else "head_dim"
@@ -129,10 +146,18 @@ class LinearAttention(_Projections):
                 raise ValueError(f"attend takes (batch, heads={self.heads}, seq_len, head_dim={self.head_dim}) "
                                  f"queries, keys and values, got {name} of shape {got}")
         phi_q, phi_k = self._features(q, k, offset, projected=self.causal)
-        return linear_attention(phi_q, phi_k, v, causal=self.causal, rotary=self.rope == "post",
-                                offset=offset, chunk_size=self.chunk_size, rope_base=self.rope_base,
-                                return_state=return_state, backend=self.backend,
-                                log_space=self.feature_map.log_space)
+        result = linear_attention(phi_q, phi_k, v, causal=self.causal, rotary=self.rope == "post",
+                                  offset=offset, chunk_size=self.chunk_size, rope_base=self.rope_base,
+                                  return_state=return_state, backend=self.backend,
+                                  log_space=self.feature_map.log_space,
+                                  nonnegative_features=self.feature_map.nonnegative_features)
+        if return_state:
+            return self._normalize(result[0]), result[1]
+        return self._normalize(result)
+
+    def _normalize(self, out: torch.Tensor) -> torch.Tensor:
+        """normalization="rmsnorm": RMSNorm over head_dim of the (B, H, N, head_dim) output."""
+        return out if self.norm is None else self.norm(out)
 
     def step(self, x_t: torch.Tensor, state: LinearState | None = None):
         """Decode one token (B, dim) in O(1) time and memory; `state=None` starts a sequence."""
@@ -145,12 +170,13 @@ class LinearAttention(_Projections):
         phi_q, phi_k = self._features(q, k, position)
         out, state = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], state,
                                            rotary=self.rope == "post", rope_base=self.rope_base,
-                                           log_space=self.feature_map.log_space)
-        return self._merge(out.unsqueeze(2))[:, 0], state
+                                           log_space=self.feature_map.log_space,
+                                           nonnegative_features=self.feature_map.nonnegative_features)
+        return self._merge(self._normalize(out.unsqueeze(2)))[:, 0], state
 
     def extra_repr(self) -> str:
         return (f"heads={self.heads}, rope={self.rope!r}, causal={self.causal}, "
-                f"chunk_size={self.chunk_size}, backend={self.backend!r}")
+                f"chunk_size={self.chunk_size}, backend={self.backend!r}, normalization={self.normalization!r}")
 
 
 def _xformers_ops():

@@ -1,7 +1,11 @@
-"""Feature maps phi: (B, H, N, D) -> non-negative (B, H, N, M), registered by name.
+"""Feature maps phi: (B, H, N, D) -> (B, H, N, M), registered by name.  Features are non-negative,
+except for maps that declare `nonnegative_features = False` and guarantee a positive kernel
+phi(q) . phi(k) instead (taylor).
 
 A map is called as `fm(x, is_query=...)`, so queries and keys may be mapped differently.  All the
 randomness of a map (FAVOR+'s projection) lives inside it, drawn reproducibly from its own seed.
+A map with weights of its own per head (hedgehog, taylor) takes a keyword-only `heads` in its
+constructor: `make_feature_map` and LinearAttention pass the block's head count to such maps.
 
 Add a map in a few lines:
 
@@ -41,8 +45,24 @@ def available_feature_maps() -> list[str]:
     return sorted(FEATURE_MAPS)
 
 
-def make_feature_map(feature_map: str | FeatureMap, head_dim: int, **options) -> FeatureMap:
-    """A feature map from its registered name (or an instance, returned as is)."""
+# Constructor parameters that the block supplies, never options.
+STRUCTURAL_PARAMETERS = ("self", "head_dim", "heads")
+
+
+def feature_map_options(cls: type["FeatureMap"]) -> list[str]:
+    """The option names a map class's constructor takes (its structural parameters left out)."""
+    return [p for p in inspect.signature(cls.__init__).parameters if p not in STRUCTURAL_PARAMETERS]
+
+
+def takes_heads(cls: type["FeatureMap"]) -> bool:
+    """Whether the map has weights per head, so its constructor takes `heads`."""
+    return "heads" in inspect.signature(cls.__init__).parameters
+
+
+def make_feature_map(feature_map: str | FeatureMap, head_dim: int, *, heads: int | None = None,
+                     **options) -> FeatureMap:
+    """A feature map from its registered name (or an instance, returned as is).  `heads`: the
+    block's head count, passed to maps with weights per head (and checked against an instance's)."""
     if isinstance(feature_map, FeatureMap):
         if options:
             raise ValueError("feature-map options apply only when the map is given by name, "
@@ -50,18 +70,23 @@ def make_feature_map(feature_map: str | FeatureMap, head_dim: int, **options) ->
         if feature_map.head_dim != head_dim:
             raise ValueError(f"the feature map was made for head_dim {feature_map.head_dim} but this block's "
                              f"heads have head_dim {head_dim} (dim / heads); make it with {head_dim}")
+        map_heads = getattr(feature_map, "heads", None)
+        if heads is not None and map_heads is not None and map_heads != heads:
+            raise ValueError(f"the feature map has weights for {map_heads} heads but this block has {heads}; "
+                             f"make it with heads={heads}")
         return feature_map
     if feature_map not in FEATURE_MAPS:
         raise ValueError(f"unknown feature map {feature_map!r}; registered feature maps: "
                          f"{', '.join(available_feature_maps())} (add one with @register_feature_map)")
     cls = FEATURE_MAPS[feature_map]
-    accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "head_dim")]
+    accepted = feature_map_options(cls)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise ValueError(f"feature map {feature_map!r} does not take option(s) {unknown}; "
                          f"it accepts: {accepted or 'no options'}")
+    structural = {"heads": heads} if takes_heads(cls) and heads is not None else {}
     try:
-        return cls(head_dim, **options)
+        return cls(head_dim, **options, **structural)
     except (TypeError, ValueError, OverflowError) as error:
         raise ValueError(f"feature map {feature_map!r} rejected options {options}: {error}") from None
 
@@ -73,9 +98,15 @@ class FeatureMap(nn.Module):
     A map whose features are exponentials may also give their logarithms: it sets `log_space = True`
     and implements `log_features(x, *, is_query)`, so that `forward` = exp(log_features) up to a
     per-row constant.  LinearAttention then runs the stabilised log-space algorithm, exact at any
-    input scale (ops/linear_attention/stable.py)."""
+    input scale (ops/linear_attention/stable.py).
+
+    `nonnegative_features = False` declares a map whose single features may be negative while its
+    kernel phi(q) . phi(k) is positive for every q, k (taylor's 1 + s + s^2/2 >= 1/2): the
+    per-feature check of the plain path is then skipped, and the denominator stays positive because
+    each of its terms is.  Checks that probe a map for non-negative features read this attribute."""
 
     log_space = False
+    nonnegative_features = True
 
     def __init__(self, head_dim: int):
         super().__init__()
@@ -244,3 +275,138 @@ class FavorFeatureMap(FeatureMap):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, redraw_interval={self.redraw_interval}, seed={self.seed}"
+
+
+def check_heads(heads) -> int:
+    if not is_integer(heads) or heads < 1:
+        raise ValueError(f"heads must be a positive integer (the block's head count), got {heads!r}")
+    return int(heads)
+
+
+def per_head_projection(heads: int, head_dim: int, out_dim: int) -> nn.Parameter:
+    """A (heads, head_dim, out_dim) weight, each head's slice the identity where out_dim = head_dim,
+    else a random semi-orthogonal matrix drawn from torch's generator (torch.manual_seed fixes it).
+    Why: an orthogonal start keeps the dot products of the head's own q and k (exactly when
+    out_dim >= head_dim), so the map starts from the attention pattern the q/k projections make,
+    as the identity start of Hedgehog does; a small random start would begin near uniform weights.
+    A plain Parameter, not an nn.Linear, so that a model's init of its Linear layers leaves it be."""
+    weight = torch.empty(heads, head_dim, out_dim)
+    for head in weight:
+        if out_dim == head_dim:
+            nn.init.eye_(head)
+        else:
+            nn.init.orthogonal_(head)
+    return nn.Parameter(weight)
+
+
+class PerHeadFeatureMap(FeatureMap):
+    """A map whose first step is a trainable linear layer per head, head_dim -> `out_dim`:
+    `weight` (heads, head_dim, out_dim), applied as x @ weight[h] to head h."""
+
+    def __init__(self, head_dim: int, out_dim: int, heads: int):
+        super().__init__(head_dim)
+        self.heads = check_heads(heads)
+        self.weight = per_head_projection(self.heads, head_dim, out_dim)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, heads, N, head_dim) -> (B, heads, N, out_dim), in float32 (float64 stays)."""
+        if x.dim() != 4 or x.shape[1] != self.heads:
+            raise ValueError(f"{type(self).__name__} has weights for {self.heads} heads and takes (B, {self.heads}, "
+                             f"N, {self.head_dim}) inputs, got shape {tuple(x.shape)}")
+        x = _float(x)
+        return x @ self.weight.to(x.dtype).unsqueeze(0)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, heads={self.heads}"
+
+
+HEDGEHOG_ACTIVATIONS = ("softmax", "exp")
+
+
+@register_feature_map("hedgehog")
+class HedgehogFeatureMap(PerHeadFeatureMap):
+    """Hedgehog (Zhang et al. 2024, "The Hedgehog & the Porcupine"): a trainable linear layer per
+    head, z = x W_h (head_dim -> M/2), then the M features of [z, -z] through
+
+    * activation="softmax" (the default, as in the paper): softmax over the M features;
+    * activation="exp": exp([z, -z]).
+
+    Both are exponentials, so LinearAttention takes the log-features (log_softmax([z, -z]) or
+    [z, -z] itself) and runs the exact log-space algorithm (the C++ kernel on CPU).  `num_features`
+    M is even, default 2 * head_dim (W_h square, initialised to the identity as in the paper).
+    The weights train with the model; they take no weight decay in linattn_lm (see make_optimizer)."""
+
+    log_space = True
+
+    def __init__(self, head_dim: int, num_features: int | None = None, activation: str = "softmax", *,
+                 heads: int = 1):
+        num_features = 2 * head_dim if num_features is None else num_features
+        if not is_integer(num_features) or num_features < 2 or num_features % 2:
+            raise ValueError(f"num_features must be an even integer >= 2 (features over [z, -z]), "
+                             f"got {num_features!r}")
+        if activation not in HEDGEHOG_ACTIVATIONS:
+            raise ValueError(f"activation must be one of {HEDGEHOG_ACTIVATIONS}, got {activation!r}")
+        super().__init__(head_dim, num_features // 2, heads)
+        self.num_features, self.activation = int(num_features), activation
+
+    def forward(self, x, *, is_query):
+        return self.log_features(x, is_query=is_query).exp()
+
+    def log_features(self, x, *, is_query):
+        with torch.autocast(x.device.type, enabled=False):
+            z = self.project(x)
+            logits = torch.cat((z, -z), dim=-1)
+            return logits.log_softmax(dim=-1) if self.activation == "softmax" else logits
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, activation={self.activation!r}"
+
+
+@register_feature_map("taylor")
+class TaylorFeatureMap(PerHeadFeatureMap):
+    """The second-order Taylor map of exp(q . k) (Based, Arora et al. 2024).  A trainable linear
+    layer per head projects to `dim` = d' coordinates (Based projects q and k to d' = 16 with the
+    model's own projections; a trainable per-head layer after them is the faithful counterpart
+    here), scaled x = x W_h / d'^(1/4), and
+
+        phi(x) = [1, x, u(x), padding],   u(x) = the upper triangle of x x^T, its diagonal / sqrt(2),
+
+    so that phi(q) . phi(k) = 1 + s + s^2 / 2 with s = x_q . x_k = q' . k' / sqrt(d'): exp(s) to
+    second order.  M = 1 + d' + d'(d'+1)/2 (153 for d' = 16), plus one zero feature when that is
+    odd (M = 154), so that rope="post" can rotate pairs.
+
+    Single features are negative (x may be), but the kernel 1 + s + s^2/2 = (1 + s)^2/2 + 1/2 is
+    >= 1/2, so the denominator, a sum of such terms, is positive: the map declares
+    `nonnegative_features = False` and takes the plain (not log-space) path, since features that
+    are not positive have no logarithm.  With rope="post" (Eq. 19) the numerator's features are
+    rotated pair by pair, an orthogonal map per position pair, so the numerator's weights are a
+    rotated Taylor kernel (which may be negative, as Eq. 19's always may), and the denominator keeps
+    the positive unrotated kernel."""
+
+    nonnegative_features = False
+
+    def __init__(self, head_dim: int, dim: int = 16, *, heads: int = 1):
+        if not is_integer(dim) or dim < 1:
+            raise ValueError(f"dim must be a positive integer (the projected size d'), got {dim!r}")
+        super().__init__(head_dim, int(dim), heads)
+        self.dim = int(dim)
+        rows, cols = torch.triu_indices(self.dim, self.dim)
+        self.register_buffer("upper_rows", rows, persistent=False)
+        self.register_buffer("upper_cols", cols, persistent=False)
+        self.register_buffer("upper_diagonal", rows == cols, persistent=False)
+        taylor_features = 1 + self.dim + len(rows)
+        self.padding = taylor_features % 2
+        self.num_features = taylor_features + self.padding
+
+    def forward(self, x, *, is_query):
+        with torch.autocast(x.device.type, enabled=False):
+            x = self.project(x) * self.dim ** -0.25
+            # (x.y)^2 = sum_i x_i^2 y_i^2 + 2 sum_{i<j} x_i x_j y_i y_j: halved, the diagonal products
+            # take 1/sqrt(2) and the off-diagonal ones 1 (a Python float: exact in float64 too).
+            quadratic = x[..., self.upper_rows] * x[..., self.upper_cols]
+            quadratic = torch.where(self.upper_diagonal, quadratic * 0.5 ** 0.5, quadratic)
+            ones = x.new_ones(*x.shape[:-1], 1)
+            return torch.cat((ones, x, quadratic, x.new_zeros(*x.shape[:-1], self.padding)), dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, dim={self.dim}"

@@ -20,7 +20,7 @@ import torch
 
 from .ops.linear_attention import backends
 from .ops.linear_attention.chunk import DEFAULT_CHUNK_SIZE, causal_attention, check_chunk_size
-from .ops.linear_attention.common import (LogProjection, check_features, check_log_features,
+from .ops.linear_attention.common import (LogProjection, check_feature_kind, check_features, check_log_features,
                                           check_nonnegative, check_not_projection, compute_dtype,
                                           divide, feature_tensors, finite_log_features, numerator_features)
 from .ops.linear_attention.naive import linear_attention_reference, softmax_attention_reference
@@ -39,7 +39,7 @@ __all__ = ["BACKENDS", "DEFAULT_CHUNK_SIZE", "LinearState", "LogProjection", "in
 def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                      rotary: bool, offset: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE,
                      rope_base: float = DEFAULT_BASE, return_state: bool = False,
-                     backend: str = "auto", log_space: bool = False):
+                     backend: str = "auto", log_space: bool = False, nonnegative_features: bool = True):
     """Linear attention of (B, H, N, M) non-negative features and (B, H, N, Dv) values.
 
     `rotary=True` is Eq. 19 at positions offset..offset+N-1; `causal=True` sums over n <= m only.
@@ -51,7 +51,11 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     on either backend; each
     may also be a `LogProjection` (inputs @ weight^T + shift), which the torch backend's causal pass
     projects chunk by chunk without holding the (B, H, N, M) log-features.
+    `nonnegative_features=False` skips the check that every feature is >= 0, for features whose
+    kernel phi_q . phi_k is positive though single features are not (a map's own guarantee, such
+    as taylor's; the denominator must be positive for the output to mean anything).
     """
+    check_feature_kind(log_space, nonnegative_features)
     if log_space:
         check_log_features(phi_q, phi_k, v)
         phi_q, phi_k = finite_log_features(phi_q), finite_log_features(phi_k)
@@ -78,7 +82,8 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
         return log_linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset,
                                     base=rope_base, chunk_size=chunk_size, return_state=return_state,
                                     fused=resolved == "cpp")
-    check_nonnegative(phi_q, phi_k)
+    if nonnegative_features:
+        check_nonnegative(phi_q, phi_k)
     if phi_q.shape[-2] == 0:   # no tokens: an empty output (every backend's chunk loops want one)
         if not return_state:
             return v.clone()

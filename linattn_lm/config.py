@@ -264,8 +264,21 @@ def config_from_flags(given: dict[str, Any]) -> TrainConfig:
     return config
 
 
+ABSENT = "<absent>"
+
+
+def field_default(key: str) -> Any:
+    """A setting's default (ABSENT for a name that is no setting)."""
+    if key not in FIELDS:
+        return ABSENT
+    field = FIELDS[key][1]
+    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+
+
 def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """'key: checkpoint A, now B' for every differing setting that may not change on --resume."""
+    """'key: checkpoint A, now B' for every differing setting that may not change on --resume.  A
+    setting absent from a config was added after it was written, and it ran with the setting's
+    default (normalization, say): checkpoints and results from before still match."""
     keys = sorted((set(saved) | set(current)) - RESUMABLE)
-    return [f"{key}: checkpoint {saved.get(key, '<absent>')!r}, now {current.get(key, '<absent>')!r}"
-            for key in keys if saved.get(key) != current.get(key)]
+    differing = [(key, saved.get(key, field_default(key)), current.get(key, field_default(key))) for key in keys]
+    return [f"{key}: checkpoint {before!r}, now {now!r}" for key, before, now in differing if before != now]

@@ -1,7 +1,7 @@
 """Train attention variants with several seeds under one budget, score them on the whole val and test
 splits, and compare them with error bars (`python grid.py`).
 
-    python grid.py --preset cpu                                        # the 11 default variants, seed 0
+    python grid.py --preset cpu                                        # the 17 default variants, seed 0
     python grid.py --preset cpu --seeds 0,1,2 --eval-multiples 1,2,4,8 \\
         --variants softmax-rope,linear-favor-post,linear-favor-pre,linear-favor-none
     python grid.py --preset cpu --seeds 0,1,2 ... --resume            # continue an interrupted grid

@@ -70,9 +70,11 @@ def by_variant(records: Records) -> dict[str, list[dict[str, Any]]]:
 
 def factors(config: dict[str, Any]) -> tuple[str, dict[str, str]]:
     """(family, {factor: level}) of a run's flat config, as it trained: ('linear-favor', {rope: 'post',
-    positions: '-', num_features: '64', redraw_interval: '0'}) for linear-favor-post under the cpu preset."""
+    positions: '-', normalization: 'denominator', num_features: '64', redraw_interval: '0'}) for
+    linear-favor-post under the cpu preset."""
     family = f"linear-{config['feature_map']}" if config["attention"] == "linear" else "softmax"
-    levels = {"rope": config["rope"], "positions": "learned" if config["abs_pos"] else "-"}
+    levels = {"rope": config["rope"], "positions": "learned" if config["abs_pos"] else "-",
+              "normalization": config.get("normalization", "denominator")}   # records from before it existed
     levels.update({key: repr(value) for key, value in sorted(config["feature_map_options"].items())})
     return family, levels
 

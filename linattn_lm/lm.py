@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -92,6 +91,9 @@ class ModelConfig:
     rope: str = setting("post", "linear: RoPE after the map (post), before it (pre) or none; "
                                 "softmax: post = RoPE on q,k, none = no RoPE", variant=True)
     abs_pos: bool = setting(False, "add learned absolute position embeddings", variant=True)
+    normalization: str = setting("denominator", "linear attention's normalisation: denominator (divide by "
+                                                "sum phi(q).phi(k)) or rmsnorm (a per-head RMSNorm of the "
+                                                "output instead; linear only)", variant=True)
     chunk_size: int = setting(64, "causal linear attention block size (speed only; linear only)")
     backend: str = setting("auto", "attention kernels (speed only): linear auto, torch, triton or cpp (auto = "
                                    "triton on CUDA when installed, cpp on CPU where it builds); softmax auto "
@@ -133,6 +135,9 @@ class ModelConfig:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
 
     def _validate_softmax(self) -> None:
+        if self.normalization != "denominator":
+            raise ValueError(f"normalization={self.normalization!r} applies to linear attention only; softmax "
+                             "attention normalises its weights itself: leave it 'denominator'")
         if self.rope not in SOFTMAX_ROPE:
             raise ValueError(f"softmax attention has no feature map, so rope is 'post' (RoPE on q and k) "
                              f"or 'none', got {self.rope!r}; 'pre' applies to linear attention only")
@@ -149,6 +154,9 @@ class ModelConfig:
         if self.backend not in linattn.functional.BACKENDS:
             raise ValueError(f"linear attention's backend must be one of {linattn.functional.BACKENDS}, "
                              f"got {self.backend!r}")
+        if self.normalization not in linattn.attention.NORMALIZATIONS:
+            raise ValueError(f"normalization must be one of {linattn.attention.NORMALIZATIONS}, "
+                             f"got {self.normalization!r}")
         for key, value in self.feature_map_options.items():
             if not isinstance(key, str) or not isinstance(value, PLAIN_OPTION_TYPES):
                 raise ValueError(f"feature-map option {key}={value!r} is not a plain value: options are "
@@ -170,11 +178,12 @@ class ModelConfig:
                              f"got {size}; pick an even value or rope='none'")
 
     def build_feature_map(self, layer: int) -> linattn.FeatureMap:
-        """Layer `layer`'s map; a map that takes a `seed` gets one per layer unless the options fix it."""
+        """Layer `layer`'s map; a map that takes a `seed` gets one per layer unless the options fix it,
+        a map with weights per head gets n_head."""
         options = dict(self.feature_map_options)
         if "seed" in feature_map_parameters(self.feature_map):
             options.setdefault("seed", layer_seed(self.seed, layer))
-        return linattn.make_feature_map(self.feature_map, self.head_dim, **options)
+        return linattn.make_feature_map(self.feature_map, self.head_dim, heads=self.n_head, **options)
 
     @property
     def head_dim(self) -> int:
@@ -216,11 +225,14 @@ class ModelConfig:
 
     @property
     def variant(self) -> str:
-        """Short name of the attention variant, e.g. softmax-rope, linear-favor-post-M256."""
+        """Short name of the attention variant, e.g. softmax-rope, linear-favor-post-M256,
+        linear-favor-post-rmsnorm-M64."""
         if self.attention == "softmax":
             parts = ["rope"] * (self.rope == "post") + ["abs"] * self.abs_pos
             return "-".join(["softmax", *(parts or ["none"])])
         name = f"linear-{self.feature_map}-{self.rope}"
+        if self.normalization != "denominator":
+            name += f"-{self.normalization}"
         if "num_features" in self.feature_map_options:
             name += f"-M{self.feature_map_options['num_features']}"
         return name + ("-abs" if self.abs_pos else "")
@@ -249,9 +261,7 @@ def from_plain_dict(cls: type, values: Any, section: str) -> Any:
 def feature_map_parameters(name: str) -> list[str]:
     """The option names a registered map's constructor takes."""
     cls = linattn.feature_maps.FEATURE_MAPS.get(name)
-    if cls is None:
-        return []
-    return [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "head_dim")]
+    return [] if cls is None else linattn.feature_maps.feature_map_options(cls)
 
 
 def available_memory_bytes(device: torch.device | None = None) -> int:
@@ -280,7 +290,8 @@ def make_attention(config: ModelConfig, layer: int) -> nn.Module:
         return linattn.SoftmaxAttention(config.d_model, config.n_head, rope=config.rope == "post",
                                         backend=backend)
     return linattn.LinearAttention(config.d_model, config.n_head, feature_map=config.build_feature_map(layer),
-                                   rope=config.rope, chunk_size=config.chunk_size, backend=config.backend)
+                                   rope=config.rope, chunk_size=config.chunk_size, backend=config.backend,
+                                   normalization=config.normalization)
 
 
 class Block(nn.Module):

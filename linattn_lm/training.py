@@ -113,10 +113,15 @@ def learning_rate(step: int, config: TrainConfig) -> float:
 
 
 def make_optimizer(model: ByteLM, config: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices and embeddings only, not on biases and LayerNorm gains."""
+    """AdamW; weight decay on matrices and embeddings only, not on biases, norm gains and feature-map
+    weights (hedgehog's, taylor's).  A feature map's weights set the sharpness of the attention, as a
+    temperature does, rather than carry content: decay would pull them toward 0, the map of uniform
+    attention, instead of toward their identity-like initialisation."""
+    feature_map_params = {id(p) for fm in model.feature_maps() for p in fm.parameters()}
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": config.optim.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    decays = [p.dim() >= 2 and id(p) not in feature_map_params for p in params]
+    groups = [{"params": [p for p, decay in zip(params, decays) if decay], "weight_decay": config.optim.weight_decay},
+              {"params": [p for p, decay in zip(params, decays) if not decay], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=config.optim.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 

@@ -1,5 +1,6 @@
 """Variant names, the grid's vocabulary: 'softmax-rope', 'linear-favor-pre-abs',
-'linear-favor-post+redraw_interval=250' (feature-map options after '+')."""
+'linear-favor-post-rmsnorm' (normalization="rmsnorm"), 'linear-favor-post+redraw_interval=250'
+(feature-map options after '+')."""
 from __future__ import annotations
 
 from argparse import ArgumentTypeError
@@ -19,9 +20,12 @@ def default_variants() -> list[str]:
         for feature_map in linattn.available_feature_maps() for rope in linattn.ROPE_PLACEMENTS]
 
 
+LINEAR_SUFFIXES = ("rmsnorm", "abs")   # after the placement, in this order: normalization, positions
+
+
 def variant_flags(name: str) -> dict[str, Any]:
-    """'linear-favor-pre-abs+redraw_interval=0' -> {attention: linear, feature_map: favor, rope: pre,
-    abs_pos: True, feature_map_options: {redraw_interval: 0}}."""
+    """'linear-favor-pre-rmsnorm-abs+redraw_interval=0' -> {attention: linear, feature_map: favor,
+    rope: pre, normalization: rmsnorm, abs_pos: True, feature_map_options: {redraw_interval: 0}}."""
     base, *option_texts = name.split("+")
     try:
         pairs = [option(text) for text in option_texts]
@@ -33,12 +37,15 @@ def variant_flags(name: str) -> dict[str, Any]:
     if base in SOFTMAX_VARIANTS and not options:
         rope, abs_pos = SOFTMAX_VARIANTS[base]
         return dict(attention="softmax", rope=rope, abs_pos=abs_pos)
-    abs_pos = base.endswith("-abs")
-    parts = base.removesuffix("-abs").split("-")
+    parts, suffixes = base.split("-"), set()
+    for suffix in reversed(LINEAR_SUFFIXES):
+        if len(parts) > 3 and parts[-1] == suffix:
+            suffixes.add(parts.pop())
     if parts[0] == "linear" and len(parts) >= 3 and parts[-1] in linattn.ROPE_PLACEMENTS:
-        return dict(attention="linear", feature_map="-".join(parts[1:-1]), rope=parts[-1], abs_pos=abs_pos,
-                    feature_map_options=options)
+        return dict(attention="linear", feature_map="-".join(parts[1:-1]), rope=parts[-1],
+                    abs_pos="abs" in suffixes, feature_map_options=options,
+                    normalization="rmsnorm" if "rmsnorm" in suffixes else "denominator")
     raise ValueError(f"unknown variant {name!r}: expected one of {', '.join(SOFTMAX_VARIANTS)} or "
-                     f"linear-<map>-<post|pre|none>[-abs][+KEY=VALUE...] with a map in "
+                     f"linear-<map>-<post|pre|none>[-rmsnorm][-abs][+KEY=VALUE...] with a map in "
                      f"{linattn.available_feature_maps()} (--import registers more)")
 

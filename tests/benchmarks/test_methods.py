@@ -30,7 +30,8 @@ def test_each_cpu_method_matches_its_definition(method, causal):
         torch.manual_seed(0)
         fm = make_feature_map(method.feature_map, SHAPE)
         expected = linear_attention_reference(fm(q, is_query=True), fm(k, is_query=False), v, causal=causal,
-                                              rotary=method.rope == "post")
+                                              rotary=method.rope == "post",
+                                              nonnegative_features=fm.nonnegative_features)
     else:
         return   # performer draws its own projection: shape and finiteness are what can be checked
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)

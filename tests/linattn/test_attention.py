@@ -6,18 +6,21 @@ import numpy as np
 import pytest
 import torch
 
-from linattn import LinearAttention, SoftmaxAttention
+import torch.nn.functional as F
+
+from linattn import LinearAttention, SoftmaxAttention, make_feature_map
 from linattn.feature_maps import EluFeatureMap, FavorFeatureMap
-from linattn.functional import softmax_attention_reference
+from linattn.functional import linear_attention_reference, softmax_attention_reference
 from linattn.rotary import apply_rotary
 
-LINEAR_VARIANTS = [(fm, rope) for fm in ("elu", "favor", "softmax") for rope in ("post", "pre", "none")]
+MAPS = ("elu", "favor", "softmax", "hedgehog", "taylor")
+LINEAR_VARIANTS = [(fm, rope) for fm in MAPS for rope in ("post", "pre", "none")]
+OPTIONS = {"favor": {"num_features": 16}, "taylor": {"dim": 4}}   # taylor: M = 1 + 4 + 10, padded to 16
 
 
-def linear_block(fm, rope, causal=True, dim=32, heads=4):
-    options = {"num_features": 16} if fm == "favor" else {}
-    return LinearAttention(dim, heads, feature_map=fm, rope=rope, causal=causal,
-                           feature_map_options=options, chunk_size=8).double().eval()
+def linear_block(fm, rope, causal=True, dim=32, heads=4, normalization="denominator"):
+    return LinearAttention(dim, heads, feature_map=fm, rope=rope, causal=causal, normalization=normalization,
+                           feature_map_options=OPTIONS.get(fm, {}), chunk_size=8).double().eval()
 
 
 @pytest.mark.parametrize("rope", [True, False])
@@ -34,9 +37,11 @@ def test_softmax_block_matches_naive_reference(rope, causal):
 
 @pytest.mark.parametrize("block_factory", [
     *[lambda fm=fm, rope=rope: linear_block(fm, rope) for fm, rope in LINEAR_VARIANTS],
+    *[lambda fm=fm, rope=rope: linear_block(fm, rope, normalization="rmsnorm") for fm, rope in LINEAR_VARIANTS],
     lambda: SoftmaxAttention(32, 4, rope=True).double(),
     lambda: SoftmaxAttention(32, 4, rope=False).double(),
-], ids=[f"linear-{fm}-{rope}" for fm, rope in LINEAR_VARIANTS] + ["softmax-rope", "softmax"])
+], ids=[f"linear-{fm}-{rope}" for fm, rope in LINEAR_VARIANTS]
+   + [f"linear-{fm}-{rope}-rmsnorm" for fm, rope in LINEAR_VARIANTS] + ["softmax-rope", "softmax"])
 def test_step_matches_forward_and_future_tokens_never_change_the_past(block_factory):
     block = block_factory()
     x = torch.randn(2, 21, 32, dtype=torch.float64)
@@ -51,9 +56,10 @@ def test_step_matches_forward_and_future_tokens_never_change_the_past(block_fact
     assert torch.equal(block(changed)[:, :12], full[:, :12])
 
 
+@pytest.mark.parametrize("normalization", ["denominator", "rmsnorm"])
 @pytest.mark.parametrize("fm,rope", LINEAR_VARIANTS)
-def test_linear_block_prefill_then_step(fm, rope):
-    block = linear_block(fm, rope)
+def test_linear_block_prefill_then_step(fm, rope, normalization):
+    block = linear_block(fm, rope, normalization=normalization)
     x = torch.randn(1, 30, 32, dtype=torch.float64)
     full = block(x)
     _, state = block(x[:, :17], return_state=True)
@@ -83,6 +89,74 @@ def test_rope_outputs_depend_on_relative_positions_only(block):
     torch.testing.assert_close(block(x, offset=0), block(x, offset=999), rtol=1e-8, atol=1e-9)
 
 
+def reference_features(block, q, k):
+    """The block's phi(q), phi(k) as plain features (exponentiated where the map gives logarithms)."""
+    phi_q, phi_k = block._features(q, k, 0)
+    return (phi_q.exp(), phi_k.exp()) if block.feature_map.log_space else (phi_q, phi_k)
+
+
+def heads_of(block, x):
+    return (t.unflatten(-1, (block.heads, block.head_dim)).transpose(1, 2) for t in block.to_qkv(x).chunk(3, -1))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("fm,rope", [(fm, rope) for fm in ("hedgehog", "taylor") for rope in ("post", "pre", "none")])
+def test_trainable_maps_match_the_naive_reference(fm, rope, causal):
+    """hedgehog through the log-space path, taylor (negative features, positive kernel) through the
+    plain path, against explicit N x N weights."""
+    torch.manual_seed(0)
+    block = linear_block(fm, rope, causal=causal)
+    q, k, v = heads_of(block, torch.randn(2, 19, 32, dtype=torch.float64))
+    phi_q, phi_k = reference_features(block, q, k)
+    expected = linear_attention_reference(phi_q, phi_k, v, causal=causal, rotary=rope == "post",
+                                          nonnegative_features=block.feature_map.nonnegative_features)
+    torch.testing.assert_close(block.attend(q, k, v), expected, rtol=1e-9, atol=1e-10)
+    if fm == "taylor":
+        assert phi_q.min() < 0   # the plain path took features that are negative
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("fm,rope", [("favor", "post"), ("favor", "pre"), ("favor", "none"), ("elu", "post"),
+                                     ("taylor", "post"), ("hedgehog", "pre")])
+def test_rmsnorm_normalises_the_numerator_alone(fm, rope, causal):
+    """normalization="rmsnorm" == RMSNorm over head_dim of the undivided numerator, computed
+    explicitly in float64, exactly (to rounding) with eps = 0; with its default eps, RMSNorm of
+    num / den (eps acts on the ratio), as documented."""
+    torch.manual_seed(0)
+    block = linear_block(fm, rope, causal=causal, normalization="rmsnorm")
+    with torch.no_grad():
+        block.norm.weight.uniform_(0.5, 1.5)
+    q, k, v = heads_of(block, torch.randn(2, 19, 32, dtype=torch.float64))
+    phi_q, phi_k = reference_features(block, q, k)
+    numerator, ratio = (linear_attention_reference(phi_q, phi_k, v, causal=causal, rotary=rope == "post",
+                                                   nonnegative_features=False, numerator_only=only)
+                        for only in (True, False))
+    gain = block.norm.weight
+    torch.testing.assert_close(block.attend(q, k, v), F.rms_norm(ratio, (8,), gain, block.norm.eps),
+                               rtol=1e-9, atol=1e-10)
+    block.norm.eps = 0.0
+    torch.testing.assert_close(block.attend(q, k, v), F.rms_norm(numerator, (8,), gain, 0.0),
+                               rtol=1e-9, atol=1e-10)
+    unnormalised = linear_block(fm, rope, causal=causal)
+    unnormalised.load_state_dict(block.state_dict(), strict=False)
+    assert (unnormalised.attend(q, k, v) - block.attend(q, k, v)).abs().max() > 1e-3
+
+
+def test_rmsnorm_has_one_gain_shared_by_the_heads_and_merges_after_it():
+    block = LinearAttention(32, 4, normalization="rmsnorm")
+    assert dict(block.norm.named_parameters())["weight"].shape == (8,)
+    assert "normalization='rmsnorm'" in repr(block)
+    assert LinearAttention(32, 4).norm is None
+
+
+def test_maps_with_weights_per_head_get_the_blocks_head_count():
+    block = LinearAttention(32, 4, feature_map="hedgehog")
+    assert block.feature_map.weight.shape == (4, 8, 8) and block.feature_map.heads == 4
+    assert LinearAttention(32, 2, feature_map="taylor").feature_map.weight.shape == (2, 16, 16)
+    with pytest.raises(ValueError, match="weights for 2 heads but this block has 4; make it with heads=4"):
+        LinearAttention(32, 4, feature_map=make_feature_map("hedgehog", 8, heads=2))
+
+
 def test_pre_and_post_differ():
     torch.manual_seed(1)
     post = linear_block("favor", "post")
@@ -93,7 +167,8 @@ def test_pre_and_post_differ():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(feature_map="nope"), r"registered feature maps: elu, favor, softmax"),
+    (dict(feature_map="nope"), r"registered feature maps: elu, favor, hedgehog, softmax, taylor"),
+    (dict(normalization="layernorm"), r"normalization must be one of \('denominator', 'rmsnorm'\)"),
     (dict(rope="after"), r"rope must be one of \('post', 'pre', 'none'\)"),
     (dict(feature_map_options={"num_features": 15}), r"num_features M must be even"),
     (dict(heads=3), r"multiple of heads"),

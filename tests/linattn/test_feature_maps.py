@@ -10,7 +10,7 @@ import torch
 
 import linattn
 from linattn import FavorFeatureMap, FeatureMap, LinearAttention, make_feature_map, register_feature_map
-from linattn.feature_maps import FEATURE_MAPS
+from linattn.feature_maps import FEATURE_MAPS, feature_map_options
 from linattn.functional import linear_attention, softmax_attention_reference
 
 with warnings.catch_warnings():
@@ -26,7 +26,7 @@ def test_registry_lists_the_three_maps_and_builds_them_by_name():
 
 
 def test_unknown_feature_map_lists_registered_ones():
-    with pytest.raises(ValueError, match=r"unknown feature map 'relu2'.*elu, favor, softmax"):
+    with pytest.raises(ValueError, match=r"unknown feature map 'relu2'.*elu, favor, hedgehog, softmax, taylor"):
         make_feature_map("relu2", 16)
     with pytest.raises(ValueError, match=r"unknown feature map"):
         LinearAttention(32, 2, feature_map="nope")
@@ -255,3 +255,106 @@ def test_favor_block_has_no_zero_rows_at_large_input_scale(scale, rope):
     y.sum().backward()
     assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
     assert not (y == 0).all(-1).any()
+
+
+# ----------------------------------------------------------------------------- hedgehog and taylor
+
+def test_hedgehog_weights_exist_at_construction_and_start_at_the_identity():
+    fm = make_feature_map("hedgehog", 8, heads=3)
+    assert fm.num_features == 16 and [name for name, _ in fm.named_parameters()] == ["weight"]
+    torch.testing.assert_close(fm.weight.detach(), torch.eye(8).expand(3, 8, 8))
+    wide = make_feature_map("hedgehog", 8, heads=2, num_features=32)   # 8 -> 16: semi-orthogonal
+    for head in wide.weight.detach():
+        torch.testing.assert_close(head @ head.T, torch.eye(8), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("activation", ["softmax", "exp"])
+def test_hedgehog_features_over_z_and_minus_z(activation):
+    fm = make_feature_map("hedgehog", 8, heads=2, num_features=12, activation=activation).double()
+    x = torch.randn(3, 2, 5, 8, dtype=torch.float64)
+    z = torch.einsum("bhnd,hdf->bhnf", x, fm.weight)
+    logits = torch.cat((z, -z), dim=-1)
+    expected = logits.softmax(-1) if activation == "softmax" else logits.exp()
+    for is_query in (True, False):
+        torch.testing.assert_close(fm(x, is_query=is_query), expected)
+        torch.testing.assert_close(fm.log_features(x, is_query=is_query).exp(), expected)
+    assert fm.log_space and fm.nonnegative_features
+
+
+def test_hedgehog_and_taylor_draws_follow_torch_manual_seed():
+    def draw(seed):
+        torch.manual_seed(seed)
+        return [make_feature_map(name, 8, heads=2, **options).weight.detach()
+                for name, options in (("hedgehog", {"num_features": 32}), ("taylor", {"dim": 4}))]
+    for a, b in zip(draw(0), draw(0)):
+        assert torch.equal(a, b)
+    for a, b in zip(draw(0), draw(1)):
+        assert not torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name, options, message", [
+    ("hedgehog", {"num_features": 7}, "num_features must be an even integer >= 2"),
+    ("hedgehog", {"num_features": 0}, "num_features must be an even integer >= 2"),
+    ("hedgehog", {"num_features": 8.0}, "num_features must be an even integer >= 2"),
+    ("hedgehog", {"activation": "relu"}, r"activation must be one of \('softmax', 'exp'\), got 'relu'"),
+    ("taylor", {"dim": 0}, "dim must be a positive integer"),
+    ("taylor", {"dim": "16"}, "dim must be a positive integer"),
+    ("taylor", {"num_features": 16}, r"does not take option\(s\) \['num_features'\]; it accepts: \['dim'\]"),
+])
+def test_trainable_map_options_are_validated(name, options, message):
+    with pytest.raises(ValueError, match=message):
+        make_feature_map(name, 8, heads=2, **options)
+
+
+@pytest.mark.parametrize("heads", [0, -1, 2.0, True])
+def test_heads_must_be_a_positive_integer(heads):
+    assert feature_map_options(FEATURE_MAPS["hedgehog"]) == ["num_features", "activation"]   # heads: no option
+    with pytest.raises(ValueError, match="heads must be a positive integer"):
+        make_feature_map("hedgehog", 8, heads=heads)
+
+
+def test_per_head_maps_refuse_inputs_with_another_head_count():
+    fm = make_feature_map("taylor", 8, heads=2, dim=4)
+    with pytest.raises(ValueError, match=r"weights for 2 heads and takes \(B, 2, N, 8\) inputs, got shape \(1, 3, 4, 8\)"):
+        fm(torch.randn(1, 3, 4, 8), is_query=True)
+
+
+@pytest.mark.parametrize("dim, num_features, padding", [(16, 154, 1), (4, 16, 1), (2, 6, 0), (1, 4, 1)])
+def test_taylor_size_is_one_plus_d_plus_the_upper_triangle_padded_to_even(dim, num_features, padding):
+    fm = make_feature_map("taylor", 32, heads=1, dim=dim)
+    assert fm.num_features == num_features and fm.padding == padding
+    features = fm(torch.randn(1, 1, 3, 32), is_query=True)
+    assert features.shape == (1, 1, 3, num_features) and torch.equal(features[..., 0], torch.ones(1, 1, 3))
+    if padding:
+        assert torch.equal(features[..., -1], torch.zeros(1, 1, 3))
+
+
+@pytest.mark.parametrize("scale", [0.1, 1.0, 30.0])
+def test_taylor_kernel_is_the_second_order_taylor_polynomial_of_exp(scale):
+    fm = make_feature_map("taylor", 8, heads=2, dim=5).double()
+    q, k = (torch.randn(2, 2, 7, 8, dtype=torch.float64) * scale for _ in range(2))
+    kernel = fm(q, is_query=True) @ fm(k, is_query=False).transpose(-1, -2)
+    s = fm.project(q) @ fm.project(k).transpose(-1, -2) / 5 ** 0.5
+    torch.testing.assert_close(kernel, 1 + s + s ** 2 / 2)
+    assert kernel.min() >= 0.5 - 1e-12   # (1 + s)^2 / 2 + 1/2
+    assert fm(q, is_query=True).min() < 0 and not fm.nonnegative_features and not fm.log_space
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_taylor_denominator_is_positive_and_only_an_opt_in_lets_negative_features_through(causal):
+    fm = make_feature_map("taylor", 8, heads=2, dim=4)
+    q, k, v = torch.randn(2, 2, 40, 8) * 5, torch.randn(2, 2, 40, 8) * 5, torch.randn(2, 2, 40, 8)
+    phi_q, phi_k = fm(q, is_query=True), fm(k, is_query=False)
+    denominators = (phi_q @ phi_k.transpose(-1, -2)).tril().sum(-1) if causal else phi_q @ phi_k.sum(-2, keepdim=True).transpose(-1, -2)
+    assert denominators.min() > 0
+    with pytest.raises(ValueError, match="phi_q has negative entries"):
+        linear_attention(phi_q, phi_k, v, causal=causal, rotary=False)
+    out = linear_attention(phi_q, phi_k, v, causal=causal, rotary=True, nonnegative_features=False)
+    assert torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="log_space=True takes log-features"):
+        linear_attention(phi_q, phi_k, v, causal=causal, rotary=False, log_space=True, nonnegative_features=False)
+
+
+def test_the_base_class_declares_nonnegative_features():
+    assert FeatureMap.nonnegative_features and all(
+        cls.nonnegative_features for name, cls in FEATURE_MAPS.items() if name != "taylor")

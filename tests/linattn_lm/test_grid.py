@@ -165,13 +165,68 @@ def test_a_score_that_is_not_a_number_shows_as_n_a() -> None:
 
 def test_variant_names_carry_feature_map_options() -> None:
     assert variant_flags("linear-favor-pre-abs+redraw_interval=0+num_features=32") == dict(
-        attention="linear", feature_map="favor", rope="pre", abs_pos=True,
+        attention="linear", feature_map="favor", rope="pre", abs_pos=True, normalization="denominator",
         feature_map_options={"redraw_interval": 0, "num_features": 32})
     assert variant_flags("softmax-rope") == dict(attention="softmax", rope="post", abs_pos=False)
 
 
+@pytest.mark.parametrize("name, feature_map, rope, normalization, abs_pos, run_name", [
+    ("linear-favor-post-rmsnorm", "favor", "post", "rmsnorm", False, "linear-favor-post-rmsnorm-M32"),
+    ("linear-hedgehog-pre-rmsnorm-abs", "hedgehog", "pre", "rmsnorm", True, "linear-hedgehog-pre-rmsnorm-abs"),
+    ("linear-taylor-none", "taylor", "none", "denominator", False, "linear-taylor-none"),
+    ("linear-hedgehog-post+num_features=16", "hedgehog", "post", "denominator", False, "linear-hedgehog-post-M16"),
+])
+def test_variant_names_select_the_new_maps_and_the_normalization(name, feature_map, rope, normalization, abs_pos,
+                                                                  run_name, data_dir: Path) -> None:
+    flags = variant_flags(name)
+    assert (flags["feature_map"], flags["rope"], flags["normalization"], flags["abs_pos"]) == (
+        feature_map, rope, normalization, abs_pos)
+    config = grid.run_configs(dict(preset="tiny", data_dir=str(data_dir)), [name], [0])[0, name]
+    assert (config.model.feature_map, config.model.normalization) == (feature_map, normalization)
+    assert config.model.variant == run_name
+
+
+def test_variants_that_differ_in_the_normalization_only_are_paired() -> None:
+    from linattn_lm.grid_report import comparable_pairs
+    names = ["linear-favor-post", "linear-favor-post-rmsnorm", "linear-favor-pre-rmsnorm", "linear-taylor-post"]
+    configs = {name: config.flat() for (_, name), config in grid.run_configs({"preset": "cpu"}, names, [0]).items()}
+    assert comparable_pairs(configs) == [("linear-favor-post", "linear-favor-post-rmsnorm", "normalization"),
+                                         ("linear-favor-post-rmsnorm", "linear-favor-pre-rmsnorm", "rope")]
+    del configs["linear-favor-post"]["normalization"]   # a record written before the setting existed
+    assert comparable_pairs(configs)[0] == ("linear-favor-post", "linear-favor-post-rmsnorm", "normalization")
+
+
+def test_results_written_before_normalization_existed_are_reused(data_dir: Path, tmp_path: Path) -> None:
+    """grid.py --resume reuses a finished run whose result.json has no normalization key: it trained
+    with the default; under another normalization it is not reused."""
+    given = dict(preset="tiny", data_dir=str(data_dir), out_dir=str(tmp_path), steps=4)
+    config = grid.run_configs(given, ["linear-favor-post"], [0])[0, "linear-favor-post"]
+    old = config.flat()
+    del old["normalization"]
+    record = {key: None for key in grid.RECORD_KEYS} | {
+        "config": old, "steps": 4, "scores": {split: {"64": 3.0} for split in grid.EVAL_SPLITS}}
+    config.run.run_dir.mkdir(parents=True)
+    (config.run.run_dir / grid.RESULT_NAME).write_text(json.dumps(record))
+    assert grid.saved_record(config, [1]) == record
+    config.model.normalization = "rmsnorm"
+    assert grid.saved_record(config, [1]) is None
+
+
+def test_config_differences_take_an_absent_setting_as_its_default() -> None:
+    from linattn_lm.config import config_differences
+    current = {"normalization": "denominator", "lr": 0.003, "steps": 5}
+    assert config_differences({"lr": 0.003, "steps": 9}, current) == []
+    assert config_differences({"lr": 0.003, "normalization": "rmsnorm"}, current) == [
+        "normalization: checkpoint 'rmsnorm', now 'denominator'"]
+    assert config_differences({"lr": 0.003}, {**current, "normalization": "rmsnorm"}) == [
+        "normalization: checkpoint 'denominator', now 'rmsnorm'"]
+    assert config_differences({"lr": 0.003, "mystery": 1}, current) == ["mystery: checkpoint 1, now '<absent>'"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--variants", "linear-favor-sideways"], "unknown variant 'linear-favor-sideways'"),
+    (["--variants", "linear-favor-rmsnorm-post"], "unknown feature map 'favor-rmsnorm'"),
+    (["--variants", "softmax-rope-rmsnorm"], "unknown variant 'softmax-rope-rmsnorm'"),
     (["--variants", "softmax-rope+redraw_interval=0"], "unknown variant 'softmax-rope+redraw_interval=0'"),
     (["--variants", "linear-favor-post+redraw"], "variant 'linear-favor-post+redraw': expected KEY=VALUE"),
     (["--variants", "linear-favor-post+redraw_interval=1+redraw_interval=2"], "gives an option twice"),

@@ -12,6 +12,8 @@ VARIANTS = {
     **{f"linear-{name}-{rope}": dict(feature_map=name, rope=rope)
        for name in linattn.available_feature_maps() for rope in linattn.ROPE_PLACEMENTS},
     "linear-elu-post-abs": dict(feature_map="elu", rope="post", abs_pos=True),
+    **{f"linear-{name}-{rope}-rmsnorm": dict(feature_map=name, rope=rope, normalization="rmsnorm")
+       for name in ("favor", "hedgehog", "taylor") for rope in ("post", "none")},
     "softmax-rope": dict(attention="softmax", rope="post"),
     "softmax-abs": dict(attention="softmax", rope="none", abs_pos=True),
 }
@@ -123,6 +125,11 @@ def test_favor_layer_seeds_differ_per_layer_and_reproduce(make_model) -> None:
     (dict(attention="rnn"), "attention must be one of"),
     (dict(feature_map_options={"num_features": 10**9}), "would need about"),
     (dict(backend="cuda"), "linear attention's backend must be one of"),
+    (dict(normalization="layernorm"), r"normalization must be one of \('denominator', 'rmsnorm'\)"),
+    (dict(attention="softmax", feature_map="", feature_map_options={}, normalization="rmsnorm"),
+     "normalization='rmsnorm' applies to linear attention only"),
+    (dict(feature_map="hedgehog", feature_map_options={"num_features": 9}), "num_features must be an even integer"),
+    (dict(feature_map="taylor", feature_map_options={"dim": -2}), "dim must be a positive integer"),
     (dict(attention="softmax", feature_map="", feature_map_options={}, backend="triton"),
      "softmax attention's backend must be one of"),
 ])
@@ -138,6 +145,21 @@ def test_variant_names(small_config) -> None:
     assert small_config(attention="softmax").variant == "softmax-rope"
     assert small_config(attention="softmax", rope="none", abs_pos=True).variant == "softmax-abs"
     assert small_config(attention="softmax", rope="none").variant == "softmax-none"
+    assert small_config(normalization="rmsnorm").variant == "linear-favor-post-rmsnorm-M16"
+    assert small_config(feature_map="taylor", rope="pre", normalization="rmsnorm").variant == "linear-taylor-pre-rmsnorm"
+
+
+@pytest.mark.parametrize("feature_map, options", [("hedgehog", {"num_features": 64}), ("taylor", {"dim": 4})])
+def test_maps_with_weights_are_parameters_reproducible_from_the_seed(feature_map, options, small_config) -> None:
+    config = small_config(feature_map=feature_map, feature_map_options=options)
+    def build(seed: int) -> dict:
+        torch.manual_seed(seed)
+        return ByteLM(config).state_dict()
+    a, b, c = build(0), build(0), build(1)
+    assert all(torch.equal(a[key], b[key]) for key in a)
+    assert not torch.equal(a["blocks.0.attn.feature_map.weight"], c["blocks.0.attn.feature_map.weight"])
+    names = [name for name, _ in ByteLM(config).named_parameters()]
+    assert "blocks.1.attn.feature_map.weight" in names   # the optimiser sees them
 
 
 def test_config_round_trips_through_a_plain_dict(small_config) -> None:

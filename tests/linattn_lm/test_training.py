@@ -8,6 +8,7 @@ import signal
 import socket
 from pathlib import Path
 
+import linattn
 import numpy as np
 import pytest
 import torch
@@ -266,7 +267,8 @@ def ddp_worker(rank: int, world_size: int, port: int, argv: list[str], out_dir: 
         del trainer
     state = result.model.state_dict()
     torch.save({"tensors": {k: v for k, v in state.items() if isinstance(v, torch.Tensor)},
-                "favor": [fm.get_extra_state() for fm in result.model.feature_maps()],
+                "favor": [fm.get_extra_state() for fm in result.model.feature_maps()
+                          if isinstance(fm, linattn.FavorFeatureMap)],
                 "first_windows": first_windows},
                Path(out_dir) / f"rank{rank}.pt")
 
@@ -370,3 +372,64 @@ def test_text_samples_have_a_prompt_and_stay_within_learned_positions(seq_len, a
     model = ByteLM(config.model).eval()
     text = training.text_sample(model, prompt, new, seed=0, device=torch.device("cpu"))
     assert isinstance(text, str) and text
+
+
+def test_feature_map_weights_and_norm_gains_take_no_weight_decay(small_config) -> None:
+    model = ByteLM(small_config(feature_map="hedgehog", normalization="rmsnorm", feature_map_options={}))
+    config = config_from_flags({"preset": "tiny", "weight_decay": 0.05})
+    decayed, plain = training.make_optimizer(model, config, torch.device("cpu")).param_groups
+    assert decayed["weight_decay"] == 0.05 and plain["weight_decay"] == 0.0
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    no_decay = {by_id[id(p)] for p in plain["params"]}
+    assert {"blocks.0.attn.feature_map.weight", "blocks.1.attn.norm.weight"} <= no_decay
+    assert "blocks.0.attn.to_qkv.weight" in {by_id[id(p)] for p in decayed["params"]}
+    assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [["--feature-map", "hedgehog", "--normalization", "rmsnorm"],
+                                     ["--feature-map", "taylor", "--feature-map-option", "dim=4", "--rope", "pre"]])
+def test_a_map_with_weights_trains_and_resumes_exactly(variant: list[str], data_dir: Path, tiny: list[str],
+                                                      tmp_path: Path) -> None:
+    """6 steps in one go == 3 steps, then --resume to 6: the map's weights and their AdamW moments
+    travel in the checkpoint, and they train."""
+    common = [*tiny, *variant, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--eval-interval", "3",
+              "--sample-interval", "0", "--ckpt-interval", "0", "--decay-steps", "6"]
+    assert training.main([*common, "--steps", "6", "--run-name", "whole"]) == 0
+    assert training.main([*common, "--steps", "3", "--run-name", "split"]) == 0
+    assert training.main([*common, "--steps", "6", "--run-name", "split", "--resume"]) == 0
+    a, b = (load_checkpoint(tmp_path / name) for name in ("whole", "split"))
+    for key, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][key]), key
+    weight = a["model"]["blocks.0.attn.feature_map.weight"]
+    torch.manual_seed(0)
+    initial = ByteLM(ModelConfig.from_dict(a["config"]["model"])).state_dict()["blocks.0.attn.feature_map.weight"]
+    assert weight.shape == initial.shape and not torch.equal(weight, initial)
+
+
+def test_a_checkpoint_from_before_normalization_existed_resumes(tiny_run: Path, data_dir: Path, tiny: list[str],
+                                                               tmp_path: Path, run_main) -> None:
+    """Its config has no normalization key: it trained with the default, so --resume takes it, and
+    refuses it under another normalization."""
+    shutil.copytree(tiny_run, tmp_path / "old")
+    checkpoint = load_checkpoint(tmp_path / "old")
+    del checkpoint["config"]["model"]["normalization"]
+    save_checkpoint(tmp_path / "old" / "ckpt.pt", {k: v for k, v in checkpoint.items() if k not in ("format", "version")})
+    common = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "old", "--resume",
+              "--sample-interval", "0", "--decay-steps", "30"]
+    code, _, err = run_main(training.main, [*common, "--steps", "31", "--normalization", "rmsnorm"])
+    assert code == 2 and "normalization: checkpoint 'denominator', now 'rmsnorm'" in err
+    assert run_main(training.main, [*common, "--steps", "31"])[0] == 0
+    assert load_checkpoint(tmp_path / "old")["step"] == 31
+
+
+@pytest.mark.slow
+def test_ddp_two_cpu_ranks_keep_a_trainable_map_identical(data_dir: Path, tiny: list[str], tmp_path: Path) -> None:
+    argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--steps", "4", "--feature-map", "hedgehog",
+            "--normalization", "rmsnorm", "--eval-interval", "4", "--sample-interval", "0", "--device", "cpu"]
+    mp.spawn(ddp_worker, args=(2, free_port(), argv, str(tmp_path)), nprocs=2, join=True)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    for key, tensor in rank0["tensors"].items():
+        assert torch.equal(tensor, rank1["tensors"][key]), key
+    trained = rank0["tensors"]["blocks.0.attn.feature_map.weight"]
+    assert not torch.equal(trained, torch.eye(32).expand_as(trained))   # it trained (identity start)

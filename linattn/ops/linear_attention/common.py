@@ -117,6 +117,13 @@ def check_nonnegative(phi_q: torch.Tensor, phi_k: torch.Tensor) -> None:
                              f"use a feature map such as elu(x)+1 or favor")
 
 
+def check_feature_kind(log_space: bool, nonnegative_features: bool) -> None:
+    """Log-features are logarithms of positive features: they cannot be features that may be negative."""
+    if log_space and not nonnegative_features:
+        raise ValueError("log_space=True takes log-features, the logarithms of positive features, so "
+                         "nonnegative_features=False (features that may be negative) does not apply: pass one")
+
+
 def finite_log_features(x):
     """Log-features with -inf (a feature that is exactly 0, such as a masked key's) raised to a
     finite floor far below any real one: the running maxima of stable.py are then finite, so no

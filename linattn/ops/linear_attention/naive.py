@@ -9,10 +9,14 @@ from .common import check_features, check_nonnegative, compute_dtype, divide, nu
 
 def linear_attention_reference(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *,
                                causal: bool, rotary: bool, offset: int = 0,
-                               rope_base: float = DEFAULT_BASE) -> torch.Tensor:
-    """The same maths as `linear_attention` with explicit N x N weight matrices."""
+                               rope_base: float = DEFAULT_BASE, nonnegative_features: bool = True,
+                               numerator_only: bool = False) -> torch.Tensor:
+    """The same maths as `linear_attention` with explicit N x N weight matrices.
+    `nonnegative_features=False`: single features may be negative (see `linear_attention`);
+    `numerator_only=True`: the numerator alone, undivided (what normalization="rmsnorm" normalises)."""
     check_features(phi_q, phi_k, v, rank=4)
-    check_nonnegative(phi_q, phi_k)
+    if nonnegative_features:
+        check_nonnegative(phi_q, phi_k)
     check_offset(offset)
     dtype = compute_dtype(phi_q, phi_k, v)
     phi_q, phi_k, v_c = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
@@ -22,6 +26,8 @@ def linear_attention_reference(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torc
     if causal:
         numerator_weights = numerator_weights.tril()
         denominator_weights = denominator_weights.tril()
+    if numerator_only:
+        return (numerator_weights @ v_c).to(v.dtype)
     return divide(numerator_weights @ v_c, denominator_weights.sum(-1)).to(v.dtype)
 
 

@@ -7,7 +7,7 @@ import torch
 
 from ...rotary import DEFAULT_BASE, apply_rotary
 from ...checks import check_rope_base, check_state_position, check_state_tensors
-from .common import check_features, check_nonnegative, compute_dtype, divide, finite_log_features
+from .common import check_feature_kind, check_features, check_nonnegative, compute_dtype, divide, finite_log_features
 from .stable import numerator_query, numerator_scale
 
 
@@ -33,15 +33,18 @@ def initial_state(batch: int, heads: int, num_features: int, value_dim: int, *,
 
 def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
                           state: LinearState | None, *, rotary: bool,
-                          rope_base: float = DEFAULT_BASE, log_space: bool = False):
+                          rope_base: float = DEFAULT_BASE, log_space: bool = False,
+                          nonnegative_features: bool = True):
     """One token of causal linear attention: (B, H, M) features and (B, H, Dv) values at position
     `state.position`.  O(M * Dv) time and memory, whatever the context length.  With
-    `log_space=True`, phi_q and phi_k hold log-features and the state carries their running max."""
+    `log_space=True`, phi_q and phi_k hold log-features and the state carries their running max.
+    `nonnegative_features=False`: single features may be negative (see `linear_attention`)."""
     check_features(phi_q, phi_k, v, rank=3)
+    check_feature_kind(log_space, nonnegative_features)
     check_rope_base(rope_base)
     if log_space:
         phi_q, phi_k = finite_log_features(phi_q), finite_log_features(phi_k)
-    else:
+    elif nonnegative_features:
         check_nonnegative(phi_q, phi_k)
     dtype = compute_dtype(phi_q, phi_k, v)
     b, h, m = phi_q.shape
