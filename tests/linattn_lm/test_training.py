@@ -433,3 +433,9 @@ def test_ddp_two_cpu_ranks_keep_a_trainable_map_identical(data_dir: Path, tiny: 
         assert torch.equal(tensor, rank1["tensors"][key]), key
     trained = rank0["tensors"]["blocks.0.attn.feature_map.weight"]
     assert not torch.equal(trained, torch.eye(32).expand_as(trained))   # it trained (identity start)
+
+
+@pytest.mark.parametrize("preset", ["cpu", "eleuther", "paper"])
+def test_presets_never_redraw_favor(preset: str) -> None:
+    """The study measured that redraws cost accuracy (docs/results/study-cpu.md): the map's default."""
+    assert PRESETS[preset]["feature_map_options"]["redraw_interval"] == 0
