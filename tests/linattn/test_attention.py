@@ -115,6 +115,25 @@ def test_trainable_maps_match_the_naive_reference(fm, rope, causal):
         assert phi_q.min() < 0   # the plain path took features that are negative
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("fm,rope", [("hedgehog", "post"), ("hedgehog", "none"), ("taylor", "post"), ("taylor", "pre")])
+def test_trainable_map_weights_get_the_reference_gradient(fm, rope, backend):
+    """The map's weight gradient through the block's path (log-space, the cpp kernel under auto on
+    CPU, for hedgehog; the plain chunked path for taylor) equals the naive reference's."""
+    torch.manual_seed(0)
+    block = linear_block(fm, rope)
+    block.backend = backend
+    q, k, v = (t.detach() for t in heads_of(block, torch.randn(2, 21, 32, dtype=torch.float64)))
+    weights = torch.randn(2, 4, 21, 8, dtype=torch.float64)
+    fast = torch.autograd.grad((block.attend(q, k, v) * weights).sum(), block.feature_map.weight)[0]
+    phi_q, phi_k = reference_features(block, q, k)
+    expected = linear_attention_reference(phi_q, phi_k, v, causal=True, rotary=rope == "post",
+                                          nonnegative_features=block.feature_map.nonnegative_features)
+    reference = torch.autograd.grad((expected * weights).sum(), block.feature_map.weight)[0]
+    assert reference.abs().max() > 1e-6
+    torch.testing.assert_close(fast, reference, rtol=1e-8, atol=1e-10)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("fm,rope", [("favor", "post"), ("favor", "pre"), ("favor", "none"), ("elu", "post"),
                                      ("taylor", "post"), ("hedgehog", "pre")])

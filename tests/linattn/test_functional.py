@@ -6,13 +6,14 @@ from linattn import make_feature_map
 from linattn.functional import (linear_attention, linear_attention_reference, linear_attention_step)
 from linattn.rotary import apply_rotary
 
-FEATURE_MAPS = ["elu", "favor", "softmax"]
+FEATURE_MAPS = ["elu", "favor", "softmax", "hedgehog", "taylor"]   # taylor: negative features
+OPTIONS = {"favor": {"num_features": 16}, "taylor": {"dim": 3}}
 PLACEMENTS = ["post", "pre", "none"]
 B, H, D, DV = 2, 2, 8, 6
 
 
 def feature_map(name):
-    return make_feature_map(name, D, **({"num_features": 16} if name == "favor" else {})).double()
+    return make_feature_map(name, D, heads=H, **OPTIONS.get(name, {})).double()
 
 
 def features(fm, q, k, rope, offset=0):
@@ -36,10 +37,11 @@ def test_chunked_matches_reference_values_and_gradients(name, rope, causal, n, c
     fm, results = feature_map(name), []
     for fast in (True, False):
         phi_q, phi_k, rotary = features(fm, q, k, rope, offset=3)
+        sign = dict(nonnegative_features=fm.nonnegative_features)
         if fast:
-            out = linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=3, chunk_size=chunk)
+            out = linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=3, chunk_size=chunk, **sign)
         else:
-            out = linear_attention_reference(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=3)
+            out = linear_attention_reference(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=3, **sign)
         weights = torch.randn_like(out, generator=torch.Generator().manual_seed(1))
         grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
         results.append((out, *grads))
