@@ -97,20 +97,23 @@ def test_returned_state_equals_torch_backend_and_continues_with_step(rotary):
                                rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("fm, options", [("favor", {"num_features": 32}), ("hedgehog", {}), ("taylor", {"dim": 6})])
 @pytest.mark.parametrize("rope", ["post", "pre", "none"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_block_gives_the_same_result_on_both_backends(rope, causal):
-    """Every RoPE placement through LinearAttention with FAVOR+: `pre` rotates before the map,
-    so the kernel sees unrotated features."""
+def test_block_gives_the_same_result_on_both_backends(rope, causal, fm, options):
+    """Every RoPE placement through LinearAttention with FAVOR+, trainable hedgehog (log-features)
+    and taylor (plain features that are negative, M = 28): `pre` rotates before the map, so the
+    kernel sees unrotated features."""
     torch.manual_seed(0)
-    block = LinearAttention(64, 2, feature_map="favor", rope=rope, causal=causal, backend="torch",
-                            feature_map_options={"num_features": 32}).to(DEVICE)
+    block = LinearAttention(64, 2, feature_map=fm, rope=rope, causal=causal, backend="torch",
+                            feature_map_options=options).to(DEVICE)
     x = torch.randn(2, 67, 64, device=DEVICE, requires_grad=True)
+    weights = [x, block.to_qkv.weight, *block.feature_map.parameters()]
     results = []
     for backend in ("torch", "triton"):
         block.backend = backend
         y = block(x, offset=11)
-        results.append((y, *torch.autograd.grad(y.square().sum(), (x, block.to_qkv.weight))))
+        results.append((y, *torch.autograd.grad(y.square().sum(), weights)))
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
