@@ -65,8 +65,8 @@ def linear_attention_op(q: torch.Tensor, q_weight: Optional[torch.Tensor], q_shi
                         return_state: bool, backend: str, log_space: bool
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, kv, k_sum, log_scale): the state's tensors are empty without return_state, and
-    log_scale is empty from plain features.  Outputs are contiguous copies (an op's outputs may
-    not alias its inputs, and the fake promises contiguous strides)."""
+    log_scale is empty from plain features.  Outputs are made contiguous: the fake promises that, and
+    inductor plans the ops after this one from the fake's strides."""
     with torch.no_grad():
         result = _compute(q, q_weight, q_shift, q_shift_value, q_square, k, k_weight, k_shift, k_shift_value,
                           k_square, v, causal, rotary, offset, chunk_size, rope_base, return_state, backend,

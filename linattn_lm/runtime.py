@@ -81,6 +81,12 @@ def autocast(device: torch.device, dtype: str = "auto") -> contextlib.AbstractCo
     return torch.autocast(device.type, dtype=precision)
 
 
+def precision_name(dtype: str, device: torch.device) -> str:
+    """What --dtype means on `device`, for the logs: 'fp32', 'bf16 autocast', 'fp16 autocast + loss scaling'."""
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocast + loss scaling"}
+    return names[resolve_dtype(dtype, device)]
+
+
 def gradient_scaler(device: torch.device, dtype: str) -> torch.amp.GradScaler:
     """A loss scaler for fp16 (its gradients underflow without one); disabled, a no-op, otherwise."""
     return torch.amp.GradScaler(device.type, enabled=resolve_dtype(dtype, device) == torch.float16)

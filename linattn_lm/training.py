@@ -33,7 +33,7 @@ from .config import TrainConfig, config_differences, config_from_flags
 from .data import DataError, RandomWindows, load_split
 from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss
 from .runtime import (WriteFailed, autocast, decode_bytes, gradient_scaler, keep_freed_memory, peak_memory_mb,
-                      release_free_memory, reset_peak_memory, resolve_device, summed_loss)
+                      precision_name, release_free_memory, reset_peak_memory, resolve_device, summed_loss)
 
 SAMPLE_PROMPT_BYTES = 128
 SAMPLE_NEW_BYTES = 256
@@ -379,7 +379,7 @@ class Trainer:
         model = config.model
         self.log(f"model: {model.variant}, {self.model.num_parameters():,} parameters, {model.n_layer} "
                  f"layers x {model.d_model} wide, {model.n_head} heads; device {self.device}, "
-                 f"{ctx.world_size} process(es)")
+                 f"{ctx.world_size} process(es), {precision_name(config.run.dtype, self.device)}")
 
     def _restore_log_window(self, window: dict[str, Any]) -> None:
         """Each rank's open loss sum (log_train adds them up); a job of another size splits their
