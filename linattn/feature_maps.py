@@ -227,7 +227,9 @@ class FavorFeatureMap(FeatureMap):
 
     def _input(self, x, is_query):
         """x in float32 (float64 stays); counts the training calls."""
-        if self.training and is_query:
+        # Compiled with no redraws, the count is skipped: it is a graph break (it changes the module),
+        # and it only schedules redraws.
+        if self.training and is_query and (self.redraw_interval or not torch.compiler.is_compiling()):
             self._count_training_call()
         return _float(x)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from . import custom_ops
 from .ops.linear_attention import backends
 from .ops.linear_attention.chunk import DEFAULT_CHUNK_SIZE, causal_attention, check_chunk_size
 from .ops.linear_attention.common import (LogProjection, check_feature_kind, check_features, check_log_features,
@@ -58,7 +59,6 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     check_feature_kind(log_space, nonnegative_features)
     if log_space:
         check_log_features(phi_q, phi_k, v)
-        phi_q, phi_k = finite_log_features(phi_q), finite_log_features(phi_k)
     else:
         check_not_projection(phi_q, phi_k)
         check_features(phi_q, phi_k, v, rank=4)
@@ -71,6 +71,19 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
         check_positions(offset, v.shape[-2])
     if return_state and not causal:
         raise ValueError("return_state=True needs causal=True: a non-causal pass has no decoding state")
+    options = dict(causal=causal, rotary=rotary, offset=offset, chunk_size=chunk_size, rope_base=rope_base,
+                   return_state=return_state, backend=backend, log_space=log_space)
+    if torch.compiler.is_compiling():   # one opaque op: the computation below branches on the data
+        return custom_ops.linear_attention(phi_q, phi_k, v, **options)
+    return compute_linear_attention(phi_q, phi_k, v, **options)
+
+
+def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rotary: bool, offset: int,
+                             chunk_size: int, rope_base: float, return_state: bool, backend: str, log_space: bool):
+    """`linear_attention` after its argument checks: the data's checks, the backend's choice and its
+    computation.  What the custom op `linattn::linear_attention` runs under torch.compile."""
+    if log_space:
+        phi_q, phi_k = finite_log_features(phi_q), finite_log_features(phi_k)
     float64 = compute_dtype(*feature_tensors(phi_q, phi_k), v) == torch.float64
     resolved = backends.resolve(backend, v.device, float64=float64, cpp_kernel_runs=log_space and causal)
     chunk_size = max(1, min(chunk_size, v.shape[-2]))   # a short sequence is one chunk, unpadded

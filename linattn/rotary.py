@@ -93,7 +93,22 @@ def rotary_phases(length: int, dim: int, *, offset: int = 0, base: float = DEFAU
     complex_dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
     if is_integer(offset):
         offset = int(offset)          # one cache entry per position, whatever integer type gave it
+    if torch.compiler.is_compiling():   # a constant of the shapes, computed outside the graph
+        return phases_op(length, dim, offset, float(base), torch.device(device), dtype == torch.float64)
     return _phases(length, dim, offset, float(base), str(torch.device(device)), complex_dtype)
+
+
+@torch.library.custom_op("linattn::rotary_phases", mutates_args=())
+def phases_op(length: int, dim: int, offset: int, base: float, device: torch.device, double: bool) -> torch.Tensor:
+    """`rotary_phases` as an op for torch.compile: dynamo cannot trace its cache or mpmath.  A copy,
+    since an op's output may not be a tensor that lives on (the cache's)."""
+    complex_dtype = torch.complex128 if double else torch.complex64
+    return _phases(length, dim, offset, base, str(device), complex_dtype).clone()
+
+
+@phases_op.register_fake
+def _(length, dim, offset, base, device, double):
+    return torch.empty(length, dim // 2, dtype=torch.complex128 if double else torch.complex64, device=device)
 
 
 def apply_rotary(x: torch.Tensor, *, offset: int = 0, base: float = DEFAULT_BASE) -> torch.Tensor:

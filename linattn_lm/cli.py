@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .config import FIELDS, PRESETS, VARIANT
-from .runtime import first_line
+from .runtime import DTYPES, first_line
 
 EXIT_ERROR, EXIT_USAGE = 1, 2
 
@@ -92,7 +92,7 @@ def add_config_flags(parser: argparse.ArgumentParser, *, skip: set[str] = frozen
             group.add_argument(f"--{name.replace('_', '-')}", action=argparse.BooleanOptionalAction,
                                help=f"{help_text} (default {field.default})")
         else:
-            choices = list(PRESETS) if name == "preset" else None
+            choices = list(PRESETS) if name == "preset" else list(DTYPES) if name == "dtype" else None
             metavar = {"int": "N", "float": "X"}.get(field.type)
             default = "" if field.default in ("", dataclasses.MISSING) else f" (default {field.default})"
             group.add_argument(f"--{name.replace('_', '-')}", type=FLAG_TYPES[field.type], choices=choices,

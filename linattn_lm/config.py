@@ -21,7 +21,7 @@ from linattn.ops.linear_attention.backends import resolve as resolve_linear_back
 
 from .data import default_data_dir
 from .lm import ModelConfig, check_finite, check_memory, check_types, from_plain_dict, setting
-from .runtime import resolve_device
+from .runtime import resolve_device, resolve_dtype
 
 
 @dataclass
@@ -89,6 +89,8 @@ class RunConfig:
                                 "linear-favor-post-M64; grid.py: grid-<preset>)", resumable=True)
     device: str = setting("auto", "auto (CUDA if available), cpu, cuda, cuda:1, mps", resumable=True)
     compile: bool = setting(False, "torch.compile the model", resumable=True)
+    dtype: str = setting("auto", "compute precision: bf16 or fp16 autocast (fp16 with a gradient scaler) or fp32; "
+                                 "auto: bf16 on CUDA, fp32 elsewhere")
     threads: int = setting(0, "torch CPU threads (0 = torch default)", resumable=True)
     imports: list[str] = setting([], "a module name or a .py file to import first, e.g. one that registers a "
                                      "feature map (repeatable); recorded in the checkpoint", resumable=True)
@@ -120,7 +122,7 @@ class RunConfig:
             raise ValueError(f"threads must be in [0, 4096], got {self.threads}")
         if not all(isinstance(name, str) and name for name in self.imports):
             raise ValueError(f"imports must be module names or file paths, got {self.imports!r}")
-        resolve_device(self.device)
+        resolve_dtype(self.dtype, resolve_device(self.device))
 
 
 def check_backend_runs_on(model: ModelConfig, device: torch.device) -> None:

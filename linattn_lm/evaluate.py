@@ -28,7 +28,8 @@ from .checkpoint import CheckpointError, checkpoint_path, load_checkpoint, model
 from .cli import EXIT_USAGE, DefaultsFormatter, Parser, UsageError, finite_float, import_user_code, integer, pre_parse_imports
 from .lm import ByteLM, bits_per_byte
 from .ngram import format_reference, reference_bpc
-from .runtime import autocast, decode_bytes, encode_text, keep_freed_memory, resolve_device, summed_loss
+from .runtime import (DTYPES, autocast, decode_bytes, encode_text, keep_freed_memory, resolve_device, resolve_dtype,
+                      summed_loss)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "imported too when its feature map is not registered yet")
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, mps")
     p.add_argument("--threads", type=integer, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--dtype", choices=DTYPES, help="compute precision, as train.py's --dtype (default: the run's)")
     sample = p.add_argument_group("sampling (instead of bpc)")
     sample.add_argument("--generate", metavar="PROMPT", help="sample a continuation of PROMPT")
     sample.add_argument("--max-new-tokens", type=integer, default=256, help="bytes to sample")
@@ -85,18 +87,18 @@ def check_mode_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, 
 
 
 def evaluate_bpc(model: ByteLM, data: np.ndarray, seq_len: int, batch_size: int,
-                 device: torch.device) -> tuple[float, float]:
+                 device: torch.device, dtype: str = "auto") -> tuple[float, float]:
     """(bits per byte, tokens per second) over `data` in non-overlapping windows of seq_len."""
     windows = SequentialWindows(data, batch_size, seq_len)
     start = time.perf_counter()
-    nats, count = summed_loss(model, windows, device)
+    nats, count = summed_loss(model, windows, device, dtype)
     seconds = time.perf_counter() - start
     assert count == windows.num_targets, "every byte after the first is predicted exactly once"
     return bits_per_byte(nats / count), count / seconds
 
 
 def bpc_table(model: ByteLM, data: np.ndarray, seq_lens: list[int], batch_size: int,
-              device: torch.device) -> list[tuple[int, float, float]]:
+              device: torch.device, dtype: str = "auto") -> list[tuple[int, float, float]]:
     """Print and return (seq_len, bpc, tokens/s) rows; nan where learned positions cannot reach."""
     print(f"{'seq_len':>8}  {'bpc':>8}  {'tokens/s':>10}", flush=True)
     rows, trained = [], model.config.seq_len
@@ -105,7 +107,7 @@ def bpc_table(model: ByteLM, data: np.ndarray, seq_lens: list[int], batch_size: 
             print(f"{seq_len:>8}  {'n/a':>8}  learned absolute positions cover {trained} bytes only")
             rows.append((seq_len, float("nan"), float("nan")))
             continue
-        bpc, rate = evaluate_bpc(model, data, seq_len, batch_size, device)
+        bpc, rate = evaluate_bpc(model, data, seq_len, batch_size, device, dtype)
         print(f"{seq_len:>8}  {bpc:>8.4f}  {rate:>10,.0f}", flush=True)
         rows.append((seq_len, bpc, rate))
     return rows
@@ -116,7 +118,7 @@ def sample_text(model: ByteLM, args: argparse.Namespace, device: torch.device) -
     if len(prompt) == 0:
         raise ValueError("--generate needs a non-empty prompt")
     generator = torch.Generator(device).manual_seed(args.seed)
-    with autocast(device):
+    with autocast(device, args.dtype):
         new = model.generate(prompt.to(device), args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k, generator=generator)
     return args.generate + decode_bytes(new)
@@ -135,6 +137,13 @@ def import_recorded(checkpoint: dict[str, Any], path: Path) -> None:
     except UsageError as error:
         raise CheckpointError(f"{path} needs feature map {model['feature_map']!r} from its recorded imports, "
                               f"which failed: {error}; pass --import MODULE_OR_FILE to give its new place") from None
+
+
+def recorded_dtype(checkpoint: dict[str, Any]) -> str:
+    """The precision the run trained in (checkpoints from before --dtype ran as its default, auto)."""
+    run = checkpoint["config"].get("run")
+    dtype = run.get("dtype", "auto") if isinstance(run, dict) else "auto"
+    return dtype if dtype in DTYPES else "auto"
 
 
 def recorded_data_dir(checkpoint: dict[str, Any]) -> str:
@@ -165,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         import_recorded(checkpoint, path)
         model = model_from_checkpoint(checkpoint, path).to(device).eval()
         config = model.config
+        args.dtype = args.dtype or recorded_dtype(checkpoint)
+        resolve_dtype(args.dtype, device)
         print(f"checkpoint: {path} (step {checkpoint['step']}, {config.variant}, "
               f"{model.num_parameters():,} parameters, trained at seq_len {config.seq_len})")
         if args.generate is not None:
@@ -175,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         data = split.data[:args.max_bytes] if args.max_bytes else split.data
         print(f"data: {split.description} from {data_dir}, {args.split} split, "
               f"{len(data):,} of {len(split):,} bytes")
-        bpc_table(model, data, args.seq_len or [config.seq_len], args.batch_size, device)
+        bpc_table(model, data, args.seq_len or [config.seq_len], args.batch_size, device, args.dtype)
         print(format_reference(reference_bpc(data_dir, args.split, max_bytes=args.max_bytes)))
     except (CheckpointError, DataError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

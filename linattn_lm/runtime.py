@@ -58,11 +58,38 @@ def resolve_device(name: str | None) -> torch.device:
     return device
 
 
-def autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA; full float32 on CPU (CPU bf16 is slow and changes results)."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = ("auto", *PRECISIONS)   # the --dtype choices
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The autocast dtype of --dtype `name` on `device`.  auto: bf16 on CUDA, float32 elsewhere (on
+    CPU bf16 autocast works but is slower, and it changes results)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in PRECISIONS:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return PRECISIONS[name]
+
+
+def autocast(device: torch.device, dtype: str = "auto") -> contextlib.AbstractContextManager:
+    """Autocast to --dtype's precision (`resolve_dtype`); nothing for fp32.  The attention kernels
+    compute in float32 whatever autocast says, and return the input dtype."""
+    precision = resolve_dtype(dtype, device)
+    if precision == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=precision)
+
+
+def precision_name(dtype: str, device: torch.device) -> str:
+    """What --dtype means on `device`, for the logs: 'fp32', 'bf16 autocast', 'fp16 autocast + loss scaling'."""
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocast + loss scaling"}
+    return names[resolve_dtype(dtype, device)]
+
+
+def gradient_scaler(device: torch.device, dtype: str) -> torch.amp.GradScaler:
+    """A loss scaler for fp16 (its gradients underflow without one); disabled, a no-op, otherwise."""
+    return torch.amp.GradScaler(device.type, enabled=resolve_dtype(dtype, device) == torch.float16)
 
 
 def release_free_memory() -> None:
@@ -97,7 +124,7 @@ def peak_memory_mb(device: torch.device) -> float:
 
 @torch.no_grad()
 def summed_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                device: torch.device) -> tuple[float, int]:
+                device: torch.device, dtype: str = "auto") -> tuple[float, int]:
     """(total next-byte loss in nats, number of predicted bytes) over (x, y) batches, in eval mode."""
     was_training = model.training
     model.eval()
@@ -106,7 +133,7 @@ def summed_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, to
     try:
         for x, y in batches:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with autocast(device):
+            with autocast(device, dtype):
                 logits = model(x)
             total += lm_loss(logits, y, reduction="sum").double()
             count += y.numel()

@@ -32,8 +32,8 @@ from .cli import (EXIT_ERROR, EXIT_USAGE, Parser, UsageError, add_config_flags, 
 from .config import TrainConfig, config_differences, config_from_flags
 from .data import DataError, RandomWindows, load_split
 from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss
-from .runtime import (WriteFailed, autocast, decode_bytes, keep_freed_memory, peak_memory_mb, release_free_memory,
-                      reset_peak_memory, resolve_device, summed_loss)
+from .runtime import (WriteFailed, autocast, decode_bytes, gradient_scaler, keep_freed_memory, peak_memory_mb,
+                      precision_name, release_free_memory, reset_peak_memory, resolve_device, summed_loss)
 
 SAMPLE_PROMPT_BYTES = 128
 SAMPLE_NEW_BYTES = 256
@@ -273,7 +273,7 @@ def evaluate(model: torch.nn.Module, val: RandomWindows, config: TrainConfig, ct
     """Validation bpc on eval_iters fixed batches: the same windows at every evaluation and, with
     the same seed, for every variant.  Each rank takes its share; the sums are combined."""
     batches = (val.batch_at(i) for i in range(config.log.eval_iters))
-    nats, count = summed_loss(model, batches, ctx.device)
+    nats, count = summed_loss(model, batches, ctx.device, config.run.dtype)
     totals = ctx.sum(torch.tensor([nats, count], dtype=torch.float64, device=ctx.device))
     return bits_per_byte((totals[0] / totals[1]).item())
 
@@ -287,9 +287,10 @@ def sample_prompt(val: np.ndarray, config: TrainConfig) -> tuple[torch.Tensor, i
     return torch.from_numpy(val[:prompt_len].astype(np.int64)), min(new_bytes, SAMPLE_NEW_BYTES)
 
 
-def text_sample(model: ByteLM, prompt: torch.Tensor, new_bytes: int, seed: int, device: torch.device) -> str:
+def text_sample(model: ByteLM, prompt: torch.Tensor, new_bytes: int, seed: int, device: torch.device,
+                dtype: str = "auto") -> str:
     generator = torch.Generator(device).manual_seed(seed)
-    with autocast(device):
+    with autocast(device, dtype):
         new = model.generate(prompt.to(device), new_bytes, temperature=1.0, generator=generator)
     indent = lambda text: "    " + text.replace("\n", "\n    ")   # markdown code block, any content
     return f"prompt:\n\n{indent(decode_bytes(prompt))}\n\nsample:\n\n{indent(decode_bytes(new))}"
@@ -355,6 +356,7 @@ class Trainer:
         torch.manual_seed(config.model.seed)   # identical initial weights on every rank
         self.model = ByteLM(config.model).to(self.device)
         self.optimizer = make_optimizer(self.model, config, self.device)
+        self.scaler = gradient_scaler(self.device, config.run.dtype)
         self.stats, self.step, self.saved_step = RunStats(), 0, None
         self.loss_sum, self.loss_count = torch.zeros((), device=self.device), 0
         if checkpoint is None:
@@ -367,6 +369,8 @@ class Trainer:
                                       f"again, more to go on, or another --run-name")
             load_state(path, "model", lambda: self.model.load_state_dict(checkpoint["model"]))
             load_state(path, "optimizer", lambda: self.optimizer.load_state_dict(checkpoint["optimizer"]))
+            if checkpoint.get("scaler"):   # fp16 runs save their loss scale (checkpoints before --dtype: none)
+                load_state(path, "scaler", lambda: self.scaler.load_state_dict(checkpoint["scaler"]))
             load_state(path, "loader", lambda: self.train_batches.load_state_dict(checkpoint["loader"]))
             load_state(path, "rng", lambda: restore_rng(checkpoint["rng"], ctx, config.model.seed))
             load_state(path, "stats", lambda: setattr(self, "stats", RunStats.from_state(checkpoint["stats"])))
@@ -380,7 +384,7 @@ class Trainer:
         model = config.model
         self.log(f"model: {model.variant}, {self.model.num_parameters():,} parameters, {model.n_layer} "
                  f"layers x {model.d_model} wide, {model.n_head} heads; device {self.device}, "
-                 f"{ctx.world_size} process(es)")
+                 f"{ctx.world_size} process(es), {precision_name(config.run.dtype, self.device)}")
 
     def _restore_log_window(self, window: dict[str, Any]) -> None:
         """Each rank's open loss sum (log_train adds them up); a job of another size splits their
@@ -416,14 +420,19 @@ class Trainer:
             group["lr"] = learning_rate(self.step, self.config)
         x, y = (t.to(self.device, non_blocking=True) for t in next(self.train_batches))
         compute_start = time.perf_counter()
-        with autocast(self.device):
+        with autocast(self.device, self.config.run.dtype):
             loss = lm_loss(self.trainable(x), y)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.grad_clip or math.inf)
-        if self.ctx.any(~(torch.isfinite(loss) & torch.isfinite(grad_norm))):
+        # fp16: a gradient that overflowed the loss scale is expected now and then; the scaler skips
+        # that step and lowers the scale.  Without a scaler it means divergence.
+        gradient_ok = torch.isfinite(grad_norm) | torch.tensor(self.scaler.is_enabled(), device=self.device)
+        if self.ctx.any(~(torch.isfinite(loss) & gradient_ok)):
             raise self.diverged(f"loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g} (non-finite)")
-        self.optimizer.step()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
         if self.ctx.any(~torch.stack([p.isfinite().all() for p in self.model.parameters()]).all()):
             raise self.diverged("the optimiser step made weights non-finite")
         if self.device.type == "cuda":
@@ -470,14 +479,16 @@ class Trainer:
             self.log(f"step {step}/{config.optim.steps} | val bpc {val_bpc:.4f}"
                      + (f" | {speed:,.0f} tokens/s" if math.isfinite(speed) else ""))
         if self.writer and config.log.sample_interval and step % config.log.sample_interval == 0:
-            sample = text_sample(self.model, self.prompt, self.sample_bytes, config.model.seed, self.device)
+            sample = text_sample(self.model, self.prompt, self.sample_bytes, config.model.seed, self.device,
+                                 config.run.dtype)
             self.writer.add_text("sample", sample, step)
 
     def save(self) -> None:
         """Model, optimiser, data position, every rank's RNG, the counters and the open log window."""
         self.stats.peak_memory_mb = max(self.stats.peak_memory_mb, peak_memory_mb(self.device))
         payload = dict(config=asdict(self.config), step=self.step, model=self.model.state_dict(),
-                       optimizer=self.optimizer.state_dict(), loader=self.train_batches.state_dict(),
+                       optimizer=self.optimizer.state_dict(), scaler=self.scaler.state_dict(),
+                       loader=self.train_batches.state_dict(),
                        rng=self.ctx.gather(rng_states(self.device)), stats=asdict(self.stats), data=self.data,
                        log_window={"loss_sums": self.ctx.gather(self.loss_sum.cpu().clone()),
                                    "count": self.loss_count})

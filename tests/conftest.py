@@ -4,6 +4,7 @@ import gzip
 import importlib.util
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,9 @@ import torch
 # switch when it decorates, so it is set here, before any test module can import the kernels.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Autotuning results go to Triton's disk cache, so a kernel autotunes once for every process of the
+# session (the benchmark tests run each config in a fresh process) and not again in later sessions.
+os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = REPO_ROOT / "data" / "enwik8" / "enwik8-sample.gz"   # bundled with the repository
@@ -29,7 +33,8 @@ def _seed_and_threads():
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` need CUDA: skipped here, run whenever a GPU is lent."""
     if torch.cuda.is_available():
-        return
+        items.sort(key=lambda item: "gpu" not in item.keywords)   # the GPU tests first, so their
+        return                                                     # progress lines come together
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
@@ -50,3 +55,41 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     spec.loader.exec_module(prepare)
     prepare.prepare(out_dir, source=raw, allow_noncanonical=True, log=lambda message: None)
     return out_dir
+
+
+def say(config: pytest.Config, line: str) -> None:
+    """A line on the terminal now, whatever pytest captures (progress of long GPU tests)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.ensure_newline()
+        reporter.write_line(line, flush=True)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """On a GPU, each gpu test announces itself before it runs: its first kernel launches compile
+    (and fla's autotune), which took minutes in silence."""
+    if "gpu" in item.keywords and torch.cuda.is_available():
+        say(item.config, f"[gpu] {item.nodeid} ...")
+
+
+@pytest.fixture(scope="session")
+def fla_autotuned(request: pytest.FixtureRequest) -> None:
+    """flash-linear-attention's chunk kernel, autotuned once for the session at the shapes the
+    benchmark tests run it at (n = 256 and 512, fp32 and bf16), with a line that says so: its first
+    call autotunes for about 90 s.  Without CUDA or fla, nothing (those tests skip)."""
+    if not torch.cuda.is_available() or importlib.util.find_spec("fla") is None:
+        return
+    from benchmarks.methods import Shape, build_attention, make_inputs, method_table
+    fla_chunk = next(method for method in method_table(("auto",)) if method.name == "fla-chunk")
+    say(request.config, "[gpu] autotuning flash-linear-attention's chunk kernel once for the session "
+                        "(about 90 s the first time; Triton's disk cache keeps it) ...")
+    started = time.perf_counter()
+    cuda, shape = torch.device("cuda"), Shape()
+    attend = build_attention(fla_chunk, shape, cuda, causal=True, chunk_size=64)
+    for n in (256, 512):
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, v, _ = make_inputs(shape, n, cuda, dtype)
+            with torch.no_grad():
+                attend(q, k, v)
+    torch.cuda.synchronize()
+    say(request.config, f"[gpu] fla autotuned in {time.perf_counter() - started:.0f} s")

@@ -44,7 +44,7 @@ def test_bad_input_to_the_command_is_one_line_and_exit_2(tmp_path):
 
 
 @pytest.mark.gpu
-def test_cuda_path_measures_with_events_and_max_memory_allocated(tmp_path):
+def test_cuda_path_measures_with_events_and_max_memory_allocated(tmp_path, fla_autotuned):
     out = tmp_path / "bench-gpu"
     results = main(["--device", "cuda", "--sections", "attention", "--lengths", "256,512", "--dtypes", "fp32,bf16",
                     "--backends", "torch,triton", "--methods", "sdpa*,xformers,favor-post*,fla-chunk",

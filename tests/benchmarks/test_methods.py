@@ -47,8 +47,10 @@ def test_methods_that_cannot_run_here_say_what_they_need(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["sdpa-flash", "xformers", "fla-chunk", "favor-post-triton"])
-def test_cuda_peers_match_their_cpu_definition(name):
+def test_cuda_peers_match_their_cpu_definition(name, request):
     cuda = torch.device("cuda")
+    if name == "fla-chunk":
+        request.getfixturevalue("fla_autotuned")
     if unavailable(METHODS[name], cuda):
         pytest.skip(unavailable(METHODS[name], cuda))
     reference = {"sdpa-flash": "sdpa", "xformers": "sdpa", "fla-chunk": "favor-post",
