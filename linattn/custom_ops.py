@@ -29,7 +29,7 @@ from .ops.linear_attention.recurrent import LinearState
 # Where the forward op's tensors are among its 19 arguments: q, q_weight, q_shift, k, k_weight, k_shift, v
 # (the rest are numbers and flags, which take no gradient).
 TENSOR_ARGUMENTS = (0, 1, 2, 5, 6, 7, 10)
-ARGUMENTS = 19
+ARGUMENTS = 20
 
 
 def _split(x) -> tuple:
@@ -49,12 +49,14 @@ def _join(inputs, weight, shift, shift_value, square_scale):
 
 
 def _compute(q, q_weight, q_shift, q_shift_value, q_square, k, k_weight, k_shift, k_shift_value, k_square, v,
-             causal, rotary, offset, chunk_size, rope_base, return_state, backend, log_space):
+             causal, rotary, offset, chunk_size, rope_base, return_state, backend, log_space,
+             nonnegative_features=False):
     from . import functional   # functional imports this module
     return functional.compute_linear_attention(
         _join(q, q_weight, q_shift, q_shift_value, q_square), _join(k, k_weight, k_shift, k_shift_value, k_square),
         v, causal=causal, rotary=rotary, offset=offset, chunk_size=chunk_size, rope_base=rope_base,
-        return_state=return_state, backend=backend, log_space=log_space)
+        return_state=return_state, backend=backend, log_space=log_space,
+        nonnegative_features=nonnegative_features)
 
 
 @torch.library.custom_op("linattn::linear_attention", mutates_args=())
@@ -62,7 +64,7 @@ def linear_attention_op(q: torch.Tensor, q_weight: Optional[torch.Tensor], q_shi
                         q_shift_value: float, q_square: float, k: torch.Tensor, k_weight: Optional[torch.Tensor],
                         k_shift: Optional[torch.Tensor], k_shift_value: float, k_square: float, v: torch.Tensor,
                         causal: bool, rotary: bool, offset: int, chunk_size: int, rope_base: float,
-                        return_state: bool, backend: str, log_space: bool
+                        return_state: bool, backend: str, log_space: bool, nonnegative_features: bool
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, kv, k_sum, log_scale): the state's tensors are empty without return_state, and
     log_scale is empty from plain features.  Outputs are made contiguous: the fake promises that, and
@@ -70,7 +72,7 @@ def linear_attention_op(q: torch.Tensor, q_weight: Optional[torch.Tensor], q_shi
     with torch.no_grad():
         result = _compute(q, q_weight, q_shift, q_shift_value, q_square, k, k_weight, k_shift, k_shift_value,
                           k_square, v, causal, rotary, offset, chunk_size, rope_base, return_state, backend,
-                          log_space)
+                          log_space, nonnegative_features)
     out, state = result if return_state else (result, None)
     if state is None:
         return out.contiguous(), v.new_empty(0), v.new_empty(0), v.new_empty(0)
@@ -86,7 +88,7 @@ def _state_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
 
 @linear_attention_op.register_fake
 def _(q, q_weight, q_shift, q_shift_value, q_square, k, k_weight, k_shift, k_shift_value, k_square, v,
-      causal, rotary, offset, chunk_size, rope_base, return_state, backend, log_space):
+      causal, rotary, offset, chunk_size, rope_base, return_state, backend, log_space, nonnegative_features):
     out = v.new_empty(v.shape)
     if not return_state:
         return out, v.new_empty(0), v.new_empty(0), v.new_empty(0)
@@ -112,7 +114,7 @@ def linear_attention_backward_op(grad: torch.Tensor, q: torch.Tensor, q_weight: 
     wanted = [t for t, need in zip(leaves, needs) if need]
 
     def gradients():
-        with torch.enable_grad():
+        with torch.enable_grad():   # the forward already checked the features' signs
             out = _compute(lq, lqw, lqs, q_shift_value, q_square, lk, lkw, lks, k_shift_value, k_square, lv,
                            causal, rotary, offset, chunk_size, rope_base, False, backend, log_space)
             return torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ()
@@ -187,12 +189,13 @@ linear_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rotary: bool, offset: int, chunk_size: int,
-                     rope_base: float, return_state: bool, backend: str, log_space: bool):
+                     rope_base: float, return_state: bool, backend: str, log_space: bool,
+                     nonnegative_features: bool):
     """`functional.linear_attention`'s computation through the custom op (its arguments checked):
     the output, and with return_state the `LinearState` rebuilt from the op's tensors."""
     out, kv, k_sum, log_scale = linear_attention_op(
         *_split(phi_q), *_split(phi_k), v, causal, rotary, offset, chunk_size, float(rope_base), return_state,
-        backend, log_space)
+        backend, log_space, nonnegative_features)
     if not return_state:
         return out
     return out, LinearState(kv, k_sum, offset + v.shape[-2], log_scale if log_space else None)

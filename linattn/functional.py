@@ -72,14 +72,16 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     if return_state and not causal:
         raise ValueError("return_state=True needs causal=True: a non-causal pass has no decoding state")
     options = dict(causal=causal, rotary=rotary, offset=offset, chunk_size=chunk_size, rope_base=rope_base,
-                   return_state=return_state, backend=backend, log_space=log_space)
+                   return_state=return_state, backend=backend, log_space=log_space,
+                   nonnegative_features=nonnegative_features)
     if torch.compiler.is_compiling():   # one opaque op: the computation below branches on the data
         return custom_ops.linear_attention(phi_q, phi_k, v, **options)
     return compute_linear_attention(phi_q, phi_k, v, **options)
 
 
 def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rotary: bool, offset: int,
-                             chunk_size: int, rope_base: float, return_state: bool, backend: str, log_space: bool):
+                             chunk_size: int, rope_base: float, return_state: bool, backend: str, log_space: bool,
+                             nonnegative_features: bool = True):
     """`linear_attention` after its argument checks: the data's checks, the backend's choice and its
     computation.  What the custom op `linattn::linear_attention` runs under torch.compile."""
     if log_space:

@@ -137,7 +137,7 @@ def _op_arguments(backend: str, projected: bool, return_state: bool):
     for t in (*q_parts, *k_parts, v):
         if isinstance(t, torch.Tensor):
             t.requires_grad_()
-    return (*q_parts, *k_parts, v, True, True, 3, 4, 10000.0, return_state, backend, True)
+    return (*q_parts, *k_parts, v, True, True, 3, 4, 10000.0, return_state, backend, True, True)
 
 
 @pytest.mark.parametrize("backend,projected", [("torch", False), ("torch", True), ("cpp", False), ("cpp", True)])
