@@ -9,8 +9,8 @@ from .rotary import apply_rotary
 __version__ = "0.1.0"
 
 __all__ = [
-    "EluFeatureMap", "FavorFeatureMap", "FeatureMap", "HedgehogFeatureMap", "KVCache", "LinearAttention", "LinearState",
-    "ROPE_PLACEMENTS", "SoftmaxAttention", "SoftmaxFeatureMap", "TaylorFeatureMap", "apply_rotary",
+    "EluFeatureMap", "FavorFeatureMap", "FeatureMap", "HedgehogFeatureMap", "KVCache", "LinearAttention",
+    "LinearState", "ROPE_PLACEMENTS", "SoftmaxAttention", "SoftmaxFeatureMap", "TaylorFeatureMap", "apply_rotary",
     "available_feature_maps", "functional", "linear_attention", "linear_attention_reference",
     "linear_attention_step", "make_feature_map", "register_feature_map",
 ]

@@ -8,9 +8,10 @@ splits, and compare them with error bars (`python grid.py`).
     tensorboard --logdir runs/grid-cpu
 
 Variants: softmax-rope, softmax-abs, softmax-none, softmax-rope-abs and linear-<map>-<post|pre|none>
-for every registered feature map (--import registers more), optionally with -abs, and optionally with
-feature-map options after '+', e.g. linear-favor-post+redraw_interval=250: a variant that differs
-from another in one factor only (the RoPE placement, learned positions, or one option) is compared
+for every registered feature map (--import registers more), optionally with -rmsnorm (normalization
+rmsnorm) and -abs, in that order, and optionally with feature-map options after '+', e.g.
+linear-favor-post-rmsnorm, linear-favor-post+redraw_interval=250: a variant that differs from another
+in one factor only (the RoPE placement, the normalization, learned positions, or one option) is compared
 with it seed by seed.  Every seed trains every variant (seed-major order, so each finished seed adds a
 complete paired comparison); a seed fixes the initial weights, the data order and the FAVOR+ draws,
 the same for every variant.

@@ -119,9 +119,9 @@ def make_optimizer(model: ByteLM, config: TrainConfig, device: torch.device) -> 
     attention, instead of toward their identity-like initialisation."""
     feature_map_params = {id(p) for fm in model.feature_maps() for p in fm.parameters()}
     params = [p for p in model.parameters() if p.requires_grad]
-    decays = [p.dim() >= 2 and id(p) not in feature_map_params for p in params]
-    groups = [{"params": [p for p, decay in zip(params, decays) if decay], "weight_decay": config.optim.weight_decay},
-              {"params": [p for p, decay in zip(params, decays) if not decay], "weight_decay": 0.0}]
+    decays = {id(p): p.dim() >= 2 and id(p) not in feature_map_params for p in params}
+    groups = [{"params": [p for p in params if decays[id(p)]], "weight_decay": config.optim.weight_decay},
+              {"params": [p for p in params if not decays[id(p)]], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=config.optim.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 

@@ -114,7 +114,8 @@ def check_nonnegative(phi_q: torch.Tensor, phi_k: torch.Tensor) -> None:
         if t.numel() and (low := t.detach().amin()) < 0:
             raise ValueError(f"{name} has negative entries (min {low.item():.3g}); linear attention needs "
                              f"non-negative features, since the denominator is a sum of phi_q . phi_k: "
-                             f"use a feature map such as elu(x)+1 or favor")
+                             f"use a feature map such as elu(x)+1 or favor (or, for features whose kernel "
+                             f"phi_q . phi_k is positive by construction, pass nonnegative_features=False)")
 
 
 def check_feature_kind(log_space: bool, nonnegative_features: bool) -> None:

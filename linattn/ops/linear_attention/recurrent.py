@@ -7,7 +7,8 @@ import torch
 
 from ...rotary import DEFAULT_BASE, apply_rotary
 from ...checks import check_rope_base, check_state_position, check_state_tensors
-from .common import check_feature_kind, check_features, check_nonnegative, compute_dtype, divide, finite_log_features
+from .common import (check_feature_kind, check_features, check_nonnegative, compute_dtype, divide,
+                     finite_log_features)
 from .stable import numerator_query, numerator_scale
 
 
