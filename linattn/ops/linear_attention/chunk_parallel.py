@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from ...rotary import DEFAULT_BASE
 from .common import output_gradients
@@ -47,6 +48,10 @@ from .recurrent import LinearState
 CHUNK = 64          # tokens per chunk (BT); a power of two of at least 16 (tl.dot's minimum)
 FEATURE_TILE = 64   # largest feature tile (BK)
 VALUE_TILE = 64     # largest value tile (BV)
+# Largest (feature, value) tiles per level, tried in order until a call's kernels fit the GPU's shared
+# memory per block (`_launch_fitting`); tiles only change the rounding.  Level 0 needs at most 165 KB
+# on sm_90 in float32 (H100: 227 KB), compiled without a GPU by tests/linattn/ops/compile_kernels.py.
+TILE_LEVELS = ((FEATURE_TILE, VALUE_TILE), (32, 32), (16, 16))
 GUARD = tl.constexpr(torch.finfo(torch.float32).tiny ** 0.5)   # common.divide's clamp
 
 
@@ -258,13 +263,14 @@ def _dv_kernel(q_ptr, k_ptr, g_ptr, turns_ptr, dh_ptr, dv_ptr, N, M, DV,
 class _Shapes:
     """Sizes, tiles and dot settings of a call on (B, H, N, M) features and (B, H, N, Dv) values."""
 
-    def __init__(self, q: torch.Tensor, v: torch.Tensor, chunk: int):
+    def __init__(self, q: torch.Tensor, v: torch.Tensor, chunk: int, level: int = 0):
         self.batch_heads, self.n, self.m = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
         if self.batch_heads > MAX_GRID_Z:
             raise ValueError(f"backend='triton' takes at most {MAX_GRID_Z:,} batch x heads per call (CUDA's "
                              f"grid limit), got {q.shape[0]} x {q.shape[1]}; split the batch or use backend='torch'")
         self.dv = v.shape[-1]
-        self.bt, self.bk, self.bv = chunk, _tile_size(self.m, FEATURE_TILE), _tile_size(self.dv, VALUE_TILE)
+        feature_tile, value_tile = TILE_LEVELS[level]
+        self.bt, self.bk, self.bv = chunk, _tile_size(self.m, feature_tile), _tile_size(self.dv, value_tile)
         self.n_t, self.n_k, self.n_v = (triton.cdiv(a, b) for a, b in
                                         ((self.n, self.bt), (self.m, self.bk), (self.dv, self.bv)))
         self.dot, self.precision = _dot_settings(q.dtype)
@@ -292,15 +298,40 @@ def _states(q, k, v, turns, shapes: _Shapes, rotary: bool, want_state: bool):
     return h, z, kv, k_sum
 
 
+_FITTING_LEVEL: dict = {}   # (pass, rotary, device, dtype) -> the first level whose tiles fitted
+
+
+def _launch_fitting(key: tuple, run_at_level):
+    """run_at_level(level) runs a pass's kernels with TILE_LEVELS[level]'s tiles.  Triton raises
+    OutOfResources when a kernel needs more shared memory per block than the GPU has (an RTX 30xx
+    or L4 has 99 KB): the next level is tried, and the one that fits is remembered."""
+    level = _FITTING_LEVEL.get(key, 0)
+    while True:
+        try:
+            result = run_at_level(level)
+        except OutOfResources as error:
+            if level + 1 == len(TILE_LEVELS):
+                raise RuntimeError(f"linattn's chunk-parallel kernels do not fit this GPU even with their "
+                                   f"smallest tiles ({error}); use backend='torch'") from None
+            level += 1
+            continue
+        _FITTING_LEVEL[key] = level
+        return result
+
+
 class _ChunkParallelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, turns, rotary, chunk, want_state):
-        shapes = _Shapes(q, v, chunk)
-        h, z, kv, k_sum = _states(q, k, v, turns, shapes, rotary, want_state)
-        out = torch.empty_like(v)
-        den = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        _output_kernel[(shapes.n_v, shapes.n_t, shapes.batch_heads)](
-            q, k, v, turns, h, z, out, den, *shapes.args(), **shapes.constants(rotary))
+        def at_level(level):
+            shapes = _Shapes(q, v, chunk, level)
+            h, z, kv, k_sum = _states(q, k, v, turns, shapes, rotary, want_state)
+            out = torch.empty_like(v)
+            den = q.new_empty(q.shape[:-1], dtype=torch.float32)
+            _output_kernel[(shapes.n_v, shapes.n_t, shapes.batch_heads)](
+                q, k, v, turns, h, z, out, den, *shapes.args(), **shapes.constants(rotary))
+            return out, den, kv, k_sum
+
+        out, den, kv, k_sum = _launch_fitting(("forward", rotary, q.device, q.dtype), at_level)
         ctx.save_for_backward(q, k, v, out, den, turns)
         ctx.rotary, ctx.chunk = rotary, chunk
         ctx.mark_non_differentiable(kv, k_sum)
@@ -310,18 +341,23 @@ class _ChunkParallelAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad, _d_kv, _d_k_sum):
         q, k, v, out, den, turns = ctx.saved_tensors
-        shapes = _Shapes(q, v, ctx.chunk)
-        constants = shapes.constants(ctx.rotary)
         g, gd = (t.contiguous() for t in output_gradients(grad.float(), out.float(), den))
-        h, z, _, _ = _states(q, k, v, turns, shapes, ctx.rotary, want_state=False)
-        dh, dz = shapes.chunk_states(q)
-        _dstate_kernel[(shapes.n_k, shapes.n_v, shapes.batch_heads)](
-            q, g, gd, turns, dh, dz, *shapes.args(), **constants)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _dqk_kernel[(shapes.n_k, shapes.n_t, shapes.batch_heads)](
-            q, k, v, g, gd, turns, h, z, dh, dz, dq, dk, *shapes.args(), **constants)
-        _dv_kernel[(shapes.n_v, shapes.n_t, shapes.batch_heads)](
-            q, k, g, turns, dh, dv, *shapes.args(), **constants)
+
+        def at_level(level):
+            shapes = _Shapes(q, v, ctx.chunk, level)
+            constants = shapes.constants(ctx.rotary)
+            h, z, _, _ = _states(q, k, v, turns, shapes, ctx.rotary, want_state=False)
+            dh, dz = shapes.chunk_states(q)
+            _dstate_kernel[(shapes.n_k, shapes.n_v, shapes.batch_heads)](
+                q, g, gd, turns, dh, dz, *shapes.args(), **constants)
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            _dqk_kernel[(shapes.n_k, shapes.n_t, shapes.batch_heads)](
+                q, k, v, g, gd, turns, h, z, dh, dz, dq, dk, *shapes.args(), **constants)
+            _dv_kernel[(shapes.n_v, shapes.n_t, shapes.batch_heads)](
+                q, k, g, turns, dh, dv, *shapes.args(), **constants)
+            return dq, dk, dv
+
+        dq, dk, dv = _launch_fitting(("backward", ctx.rotary, q.device, q.dtype), at_level)
         return dq, dk, dv, None, None, None, None
 
 
