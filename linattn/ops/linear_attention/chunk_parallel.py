@@ -1,6 +1,6 @@
-"""Chunk-parallel Triton kernels for causal Eq. 19 from plain features (flash-linear-attention's
+"""Chunk-parallel Triton kernels for Eq. 19 from plain features, causal or not (flash-linear-attention's
 two-pass chunk algorithm, as in fla/ops/common/chunk_h.py and chunk_o.py), with the rotation and
-the unrotated denominator fused.
+the unrotated denominator fused.  The triton backend's path for plain features (functional.py).
 
 With chunks of BT tokens, S_t = sum_{n before chunk t} (R_n k_n) v_n^T (M x Dv) and
 z_t = sum_{n before chunk t} k_n (M), the output of row m of chunk t is
@@ -29,8 +29,12 @@ states, N/BT x M x Dv, live only inside forward or backward.
 
 bf16 inputs multiply in bf16 and keep the states in bf16 between the passes, as fla does; fp32 and
 fp16 inputs multiply as float32 (3xTF32), since the states and scores cast to fp16 could overflow
-(fused.py's `_dot_settings`, which also keeps the interpreter in float32).  This module covers the
-causal plain path; non-causal and log-space calls take fused.py's kernels.
+(fused.py's `_dot_settings`, which also keeps the interpreter in float32).
+
+Without `causal`, the states kernel sums the whole sequence's S and z (one per batch x head), the
+output pass reads them in every chunk (num = R q S, den = q . z: no scores), the reverse pass sums
+dS and dz over every row, and the gradient kernels read those.  This module covers plain features;
+log-space calls take fused.py's kernels.
 """
 from __future__ import annotations
 
@@ -62,11 +66,22 @@ def _unrotate(x, cos, sin, BT: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
+def _read_offset(i_bh, t, n_chunks, size, CAUSAL: tl.constexpr):
+    """Where the state that chunk t reads starts: its own S_t when causal, else the one state of the
+    whole sequence of (batch, head) i_bh; `size` is one state's."""
+    offset = i_bh * size
+    if CAUSAL:
+        offset = (i_bh * n_chunks + t) * size
+    return offset
+
+
+@triton.jit
 def _states_kernel(k_ptr, v_ptr, turns_ptr, h_ptr, z_ptr, kv_ptr, k_sum_ptr, N, M, DV,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ROTARY: tl.constexpr,
-                   STATE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """h[t] = S_t (BK x BV tile) and z[t] = z_t (BK, written by the first value tile's programs) for
-    every chunk t; with STATE also the state after the last token (LinearState's kv, k_sum)."""
+                   CHUNKS: tl.constexpr, STATE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """With CHUNKS, h[t] = S_t (BK x BV tile) and z[t] = z_t (BK, written by the first value tile's
+    programs) for every chunk t; with STATE the state after the last token (LinearState's kv, k_sum,
+    and the whole sequence's state without `causal`)."""
     i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     n_chunks = tl.cdiv(N, BT)
     k_ptr += i_bh * N * M
@@ -78,12 +93,14 @@ def _states_kernel(k_ptr, v_ptr, turns_ptr, h_ptr, z_ptr, kv_ptr, k_sum_ptr, N, 
     state = tl.zeros((BK, BV), dtype=tl.float32)
     k_sum = tl.zeros((BK,), dtype=tl.float32)
     for t in range(n_chunks):
-        _store(h_ptr + t * M * DV, state, k_cols, v_cols, k_cols < M, DV, DV)
+        if CHUNKS:
+            _store(h_ptr + t * M * DV, state, k_cols, v_cols, k_cols < M, DV, DV)
         rows = t * BT + tl.arange(0, BT)
         k = _tile(k_ptr, rows, k_cols, N, M, M)
         v = _tile(v_ptr, rows, v_cols, N, DV, DV)
         if i_v == 0:
-            tl.store(z_ptr + t * M + k_cols, k_sum, mask=k_cols < M)
+            if CHUNKS:
+                tl.store(z_ptr + t * M + k_cols, k_sum, mask=k_cols < M)
             k_sum += tl.sum(k, 0)
         if ROTARY:
             cos, sin = _phases(turns_ptr, t * BT, i_k, M // 2, BT, BK)
@@ -98,15 +115,16 @@ def _states_kernel(k_ptr, v_ptr, turns_ptr, h_ptr, z_ptr, kv_ptr, k_sum_ptr, N, 
 @triton.jit
 def _output_kernel(q_ptr, k_ptr, v_ptr, turns_ptr, h_ptr, z_ptr, out_ptr, den_ptr, N, M, DV,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ROTARY: tl.constexpr,
-                   DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """out = num / den for one chunk and value tile; den is written by the first value tile."""
+                   CAUSAL: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """out = num / den for one chunk and value tile; den is written by the first value tile.  Without
+    `causal` every row reads the whole sequence's state: num = R q S, den = q . z."""
     i_v, t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     n_chunks = tl.cdiv(N, BT)
     q_ptr += i_bh * N * M
     k_ptr += i_bh * N * M
     v_ptr += i_bh * N * DV
-    h_ptr += (i_bh * n_chunks + t) * M * DV
-    z_ptr += (i_bh * n_chunks + t) * M
+    h_ptr += _read_offset(i_bh, t, n_chunks, M * DV, CAUSAL)
+    z_ptr += _read_offset(i_bh, t, n_chunks, M, CAUSAL)
     rows = t * BT + tl.arange(0, BT)
     v_cols = i_v * BV + tl.arange(0, BV)
     num = tl.zeros((BT, BV), dtype=tl.float32)
@@ -120,19 +138,22 @@ def _output_kernel(q_ptr, k_ptr, v_ptr, turns_ptr, h_ptr, z_ptr, out_ptr, den_pt
         z = tl.load(z_ptr + k_cols, mask=k_cols < M, other=0.0)
         den += tl.sum(q * z[None, :], 1)
         if ROTARY:
-            den_scores += _mm(q, tl.trans(k), DOT, PRECISION)
+            if CAUSAL:
+                den_scores += _mm(q, tl.trans(k), DOT, PRECISION)
             cos, sin = _phases(turns_ptr, t * BT, i_k, M // 2, BT, BK)
             q = _rotate(q, cos, sin, BT, BK)
             k = _rotate(k, cos, sin, BT, BK)
         num += _mm(q, _tile(h_ptr, k_cols, v_cols, M, DV, DV), DOT, PRECISION)
-        scores += _mm(q, tl.trans(k), DOT, PRECISION)
-    causal = rows[:, None] >= rows[None, :]
-    scores = tl.where(causal, scores, 0.0)
-    if ROTARY:
-        den += tl.sum(tl.where(causal, den_scores, 0.0), 1)
-    else:   # unrotated, the numerator's scores are the denominator's
-        den += tl.sum(scores, 1)
-    num += _mm(scores, _tile(v_ptr, rows, v_cols, N, DV, DV), DOT, PRECISION)
+        if CAUSAL:
+            scores += _mm(q, tl.trans(k), DOT, PRECISION)
+    if CAUSAL:
+        causal = rows[:, None] >= rows[None, :]
+        scores = tl.where(causal, scores, 0.0)
+        if ROTARY:
+            den += tl.sum(tl.where(causal, den_scores, 0.0), 1)
+        else:   # unrotated, the numerator's scores are the denominator's
+            den += tl.sum(scores, 1)
+        num += _mm(scores, _tile(v_ptr, rows, v_cols, N, DV, DV), DOT, PRECISION)
     # Features are non-negative, so den >= 0; clamped only where every key feature underflowed.
     _store(out_ptr + i_bh * N * DV, num / tl.maximum(den, GUARD)[:, None], rows, v_cols, rows < N, DV, DV)
     if i_v == 0:
@@ -142,39 +163,45 @@ def _output_kernel(q_ptr, k_ptr, v_ptr, turns_ptr, h_ptr, z_ptr, out_ptr, den_pt
 @triton.jit
 def _dstate_kernel(q_ptr, g_ptr, gd_ptr, turns_ptr, dh_ptr, dz_ptr, N, M, DV,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ROTARY: tl.constexpr,
-                   DOT: tl.constexpr, PRECISION: tl.constexpr):
+                   CAUSAL: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
     """dh[t] = dS_t = sum_{m after chunk t} (R q_m)^T G_m and dz[t] = sum_{m after chunk t} gd_m q_m,
-    the gradients of the state and key sum that chunk t reads: chunks in reverse order."""
+    the gradients of the state and key sum that chunk t reads: chunks in reverse order.  Without
+    `causal`, the sums over every row, the gradients of the one state all rows read (dh, dz: one per
+    batch x head)."""
     i_k, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     n_chunks = tl.cdiv(N, BT)
     q_ptr += i_bh * N * M
     g_ptr += i_bh * N * DV
     gd_ptr += i_bh * N
-    dh_ptr += i_bh * n_chunks * M * DV
-    dz_ptr += i_bh * n_chunks * M
     k_cols = i_k * BK + tl.arange(0, BK)
     v_cols = i_v * BV + tl.arange(0, BV)
     d_state = tl.zeros((BK, BV), dtype=tl.float32)
     d_z = tl.zeros((BK,), dtype=tl.float32)
     for back in range(n_chunks):
         t = n_chunks - 1 - back
-        _store(dh_ptr + t * M * DV, d_state, k_cols, v_cols, k_cols < M, DV, DV)
+        if CAUSAL:
+            _store(dh_ptr + (i_bh * n_chunks + t) * M * DV, d_state, k_cols, v_cols, k_cols < M, DV, DV)
         rows = t * BT + tl.arange(0, BT)
         q = _tile(q_ptr, rows, k_cols, N, M, M)
         if i_v == 0:
-            tl.store(dz_ptr + t * M + k_cols, d_z, mask=k_cols < M)
+            if CAUSAL:
+                tl.store(dz_ptr + (i_bh * n_chunks + t) * M + k_cols, d_z, mask=k_cols < M)
             gd = tl.load(gd_ptr + rows, mask=rows < N, other=0.0)
             d_z += tl.sum(q * gd[:, None], 0)
         if ROTARY:
             cos, sin = _phases(turns_ptr, t * BT, i_k, M // 2, BT, BK)
             q = _rotate(q, cos, sin, BT, BK)
         d_state += _mm(tl.trans(q), _tile(g_ptr, rows, v_cols, N, DV, DV), DOT, PRECISION)
+    if not CAUSAL:
+        _store(dh_ptr + i_bh * M * DV, d_state, k_cols, v_cols, k_cols < M, DV, DV)
+        if i_v == 0:
+            tl.store(dz_ptr + i_bh * M + k_cols, d_z, mask=k_cols < M)
 
 
 @triton.jit
 def _dqk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, gd_ptr, turns_ptr, h_ptr, z_ptr, dh_ptr, dz_ptr, dq_ptr, dk_ptr,
                 N, M, DV, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ROTARY: tl.constexpr,
-                DOT: tl.constexpr, PRECISION: tl.constexpr):
+                CAUSAL: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
     """dq and dk of one chunk and feature tile, summed over the value tiles in the loop.
 
     Numerator (rows m, n of chunk t; mask keeps n <= m):
@@ -183,6 +210,8 @@ def _dqk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, gd_ptr, turns_ptr, h_ptr, z_ptr, dh_
     and dq = R^T d(R q), dk = R^T d(R k).  Denominator, den_m = q_m . (z_t + sum_{n in t, n <= m} k_n):
         dq_m += gd_m (z_t + sum_{n in t, n <= m} k_n)
         dk_n += dz_t + sum_{m in t, m >= n} gd_m q_m
+    Without `causal` S, z, dS, dz are the whole sequence's and the sums inside the chunk drop out:
+        dq = R^T (G S^T) + gd z,  dk = R^T (v dS^T) + dz.
     """
     i_k, t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     n_chunks = tl.cdiv(N, BT)
@@ -191,10 +220,10 @@ def _dqk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, gd_ptr, turns_ptr, h_ptr, z_ptr, dh_
     v_ptr += i_bh * N * DV
     g_ptr += i_bh * N * DV
     gd_ptr += i_bh * N
-    h_ptr += (i_bh * n_chunks + t) * M * DV
-    dh_ptr += (i_bh * n_chunks + t) * M * DV
-    z_ptr += (i_bh * n_chunks + t) * M
-    dz_ptr += (i_bh * n_chunks + t) * M
+    h_ptr += _read_offset(i_bh, t, n_chunks, M * DV, CAUSAL)
+    dh_ptr += _read_offset(i_bh, t, n_chunks, M * DV, CAUSAL)
+    z_ptr += _read_offset(i_bh, t, n_chunks, M, CAUSAL)
+    dz_ptr += _read_offset(i_bh, t, n_chunks, M, CAUSAL)
     rows = t * BT + tl.arange(0, BT)
     k_cols = i_k * BK + tl.arange(0, BK)
     q = _tile(q_ptr, rows, k_cols, N, M, M)
@@ -213,18 +242,24 @@ def _dqk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, gd_ptr, turns_ptr, h_ptr, z_ptr, dh_
         g = _tile(g_ptr, rows, v_cols, N, DV, DV)
         d_q_rot += _mm(g, tl.trans(_tile(h_ptr, k_cols, v_cols, M, DV, DV)), DOT, PRECISION)
         d_k_rot += _mm(v, tl.trans(_tile(dh_ptr, k_cols, v_cols, M, DV, DV)), DOT, PRECISION)
-        d_scores += _mm(g, tl.trans(v), DOT, PRECISION)
-    d_scores = tl.where(rows[:, None] >= rows[None, :], d_scores, 0.0)
-    d_q_rot += _mm(d_scores, k_rot, DOT, PRECISION)
-    d_k_rot += _mm(tl.trans(d_scores), q_rot, DOT, PRECISION)
+        if CAUSAL:
+            d_scores += _mm(g, tl.trans(v), DOT, PRECISION)
+    if CAUSAL:
+        d_scores = tl.where(rows[:, None] >= rows[None, :], d_scores, 0.0)
+        d_q_rot += _mm(d_scores, k_rot, DOT, PRECISION)
+        d_k_rot += _mm(tl.trans(d_scores), q_rot, DOT, PRECISION)
     if ROTARY:
         d_q_rot = _unrotate(d_q_rot, cos, sin, BT, BK)
         d_k_rot = _unrotate(d_k_rot, cos, sin, BT, BK)
     gd = tl.load(gd_ptr + rows, mask=rows < N, other=0.0)
     z = tl.load(z_ptr + k_cols, mask=k_cols < M, other=0.0)
     d_z = tl.load(dz_ptr + k_cols, mask=k_cols < M, other=0.0)
-    dq = d_q_rot + gd[:, None] * (z[None, :] + tl.cumsum(k, 0))
-    dk = d_k_rot + d_z[None, :] + tl.cumsum(gd[:, None] * q, 0, reverse=True)
+    if CAUSAL:
+        dq = d_q_rot + gd[:, None] * (z[None, :] + tl.cumsum(k, 0))
+        dk = d_k_rot + d_z[None, :] + tl.cumsum(gd[:, None] * q, 0, reverse=True)
+    else:
+        dq = d_q_rot + gd[:, None] * z[None, :]
+        dk = d_k_rot + d_z[None, :]
     _store(dq_ptr + i_bh * N * M, dq, rows, k_cols, rows < N, M, M)
     _store(dk_ptr + i_bh * N * M, dk, rows, k_cols, rows < N, M, M)
 
@@ -232,15 +267,16 @@ def _dqk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, gd_ptr, turns_ptr, h_ptr, z_ptr, dh_
 @triton.jit
 def _dv_kernel(q_ptr, k_ptr, g_ptr, turns_ptr, dh_ptr, dv_ptr, N, M, DV,
                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ROTARY: tl.constexpr,
-               DOT: tl.constexpr, PRECISION: tl.constexpr):
+               CAUSAL: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
     """dv of one chunk and value tile, summed over the feature tiles in the loop:
-        dv_n = sum_{m >= n} (R q_m . R k_n) G_m = R k_n dS_t + [mask(R q (R k)^T)^T G]_n."""
+        dv_n = sum_{m >= n} (R q_m . R k_n) G_m = R k_n dS_t + [mask(R q (R k)^T)^T G]_n,
+    and without `causal` dv_n = R k_n dS, dS the whole sequence's."""
     i_v, t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     n_chunks = tl.cdiv(N, BT)
     q_ptr += i_bh * N * M
     k_ptr += i_bh * N * M
     g_ptr += i_bh * N * DV
-    dh_ptr += (i_bh * n_chunks + t) * M * DV
+    dh_ptr += _read_offset(i_bh, t, n_chunks, M * DV, CAUSAL)
     rows = t * BT + tl.arange(0, BT)
     v_cols = i_v * BV + tl.arange(0, BV)
     dv = tl.zeros((BT, BV), dtype=tl.float32)
@@ -254,9 +290,11 @@ def _dv_kernel(q_ptr, k_ptr, g_ptr, turns_ptr, dh_ptr, dv_ptr, N, M, DV,
             q = _rotate(q, cos, sin, BT, BK)
             k = _rotate(k, cos, sin, BT, BK)
         dv += _mm(k, _tile(dh_ptr, k_cols, v_cols, M, DV, DV), DOT, PRECISION)
-        scores_t += _mm(k, tl.trans(q), DOT, PRECISION)
-    scores_t = tl.where(rows[:, None] <= rows[None, :], scores_t, 0.0)
-    dv += _mm(scores_t, _tile(g_ptr, rows, v_cols, N, DV, DV), DOT, PRECISION)
+        if CAUSAL:
+            scores_t += _mm(k, tl.trans(q), DOT, PRECISION)
+    if CAUSAL:
+        scores_t = tl.where(rows[:, None] <= rows[None, :], scores_t, 0.0)
+        dv += _mm(scores_t, _tile(g_ptr, rows, v_cols, N, DV, DV), DOT, PRECISION)
     _store(dv_ptr + i_bh * N * DV, dv, rows, v_cols, rows < N, DV, DV)
 
 
@@ -289,16 +327,24 @@ class _Shapes:
         return h, like.new_empty((self.batch_heads, self.n_t, self.m), dtype=torch.float32)
 
 
-def _states(q, k, v, turns, shapes: _Shapes, rotary: bool, want_state: bool):
-    h, z = shapes.chunk_states(q)
-    kv = q.new_empty((*q.shape[:2], shapes.m, shapes.dv) if want_state else (0,), dtype=torch.float32)
-    k_sum = q.new_empty((*q.shape[:2], shapes.m) if want_state else (0,), dtype=torch.float32)
+def _whole_sequence_state(like: torch.Tensor, shapes: _Shapes):
+    """Empty float32 (B, H, M, Dv) state and (B, H, M) key sum (or their gradients) of a whole sequence."""
+    kv = like.new_empty((*like.shape[:2], shapes.m, shapes.dv), dtype=torch.float32)
+    return kv, like.new_empty(kv.shape[:-1], dtype=torch.float32)
+
+
+def _states(q, k, v, turns, shapes: _Shapes, rotary: bool, causal: bool, want_state: bool):
+    """The states the output pass reads (h, z: per chunk when causal, else the whole sequence's) and,
+    with `want_state`, the state after the last token (kv, k_sum)."""
+    kv, k_sum = _whole_sequence_state(q, shapes) if want_state or not causal else (q.new_empty(0),) * 2
+    h, z = shapes.chunk_states(q) if causal else (kv, k_sum)
     _states_kernel[(shapes.n_k, shapes.n_v, shapes.batch_heads)](
-        k, v, turns, h, z, kv, k_sum, *shapes.args(), STATE=want_state, **shapes.constants(rotary))
+        k, v, turns, h, z, kv, k_sum, *shapes.args(), CHUNKS=causal, STATE=want_state or not causal,
+        **shapes.constants(rotary))
     return h, z, kv, k_sum
 
 
-_FITTING_LEVEL: dict = {}   # (pass, rotary, device, dtype) -> the first level whose tiles fitted
+_FITTING_LEVEL: dict = {}   # (pass, rotary, causal, device, dtype) -> the first level whose tiles fitted
 
 
 def _launch_fitting(key: tuple, run_at_level):
@@ -321,19 +367,19 @@ def _launch_fitting(key: tuple, run_at_level):
 
 class _ChunkParallelAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, turns, rotary, chunk, want_state):
+    def forward(ctx, q, k, v, turns, rotary, causal, chunk, want_state):
         def at_level(level):
             shapes = _Shapes(q, v, chunk, level)
-            h, z, kv, k_sum = _states(q, k, v, turns, shapes, rotary, want_state)
+            h, z, kv, k_sum = _states(q, k, v, turns, shapes, rotary, causal, want_state)
             out = torch.empty_like(v)
             den = q.new_empty(q.shape[:-1], dtype=torch.float32)
             _output_kernel[(shapes.n_v, shapes.n_t, shapes.batch_heads)](
-                q, k, v, turns, h, z, out, den, *shapes.args(), **shapes.constants(rotary))
+                q, k, v, turns, h, z, out, den, *shapes.args(), CAUSAL=causal, **shapes.constants(rotary))
             return out, den, kv, k_sum
 
-        out, den, kv, k_sum = _launch_fitting(("forward", rotary, q.device, q.dtype), at_level)
+        out, den, kv, k_sum = _launch_fitting(("forward", rotary, causal, q.device, q.dtype), at_level)
         ctx.save_for_backward(q, k, v, out, den, turns)
-        ctx.rotary, ctx.chunk = rotary, chunk
+        ctx.rotary, ctx.causal, ctx.chunk = rotary, causal, chunk
         ctx.mark_non_differentiable(kv, k_sum)
         return out, kv, k_sum
 
@@ -345,9 +391,9 @@ class _ChunkParallelAttention(torch.autograd.Function):
 
         def at_level(level):
             shapes = _Shapes(q, v, ctx.chunk, level)
-            constants = shapes.constants(ctx.rotary)
-            h, z, _, _ = _states(q, k, v, turns, shapes, ctx.rotary, want_state=False)
-            dh, dz = shapes.chunk_states(q)
+            constants = dict(CAUSAL=ctx.causal, **shapes.constants(ctx.rotary))
+            h, z, _, _ = _states(q, k, v, turns, shapes, ctx.rotary, ctx.causal, want_state=False)
+            dh, dz = shapes.chunk_states(q) if ctx.causal else _whole_sequence_state(q, shapes)
             _dstate_kernel[(shapes.n_k, shapes.n_v, shapes.batch_heads)](
                 q, g, gd, turns, dh, dz, *shapes.args(), **constants)
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -357,8 +403,8 @@ class _ChunkParallelAttention(torch.autograd.Function):
                 q, k, g, turns, dh, dv, *shapes.args(), **constants)
             return dq, dk, dv
 
-        dq, dk, dv = _launch_fitting(("backward", ctx.rotary, q.device, q.dtype), at_level)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = _launch_fitting(("backward", ctx.rotary, ctx.causal, q.device, q.dtype), at_level)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def check_chunk(chunk) -> None:
@@ -367,18 +413,20 @@ def check_chunk(chunk) -> None:
                          f"smallest tile), got {chunk!r}")
 
 
-def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *, rotary: bool,
+def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *, causal: bool, rotary: bool,
                      offset: int = 0, rope_base: float = DEFAULT_BASE, return_state: bool = False,
                      chunk: int = CHUNK):
-    """Causal Eq. 19 of (B, H, N, M) non-negative features and (B, H, N, Dv) values with the
-    chunk-parallel kernels; the same call and results as the torch backend's causal path (and its
-    `LinearState` with `return_state`).  Called by `linattn.functional.linear_attention`, which
-    has checked the inputs (N >= 1)."""
+    """Eq. 19 of (B, H, N, M) non-negative features and (B, H, N, Dv) values with the chunk-parallel
+    kernels; the same call and results as the torch backend (and its `LinearState` with
+    `return_state`, causal only).  Called by `linattn.functional.linear_attention`, which has
+    checked the inputs (N >= 1)."""
     check_chunk(chunk)
+    if return_state and not causal:
+        raise ValueError("return_state=True needs causal=True: a non-causal pass has no decoding state")
     dtype = _common_dtype(phi_q, phi_k, v)
     turns = _turns(max(phi_q.shape[-1] // 2, 1), float(rope_base), offset if rotary else 0, phi_q.device)
     with torch.autocast(phi_q.device.type, enabled=False):
         q, k, v_c = (t.to(dtype).contiguous() for t in (phi_q, phi_k, v))
-        out, kv, k_sum = _ChunkParallelAttention.apply(q, k, v_c, turns, rotary, chunk, return_state)
+        out, kv, k_sum = _ChunkParallelAttention.apply(q, k, v_c, turns, rotary, causal, chunk, return_state)
     out = out.to(v.dtype)
     return (out, LinearState(kv, k_sum, int(offset) + q.shape[-2])) if return_state else out

@@ -6,7 +6,7 @@ kernels only (they need the most shared memory in every mode measured).  The int
 the compiler rejects and knows no resource limits; triton's compiler and bundled ptxas need no
 device.  Run by test_fused.py in a subprocess, since TRITON_INTERPRET must be off when the kernels
 are imported.  --chunk-parallel compiles the kernels of chunk_parallel.py instead (targets ARCH:LEVEL of
-chunk_parallel.TILE_LEVELS), every one rotated or not, in float32 and bf16 (--float32: float32 only,
+chunk_parallel.TILE_LEVELS), every one causal or not, rotated or not, in float32 and bf16 (--float32: float32 only,
 which needs the most shared memory)."""
 import itertools
 import json
@@ -63,16 +63,15 @@ def chunk_parallel_pointer_types(dot) -> dict:
 
 def main_chunk_parallel(arch: int, level: int, dots: list):
     feature_tile, value_tile = chunk_parallel.TILE_LEVELS[level]
-    for dot, rotary, name in itertools.product(dots, [True, False], CHUNK_PARALLEL_KERNELS):
+    for dot, causal, rotary, name in itertools.product(dots, [True, False], [True, False], CHUNK_PARALLEL_KERNELS):
         kernel = getattr(chunk_parallel, name)
         precision = "tf32x3" if dot == tl.float32 else "ieee"
         constants = dict(BT=chunk_parallel.CHUNK, BK=feature_tile, BV=value_tile, ROTARY=rotary, DOT=dot,
                          PRECISION=precision)
-        if name == "_states_kernel":
-            constants["STATE"] = True
+        constants.update(dict(CHUNKS=causal, STATE=True) if name == "_states_kernel" else dict(CAUSAL=causal))
         compiled = compile_kernel(kernel, constants, 3, arch, chunk_parallel_pointer_types(dot))
-        print(json.dumps({"arch": arch, "level": level, "kernel": name, "rotary": rotary, "dot": str(dot),
-                          "shared": compiled.metadata.shared}), flush=True)
+        print(json.dumps({"arch": arch, "level": level, "kernel": name, "causal": causal, "rotary": rotary,
+                          "dot": str(dot), "shared": compiled.metadata.shared}), flush=True)
 
 
 def main(args: list[str]):
