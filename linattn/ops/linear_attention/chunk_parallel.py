@@ -53,8 +53,9 @@ CHUNK = 64          # tokens per chunk (BT); a power of two of at least 16 (tl.d
 FEATURE_TILE = 64   # largest feature tile (BK)
 VALUE_TILE = 64     # largest value tile (BV)
 # Largest (feature, value) tiles per level, tried in order until a call's kernels fit the GPU's shared
-# memory per block (`_launch_fitting`); tiles only change the rounding.  Level 0 needs at most 165 KB
-# on sm_90 in float32 (H100: 227 KB), compiled without a GPU by tests/linattn/ops/compile_kernels.py.
+# memory per block (`_launch_fitting`); tiles only change the rounding.  Compiled for sm_90 without a
+# GPU (tests/linattn/ops/compile_kernels.py), level 0 needs at most 164,864 bytes in float32 and
+# 106,496 in bf16 (an H100 gives a block 232,448).
 TILE_LEVELS = ((FEATURE_TILE, VALUE_TILE), (32, 32), (16, 16))
 GUARD = tl.constexpr(torch.finfo(torch.float32).tiny ** 0.5)   # common.divide's clamp
 

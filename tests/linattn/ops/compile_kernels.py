@@ -20,7 +20,7 @@ import triton.language as tl                       # noqa: E402
 from triton.backends.compiler import GPUTarget     # noqa: E402
 from triton.compiler import ASTSource              # noqa: E402
 
-from linattn.ops.linear_attention import chunk_parallel, fused     # noqa: E402
+from linattn.ops.linear_attention import fused     # noqa: E402
 
 POINTER_TYPES = {"exact_ptr": "*i32", "turns_ptr": "*fp64"}
 
@@ -62,6 +62,7 @@ def chunk_parallel_pointer_types(dot) -> dict:
 
 
 def main_chunk_parallel(arch: int, level: int, dots: list):
+    from linattn.ops.linear_attention import chunk_parallel
     feature_tile, value_tile = chunk_parallel.TILE_LEVELS[level]
     for dot, causal, rotary, name in itertools.product(dots, [True, False], [True, False], CHUNK_PARALLEL_KERNELS):
         kernel = getattr(chunk_parallel, name)
