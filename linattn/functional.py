@@ -105,10 +105,10 @@ def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rot
         b, h, _, m = phi_q.shape
         state = initial_state(b, h, m, v.shape[-1], device=v.device, dtype=compute_dtype(phi_q, phi_k, v))
         return v.clone(), state._replace(position=offset)
-    if resolved == "triton":
-        from .ops.linear_attention import fused
-        return fused.linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset,
-                                      rope_base=rope_base, return_state=return_state)
+    if resolved == "triton":   # plain features: the chunk-parallel kernels (log space: fused.py's, above)
+        from .ops.linear_attention import chunk_parallel
+        return chunk_parallel.linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset,
+                                               rope_base=rope_base, return_state=return_state)
     out_dtype, dtype = v.dtype, compute_dtype(phi_q, phi_k, v)
     with torch.autocast(phi_q.device.type, enabled=False):
         phi_q, phi_k, v = phi_q.to(dtype).contiguous(), phi_k.to(dtype).contiguous(), v.to(dtype)

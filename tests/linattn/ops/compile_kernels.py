@@ -5,7 +5,9 @@ log-space one alone with --causal-log, or every mode with --all; --backward comp
 kernels only (they need the most shared memory in every mode measured).  The interpreter runs constructs
 the compiler rejects and knows no resource limits; triton's compiler and bundled ptxas need no
 device.  Run by test_fused.py in a subprocess, since TRITON_INTERPRET must be off when the kernels
-are imported."""
+are imported.  --chunk-parallel compiles the kernels of chunk_parallel.py instead (targets ARCH:LEVEL of
+chunk_parallel.TILE_LEVELS), every one causal or not, rotated or not, in float32 and bf16 (--float32: float32 only,
+which needs the most shared memory)."""
 import itertools
 import json
 import os
@@ -23,8 +25,8 @@ from linattn.ops.linear_attention import fused     # noqa: E402
 POINTER_TYPES = {"exact_ptr": "*i32", "turns_ptr": "*fp64"}
 
 
-def compile_kernel(kernel, constants: dict, num_stages: int, arch: int):
-    signature = {name: (POINTER_TYPES.get(name, "*fp32") if name.endswith("_ptr") else "i32")
+def compile_kernel(kernel, constants: dict, num_stages: int, arch: int, pointer_types: dict = POINTER_TYPES):
+    signature = {name: (pointer_types.get(name, "*fp32") if name.endswith("_ptr") else "i32")
                  for name in kernel.arg_names if name not in constants}
     signature.update({name: "constexpr" for name in constants})
     constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
@@ -47,9 +49,40 @@ def modes(which: str):
     return [mode for mode in every if keep(*mode[:3])]
 
 
+CHUNK_PARALLEL_KERNELS = ("_states_kernel", "_output_kernel", "_dstate_kernel", "_dqk_kernel", "_dv_kernel")
+
+
+def chunk_parallel_pointer_types(dot) -> dict:
+    """Inputs, outputs and their gradients in the input dtype; per-chunk states in the dots' dtype;
+    denominators, key sums and the float32 output gradients G, gd in float32."""
+    half = "*bf16" if dot == tl.bfloat16 else "*fp32"
+    inputs = {name: half for name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "dq_ptr", "dk_ptr", "dv_ptr",
+                                       "h_ptr", "dh_ptr")}
+    return {**inputs, "turns_ptr": "*fp64"}
+
+
+def main_chunk_parallel(arch: int, level: int, dots: list):
+    from linattn.ops.linear_attention import chunk_parallel
+    feature_tile, value_tile = chunk_parallel.TILE_LEVELS[level]
+    for dot, causal, rotary, name in itertools.product(dots, [True, False], [True, False], CHUNK_PARALLEL_KERNELS):
+        kernel = getattr(chunk_parallel, name)
+        precision = "tf32x3" if dot == tl.float32 else "ieee"
+        constants = dict(BT=chunk_parallel.CHUNK, BK=feature_tile, BV=value_tile, ROTARY=rotary, DOT=dot,
+                         PRECISION=precision)
+        constants.update(dict(CHUNKS=causal, STATE=True) if name == "_states_kernel" else dict(CAUSAL=causal))
+        compiled = compile_kernel(kernel, constants, 3, arch, chunk_parallel_pointer_types(dot))
+        print(json.dumps({"arch": arch, "level": level, "kernel": name, "causal": causal, "rotary": rotary,
+                          "dot": str(dot), "shared": compiled.metadata.shared}), flush=True)
+
+
 def main(args: list[str]):
-    which = "all" if "--all" in args else "causal-log" if "--causal-log" in args else "log"
     targets = [tuple(map(int, arg.split(":"))) for arg in args if not arg.startswith("--")] or [(90, 0)]
+    if "--chunk-parallel" in args:
+        dots = [tl.float32] if "--float32" in args else [tl.float32, tl.bfloat16]
+        for arch, level in targets:
+            main_chunk_parallel(arch, level, dots)
+        return
+    which = "all" if "--all" in args else "causal-log" if "--causal-log" in args else "log"
     for (arch, level), (causal, rotary, log, dot) in itertools.product(targets, modes(which)):
         feature_tile, value_tile, _ = fused.TILE_LEVELS[level]
         precision = "tf32x3" if dot == tl.float32 else "ieee"

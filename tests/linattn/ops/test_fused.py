@@ -351,12 +351,14 @@ def test_a_launch_that_does_not_fit_takes_the_next_tile_level_and_remembers_it(m
 
 
 def test_every_tile_level_gives_the_same_results(monkeypatch):
-    """The levels change tiles and pipelining only: each matches the reference."""
+    """The levels change tiles and pipelining only: each matches the reference (in log space, the
+    path that takes these kernels; plain features take chunk_parallel.py's)."""
     for level in range(len(fused_module.TILE_LEVELS)):
         monkeypatch.setattr(fused_module, "_FITTING_LEVEL", {
-            ((kernel, True, True, False), torch.device(DEVICE), torch.float32): level
+            ((kernel, True, True, True), torch.device(DEVICE), torch.float32): level
             for kernel in ("forward", "backward")})
-        assert_matches_reference(True, True, 70, 64, 40, 3)
+        assert_log_space_matches_reference(log_inputs(70, 64, 40, key_scale=2.0, query_scale=2.0), True, True, 3)
+        assert set(fused_module._FITTING_LEVEL.values()) == {level}
 
 
 @pytest.mark.parametrize("offset", [10 ** 12, 2 ** 53 + 1, 2 ** 62 + 12345])
