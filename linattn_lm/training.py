@@ -32,6 +32,7 @@ from .cli import (EXIT_ERROR, EXIT_USAGE, Parser, UsageError, add_config_flags, 
 from .config import TrainConfig, config_differences, config_from_flags
 from .data import DataError, RandomWindows, load_split
 from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss
+from .runlock import DirectoryLock
 from .runtime import (WriteFailed, autocast, decode_bytes, keep_freed_memory, peak_memory_mb, release_free_memory,
                       reset_peak_memory, resolve_device, summed_loss)
 
@@ -79,6 +80,11 @@ class Distributed:
         return gathered
 
 
+def launched_rank() -> int:
+    """This process's rank in a torchrun job (0 without torchrun), known before the group is joined."""
+    return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+
+
 @contextlib.contextmanager
 def distributed(device_name: str) -> Iterator[Distributed]:
     """Join the torchrun process group when RANK/WORLD_SIZE are set: nccl on CUDA, gloo on CPU."""
@@ -87,7 +93,7 @@ def distributed(device_name: str) -> Iterator[Distributed]:
     if world_size == 1:
         yield Distributed(0, 1, device)
         return
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    rank, local_rank = launched_rank(), int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -321,12 +327,23 @@ class Trainer:
         release_free_memory()   # so that this run's peak is its own (a grid trains many in one process)
         reset_peak_memory(self.device)
         self._load_data()      # first, so missing or too-small data fails before anything is written
-        checkpoint = load_for_resume(self.ckpt_file, config, self.data) if resume else self._no_checkpoint()
-        if ctx.is_main:
-            prepare_run_dir(self.run_dir)
-            remove_stale_temporaries(self.ckpt_file)
-        self._build_model(checkpoint)
-        self._open_logs(checkpoint)
+        self.lock = self._lock_run_dir() if ctx.is_main else None
+        try:
+            checkpoint = load_for_resume(self.ckpt_file, config, self.data) if resume else self._no_checkpoint()
+            if ctx.is_main:
+                remove_stale_temporaries(self.ckpt_file)
+            self._build_model(checkpoint)
+            self._open_logs(checkpoint)
+        except BaseException:
+            if self.lock:
+                self.lock.release()
+            raise
+
+    def _lock_run_dir(self) -> DirectoryLock:
+        """Held until close(): a second run of this directory is refused before it reads or writes
+        anything there (the checkpoint's existence included)."""
+        prepare_run_dir(self.run_dir)
+        return DirectoryLock(self.run_dir)
 
     def _load_data(self) -> None:
         config, ctx = self.config, self.ctx
@@ -546,10 +563,12 @@ class Trainer:
         return result
 
     def close(self) -> None:
-        """Flush the logs of a run that stopped on an error."""
+        """Flush the logs (of a run that stopped on an error, too) and let go of the run directory."""
         self.bar.close()
         if self.writer:
             self.writer.close()
+        if self.lock:
+            self.lock.release()
 
 
 def train(config: TrainConfig, ctx: Distributed, *, resume: bool = False) -> TrainResult:
