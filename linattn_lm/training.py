@@ -367,7 +367,8 @@ class Trainer:
         torch.manual_seed(config.model.seed)   # identical initial weights on every rank
         self.model = ByteLM(config.model).to(self.device)
         self.optimizer = make_optimizer(self.model, config, self.device)
-        self.stats, self.step, self.saved_step = RunStats(), 0, None
+        self.stats, self.step, self.saved_step, self.resumed_step = RunStats(), 0, None, None
+        self.saved_step_went_on = False   # whether a step from the saved weights was finite
         self.loss_sum, self.loss_count = torch.zeros((), device=self.device), 0
         if checkpoint is None:
             torch.manual_seed(config.model.seed + 1 + ctx.rank)   # per-rank dropout masks
@@ -383,7 +384,7 @@ class Trainer:
             load_state(path, "rng", lambda: restore_rng(checkpoint["rng"], ctx, config.model.seed))
             load_state(path, "stats", lambda: setattr(self, "stats", RunStats.from_state(checkpoint["stats"])))
             load_state(path, "log_window", lambda: self._restore_log_window(checkpoint["log_window"]))
-            self.step = self.saved_step = checkpoint["step"]
+            self.step = self.saved_step = self.resumed_step = checkpoint["step"]
             self.log(f"resumed {self.ckpt_file} at step {self.step}")
         self.compiled = torch.compile(self.model) if config.run.compile else self.model
         # Feature-map buffers are not broadcast: every rank draws identical projections from the seeds.
@@ -435,6 +436,7 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.grad_clip or math.inf)
         if self.ctx.any(~(torch.isfinite(loss) & torch.isfinite(grad_norm))):
             raise self.diverged(f"loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g} (non-finite)")
+        self.saved_step_went_on |= self.step == self.saved_step
         self.optimizer.step()
         if self.ctx.any(~torch.stack([p.isfinite().all() for p in self.model.parameters()]).all()):
             raise self.diverged("the optimiser step made weights non-finite")
@@ -449,9 +451,28 @@ class Trainer:
 
     def diverged(self, what: str) -> TrainingDiverged:
         """The error that stops a run whose step went non-finite; nothing of that step is saved."""
-        kept = (f"the last good checkpoint (step {self.saved_step}) is kept in {self.ckpt_file}"
-                if self.saved_step is not None else "no checkpoint was written")
-        return TrainingDiverged(f"training stopped at step {self.step + 1}: {what}; {kept}; lower --lr")
+        return TrainingDiverged(f"training stopped at step {self.step + 1}: {what}; {self.checkpoint_kept()}; "
+                                f"{self.likely_cause()}")
+
+    def checkpoint_kept(self) -> str:
+        """A checkpoint is called good only once a step from its weights was finite."""
+        if self.saved_step is None:
+            return "no checkpoint was written"
+        if self.saved_step_went_on:
+            return f"the last good checkpoint (step {self.saved_step}) is kept in {self.ckpt_file}"
+        return (f"the checkpoint of step {self.saved_step} is kept in {self.ckpt_file}, but the first step from it "
+                "was not finite, so it may be damaged")
+
+    def likely_cause(self) -> str:
+        """The learning rate only where steps with it were finite before."""
+        if self.step == 0:
+            model = self.config.model
+            suspect = (f"feature map {model.feature_map!r} likely gives non-finite values on the model's inputs"
+                       if model.attention == "linear" else "the model's settings likely overflow")
+            return f"no update had been made, so the learning rate is not the cause: {suspect}"
+        if self.step == self.resumed_step:
+            return "it failed at the first step after the resume: use an earlier copy of the checkpoint or start again"
+        return "lower --lr"
 
     def log_train(self, grad_norm: torch.Tensor) -> None:
         """Mean training loss since the last log (over all ranks), lr, gradient norm, tokens/s.  The
@@ -495,7 +516,7 @@ class Trainer:
                                    "count": self.loss_count})
         if self.ctx.is_main:
             save_checkpoint(self.ckpt_file, payload)
-        self.saved_step = self.step
+        self.saved_step, self.saved_step_went_on = self.step, False
 
     def run(self) -> TrainResult:
         """Train to steps; Ctrl-C/SIGTERM stop after the current step with a checkpoint.

@@ -128,8 +128,9 @@ def test_unusable_out_dir_is_refused(data_dir: Path, tiny: list[str], tmp_path: 
     assert code == 2 and "cannot write the run directory" in err and "--out-dir" in err
 
 
-def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir: Path, tiny: list[str], tmp_path: Path,
-                                                                 run_main) -> None:
+def test_non_finite_loss_after_a_resume_says_the_checkpoint_may_be_damaged(data_dir: Path, tiny: list[str],
+                                                                           tmp_path: Path, run_main) -> None:
+    """Its weights are finite but overflow at the first step from them: never 'the last good checkpoint'."""
     flags = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "boom",
              "--sample-interval", "0", "--eval-interval", "100", "--eval-iters", "1"]
     assert training.main([*flags, "--steps", "2", "--decay-steps", "30"]) == 0
@@ -141,7 +142,9 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir: Path
                                                      if k not in ("format", "version")})
     code, _, err = run_main(training.main, [*flags, "--run-name", "boom2", "--resume", "--steps", "30"])
     assert code == 1 and "training stopped at step 3" in err and "non-finite" in err
-    assert "last good checkpoint (step 2)" in err
+    assert "good" not in err and "lower --lr" not in err, err
+    assert f"the checkpoint of step 2 is kept in {tmp_path / 'boom2' / 'ckpt.pt'}, but the first step from it was " \
+           "not finite, so it may be damaged; it failed at the first step after the resume" in err
     assert load_checkpoint(tmp_path / "boom2")["step"] == 2
 
 
@@ -163,7 +166,7 @@ def test_a_step_that_makes_weights_non_finite_stops_before_any_save(data_dir: Pa
                                             "--steps", "5", "--ckpt-interval", "1", "--sample-interval", "0",
                                             "--eval-interval", "100", "--eval-iters", "1"])
     assert code == 1 and "training stopped at step 3: the optimiser step made weights non-finite" in err, err
-    assert "last good checkpoint (step 2)" in err
+    assert "last good checkpoint (step 2)" in err and err.strip().endswith("lower --lr")
     saved = load_checkpoint(tmp_path / "linear-favor-post-M32")
     assert saved["step"] == 2 and all(t.isfinite().all() for t in saved["model"].values()
                                       if isinstance(t, torch.Tensor) and t.is_floating_point())
