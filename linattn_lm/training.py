@@ -25,16 +25,16 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_finite_weights, checkpoint_entries, load_checkpoint, load_state,
-                         remove_stale_temporaries, save_checkpoint)
+from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_finite_weights, check_optimizer_state, checkpoint_entries,
+                         load_checkpoint, load_state, load_weights, remove_stale_temporaries, save_checkpoint)
 from .cli import (EXIT_ERROR, EXIT_USAGE, Parser, UsageError, add_config_flags, given_settings, import_user_code,
                   pre_parse_imports)
 from .config import TrainConfig, config_differences, config_from_flags
 from .data import DataError, RandomWindows, load_split
 from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss
 from .runlock import DirectoryLock
-from .runtime import (WriteFailed, autocast, decode_bytes, keep_freed_memory, peak_memory_mb, release_free_memory,
-                      reset_peak_memory, resolve_device, summed_loss)
+from .runtime import (WriteFailed, autocast, decode_bytes, first_line, keep_freed_memory, peak_memory_mb,
+                      release_free_memory, reset_peak_memory, resolve_device, summed_loss)
 
 SAMPLE_PROMPT_BYTES = 128
 SAMPLE_NEW_BYTES = 256
@@ -256,10 +256,12 @@ def load_for_resume(path: Path, config: TrainConfig, data: str) -> dict[str, Any
     checkpoint = load_checkpoint(path)
     checkpoint_entries(checkpoint, path)
     check_finite_weights(checkpoint["model"], path)
-    saved = checkpoint["config"]
-    flat_saved = {key: value for section in saved.values() if isinstance(section, dict)
-                  for key, value in section.items()}
-    differences = config_differences(flat_saved, config.flat())
+    try:
+        saved = TrainConfig.resumed(checkpoint["config"], config)
+    except ValueError as error:
+        raise CheckpointError(f"cannot resume {path}: its saved configuration is not valid "
+                              f"({first_line(error)})") from None
+    differences = config_differences(saved.flat(), config.flat())
     if differences:
         raise CheckpointError(f"cannot resume {path}: it was trained with a different configuration "
                               f"({'; '.join(differences)}); only steps, intervals, paths, device, backend, "
@@ -378,7 +380,8 @@ class Trainer:
                 raise CheckpointError(f"{path} is at step {checkpoint['step']}, past --steps {config.optim.steps}: "
                                       f"there is nothing to train; pass --steps {checkpoint['step']} to score it "
                                       f"again, more to go on, or another --run-name")
-            load_state(path, "model", lambda: self.model.load_state_dict(checkpoint["model"]))
+            load_weights(self.model, checkpoint["model"], path)
+            check_optimizer_state(checkpoint["optimizer"], self.optimizer, self.model, path)
             load_state(path, "optimizer", lambda: self.optimizer.load_state_dict(checkpoint["optimizer"]))
             load_state(path, "loader", lambda: self.train_batches.load_state_dict(checkpoint["loader"]))
             load_state(path, "rng", lambda: restore_rng(checkpoint["rng"], ctx, config.model.seed))

@@ -80,6 +80,11 @@ def test_resume_continues_exactly(data_dir: Path, tiny: list[str], tmp_path: Pat
     (["--feature-map", "elu", "--feature-map-option", "num_features=64"], "does not take option(s) ['num_features']"),
     (["--feature-map-option", "num_features"], "expected KEY=VALUE"),
     (["--feature-map-option", "num_features=abc"], "rejected options"),
+    (["--feature-map-option", "num_features=32.0"], "num_features must be a positive integer, got 32.0"),
+    (["--feature-map-option", "seed=1e300"], "seed must be an integer, got 1e+300"),
+    (["--steps", str(2**63)], "steps must be below 2**63"),
+    (["--decay-steps", str(2**63)], "decay_steps must be below 2**63"),
+    (["--warmup", str(10**30)], "warmup must be below 2**63"),
     (["--attention", "softmax", "--rope", "pre"], "--rope pre"),
     (["--preset", "huge"], "invalid choice: 'huge'"),
     (["--n-layer", "0"], "n_layer must be positive"),
@@ -204,6 +209,14 @@ def damage_stats(c): c["stats"]["val_bpc"] = "abc"
 def damage_stats_count(c): c["stats"]["tokens"] = -5
 def damage_loader_position(c): c["loader"]["batches_drawn"] = -5
 def damage_weights(c): c["model"]["head.weight"][0, 0] = float("nan")
+def damage_weight_dtype(c): c["model"]["head.weight"] = c["model"]["head.weight"].long()
+def damage_moment_shape(c): c["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3)
+def damage_moment_dtype(c): c["optimizer"]["state"][0]["exp_avg_sq"] = c["optimizer"]["state"][0]["exp_avg_sq"].long()
+def damage_moment_value(c): c["optimizer"]["state"][0]["exp_avg"][0] = float("inf")
+def damage_adam_step(c): c["optimizer"]["state"][0]["step"] = torch.tensor(float("nan"))
+def damage_parameter_count(c): c["optimizer"]["param_groups"][1]["params"].pop()
+def damage_config_section(c): c["config"]["extra"] = 5
+def damage_config_key(c): c["config"]["model"]["colour"] = "red"
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -219,6 +232,16 @@ def damage_weights(c): c["model"]["head.weight"][0, 0] = float("nan")
     (damage_stats_count, "'stats' entry does not fit this run (tokens is -5"),
     (damage_loader_position, "saved batches_drawn must be an integer >= 0, got -5"),
     (damage_weights, "holds NaN or inf"),
+    (damage_weight_dtype, "is damaged: weight 'head.weight' is torch.int64, the model's is torch.float32"),
+    (damage_moment_shape, "optimiser state 'exp_avg' of 'token_embedding.weight' is (3,) torch.float32 (or not "
+                          "finite), the parameter is (256, 64) torch.float32"),
+    (damage_moment_dtype, "optimiser state 'exp_avg_sq' of 'token_embedding.weight' is (256, 64) torch.int64"),
+    (damage_moment_value, "optimiser state 'exp_avg' of 'token_embedding.weight' is (256, 64) torch.float32 (or not "
+                          "finite)"),
+    (damage_adam_step, "optimiser state 'step' of 'token_embedding.weight' is () torch.float32"),
+    (damage_parameter_count, "its 'optimizer' entry holds 23 parameters, the model has 24"),
+    (damage_config_section, "its saved configuration is not valid (unknown config section(s) ['extra']"),
+    (damage_config_key, "its saved configuration is not valid (unknown model setting(s) ['colour']"),
 ])
 def test_resume_refuses_damaged_checkpoints(damage, message: str, tiny_run: Path, data_dir: Path, tiny: list[str],
                                             tmp_path: Path, run_main) -> None:
@@ -229,6 +252,16 @@ def test_resume_refuses_damaged_checkpoints(damage, message: str, tiny_run: Path
     code, _, err = run_main(training.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path),
                                             "--run-name", "tiny", "--resume", "--steps", "31", "--decay-steps", "30"])
     assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_a_setting_older_checkpoints_lack_takes_its_default_on_resume(tiny_run: Path, data_dir: Path, tiny: list[str],
+                                                                      tmp_path: Path, run_main) -> None:
+    checkpoint = load_checkpoint(tiny_run)
+    del checkpoint["config"]["model"]["vocab_size"]   # as if written before the setting existed (default 256)
+    save_checkpoint(tmp_path / "tiny" / "ckpt.pt", {k: v for k, v in checkpoint.items() if k not in ("format", "version")})
+    code, _, err = run_main(training.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path),
+                                            "--run-name", "tiny", "--resume", "--steps", "31", "--decay-steps", "30"])
+    assert code == 0, err
 
 
 def test_resume_with_fewer_steps_than_the_checkpoint_says_there_is_nothing_to_train(
