@@ -25,8 +25,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_finite_weights, check_optimizer_state, checkpoint_entries,
-                         load_checkpoint, load_state, load_weights, remove_stale_temporaries, save_checkpoint)
+from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_finite_weights, check_optimizer_state,
+                         checkpoint_entries, load_checkpoint, load_state, load_weights, remove_stale_temporaries,
+                         save_checkpoint)
 from .cli import (EXIT_ERROR, EXIT_USAGE, Parser, UsageError, add_config_flags, given_settings, import_user_code,
                   pre_parse_imports)
 from .config import TrainConfig, config_differences, config_from_flags

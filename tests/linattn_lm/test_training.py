@@ -258,7 +258,8 @@ def test_a_setting_older_checkpoints_lack_takes_its_default_on_resume(tiny_run: 
                                                                       tmp_path: Path, run_main) -> None:
     checkpoint = load_checkpoint(tiny_run)
     del checkpoint["config"]["model"]["vocab_size"]   # as if written before the setting existed (default 256)
-    save_checkpoint(tmp_path / "tiny" / "ckpt.pt", {k: v for k, v in checkpoint.items() if k not in ("format", "version")})
+    save_checkpoint(tmp_path / "tiny" / "ckpt.pt", {k: v for k, v in checkpoint.items()
+                                                    if k not in ("format", "version")})
     code, _, err = run_main(training.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path),
                                             "--run-name", "tiny", "--resume", "--steps", "31", "--decay-steps", "30"])
     assert code == 0, err
