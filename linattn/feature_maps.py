@@ -199,6 +199,8 @@ class FavorFeatureMap(FeatureMap):
             raise ValueError(f"num_features must be a positive integer, got {self.num_features!r}")
         if not is_integer(redraw_interval) or redraw_interval < 0:
             raise ValueError(f"redraw_interval must be an integer >= 0 (0 never redraws), got {redraw_interval!r}")
+        if seed is not None and not is_integer(seed):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
         self.redraw_interval = redraw_interval
         # Without an explicit seed, take one from torch's generator: torch.manual_seed then fixes
         # every map, and two maps in one model still differ.

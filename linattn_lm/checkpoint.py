@@ -6,6 +6,7 @@ log_window (the open train/loss average), data (description).
 """
 from __future__ import annotations
 
+import math
 import pickle
 import warnings
 from pathlib import Path
@@ -90,6 +91,50 @@ def check_finite_weights(state: dict[str, Any], path: Path | str) -> None:
                                   "this checkpoint was written, so use an earlier checkpoint")
 
 
+def load_weights(model: torch.nn.Module, state: dict[str, Any], path: Path | str) -> None:
+    """The checkpoint's weights into `model`, refused unless each has the model's dtype:
+    load_state_dict would cast integer weights (truncated values) without a word."""
+    for key, expected in model.state_dict().items():
+        saved = state.get(key)
+        if isinstance(expected, torch.Tensor) and isinstance(saved, torch.Tensor) and saved.dtype != expected.dtype:
+            raise CheckpointError(f"{path} is damaged: weight {key!r} is {saved.dtype}, the model's is "
+                                  f"{expected.dtype}; use another checkpoint")
+    load_state(path, "model", lambda: model.load_state_dict(state))
+
+
+def check_optimizer_state(saved: dict[str, Any], optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+                          path: Path | str) -> None:
+    """Each parameter's saved optimiser state has its shape and dtype and is finite: load_state_dict
+    compares only how many parameters each group has, and casts what it loads."""
+    groups, state = saved.get("param_groups"), saved.get("state")
+    if not isinstance(groups, list) or not isinstance(state, dict) or not all(
+            isinstance(group, dict) and isinstance(group.get("params"), list) for group in groups):
+        raise CheckpointError(f"{path} is damaged: its 'optimizer' entry lacks param_groups or state")
+    saved_ids = [index for group in groups for index in group["params"]]
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    if len(saved_ids) != len(params):
+        raise CheckpointError(f"{path}: its 'optimizer' entry holds {len(saved_ids)} parameters, the model has "
+                              f"{len(params)}; it belongs to another model")
+    names = {id(param): name for name, param in model.named_parameters()}
+    for index, param in zip(saved_ids, params):
+        entry = state.get(index, {})
+        for key, value in (entry.items() if isinstance(entry, dict) else [("state", entry)]):
+            if not fits_parameter(key, value, param):
+                found = (f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor)
+                         else type(value).__name__)
+                raise CheckpointError(f"{path} is damaged: its optimiser state {key!r} of {names[id(param)]!r} is "
+                                      f"{found} (or not finite), the parameter is {tuple(param.shape)} {param.dtype}")
+
+
+def fits_parameter(key: str, value: Any, param: torch.Tensor) -> bool:
+    """A finite tensor of the parameter's shape and dtype; the step count a finite scalar >= 0."""
+    if key == "step":   # AdamW keeps it as a one-element float tensor
+        number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+        return isinstance(number, (int, float)) and not isinstance(number, bool) and 0 <= number < math.inf
+    return (isinstance(value, torch.Tensor) and value.shape == param.shape and value.dtype == param.dtype
+            and bool(value.isfinite().all()))
+
+
 def remove_stale_temporaries(path: Path) -> None:
     """Temporaries of `path` left by a write that was killed (write_atomically's name pattern)."""
     for stale in path.parent.glob(f".{path.name}.*.tmp"):
@@ -104,7 +149,7 @@ def model_from_checkpoint(checkpoint: dict[str, Any], path: Path | str = "checkp
         config = ModelConfig.from_dict(checkpoint["config"].get("model"))
         config.validate()
     except ValueError as error:
-        raise CheckpointError(f"{path}: its model settings are not usable ({error})") from None
+        raise CheckpointError(f"{path}: its model settings are not usable ({first_line(error)})") from None
     model = ByteLM(config)
-    load_state(path, "model", lambda: model.load_state_dict(checkpoint["model"]))
+    load_weights(model, checkpoint["model"], path)
     return model

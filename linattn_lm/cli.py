@@ -133,9 +133,11 @@ def import_user_code(names: list[str]) -> list[str]:
             else:
                 importlib.import_module(name)
                 recorded.append(name)
-        except Exception as error:  # user code may raise anything while it loads
+        except (Exception, SystemExit) as error:  # user code may raise anything while it loads, or exit
+            hint = ("pass a module name on the Python path or a .py file" if isinstance(error, (ImportError, OSError))
+                    else "fix that code: importing it must only define and register things")
             raise UsageError(f"--import {name}: cannot import it ({type(error).__name__}: "
-                             f"{first_line(error)}); pass a module name on the Python path or a .py file") from None
+                             f"{first_line(error)}); {hint}") from None
     return recorded
 
 

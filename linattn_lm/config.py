@@ -24,6 +24,9 @@ from .lm import ModelConfig, check_finite, check_memory, check_types, from_plain
 from .runtime import resolve_device, resolve_dtype
 
 
+MAX_STEPS = 2**63   # steps are logged as int64, like the seeds' range [0, 2**63)
+
+
 @dataclass
 class OptimConfig:
     """Optimisation and schedule: AdamW, linear warmup, cosine decay to min_lr."""
@@ -46,6 +49,10 @@ class OptimConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        for name in ("steps", "decay_steps", "warmup"):
+            if getattr(self, name) >= MAX_STEPS:
+                raise ValueError(f"{name} must be below 2**63 (TensorBoard and the checkpoint count steps in "
+                                 f"int64, as seeds are), got {getattr(self, name)}")
         if not 0 <= self.min_lr <= self.lr or self.lr <= 0:
             raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got min_lr={self.min_lr}, lr={self.lr}")
         if self.weight_decay < 0 or self.grad_clip < 0:
@@ -174,15 +181,28 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, values: Any) -> "TrainConfig":
-        """A checkpoint's config, checked like any other."""
+        """A checkpoint's config, checked like any other.  A section or setting it lacks (written
+        before that setting existed) takes the default."""
         if not isinstance(values, dict):
             raise ValueError(f"the config must be a dict of sections, got {type(values).__name__}")
-        unknown = sorted(set(values) - set(SECTIONS))
+        unknown = sorted(set(values) - set(SECTIONS), key=str)
         if unknown:
             raise ValueError(f"unknown config section(s) {unknown}; known: {sorted(SECTIONS)}")
         config = cls(**{name: from_plain_dict(SECTIONS[name], values.get(name, {}), name) for name in SECTIONS})
         config.validate()
         return config
+
+    @classmethod
+    def resumed(cls, saved: Any, current: "TrainConfig") -> "TrainConfig":
+        """A checkpoint's config validated like flags, with the settings that may change on --resume
+        taken from `current` (the saved device or paths may not exist on this machine)."""
+        if not isinstance(saved, dict):
+            raise ValueError(f"the config must be a dict of sections, got {type(saved).__name__}")
+        merged = {name: {**values, **{key: value for key, value in asdict(getattr(current, name)).items()
+                                      if key in RESUMABLE}}
+                  if name in SECTIONS and isinstance(values, dict) else values
+                  for name, values in saved.items()}
+        return cls.from_dict(merged)
 
 
 FIELDS = {f.name: (section, f) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}

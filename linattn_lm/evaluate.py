@@ -14,6 +14,7 @@ better when a model can use them (and worse when it cannot extrapolate).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -25,7 +26,8 @@ import torch
 import linattn
 from .data import SPLITS, DataError, SequentialWindows, default_data_dir, load_split
 from .checkpoint import CheckpointError, checkpoint_path, load_checkpoint, model_from_checkpoint
-from .cli import EXIT_USAGE, DefaultsFormatter, Parser, UsageError, finite_float, import_user_code, integer, pre_parse_imports
+from .cli import (EXIT_ERROR, EXIT_USAGE, DefaultsFormatter, Parser, UsageError, finite_float, import_user_code, integer,
+                  pre_parse_imports)
 from .lm import ByteLM, bits_per_byte
 from .ngram import format_reference, reference_bpc
 from .runtime import (DTYPES, autocast, decode_bytes, encode_text, keep_freed_memory, resolve_device, resolve_dtype,
@@ -37,9 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=DefaultsFormatter)
     p.add_argument("checkpoint", type=Path, help="a ckpt.pt, or a run directory that holds one")
     p.add_argument("--split", choices=SPLITS, default="val", help="split to evaluate")
-    p.add_argument("--seq-len", type=integer, nargs="+",
-                   help="window length(s); several values print a length-extrapolation table "
-                        "(default: the training seq_len)")
+    p.add_argument("--seq-len", type=integer, nargs="+", action="extend",
+                   help="window length(s); several values print a length-extrapolation table, and a repeated "
+                        "--seq-len adds its values to the list (default: the training seq_len)")
     p.add_argument("--max-bytes", type=integer, help="evaluate only the first N bytes of the split")
     p.add_argument("--batch-size", type=integer, default=8, help="windows per forward pass")
     p.add_argument("--data-dir", help="prepared enwik8 directory (default: the one the run trained on)")
@@ -61,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if any(n < 1 for n in args.seq_len or []) or args.batch_size < 1 or args.threads < 0:
         parser.error("--seq-len and --batch-size must be positive, --threads >= 0")
+    repeated = sorted({n for n in args.seq_len or [] if args.seq_len.count(n) > 1})
+    if repeated:
+        parser.error(f"--seq-len lists {', '.join(map(str, repeated))} more than once; list each length once")
     if args.max_bytes is not None and args.max_bytes < 2:
         parser.error("--max-bytes must be at least 2 (one input and one target byte)")
     if args.max_new_tokens < 0 or args.temperature < 0 or (args.top_k is not None and args.top_k < 1):
@@ -103,7 +108,7 @@ def bpc_table(model: ByteLM, data: np.ndarray, seq_lens: list[int], batch_size: 
     print(f"{'seq_len':>8}  {'bpc':>8}  {'tokens/s':>10}", flush=True)
     rows, trained = [], model.config.seq_len
     for seq_len in seq_lens:
-        if model.config.abs_pos and seq_len > trained:
+        if beyond_learned_positions(model, seq_len):
             print(f"{seq_len:>8}  {'n/a':>8}  learned absolute positions cover {trained} bytes only")
             rows.append((seq_len, float("nan"), float("nan")))
             continue
@@ -111,6 +116,16 @@ def bpc_table(model: ByteLM, data: np.ndarray, seq_lens: list[int], batch_size: 
         print(f"{seq_len:>8}  {bpc:>8.4f}  {rate:>10,.0f}", flush=True)
         rows.append((seq_len, bpc, rate))
     return rows
+
+
+def beyond_learned_positions(model: ByteLM, seq_len: int) -> bool:
+    return model.config.abs_pos and seq_len > model.config.seq_len
+
+
+def non_finite_scores(model: ByteLM, rows: list[tuple[int, float, float]]) -> list[str]:
+    """'seq_len N: bpc' for each score that is NaN or inf (not counting lengths beyond learned positions)."""
+    return [f"seq_len {seq_len}: {bpc}" for seq_len, bpc, _ in rows
+            if not math.isfinite(bpc) and not beyond_learned_positions(model, seq_len)]
 
 
 def sample_text(model: ByteLM, args: argparse.Namespace, device: torch.device) -> str:
@@ -186,7 +201,12 @@ def main(argv: list[str] | None = None) -> int:
         data = split.data[:args.max_bytes] if args.max_bytes else split.data
         print(f"data: {split.description} from {data_dir}, {args.split} split, "
               f"{len(data):,} of {len(split):,} bytes")
-        bpc_table(model, data, args.seq_len or [config.seq_len], args.batch_size, device, args.dtype)
+        rows = bpc_table(model, data, args.seq_len or [config.seq_len], args.batch_size, device, args.dtype)
+        non_finite = non_finite_scores(model, rows)
+        if non_finite:
+            print(f"error: the model scores non-finite bits per byte ({', '.join(non_finite)}): its outputs overflow "
+                  f"on this data, so {path} may be damaged; evaluate an earlier checkpoint", file=sys.stderr)
+            return EXIT_ERROR
         print(format_reference(reference_bpc(data_dir, args.split, max_bytes=args.max_bytes)))
     except (CheckpointError, DataError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -25,6 +25,7 @@ loses at most the run in progress and --resume continues it.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -39,6 +40,7 @@ from .evaluate import bpc_table
 from .grid_report import RECORD_KEYS, RESULT_NAME, write_report
 from .lm import ATTENTION_BACKENDS, feature_map_parameters
 from .ngram import reference_bpc
+from .runlock import DirectoryLock
 from .runtime import keep_freed_memory, write_atomically
 from .training import TrainResult
 from .variants import default_variants, variant_flags
@@ -227,18 +229,21 @@ def main(argv: list[str] | None = None) -> int:
                                                  "length-extrapolation table (1 is always scored)")
     args, (configs, earlier, multiples, grid_dir) = training.parse_config(parser, argv, resolve=parse_grid_flags)
     keep_freed_memory()   # large CPU temporaries reuse freed memory instead of page-faulting
-    started = [config.run.run_name for config in configs.values() if (config.run.run_dir / CHECKPOINT_NAME).exists()]
 
     def run() -> int:
-        if started and not args.resume:
-            raise CheckpointError(f"{grid_dir} already has checkpoints for {', '.join(started[:3])}"
-                                  f"{' ...' if len(started) > 3 else ''}: pass --resume to continue the grid, or "
-                                  "choose another --run-name / --out-dir")
         if args.resume and not grid_dir.exists():
             raise CheckpointError(f"--resume continues a grid, but there is none at {grid_dir}: drop --resume "
                                   "to start it, or give the --out-dir / --run-name it was started with")
         check_eval_windows(configs.values(), multiples)
-        return run_grid(configs, grid_dir, args.resume, multiples, earlier)
+        main_process = training.launched_rank() == 0   # the job's other ranks write nothing here
+        with DirectoryLock(grid_dir) if main_process else contextlib.nullcontext():   # each run locks its own too
+            started = [config.run.run_name for config in configs.values()
+                       if (config.run.run_dir / CHECKPOINT_NAME).exists()]
+            if started and not args.resume:
+                raise CheckpointError(f"{grid_dir} already has checkpoints for {', '.join(started[:3])}"
+                                      f"{' ...' if len(started) > 3 else ''}: pass --resume to continue the grid, "
+                                      "or choose another --run-name / --out-dir")
+            return run_grid(configs, grid_dir, args.resume, multiples, earlier)
     return training.run_reporting_errors(run)
 
 

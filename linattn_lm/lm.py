@@ -103,10 +103,14 @@ class ModelConfig:
 
     def validate(self) -> None:
         """The field checks, then the parameter memory, then the feature map built once with its
-        options (so bad option names, types and values get the map's own message)."""
+        options (so bad option names, types and values get the map's own message) and run on a
+        probe input (so a broken map is refused before any work)."""
+        from .map_check import checked_feature_map   # here: map_check -> runtime -> lm would be circular
         self.check_fields()
         check_memory(self.parameter_bytes(), "the model's parameters and buffers")
-        num_features = self.build_feature_map(0).num_features if self.attention == "linear" else 0
+        num_features = 0
+        if self.attention == "linear":
+            num_features = checked_feature_map(self.feature_map, lambda: self.build_feature_map(0)).num_features
         self._validate_rope_pairs(num_features)
 
     def check_fields(self) -> None:

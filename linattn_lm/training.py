@@ -25,15 +25,18 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_finite_weights, checkpoint_entries, load_checkpoint, load_state,
-                         remove_stale_temporaries, save_checkpoint)
+from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_finite_weights, check_optimizer_state,
+                         checkpoint_entries, load_checkpoint, load_state, load_weights, remove_stale_temporaries,
+                         save_checkpoint)
 from .cli import (EXIT_ERROR, EXIT_USAGE, Parser, UsageError, add_config_flags, given_settings, import_user_code,
                   pre_parse_imports)
 from .config import TrainConfig, config_differences, config_from_flags
 from .data import DataError, RandomWindows, load_split
 from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss
-from .runtime import (WriteFailed, autocast, decode_bytes, gradient_scaler, keep_freed_memory, peak_memory_mb,
-                      precision_name, release_free_memory, reset_peak_memory, resolve_device, summed_loss)
+from .runlock import DirectoryLock
+from .runtime import (WriteFailed, autocast, decode_bytes, first_line, gradient_scaler, keep_freed_memory,
+                      peak_memory_mb, precision_name, release_free_memory, reset_peak_memory, resolve_device,
+                      summed_loss)
 
 SAMPLE_PROMPT_BYTES = 128
 SAMPLE_NEW_BYTES = 256
@@ -79,6 +82,11 @@ class Distributed:
         return gathered
 
 
+def launched_rank() -> int:
+    """This process's rank in a torchrun job (0 without torchrun), known before the group is joined."""
+    return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+
+
 @contextlib.contextmanager
 def distributed(device_name: str) -> Iterator[Distributed]:
     """Join the torchrun process group when RANK/WORLD_SIZE are set: nccl on CUDA, gloo on CPU."""
@@ -87,7 +95,7 @@ def distributed(device_name: str) -> Iterator[Distributed]:
     if world_size == 1:
         yield Distributed(0, 1, device)
         return
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    rank, local_rank = launched_rank(), int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -255,10 +263,12 @@ def load_for_resume(path: Path, config: TrainConfig, data: str) -> dict[str, Any
     checkpoint = load_checkpoint(path)
     checkpoint_entries(checkpoint, path)
     check_finite_weights(checkpoint["model"], path)
-    saved = checkpoint["config"]
-    flat_saved = {key: value for section in saved.values() if isinstance(section, dict)
-                  for key, value in section.items()}
-    differences = config_differences(flat_saved, config.flat())
+    try:
+        saved = TrainConfig.resumed(checkpoint["config"], config)
+    except ValueError as error:
+        raise CheckpointError(f"cannot resume {path}: its saved configuration is not valid "
+                              f"({first_line(error)})") from None
+    differences = config_differences(saved.flat(), config.flat())
     if differences:
         raise CheckpointError(f"cannot resume {path}: it was trained with a different configuration "
                               f"({'; '.join(differences)}); only steps, intervals, paths, device, backend, "
@@ -327,12 +337,23 @@ class Trainer:
         release_free_memory()   # so that this run's peak is its own (a grid trains many in one process)
         reset_peak_memory(self.device)
         self._load_data()      # first, so missing or too-small data fails before anything is written
-        checkpoint = load_for_resume(self.ckpt_file, config, self.data) if resume else self._no_checkpoint()
-        if ctx.is_main:
-            prepare_run_dir(self.run_dir)
-            remove_stale_temporaries(self.ckpt_file)
-        self._build_model(checkpoint)
-        self._open_logs(checkpoint)
+        self.lock = self._lock_run_dir() if ctx.is_main else None
+        try:
+            checkpoint = load_for_resume(self.ckpt_file, config, self.data) if resume else self._no_checkpoint()
+            if ctx.is_main:
+                remove_stale_temporaries(self.ckpt_file)
+            self._build_model(checkpoint)
+            self._open_logs(checkpoint)
+        except BaseException:
+            if self.lock:
+                self.lock.release()
+            raise
+
+    def _lock_run_dir(self) -> DirectoryLock:
+        """Held until close(): a second run of this directory is refused before it reads or writes
+        anything there (the checkpoint's existence included)."""
+        prepare_run_dir(self.run_dir)
+        return DirectoryLock(self.run_dir)
 
     def _load_data(self) -> None:
         config, ctx = self.config, self.ctx
@@ -357,7 +378,8 @@ class Trainer:
         self.model = ByteLM(config.model).to(self.device)
         self.optimizer = make_optimizer(self.model, config, self.device)
         self.scaler = gradient_scaler(self.device, config.run.dtype)
-        self.stats, self.step, self.saved_step = RunStats(), 0, None
+        self.stats, self.step, self.saved_step, self.resumed_step = RunStats(), 0, None, None
+        self.saved_step_went_on = False   # whether a step from the saved weights was finite
         self.loss_sum, self.loss_count = torch.zeros((), device=self.device), 0
         if checkpoint is None:
             torch.manual_seed(config.model.seed + 1 + ctx.rank)   # per-rank dropout masks
@@ -367,7 +389,8 @@ class Trainer:
                 raise CheckpointError(f"{path} is at step {checkpoint['step']}, past --steps {config.optim.steps}: "
                                       f"there is nothing to train; pass --steps {checkpoint['step']} to score it "
                                       f"again, more to go on, or another --run-name")
-            load_state(path, "model", lambda: self.model.load_state_dict(checkpoint["model"]))
+            load_weights(self.model, checkpoint["model"], path)
+            check_optimizer_state(checkpoint["optimizer"], self.optimizer, self.model, path)
             load_state(path, "optimizer", lambda: self.optimizer.load_state_dict(checkpoint["optimizer"]))
             if checkpoint.get("scaler"):   # fp16 runs save their loss scale (checkpoints before --dtype: none)
                 load_state(path, "scaler", lambda: self.scaler.load_state_dict(checkpoint["scaler"]))
@@ -375,7 +398,7 @@ class Trainer:
             load_state(path, "rng", lambda: restore_rng(checkpoint["rng"], ctx, config.model.seed))
             load_state(path, "stats", lambda: setattr(self, "stats", RunStats.from_state(checkpoint["stats"])))
             load_state(path, "log_window", lambda: self._restore_log_window(checkpoint["log_window"]))
-            self.step = self.saved_step = checkpoint["step"]
+            self.step = self.saved_step = self.resumed_step = checkpoint["step"]
             self.log(f"resumed {self.ckpt_file} at step {self.step}")
         self.compiled = torch.compile(self.model) if config.run.compile else self.model
         # Feature-map buffers are not broadcast: every rank draws identical projections from the seeds.
@@ -431,6 +454,7 @@ class Trainer:
         gradient_ok = torch.isfinite(grad_norm) | torch.tensor(self.scaler.is_enabled(), device=self.device)
         if self.ctx.any(~(torch.isfinite(loss) & gradient_ok)):
             raise self.diverged(f"loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g} (non-finite)")
+        self.saved_step_went_on |= self.step == self.saved_step
         self.scaler.step(self.optimizer)
         self.scaler.update()
         if self.ctx.any(~torch.stack([p.isfinite().all() for p in self.model.parameters()]).all()):
@@ -446,9 +470,28 @@ class Trainer:
 
     def diverged(self, what: str) -> TrainingDiverged:
         """The error that stops a run whose step went non-finite; nothing of that step is saved."""
-        kept = (f"the last good checkpoint (step {self.saved_step}) is kept in {self.ckpt_file}"
-                if self.saved_step is not None else "no checkpoint was written")
-        return TrainingDiverged(f"training stopped at step {self.step + 1}: {what}; {kept}; lower --lr")
+        return TrainingDiverged(f"training stopped at step {self.step + 1}: {what}; {self.checkpoint_kept()}; "
+                                f"{self.likely_cause()}")
+
+    def checkpoint_kept(self) -> str:
+        """A checkpoint is called good only once a step from its weights was finite."""
+        if self.saved_step is None:
+            return "no checkpoint was written"
+        if self.saved_step_went_on:
+            return f"the last good checkpoint (step {self.saved_step}) is kept in {self.ckpt_file}"
+        return (f"the checkpoint of step {self.saved_step} is kept in {self.ckpt_file}, but the first step from it "
+                "was not finite, so it may be damaged")
+
+    def likely_cause(self) -> str:
+        """The learning rate only where steps with it were finite before."""
+        if self.step == 0:
+            model = self.config.model
+            suspect = (f"feature map {model.feature_map!r} likely gives non-finite values on the model's inputs"
+                       if model.attention == "linear" else "the model's settings likely overflow")
+            return f"no update had been made, so the learning rate is not the cause: {suspect}"
+        if self.step == self.resumed_step:
+            return "it failed at the first step after the resume: use an earlier copy of the checkpoint or start again"
+        return "lower --lr"
 
     def log_train(self, grad_norm: torch.Tensor) -> None:
         """Mean training loss since the last log (over all ranks), lr, gradient norm, tokens/s.  The
@@ -494,7 +537,7 @@ class Trainer:
                                    "count": self.loss_count})
         if self.ctx.is_main:
             save_checkpoint(self.ckpt_file, payload)
-        self.saved_step = self.step
+        self.saved_step, self.saved_step_went_on = self.step, False
 
     def run(self) -> TrainResult:
         """Train to steps; Ctrl-C/SIGTERM stop after the current step with a checkpoint.
@@ -562,10 +605,12 @@ class Trainer:
         return result
 
     def close(self) -> None:
-        """Flush the logs of a run that stopped on an error."""
+        """Flush the logs (of a run that stopped on an error, too) and let go of the run directory."""
         self.bar.close()
         if self.writer:
             self.writer.close()
+        if self.lock:
+            self.lock.release()
 
 
 def train(config: TrainConfig, ctx: Distributed, *, resume: bool = False) -> TrainResult:

@@ -32,6 +32,16 @@ def test_unknown_feature_map_lists_registered_ones():
         LinearAttention(32, 2, feature_map="nope")
 
 
+@pytest.mark.parametrize("options, message", [
+    (dict(num_features=32.0), "num_features must be a positive integer, got 32.0"),
+    (dict(seed=1e300), "seed must be an integer, got 1e+300"),
+    (dict(seed=True), "seed must be an integer, got True"),
+])
+def test_favor_counts_and_seeds_must_be_integers(options, message):
+    with pytest.raises(ValueError, match=message.replace("+", r"\+")):
+        make_feature_map("favor", 16, **options)
+
+
 def test_unknown_option_names_accepted_ones():
     with pytest.raises(ValueError, match=r"does not take option\(s\) \['num_features'\]"):
         make_feature_map("elu", 16, num_features=8)

@@ -1,6 +1,7 @@
 """The command-line parser every script shares."""
 import pytest
 
+from linattn_lm import evaluate, grid, training
 from linattn_lm.cli import Parser
 
 
@@ -13,3 +14,13 @@ def test_a_flag_is_never_taken_for_a_prefix_of_another(capsys):
         parser.parse_args(["--feature-map", "elu"])
     assert exit_info.value.code == 2
     assert "unrecognized arguments: --feature-map elu (see --help)" in capsys.readouterr().err
+
+
+def test_an_import_file_that_exits_is_a_usage_error_not_a_silent_exit(tmp_path, run_main):
+    exits = tmp_path / "exits.py"
+    exits.write_text("import sys\nsys.exit(0)\n")
+    for main in (training.main, grid.main, evaluate.main):
+        code, out, err = run_main(main, ["--import", str(exits)])
+        assert code == 2 and out == "", err
+        assert err == (f"error: --import {exits}: cannot import it (SystemExit: 0); fix that code: importing it "
+                       "must only define and register things\n")

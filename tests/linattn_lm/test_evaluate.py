@@ -169,3 +169,35 @@ def test_a_recorded_data_dir_that_is_not_a_path_is_ignored(data_dir: Path, tmp_p
     monkeypatch.setattr(evaluate, "default_data_dir", lambda: data_dir)
     code, out, err = run_main(evaluate.main, [str(ckpt), "--max-bytes", "2000"])
     assert code == 0 and f"from {data_dir}, val split" in out, err
+
+
+def test_integer_weights_are_refused_not_truncated(data_dir: Path, tmp_path: Path, run_main, make_model) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", make_model(), data_dir)
+    checkpoint = torch.load(ckpt, weights_only=True)
+    checkpoint["model"]["head.weight"] = (checkpoint["model"]["head.weight"] * 100).long()
+    torch.save(checkpoint, ckpt)
+    code, out, err = run_main(evaluate.main, [str(ckpt), "--max-bytes", "300"])
+    assert code == 2 and "bpc" not in out, err
+    assert err == f"error: {ckpt} is damaged: weight 'head.weight' is torch.int64, the model's is torch.float32; " \
+                  "use another checkpoint\n"
+
+
+def test_a_non_finite_score_is_an_error(data_dir: Path, tmp_path: Path, run_main, make_model) -> None:
+    model = make_model()
+    with torch.no_grad():
+        model.ln_final.weight.fill_(1e30)   # finite weights whose logits overflow
+        model.head.weight.fill_(1e30)
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", model, data_dir)
+    code, out, err = run_main(evaluate.main, [str(ckpt), "--max-bytes", "300", "--seq-len", "16", "32"])
+    assert code == 1 and table(out) == {16: "nan", 32: "nan"}, err
+    assert err == (f"error: the model scores non-finite bits per byte (seq_len 16: nan, seq_len 32: nan): its outputs "
+                   f"overflow on this data, so {ckpt} may be damaged; evaluate an earlier checkpoint\n")
+
+
+def test_repeated_seq_len_flags_add_up(data_dir: Path, tmp_path: Path, run_main, make_model) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", make_model(), data_dir)
+    code, out, err = run_main(evaluate.main, [str(ckpt), "--max-bytes", "300", "--seq-len", "8", "16",
+                                              "--seq-len", "32"])
+    assert code == 0 and list(table(out)) == [8, 16, 32], err
+    code, _, err = run_main(evaluate.main, [str(ckpt), "--seq-len", "16", "--seq-len", "8", "16"])
+    assert code == 2 and "--seq-len lists 16 more than once; list each length once" in err, err

@@ -81,6 +81,11 @@ def test_resume_continues_exactly(data_dir: Path, tiny: list[str], tmp_path: Pat
     (["--feature-map", "elu", "--feature-map-option", "num_features=64"], "does not take option(s) ['num_features']"),
     (["--feature-map-option", "num_features"], "expected KEY=VALUE"),
     (["--feature-map-option", "num_features=abc"], "rejected options"),
+    (["--feature-map-option", "num_features=32.0"], "num_features must be a positive integer, got 32.0"),
+    (["--feature-map-option", "seed=1e300"], "seed must be an integer, got 1e+300"),
+    (["--steps", str(2**63)], "steps must be below 2**63"),
+    (["--decay-steps", str(2**63)], "decay_steps must be below 2**63"),
+    (["--warmup", str(10**30)], "warmup must be below 2**63"),
     (["--attention", "softmax", "--rope", "pre"], "--rope pre"),
     (["--preset", "huge"], "invalid choice: 'huge'"),
     (["--n-layer", "0"], "n_layer must be positive"),
@@ -129,8 +134,9 @@ def test_unusable_out_dir_is_refused(data_dir: Path, tiny: list[str], tmp_path: 
     assert code == 2 and "cannot write the run directory" in err and "--out-dir" in err
 
 
-def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir: Path, tiny: list[str], tmp_path: Path,
-                                                                 run_main) -> None:
+def test_non_finite_loss_after_a_resume_says_the_checkpoint_may_be_damaged(data_dir: Path, tiny: list[str],
+                                                                           tmp_path: Path, run_main) -> None:
+    """Its weights are finite but overflow at the first step from them: never 'the last good checkpoint'."""
     flags = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "boom",
              "--sample-interval", "0", "--eval-interval", "100", "--eval-iters", "1"]
     assert training.main([*flags, "--steps", "2", "--decay-steps", "30"]) == 0
@@ -142,7 +148,9 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(data_dir: Path
                                                      if k not in ("format", "version")})
     code, _, err = run_main(training.main, [*flags, "--run-name", "boom2", "--resume", "--steps", "30"])
     assert code == 1 and "training stopped at step 3" in err and "non-finite" in err
-    assert "last good checkpoint (step 2)" in err
+    assert "good" not in err and "lower --lr" not in err, err
+    assert f"the checkpoint of step 2 is kept in {tmp_path / 'boom2' / 'ckpt.pt'}, but the first step from it was " \
+           "not finite, so it may be damaged; it failed at the first step after the resume" in err
     assert load_checkpoint(tmp_path / "boom2")["step"] == 2
 
 
@@ -164,7 +172,7 @@ def test_a_step_that_makes_weights_non_finite_stops_before_any_save(data_dir: Pa
                                             "--steps", "5", "--ckpt-interval", "1", "--sample-interval", "0",
                                             "--eval-interval", "100", "--eval-iters", "1"])
     assert code == 1 and "training stopped at step 3: the optimiser step made weights non-finite" in err, err
-    assert "last good checkpoint (step 2)" in err
+    assert "last good checkpoint (step 2)" in err and err.strip().endswith("lower --lr")
     saved = load_checkpoint(tmp_path / "linear-favor-post-M32")
     assert saved["step"] == 2 and all(t.isfinite().all() for t in saved["model"].values()
                                       if isinstance(t, torch.Tensor) and t.is_floating_point())
@@ -202,6 +210,14 @@ def damage_stats(c): c["stats"]["val_bpc"] = "abc"
 def damage_stats_count(c): c["stats"]["tokens"] = -5
 def damage_loader_position(c): c["loader"]["batches_drawn"] = -5
 def damage_weights(c): c["model"]["head.weight"][0, 0] = float("nan")
+def damage_weight_dtype(c): c["model"]["head.weight"] = c["model"]["head.weight"].long()
+def damage_moment_shape(c): c["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3)
+def damage_moment_dtype(c): c["optimizer"]["state"][0]["exp_avg_sq"] = c["optimizer"]["state"][0]["exp_avg_sq"].long()
+def damage_moment_value(c): c["optimizer"]["state"][0]["exp_avg"][0] = float("inf")
+def damage_adam_step(c): c["optimizer"]["state"][0]["step"] = torch.tensor(float("nan"))
+def damage_parameter_count(c): c["optimizer"]["param_groups"][1]["params"].pop()
+def damage_config_section(c): c["config"]["extra"] = 5
+def damage_config_key(c): c["config"]["model"]["colour"] = "red"
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -217,6 +233,16 @@ def damage_weights(c): c["model"]["head.weight"][0, 0] = float("nan")
     (damage_stats_count, "'stats' entry does not fit this run (tokens is -5"),
     (damage_loader_position, "saved batches_drawn must be an integer >= 0, got -5"),
     (damage_weights, "holds NaN or inf"),
+    (damage_weight_dtype, "is damaged: weight 'head.weight' is torch.int64, the model's is torch.float32"),
+    (damage_moment_shape, "optimiser state 'exp_avg' of 'token_embedding.weight' is (3,) torch.float32 (or not "
+                          "finite), the parameter is (256, 64) torch.float32"),
+    (damage_moment_dtype, "optimiser state 'exp_avg_sq' of 'token_embedding.weight' is (256, 64) torch.int64"),
+    (damage_moment_value, "optimiser state 'exp_avg' of 'token_embedding.weight' is (256, 64) torch.float32 (or not "
+                          "finite)"),
+    (damage_adam_step, "optimiser state 'step' of 'token_embedding.weight' is () torch.float32"),
+    (damage_parameter_count, "its 'optimizer' entry holds 23 parameters, the model has 24"),
+    (damage_config_section, "its saved configuration is not valid (unknown config section(s) ['extra']"),
+    (damage_config_key, "its saved configuration is not valid (unknown model setting(s) ['colour']"),
 ])
 def test_resume_refuses_damaged_checkpoints(damage, message: str, tiny_run: Path, data_dir: Path, tiny: list[str],
                                             tmp_path: Path, run_main) -> None:
@@ -227,6 +253,17 @@ def test_resume_refuses_damaged_checkpoints(damage, message: str, tiny_run: Path
     code, _, err = run_main(training.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path),
                                             "--run-name", "tiny", "--resume", "--steps", "31", "--decay-steps", "30"])
     assert code == 2 and message in err and "Traceback" not in err, err
+
+
+def test_a_setting_older_checkpoints_lack_takes_its_default_on_resume(tiny_run: Path, data_dir: Path, tiny: list[str],
+                                                                      tmp_path: Path, run_main) -> None:
+    checkpoint = load_checkpoint(tiny_run)
+    del checkpoint["config"]["model"]["vocab_size"]   # as if written before the setting existed (default 256)
+    save_checkpoint(tmp_path / "tiny" / "ckpt.pt", {k: v for k, v in checkpoint.items()
+                                                    if k not in ("format", "version")})
+    code, _, err = run_main(training.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path),
+                                            "--run-name", "tiny", "--resume", "--steps", "31", "--decay-steps", "30"])
+    assert code == 0, err
 
 
 def test_resume_with_fewer_steps_than_the_checkpoint_says_there_is_nothing_to_train(

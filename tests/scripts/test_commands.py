@@ -90,3 +90,25 @@ def test_a_user_feature_map_trains_resumes_and_evaluates(data_dir: Path, tmp_pat
     bad = script("train.py", "--import", str(tmp_path / "moved.py"), "--feature-map", "scaled-relu",
                  "--feature-map-option", "scale=-1")
     assert bad.returncode == 2 and "scale must be positive" in bad.stderr
+
+
+@pytest.mark.slow
+def test_two_runs_of_one_directory_the_second_is_refused_and_kill_9_frees_it(data_dir: Path, tmp_path: Path,
+                                                                             start_script, script) -> None:
+    flags = [*TINY, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "shared",
+             "--eval-interval", "5", "--eval-iters", "1", "--ckpt-interval", "0", "--sample-interval", "0"]
+    first = start_script("train.py", *flags, "--steps", "5000")
+    try:
+        for line in first.stdout:
+            if line.startswith("step 5/"):
+                break
+        second = script("train.py", *flags, "--lr", "0.001", "--steps", "2")
+        assert second.returncode == 2 and "model:" not in second.stdout, second.stderr   # refused before building it
+        assert second.stderr == (f"error: {tmp_path / 'shared'} is in use by another run (pid {first.pid}); wait for "
+                                 "it to finish, or choose another --run-name / --out-dir\n")
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.communicate()
+    again = script("train.py", *flags, "--steps", "2", "--decay-steps", "5000")
+    assert again.returncode == 0, again.stderr
+    assert load_checkpoint(tmp_path / "shared")["step"] == 2

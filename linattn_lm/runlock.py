@@ -1,0 +1,71 @@
+"""An exclusive lock on a run (or grid) directory, held for the whole run, so that two runs never
+write the same directory.
+
+The lock is an OS lock (`fcntl.flock`) on the file `.lock` in the directory: the kernel releases it
+when the holder exits, however it exits (kill -9 included), so no stale lock is ever left behind.
+The holder writes its pid into the file, for the message that refuses a second run.  The file
+itself stays: deleting it on release would let a waiting process lock a file that is already gone.
+
+Where fcntl does not exist (Windows), runs are not locked; a warning says so once.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+from .cli import UsageError
+
+try:
+    import fcntl
+except ImportError:   # Windows
+    fcntl = None
+
+LOCK_NAME = ".lock"
+
+
+class DirectoryBusy(UsageError):
+    """Another process holds the directory's lock (reported as `error: ...`, exit status 2)."""
+
+
+class DirectoryLock:
+    """Held from construction until release() (or the end of a `with` block, or the process)."""
+
+    def __init__(self, directory: Path | str):
+        self.directory = Path(directory)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._fd = None if fcntl is None else self._acquire()
+        except OSError as error:   # not BlockingIOError: _acquire turns that into DirectoryBusy
+            raise UsageError(f"cannot lock the directory {self.directory} ({error.strerror or error}); "
+                             "choose a writable --out-dir") from None
+        if fcntl is None:
+            warnings.warn("fcntl is not available on this platform: run directories are not locked, so "
+                          "make sure no two runs use the same --out-dir/--run-name", stacklevel=2)
+
+    def _acquire(self) -> int:
+        fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip()
+            os.close(fd)
+            raise DirectoryBusy(f"{self.directory} is in use by another run (pid {holder or 'unknown'}); wait "
+                                "for it to finish, or choose another --run-name / --out-dir") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        return fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)   # closing the last descriptor releases the lock
+            self._fd = None
+
+    def __enter__(self) -> "DirectoryLock":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

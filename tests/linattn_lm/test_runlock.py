@@ -1,0 +1,84 @@
+"""The run-directory lock: one holder at a time, across processes, released by the kernel when the
+holder dies (kill -9 included); train.py and grid.py hold it for the whole run."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from linattn_lm import grid, training
+from linattn_lm.runlock import LOCK_NAME, DirectoryBusy, DirectoryLock
+
+HOLD = "import sys, time; from linattn_lm.runlock import DirectoryLock; lock = DirectoryLock(sys.argv[1]); " \
+       "print('locked', flush=True); time.sleep(600)"
+
+
+def start_holder(directory: Path) -> subprocess.Popen:
+    """Another process that takes the lock on `directory` and keeps it (until killed)."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(directory)], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[2])
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def test_a_second_process_is_refused_with_the_holders_pid_and_kill_9_leaves_no_stale_lock(tmp_path: Path) -> None:
+    holder = start_holder(tmp_path / "run")
+    try:
+        with pytest.raises(DirectoryBusy, match=rf"{tmp_path / 'run'} is in use by another run \(pid {holder.pid}\)"):
+            DirectoryLock(tmp_path / "run")
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert (tmp_path / "run" / LOCK_NAME).exists()   # the file stays, the lock does not
+    with DirectoryLock(tmp_path / "run"):
+        assert (tmp_path / "run" / LOCK_NAME).read_text() == f"{os.getpid()}\n"
+    with DirectoryLock(tmp_path / "run"):   # released at the end of the block
+        pass
+
+
+def test_an_unusable_directory_is_a_one_line_usage_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(training.UsageError, match="cannot lock the directory .* choose a writable --out-dir"):
+        DirectoryLock(tmp_path / "file" / "run")
+
+
+def test_train_refuses_a_run_directory_in_use_and_keeps_it_untouched(data_dir: Path, tiny: list[str], tmp_path: Path,
+                                                                      run_main) -> None:
+    holder = start_holder(tmp_path / "busy")
+    try:
+        argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "busy"]
+        for resume in ([], ["--resume"]):
+            code, out, err = run_main(training.main, [*argv, *resume])
+            assert code == 2 and err == f"error: {tmp_path / 'busy'} is in use by another run (pid {holder.pid}); " \
+                                        "wait for it to finish, or choose another --run-name / --out-dir\n", err
+        assert sorted(path.name for path in (tmp_path / "busy").iterdir()) == [LOCK_NAME]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_grid_refuses_a_grid_directory_in_use(data_dir: Path, tiny: list[str], tmp_path: Path, run_main) -> None:
+    holder = start_holder(tmp_path / "grid-tiny")
+    try:
+        argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--variants", "linear-elu-post",
+                "--steps", "2"]
+        code, _, err = run_main(grid.main, argv)
+        assert code == 2 and f"{tmp_path / 'grid-tiny'} is in use by another run (pid {holder.pid})" in err, err
+        assert len(err.strip().splitlines()) == 1
+        assert sorted(path.name for path in (tmp_path / "grid-tiny").iterdir()) == [LOCK_NAME]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_run_lets_go_of_its_directory_when_it_stops_on_an_error(data_dir: Path, tiny: list[str], tmp_path: Path,
+                                                                   run_main) -> None:
+    argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "r"]
+    code, _, err = run_main(training.main, [*argv, "--resume"])
+    assert code == 2 and "checkpoint not found" in err
+    with DirectoryLock(tmp_path / "r"):   # would raise DirectoryBusy if the failed run still held it
+        pass
