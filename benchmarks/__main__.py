@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from linattn.ops.linear_attention import backends
+import linattn
 
 from .report import Report, write_outputs
 from .sections import run_attention, run_decode, run_efficiency, run_model
@@ -37,7 +37,7 @@ def header(settings: Settings, machine: dict) -> str:
         f"causal chunk C={settings.chunk_size}, dtypes {','.join(settings.dtypes)}, "
         f"masks {','.join(settings.masks)}, passes {','.join(settings.passes)}",
         f"methods: {', '.join(m.name for m in selected_methods(settings))} (linattn's auto backend here: "
-        f"{backends.resolve('auto', torch.device(machine['device']))})",
+        f"{linattn.resolve_backend('auto', machine['device'])})",
         f"timing: median of {settings.repeats} after {settings.warmup} warm-up, each config in a fresh "
         f"process; budget {settings.budget_s:g} s per config; sections: {','.join(settings.sections)}"])
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import inspect
 import io
 from dataclasses import dataclass
 from typing import Callable
@@ -16,8 +15,6 @@ from typing import Callable
 import torch
 
 import linattn
-from linattn.feature_maps import FEATURE_MAPS
-from linattn.ops.linear_attention import backends
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -86,7 +83,7 @@ def unavailable(method: Method, device: torch.device) -> str | None:
         return "runs on CUDA only"
     if method.family == "linattn":
         try:
-            backends.resolve(method.backend, device)
+            linattn.resolve_backend(method.backend, device)
         except ValueError as error:
             return str(error)
     return None
@@ -99,8 +96,7 @@ def runs_with(method: Method, causal: bool, dtype: str) -> bool:
 def make_feature_map(name: str, shape: Shape) -> linattn.FeatureMap:
     """A registered map with M = shape.num_features where the map has that option (and the shape's
     heads, for maps with weights per head)."""
-    takes_num_features = "num_features" in inspect.signature(FEATURE_MAPS[name]).parameters
-    options = {"num_features": shape.num_features} if takes_num_features else {}
+    options = {"num_features": shape.num_features} if "num_features" in linattn.feature_map_options(name) else {}
     return linattn.make_feature_map(name, shape.head_dim, heads=shape.heads, **options).eval()
 
 
@@ -115,12 +111,12 @@ def _softmax(method: Method, shape: Shape, device: torch.device, causal: bool, c
     block = linattn.SoftmaxAttention(shape.heads * shape.head_dim, shape.heads, rope=False,
                                      causal=causal, backend=method.backend)
     if not method.flash:
-        return lambda q, k, v: block._attend(q, k, v, causal)
+        return block.attend
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def attend_flash(q, k, v):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return block._attend(q, k, v, causal)
+            return block.attend(q, k, v)
     return attend_flash
 
 

@@ -1,8 +1,11 @@
 """linattn: linear attention with pluggable feature maps and RoPE after the feature map."""
 from . import functional
-from .attention import KVCache, LinearAttention, SoftmaxAttention, ROPE_PLACEMENTS
+from .attention import (NORMALIZATIONS, ROPE_PLACEMENTS, SOFTMAX_BACKENDS, KVCache, LinearAttention, SoftmaxAttention,
+                        resolve_backend)
+from .checks import is_integer
 from .feature_maps import (EluFeatureMap, FavorFeatureMap, FeatureMap, HedgehogFeatureMap, SoftmaxFeatureMap,
-                           TaylorFeatureMap, available_feature_maps, make_feature_map, register_feature_map)
+                           TaylorFeatureMap, available_feature_maps, feature_map_class, feature_map_options,
+                           make_feature_map, register_feature_map)
 from .functional import LinearState, linear_attention, linear_attention_reference, linear_attention_step
 from .rotary import apply_rotary
 
@@ -10,7 +13,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "EluFeatureMap", "FavorFeatureMap", "FeatureMap", "HedgehogFeatureMap", "KVCache", "LinearAttention",
-    "LinearState", "ROPE_PLACEMENTS", "SoftmaxAttention", "SoftmaxFeatureMap", "TaylorFeatureMap", "apply_rotary",
-    "available_feature_maps", "functional", "linear_attention", "linear_attention_reference",
-    "linear_attention_step", "make_feature_map", "register_feature_map",
+    "LinearState", "NORMALIZATIONS", "ROPE_PLACEMENTS", "SOFTMAX_BACKENDS", "SoftmaxAttention", "SoftmaxFeatureMap",
+    "TaylorFeatureMap", "apply_rotary", "available_feature_maps", "feature_map_class", "feature_map_options",
+    "functional", "is_integer", "linear_attention", "linear_attention_reference", "linear_attention_step",
+    "make_feature_map", "register_feature_map", "resolve_backend",
 ]

@@ -15,6 +15,7 @@ from torch import nn
 from .checks import check_rope_base, check_state_position, check_state_tensors
 from .feature_maps import FeatureMap, make_feature_map
 from .functional import BACKENDS, DEFAULT_CHUNK_SIZE, LinearState, linear_attention, linear_attention_step
+from .ops.linear_attention import backends
 from .ops.linear_attention.chunk import check_chunk_size
 from .ops.linear_attention.recurrent import check_state
 from .rotary import DEFAULT_BASE, apply_rotary, check_offset
@@ -62,6 +63,15 @@ class _Projections(nn.Module):
             x = x.unsqueeze(1)
         q, k, v = self.to_qkv(x).chunk(3, dim=-1)
         return (rearrange(t, "b n (h d) -> b h n d", h=self.heads) for t in (q, k, v))
+
+    def _check_heads(self, q, k, v) -> None:
+        """attend's inputs: (B, H, N, head_dim) with this block's heads."""
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[1] != self.heads \
+                    or t.shape[-1] != self.head_dim:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"attend takes (batch, heads={self.heads}, seq_len, head_dim={self.head_dim}) "
+                                 f"queries, keys and values, got {name} of shape {got}")
 
     def _check_decodable(self) -> None:
         if not self.causal:
@@ -139,12 +149,7 @@ class LinearAttention(_Projections):
                return_state: bool = False):
         """The attention between the projections: (B, H, N, head_dim) queries, keys and values ->
         (B, H, N, head_dim), with this block's map, placement and backend (what forward runs)."""
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[1] != self.heads \
-                    or t.shape[-1] != self.head_dim:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"attend takes (batch, heads={self.heads}, seq_len, head_dim={self.head_dim}) "
-                                 f"queries, keys and values, got {name} of shape {got}")
+        self._check_heads(q, k, v)
         phi_q, phi_k = self._features(q, k, offset, projected=self.causal)
         result = linear_attention(phi_q, phi_k, v, causal=self.causal, rotary=self.rope == "post",
                                   offset=offset, chunk_size=self.chunk_size, rope_base=self.rope_base,
@@ -177,6 +182,30 @@ class LinearAttention(_Projections):
     def extra_repr(self) -> str:
         return (f"heads={self.heads}, rope={self.rope!r}, causal={self.causal}, "
                 f"chunk_size={self.chunk_size}, backend={self.backend!r}, normalization={self.normalization!r}")
+
+
+def resolve_backend(backend: str, device: torch.device | str, *, attention: str = "linear",
+                    log_space: bool = True, causal: bool = True) -> str:
+    """The backend that runs `attention` ("linear" or "softmax") on `device`, with "auto" resolved
+    (linear only), or a ValueError that says how to get the one asked for.  The blocks resolve the
+    same way when they run; this asks before any work.  Linear attention: `log_space` and `causal`
+    describe the calls (a map's `log_space`), since "auto" takes the C++ kernel on CPU only for the
+    causal log-space calls it computes."""
+    device = torch.device(device)
+    if attention == "linear":
+        return backends.resolve(backend, device, cpp_kernel_runs=log_space and causal)
+    if attention != "softmax":
+        raise ValueError(f"attention must be 'linear' or 'softmax', got {attention!r}")
+    if backend not in SOFTMAX_BACKENDS:
+        raise ValueError(f"softmax attention's backend must be one of {SOFTMAX_BACKENDS}, got {backend!r}")
+    if backend == "xformers":
+        if device.type != "cuda":
+            raise ValueError(f"backend='xformers' runs on CUDA only, got {device}; use backend='sdpa'")
+        try:
+            _xformers_ops()
+        except ImportError as err:
+            raise ValueError(str(err)) from None
+    return backend
 
 
 def _xformers_ops():
@@ -215,7 +244,16 @@ class SoftmaxAttention(_Projections):
         return (apply_rotary(q, offset=offset, base=self.rope_base),
                 apply_rotary(k, offset=offset, base=self.rope_base))
 
-    def _attend(self, q, k, v, causal: bool):
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, offset: int = 0) -> torch.Tensor:
+        """The attention between the projections: (B, H, N, head_dim) queries, keys and values ->
+        (B, H, N, head_dim), with this block's RoPE, mask and backend (what forward runs)."""
+        check_offset(offset)
+        self._check_heads(q, k, v)
+        q, k = self._rotate(q, k, offset)
+        return self._kernel(q, k, v, self.causal)
+
+    def _kernel(self, q, k, v, causal: bool):
+        """softmax(q k^T / sqrt(D)) v on rotated inputs, by the block's backend."""
         if self._xops is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         if not q.is_cuda:
@@ -228,8 +266,8 @@ class SoftmaxAttention(_Projections):
     def forward(self, x: torch.Tensor, *, offset: int = 0, return_state: bool = False):
         check_offset(offset)
         q, k, v = self._qkv(x, 3)
-        q, k = self._rotate(q, k, offset)
-        out = self._merge(self._attend(q, k, v, self.causal))
+        q, k = self._rotate(q, k, offset)   # the cache holds rotated keys
+        out = self._merge(self._kernel(q, k, v, self.causal))
         return (out, KVCache(k, v, int(offset) + x.shape[1])) if return_state else out
 
     def step(self, x_t: torch.Tensor, state: KVCache | None = None):
@@ -241,7 +279,7 @@ class SoftmaxAttention(_Projections):
         if state is not None:
             k, v = torch.cat((state.k, k), dim=-2), torch.cat((state.v, v), dim=-2)
         # The new token sees every cached token, so no mask is needed.
-        out = self._merge(self._attend(q, k, v, causal=False))
+        out = self._merge(self._kernel(q, k, v, causal=False))
         return out[:, 0], KVCache(k, v, position + 1)
 
     def _check_state(self, state, x_t: torch.Tensor) -> int:

@@ -45,12 +45,22 @@ def available_feature_maps() -> list[str]:
     return sorted(FEATURE_MAPS)
 
 
+def feature_map_class(name: str) -> type["FeatureMap"]:
+    """The map class registered as `name`, or a ValueError that lists the registered names."""
+    if not isinstance(name, str) or name not in FEATURE_MAPS:
+        raise ValueError(f"unknown feature map {name!r}; registered feature maps: "
+                         f"{', '.join(available_feature_maps())} (add one with @register_feature_map)")
+    return FEATURE_MAPS[name]
+
+
 # Constructor parameters that the block supplies, never options.
 STRUCTURAL_PARAMETERS = ("self", "head_dim", "heads")
 
 
-def feature_map_options(cls: type["FeatureMap"]) -> list[str]:
-    """The option names a map class's constructor takes (its structural parameters left out)."""
+def feature_map_options(feature_map: str | type["FeatureMap"]) -> list[str]:
+    """The option names a map takes (its constructor's parameters, the structural ones left out),
+    for a registered name or a map class."""
+    cls = feature_map_class(feature_map) if isinstance(feature_map, str) else feature_map
     return [p for p in inspect.signature(cls.__init__).parameters if p not in STRUCTURAL_PARAMETERS]
 
 
@@ -75,10 +85,7 @@ def make_feature_map(feature_map: str | FeatureMap, head_dim: int, *, heads: int
             raise ValueError(f"the feature map has weights for {map_heads} heads but this block has {heads}; "
                              f"make it with heads={heads}")
         return feature_map
-    if feature_map not in FEATURE_MAPS:
-        raise ValueError(f"unknown feature map {feature_map!r}; registered feature maps: "
-                         f"{', '.join(available_feature_maps())} (add one with @register_feature_map)")
-    cls = FEATURE_MAPS[feature_map]
+    cls = feature_map_class(feature_map)
     accepted = feature_map_options(cls)
     unknown = sorted(set(options) - set(accepted))
     if unknown:

@@ -8,6 +8,7 @@ import torch
 
 import torch.nn.functional as F
 
+import linattn
 from linattn import LinearAttention, SoftmaxAttention, make_feature_map
 from linattn.feature_maps import EluFeatureMap, FavorFeatureMap
 from linattn.functional import linear_attention_reference, softmax_attention_reference
@@ -351,3 +352,30 @@ def test_the_favor_block_compiles_with_a_ragged_last_chunk():
     eager.square().sum().backward()
     torch.testing.assert_close(compiled, eager)
     torch.testing.assert_close(grad, x.grad)
+
+
+def test_softmax_attend_is_what_forward_runs_between_the_projections():
+    block = SoftmaxAttention(32, 4, rope=True, causal=True).eval()
+    x = torch.randn(2, 6, 32)
+    q, k, v = (t.reshape(2, 6, 4, 8).transpose(1, 2) for t in block.to_qkv(x).chunk(3, dim=-1))
+    out = block.attend(q, k, v, offset=3)
+    torch.testing.assert_close(block.to_out(out.transpose(1, 2).reshape(2, 6, 32)), block(x, offset=3))
+    with pytest.raises(ValueError, match=r"attend takes \(batch, heads=4, seq_len, head_dim=8\) .* got v of shape"):
+        block.attend(q, k, v[:, :2])
+
+
+def test_resolve_backend_says_what_runs_where():
+    cpu = torch.device("cpu")
+    assert linattn.resolve_backend("torch", cpu) == "torch"
+    assert linattn.resolve_backend("auto", "cpu", log_space=False) == "torch"   # the C++ kernel is log-space only
+    assert linattn.resolve_backend("sdpa", cpu, attention="softmax") == "sdpa"
+    with pytest.raises(ValueError, match="backend='cpp' runs on CPU tensors, got tensors on meta"):
+        linattn.resolve_backend("cpp", "meta")
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'torch', 'triton', 'cpp'\)"):
+        linattn.resolve_backend("sdpa", cpu)
+    with pytest.raises(ValueError, match=r"softmax attention's backend must be one of \('sdpa', 'xformers'\)"):
+        linattn.resolve_backend("auto", cpu, attention="softmax")
+    with pytest.raises(ValueError, match="backend='xformers' runs on CUDA only, got cpu; use backend='sdpa'"):
+        linattn.resolve_backend("xformers", cpu, attention="softmax")
+    with pytest.raises(ValueError, match="attention must be 'linear' or 'softmax'"):
+        linattn.resolve_backend("auto", cpu, attention="performer")

@@ -368,3 +368,15 @@ def test_taylor_denominator_is_positive_and_only_an_opt_in_lets_negative_feature
 def test_the_base_class_declares_nonnegative_features():
     assert FeatureMap.nonnegative_features and all(
         cls.nonnegative_features for name, cls in FEATURE_MAPS.items() if name != "taylor")
+
+
+def test_a_map_class_and_its_options_are_found_by_name():
+    assert linattn.feature_map_class("favor") is FavorFeatureMap
+    assert linattn.feature_map_options("favor") == ["num_features", "redraw_interval", "seed"]
+    assert linattn.feature_map_options("favor") == linattn.feature_map_options(FavorFeatureMap)
+    assert linattn.feature_map_options("hedgehog") == ["num_features", "activation"]   # heads: structural
+    for unknown in ("nope", None, ["favor"]):
+        with pytest.raises(ValueError, match=r"unknown feature map .*registered feature maps: elu, favor"):
+            linattn.feature_map_class(unknown)
+    with pytest.raises(ValueError, match="unknown feature map 'nope'"):
+        linattn.feature_map_options("nope")
