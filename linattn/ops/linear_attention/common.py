@@ -2,6 +2,7 @@
 and the numerator's rotation."""
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -157,3 +158,14 @@ def numerator_features(phi_q, phi_k, *, rotary: bool, offset: int, base: float):
     if not rotary:
         return phi_q, phi_k
     return apply_rotary(phi_q, offset=offset, base=base), apply_rotary(phi_k, offset=offset, base=base)
+
+
+def without_autocast(backward):
+    """A custom function's backward run with autocast off: forward ran without it (in float32 or
+    float64), and a backward called inside an autocast region would otherwise run its products in
+    bf16/fp16 and write them into float32 buffers (index_put refuses the mismatch outright)."""
+    @functools.wraps(backward)
+    def run(ctx, grad, *grads):
+        with torch.autocast(grad.device.type, enabled=False):
+            return backward(ctx, grad, *grads)
+    return run

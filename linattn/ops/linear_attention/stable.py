@@ -99,7 +99,8 @@ from typing import NamedTuple
 import torch
 
 from ...rotary import apply_rotary, rotary_phases, rotate_pairs
-from .common import LogProjection, compute_dtype, divide, feature_tensors, output_gradients
+from .common import (LogProjection, compute_dtype, divide, feature_tensors, output_gradients,
+                     without_autocast)
 
 JUMP_LIMIT = 30.0      # a row whose running max grew more than this within its chunk is computed exactly
 NUMERATOR_CAP = 30.0   # numerator query factors are capped at e^30 (saturation beyond float32, see above)
@@ -548,6 +549,7 @@ class _CausalLogAttention(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @without_autocast
     def backward(ctx, grad, _state_grad, _key_sum_grad, _last_grad):
         queries, keys, (v, out, den, query_scale, feat, phases), saved = saved_sources(ctx)
         needs = ctx.needs_input_grad
