@@ -20,7 +20,7 @@ import torch
 
 from .ops.linear_attention import backends
 from .ops.linear_attention.chunk import DEFAULT_CHUNK_SIZE, causal_attention, check_chunk_size
-from .ops.linear_attention.common import (LogProjection, check_features, check_log_features,
+from .ops.linear_attention.common import (LogProjection, check_dtypes, check_features, check_log_features,
                                           check_nonnegative, check_not_projection, compute_dtype,
                                           divide, feature_tensors, finite_log_features, numerator_features)
 from .ops.linear_attention.naive import linear_attention_reference, softmax_attention_reference
@@ -58,6 +58,7 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     else:
         check_not_projection(phi_q, phi_k)
         check_features(phi_q, phi_k, v, rank=4)
+    check_dtypes(phi_q, phi_k, v)
     check_chunk_size(chunk_size)
     check_offset(offset)
     check_rope_base(rope_base)

@@ -26,3 +26,76 @@ def test_backward_inside_bf16_autocast_gives_float32_gradients(name, rope, backe
     assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
     assert x.grad.dtype == torch.float32 and torch.isfinite(x.grad).all()
     assert all(torch.isfinite(p.grad).all() for p in block.parameters())
+
+
+def _prefilled_state(block):
+    return block.eval()(torch.randn(2, 5, 32), return_state=True)[1]
+
+
+@pytest.mark.parametrize("name", ["favor", "elu"])
+@pytest.mark.parametrize("damage, message", [
+    (lambda s: s._replace(kv=s.kv.double(), k_sum=s.k_sum.double(),
+                          log_scale=None if s.log_scale is None else s.log_scale.double()),
+     "state.kv is torch.float64 but this step computes in torch.float32"),
+    (lambda s: s._replace(k_sum=s.k_sum.half()), "state.k_sum is torch.float16 but"),
+    (lambda s: s._replace(kv=s.kv.clone().index_fill_(-1, torch.tensor([0]), float("nan"))),
+     "state.kv holds NaN or inf"),
+    (lambda s: s._replace(k_sum=s.k_sum.clone().fill_(float("inf"))), "state.k_sum holds NaN or inf"),
+])
+def test_step_refuses_a_state_of_another_dtype_or_not_finite(name, damage, message):
+    block = LinearAttention(32, 4, feature_map=name)
+    with pytest.raises(ValueError, match=message):
+        block.step(torch.randn(2, 32), damage(_prefilled_state(block)))
+
+
+@pytest.mark.parametrize("log_scale", [float("nan"), float("inf")])
+def test_step_refuses_a_log_scale_that_is_nan_or_plus_inf(log_scale):
+    block = LinearAttention(32, 4)
+    state = _prefilled_state(block)
+    with pytest.raises(ValueError, match="state.log_scale holds NaN or inf"):
+        block.step(torch.randn(2, 32), state._replace(log_scale=state.log_scale.clone().fill_(log_scale)))
+
+
+def test_step_continues_from_a_fresh_log_state_whose_scale_is_minus_inf():
+    from linattn.functional import initial_state, linear_attention_step
+    state = initial_state(2, 4, 8, 8, log_space=True)
+    out, state = linear_attention_step(torch.randn(2, 4, 8), torch.randn(2, 4, 8), torch.randn(2, 4, 8), state,
+                                       rotary=True, log_space=True)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all() and state.position == 1
+
+
+@pytest.mark.parametrize("log_space", [False, True])
+@pytest.mark.parametrize("dtypes, message", [
+    ((torch.float32, torch.float64, torch.float32), "phi_q and phi_k must share one dtype, got float32 and float64"),
+    ((torch.float64, torch.float64, torch.float32), "v is torch.float32 but the features are torch.float64"),
+    ((torch.float32, torch.float32, torch.float16), "v is torch.float16 but the features are torch.float32"),
+])
+def test_linear_attention_refuses_inputs_of_different_dtypes(dtypes, message, log_space):
+    from linattn.functional import linear_attention
+    q, k, v = (torch.rand(1, 2, 8, 4, dtype=d) for d in dtypes)
+    with pytest.raises(ValueError, match=message):
+        linear_attention(q, k, v, causal=True, rotary=True, log_space=log_space)
+
+
+def test_step_refuses_inputs_of_different_dtypes():
+    from linattn.functional import linear_attention_step
+    q, k, v = torch.rand(1, 2, 4), torch.rand(1, 2, 4), torch.rand(1, 2, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="v is torch.float64 but the features are torch.float32"):
+        linear_attention_step(q, k, v, None, rotary=True)
+
+
+def test_a_projection_of_another_dtype_than_its_partner_is_refused():
+    from linattn.functional import LogProjection, linear_attention
+    x, weight, v = torch.randn(1, 2, 8, 4), torch.randn(6, 4), torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="phi_q and phi_k must share one dtype"):
+        linear_attention(LogProjection(x, weight), LogProjection(x, weight.double()), v, causal=True,
+                         rotary=True, log_space=True)
+
+
+@pytest.mark.parametrize("name", available_feature_maps())
+def test_step_runs_under_bf16_autocast_after_the_checks(name):
+    block = LinearAttention(32, 4, feature_map=name).eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, state = block(torch.randn(2, 5, 32), return_state=True)
+        y, state = block.step(torch.randn(2, 32), state)
+    assert y.dtype == torch.bfloat16 and state.kv.dtype == torch.float32 and torch.isfinite(y).all()

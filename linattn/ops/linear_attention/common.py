@@ -102,6 +102,22 @@ def check_log_features(phi_q, phi_k, v: torch.Tensor) -> None:
                          f"queries and keys with the same feature map")
 
 
+def check_dtypes(phi_q, phi_k, v: torch.Tensor) -> None:
+    """Queries' and keys' features (every tensor of a LogProjection too) share one dtype, and v has it,
+    so that no input is silently promoted or rounded.  Under autocast v may instead be in the autocast
+    dtype: the block's q, k, v come out in it together, and feature maps compute in float32."""
+    features = feature_tensors(phi_q, phi_k)
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in features})
+    if len(dtypes) > 1:
+        raise ValueError(f"phi_q and phi_k must share one dtype, got {' and '.join(dtypes)}; convert them "
+                         f"with .to(dtype)")
+    dtype = features[0].dtype
+    autocast = torch.is_autocast_enabled(v.device.type) and v.dtype == torch.get_autocast_dtype(v.device.type)
+    if v.dtype != dtype and not autocast:
+        raise ValueError(f"v is {v.dtype} but the features are {dtype}; convert one to the other with "
+                         f".to(dtype), or run under autocast")
+
+
 def check_not_projection(phi_q, phi_k) -> None:
     if any(isinstance(x, LogProjection) for x in (phi_q, phi_k)):
         raise ValueError("a LogProjection holds log-features: pass log_space=True")
