@@ -21,6 +21,7 @@ import torch
 from .ops.linear_attention import backends
 from .ops.linear_attention.chunk import DEFAULT_CHUNK_SIZE, causal_attention, check_chunk_size
 from .ops.linear_attention.common import (LogProjection, check_dtypes, check_features, check_log_features,
+                                          check_log_feature_range,
                                           check_nonnegative, check_not_projection, compute_dtype,
                                           divide, feature_tensors, finite_log_features, numerator_features)
 from .ops.linear_attention.naive import linear_attention_reference, softmax_attention_reference
@@ -54,11 +55,13 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     """
     if log_space:
         check_log_features(phi_q, phi_k, v)
-        phi_q, phi_k = finite_log_features(phi_q), finite_log_features(phi_k)
     else:
         check_not_projection(phi_q, phi_k)
         check_features(phi_q, phi_k, v, rank=4)
     check_dtypes(phi_q, phi_k, v)
+    if log_space:   # the bound first: -inf (a feature that is exactly 0) is raised to a floor below it
+        check_log_feature_range(phi_q, phi_k, compute_dtype(*feature_tensors(phi_q, phi_k), v))
+        phi_q, phi_k = finite_log_features(phi_q), finite_log_features(phi_k)
     check_chunk_size(chunk_size)
     check_offset(offset)
     check_rope_base(rope_base)

@@ -14,9 +14,9 @@ CPU_BACKENDS = ["torch", pytest.param("cpp", marks=pytest.mark.skipif(
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("rope", ROPE_PLACEMENTS)
 @pytest.mark.parametrize("name", available_feature_maps())
-@pytest.mark.parametrize("scale", [1.0, 1e4])
+@pytest.mark.parametrize("scale", [1.0, 1e3])
 def test_backward_inside_bf16_autocast_gives_float32_gradients(name, rope, backend, scale):
-    # At 1e4 the log-space maps take the exact-row path, whose backward is autograd through a
+    # At 1e3 the log-space maps take the exact-row path, whose backward is autograd through a
     # recomputed chunk: under autocast that recomputation made bf16 products and index_put refused them.
     block = LinearAttention(64, 4, feature_map=name, rope=rope, backend=backend, chunk_size=16)
     x = (torch.randn(2, 48, 64) * scale).requires_grad_()
@@ -99,3 +99,66 @@ def test_step_runs_under_bf16_autocast_after_the_checks(name):
         _, state = block(torch.randn(2, 5, 32), return_state=True)
         y, state = block.step(torch.randn(2, 32), state)
     assert y.dtype == torch.bfloat16 and state.kv.dtype == torch.float32 and torch.isfinite(y).all()
+
+
+def _finite(*tensors) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("rope", ROPE_PLACEMENTS)
+def test_favor_block_is_finite_up_to_the_bound_and_refuses_beyond_it(rope, backend):
+    # FAVOR+ log-features reach about |x|^2 / (2 sqrt(D)) ~ 1.9 s^2 here: 1.9e6 at s = 1e3, 7.6e6 at 2e3,
+    # under float32's 1/eps (8.4e6); at s = 1e5 they were NaN (two roundings of a chunk's first key
+    # differed by ~1e3), at 1e19 |x|^2 overflowed.
+    block = LinearAttention(64, 4, feature_map="favor", rope=rope, backend=backend)
+    for scale in (30.0, 300.0, 1e3, 2e3):
+        x = (torch.randn(2, 128, 64) * scale).requires_grad_()
+        y = block(x)
+        y.sum().backward()
+        assert _finite(y, x.grad, *(p.grad for p in block.parameters())), scale
+        block.zero_grad()
+    for scale in (3e3, 1e5, 1e10, 1e19, 1e30):
+        with pytest.raises(ValueError, match=r"log-features reach .* beyond 8.39e\+06 \(1/eps of float32\)"):
+            block(torch.randn(2, 128, 64) * scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("rotary", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_log_features_anywhere_within_the_bound_give_finite_outputs_and_gradients(causal, rotary, backend, dtype):
+    from linattn.functional import linear_attention
+    from linattn.ops.linear_attention.common import log_feature_limit
+    limit = log_feature_limit(dtype)
+    b, a = ((torch.rand(2, 2, 100, 16, dtype=dtype) * 2 - 1).mul_(limit).requires_grad_() for _ in range(2))
+    v = torch.randn(2, 2, 100, 8, dtype=dtype, requires_grad=True)
+    out = linear_attention(b, a, v, causal=causal, rotary=rotary, log_space=True, backend=backend, chunk_size=16)
+    out.sum().backward()
+    assert _finite(out, b.grad, a.grad, v.grad)
+    with pytest.raises(ValueError, match="phi_k's log-features reach"):
+        linear_attention(b.detach(), a.detach() * 1.01, v, causal=causal, rotary=rotary, log_space=True,
+                         backend=backend)
+
+
+def test_minus_inf_log_features_do_not_count_against_the_bound():
+    from linattn.functional import linear_attention
+    b, a, v = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4)
+    a[..., 3, :] = float("-inf")      # a masked key: its features are exactly 0
+    out = linear_attention(b, a, v, causal=True, rotary=True, log_space=True, backend="torch")
+    assert _finite(out)
+
+
+def test_a_projection_is_checked_by_the_bound_of_its_parts():
+    from linattn.functional import LogProjection, linear_attention
+    x, weight, v = torch.randn(1, 2, 8, 4), torch.randn(6, 4), torch.randn(1, 2, 8, 4)
+    x[0, 1, 5, 0] = 1e4               # |x|^2 / 8 = 1.25e7 > 8.4e6 (|x| |w| adds ~1e4)
+    with pytest.raises(ValueError, match=r"phi_k's log-features reach 1.25e\+07"):
+        linear_attention(LogProjection(x.clamp(-1, 1), weight), LogProjection(x, weight, 0.0, -1 / 8), v,
+                         causal=True, rotary=True, log_space=True)
+
+
+def test_step_refuses_log_features_beyond_the_bound():
+    block = LinearAttention(32, 4).eval()
+    with pytest.raises(ValueError, match="log-features reach"):
+        block.step(torch.randn(2, 32) * 1e4)

@@ -7,7 +7,7 @@ import torch
 
 from ...rotary import DEFAULT_BASE, apply_rotary
 from ...checks import check_rope_base, check_state_position, check_state_tensors
-from .common import check_dtypes, check_features, check_nonnegative, compute_dtype, divide, finite_log_features
+from .common import check_dtypes, check_features, check_log_feature_range, check_nonnegative, compute_dtype, divide, finite_log_features
 from .stable import numerator_query, numerator_scale
 
 
@@ -40,11 +40,12 @@ def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Ten
     check_features(phi_q, phi_k, v, rank=3)
     check_dtypes(phi_q, phi_k, v)
     check_rope_base(rope_base)
+    dtype = compute_dtype(phi_q, phi_k, v)
     if log_space:
+        check_log_feature_range(phi_q, phi_k, dtype)
         phi_q, phi_k = finite_log_features(phi_q), finite_log_features(phi_k)
     else:
         check_nonnegative(phi_q, phi_k)
-    dtype = compute_dtype(phi_q, phi_k, v)
     b, h, m = phi_q.shape
     if state is None:
         state = initial_state(b, h, m, v.shape[-1], device=v.device, dtype=dtype, log_space=log_space)
