@@ -162,3 +162,20 @@ def test_step_refuses_log_features_beyond_the_bound():
     block = LinearAttention(32, 4).eval()
     with pytest.raises(ValueError, match="log-features reach"):
         block.step(torch.randn(2, 32) * 1e4)
+
+
+@pytest.mark.parametrize("rotary", [True, False])
+def test_triton_log_features_at_the_bound_are_finite_and_beyond_it_refused(rotary):
+    # on CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1)
+    pytest.importorskip("triton")
+    from linattn.functional import linear_attention
+    from linattn.ops.linear_attention.common import log_feature_limit
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    limit = log_feature_limit(torch.float32)
+    b, a = ((torch.rand(1, 1, 40, 16, device=device) * 2 - 1).mul_(limit).requires_grad_() for _ in range(2))
+    v = torch.randn(1, 1, 40, 8, device=device, requires_grad=True)
+    out = linear_attention(b, a, v, causal=True, rotary=rotary, log_space=True, backend="triton")
+    out.sum().backward()
+    assert _finite(out, b.grad, a.grad, v.grad)
+    with pytest.raises(ValueError, match="phi_k's log-features reach"):
+        linear_attention(b.detach(), a.detach() * 2, v, causal=True, rotary=rotary, log_space=True, backend="triton")

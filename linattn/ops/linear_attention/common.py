@@ -137,7 +137,8 @@ def check_log_feature_range(phi_q, phi_k, dtype: torch.dtype) -> None:
         if not largest <= limit:   # NaN passes: a NaN input gives NaN outputs, as documented
             if largest != largest:
                 continue
-            raise ValueError(f"{name}'s log-features reach {largest:.3g} in magnitude, beyond {limit:.3g} (1/eps of "
+            reach = f"{largest:.3g}" if largest != float("inf") else "past float range"
+            raise ValueError(f"{name}'s log-features reach {reach} in magnitude, beyond {limit:.3g} (1/eps of "
                              f"{str(dtype).removeprefix('torch.')}), where they cannot be held to within 1 and "
                              f"attention weights lose all accuracy; scale the inputs down (for FAVOR+ |x|^2/(2 sqrt(D)) "
                              f"must stay below it) or compute in float64")
@@ -149,10 +150,11 @@ def _largest_log_feature(x) -> float:
         if isinstance(x, LogProjection):
             if not x.inputs.numel():
                 return 0.0
-            square = x.inputs.square().sum(-1).amax().item()
-            weight = x.weight.square().sum(-1).amax().item() if x.weight.numel() else 0.0
+            # norms with no (B, H, N, D) temporary, squared as Python floats (doubles): no overflow
+            norm = torch.linalg.vector_norm(x.inputs, dim=-1).amax().item()
+            weight = torch.linalg.vector_norm(x.weight, dim=-1).amax().item() if x.weight.numel() else 0.0
             shift = x.shift.abs().amax().item() if isinstance(x.shift, torch.Tensor) else abs(x.shift)
-            return (square * weight) ** 0.5 + abs(x.square_scale) * square + shift
+            return norm * weight + abs(x.square_scale) * norm ** 2 + shift
         if not x.numel():
             return 0.0
         low, high = torch.aminmax(x)

@@ -1,4 +1,5 @@
-"""Linear attention from log-features: exact Eq. 19 at any input scale, still strictly causal.
+"""Linear attention from log-features: exact Eq. 19 at any input scale, still strictly causal
+(log-features up to 1/eps of the dtype in magnitude: common.check_log_feature_range).
 
 Inputs are b = log phi_q and a = log phi_k, (B, H, N, M).  Eq. 19 is
 
@@ -276,17 +277,15 @@ def _query_scale(b_j, a_j, scales: _Scales, exact):
 
 
 def _queries(b_j, query_scale, scales: _Scales, phases, regular: bool = False):
-    # (b + F) - Q, not (b - Q) + F: the sums are the ones Q is the max of, so every exponent is <= 0 and
-    # Q's own is exactly 0 however large b and F are (float32 rounds b - Q + F at 1e10 by ~1e3)
-    query_scale = query_scale.unsqueeze(-1)
-    den = _exp((b_j + scales.feat) - query_scale)
+    shifted = b_j - query_scale.unsqueeze(-1)
+    den = _exp(shifted + scales.feat)
     if phases is None:
         return _Factors(den, den, den, None, False)
     if regular or not _wide(scales):             # e^(b + P - Q) = e^(b + F - Q) e^(P - F) <= e^PAIR_SPREAD
         ratio = torch.exp(scales.pair - scales.feat)
         num, capped = den * ratio, False
     else:                                        # a wide pair: its own exponential, capped
-        logit = (b_j + scales.pair) - query_scale
+        logit = shifted + scales.pair
         ratio, capped = None, logit > NUMERATOR_CAP
         num = _exp(logit, NUMERATOR_CAP)   # the mask above is taken first, so logit may be overwritten
     return _Factors(den, num, rotate_pairs(num, phases), ratio, capped)
@@ -333,7 +332,7 @@ def _chunks(b_j, a_j, v_j, state, key_sum, scales: _Scales, phases, base, query_
     rows = () if regular else exact.nonzero(as_tuple=True)
     if rows and rows[0].numel():   # these rows' intra-chunk parts are replaced; their state parts stay
         chunk = rows[:-1]
-        exact_num, exact_den = _exact_rows(rows, b_j, query_scale, a_j, v_j, base=base,
+        exact_num, exact_den = _exact_rows(rows, b_j - query_scale.unsqueeze(-1), a_j, v_j, base=base,
                                            rotary=phases is not None)
         numerator = numerator.index_put(rows, (queries.rotated[rows].unsqueeze(-2) @ _per_row(states, chunk))
                                         .squeeze(-2) + exact_num)
@@ -682,24 +681,24 @@ def _per_row(x: torch.Tensor, chunk) -> torch.Tensor:
     return x.flatten(0, 2).index_select(0, (chunk[0] * heads + chunk[1]) * chunks + chunk[2])
 
 
-def _exact_rows(rows, b, query_scale, a, v, *, rotary, base):
+def _exact_rows(rows, b_shifted, a, v, *, rotary, base):
     """The intra-chunk sums of the given rows (index tuples into (B, H, G, L)), exactly per (m, n, j),
-    a bounded group of rows at a time, given their Q (B, H, G, L)."""
+    a bounded group of rows at a time.  b_shifted = b - Q."""
     length, m = a.shape[-2:]
     phases = rotary_phases(length, m, base=base, device=a.device, dtype=a.dtype) if rotary else None
     group = max(1, EXACT_ELEMENTS // (length * m))
     num_parts, den_parts = [], []
     for start in range(0, rows[0].numel(), group):
         index = tuple(i[start:start + group] for i in rows)
-        num, den = _exact_row_sums(b[index], query_scale[index], _per_row(a, index[:-1]), _per_row(v, index[:-1]),
+        num, den = _exact_row_sums(b_shifted[index], _per_row(a, index[:-1]), _per_row(v, index[:-1]),
                                    index[-1], phases)
         num_parts.append(num)
         den_parts.append(den)
     return torch.cat(num_parts), torch.cat(den_parts)
 
 
-def _exact_row_sums(b, query_scale, keys, values, positions, phases):
-    """Rows m at `positions` in their chunk: (R, M) b, (R,) Q, (R, L, M) the chunk's keys, (R, L, Dv)
+def _exact_row_sums(b_shifted, keys, values, positions, phases):
+    """Rows m at `positions` in their chunk: (R, M) b - Q, (R, L, M) the chunk's keys, (R, L, Dv)
     values.  Every term e^(b_ms + a_nt - Q_m) is exponentiated on its own (n <= m only):
         den = sum_n sum_j e^(b_mj + a_nj - Q_m)
         num = sum_n v_n sum_i [cos(phi) (e^(b_m,2i + a_n,2i - Q_m) + e^(b_m,2i+1 + a_n,2i+1 - Q_m))
@@ -708,14 +707,12 @@ def _exact_row_sums(b, query_scale, keys, values, positions, phases):
     length = keys.shape[-2]
     distance = positions.unsqueeze(-1) - torch.arange(length, device=keys.device)     # (R, L): m - n
     future = (distance < 0).unsqueeze(-1)
-    # (b + a) - Q: Q is the max of b + F with F >= a, so the exponents are <= 0 as rounded, at any scale
-    query_scale = query_scale.view(-1, 1, 1)
-    same = torch.exp(((b.unsqueeze(-2) + keys) - query_scale).masked_fill(future, float("-inf")))
+    same = torch.exp((b_shifted.unsqueeze(-2) + keys).masked_fill(future, float("-inf")))
     denominator = same.sum((-1, -2))
     if phases is None:
         return (same.sum(-1).unsqueeze(-2) @ values).squeeze(-2), denominator
     swapped = keys.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)                           # a_2i+1, a_2i
-    cross = ((b.unsqueeze(-2) + swapped) - query_scale).clamp_max(NUMERATOR_CAP).masked_fill(future, float("-inf"))
+    cross = (b_shifted.unsqueeze(-2) + swapped).clamp_max(NUMERATOR_CAP).masked_fill(future, float("-inf"))
     relative = phases[distance.clamp_min(0)]                                             # (R, L, M/2)
     paired, crossed = same.unflatten(-1, (-1, 2)), cross.exp().unflatten(-1, (-1, 2))
     scores = ((paired[..., 0] + paired[..., 1]) * relative.real).sum(-1) \

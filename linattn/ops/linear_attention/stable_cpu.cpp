@@ -247,9 +247,7 @@ template <typename T> struct Chunk {
       }
       const T q = query_scale[r];
 #pragma omp simd
-      // (b + F) - Q, not (b - Q) + F: the sums are the ones Q is the max of, so every exponent is <= 0
-      // and Q's own is exactly 0 however large b and F are (float32 rounds b - Q + F at 1e10 by ~1e3).
-      for (int64_t j = 0; j < m; ++j) query_den[r * m + j] = exp_floored((br[j] + feat[j]) - q);
+      for (int64_t j = 0; j < m; ++j) query_den[r * m + j] = exp_floored((br[j] - q) + feat[j]);
     }
     if (!rotary) return;
     for (int64_t r = 0; r < rows; ++r)
