@@ -17,7 +17,7 @@ from .feature_maps import FeatureMap, make_feature_map
 from .functional import BACKENDS, DEFAULT_CHUNK_SIZE, LinearState, linear_attention, linear_attention_step
 from .ops.linear_attention import backends
 from .ops.linear_attention.chunk import check_chunk_size
-from .ops.linear_attention.recurrent import check_state
+from .ops.linear_attention.recurrent import state_position
 from .rotary import DEFAULT_BASE, apply_rotary, check_offset
 
 ROPE_PLACEMENTS = ("post", "pre", "none")
@@ -168,10 +168,8 @@ class LinearAttention(_Projections):
         """Decode one token (B, dim) in O(1) time and memory; `state=None` starts a sequence."""
         self._check_decodable()
         q, k, v = self._qkv(x_t, 2)
-        if state is not None:   # checked here, since the position is needed before the features
-            shape = (x_t.shape[0], self.heads, self.feature_map.num_features, self.head_dim)
-            state = check_state(state, shape, x_t.device, self.feature_map.log_space)
-        position = 0 if state is None else state.position
+        # the position is needed before the features; linear_attention_step checks the rest of the state
+        position = 0 if state is None else state_position(state)
         phi_q, phi_k = self._features(q, k, position)
         out, state = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], state,
                                            rotary=self.rope == "post", rope_base=self.rope_base,

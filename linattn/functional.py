@@ -21,7 +21,8 @@ import torch
 from . import custom_ops
 from .ops.linear_attention import backends
 from .ops.linear_attention.chunk import DEFAULT_CHUNK_SIZE, causal_attention, check_chunk_size
-from .ops.linear_attention.common import (LogProjection, check_feature_kind, check_features, check_log_features,
+from .ops.linear_attention.common import (LogProjection, check_dtypes, check_feature_kind, check_features,
+                                          check_log_features, check_log_feature_range,
                                           check_nonnegative, check_not_projection, compute_dtype,
                                           divide, feature_tensors, finite_log_features, numerator_features)
 from .ops.linear_attention.naive import linear_attention_reference, softmax_attention_reference
@@ -62,6 +63,7 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     else:
         check_not_projection(phi_q, phi_k)
         check_features(phi_q, phi_k, v, rank=4)
+    check_dtypes(phi_q, phi_k, v)
     check_chunk_size(chunk_size)
     check_offset(offset)
     check_rope_base(rope_base)
@@ -83,8 +85,10 @@ def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rot
                              chunk_size: int, rope_base: float, return_state: bool, backend: str, log_space: bool,
                              nonnegative_features: bool = True):
     """`linear_attention` after its argument checks: the data's checks, the backend's choice and its
-    computation.  What the custom op `linattn::linear_attention` runs under torch.compile."""
-    if log_space:
+    computation.  What the custom op `linattn::linear_attention` runs under torch.compile (the range
+    check reads the data, so it is here, inside the op)."""
+    if log_space:   # the bound first: -inf (a feature that is exactly 0) is raised to a floor below it
+        check_log_feature_range(phi_q, phi_k, compute_dtype(*feature_tensors(phi_q, phi_k), v))
         phi_q, phi_k = finite_log_features(phi_q), finite_log_features(phi_k)
     float64 = compute_dtype(*feature_tensors(phi_q, phi_k), v) == torch.float64
     resolved = backends.resolve(backend, v.device, float64=float64, cpp_kernel_runs=log_space and causal)

@@ -64,8 +64,10 @@ def probe(feature_map: linattn.FeatureMap, where: str) -> None:
     num_features = feature_map.num_features
     if not is_integer(num_features) or num_features < 1:
         raise ValueError(f"{where} declares num_features = {num_features!r}; it must be a positive integer")
-    x = torch.randn(*PROBE_SHAPE, feature_map.head_dim, generator=torch.Generator().manual_seed(0))
-    expected = (*PROBE_SHAPE, num_features)
+    batch, heads, tokens = PROBE_SHAPE
+    heads = getattr(feature_map, "heads", heads)   # a map with weights per head takes its own head count
+    x = torch.randn(batch, heads, tokens, feature_map.head_dim, generator=torch.Generator().manual_seed(0))
+    expected = (batch, heads, tokens, num_features)
 
     def run(method: str, is_query: bool) -> torch.Tensor:
         try:

@@ -16,7 +16,7 @@ import torch
 
 from ...checks import is_integer
 from ...rotary import rotate_pairs
-from .common import divide, output_gradients
+from .common import divide, output_gradients, without_autocast
 
 DEFAULT_CHUNK_SIZE = 64
 
@@ -66,6 +66,7 @@ class _CausalAttention(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @without_autocast
     def backward(ctx, grad, _state_grad, _k_sum_grad):
         q, k, v, out, den, phases = ctx.saved_tensors
         b, h, n, m = q.shape

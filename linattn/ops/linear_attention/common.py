@@ -2,6 +2,7 @@
 and the numerator's rotation."""
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -101,6 +102,67 @@ def check_log_features(phi_q, phi_k, v: torch.Tensor) -> None:
                          f"queries and keys with the same feature map")
 
 
+def check_dtypes(phi_q, phi_k, v: torch.Tensor) -> None:
+    """Queries' and keys' features (every tensor of a LogProjection too) share one dtype, and v has it,
+    so that no input is silently promoted or rounded.  Under autocast v may instead be in the autocast
+    dtype: the block's q, k, v come out in it together, and feature maps compute in float32."""
+    features = feature_tensors(phi_q, phi_k)
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in features})
+    if len(dtypes) > 1:
+        raise ValueError(f"phi_q and phi_k must share one dtype, got {' and '.join(dtypes)}; convert them "
+                         f"with .to(dtype)")
+    dtype = features[0].dtype
+    autocast = torch.is_autocast_enabled(v.device.type) and v.dtype == torch.get_autocast_dtype(v.device.type)
+    if v.dtype != dtype and not autocast:
+        raise ValueError(f"v is {v.dtype} but the features are {dtype}; convert one to the other with "
+                         f".to(dtype), or run under autocast")
+
+
+def log_feature_limit(dtype: torch.dtype) -> float:
+    """The largest |log-feature| the log-space path takes: 1/eps (2^23 ~ 8.4e6 in float32, 2^52 ~ 4.5e15
+    in float64).  Beyond it the dtype holds a log-feature only to within 1 or worse, so the weights
+    e^(a_n - a_n') are wrong by factors of e or more; and two roundings of one token's log-features (a
+    chunk's rows projected together or alone) then differ by more than the algorithm's margins
+    (JUMP_LIMIT), which gave NaN at float32 inputs of 1e10 (FAVOR+ at input scale 1e5)."""
+    return 1 / torch.finfo(dtype).eps
+
+
+def check_log_feature_range(phi_q, phi_k, dtype: torch.dtype) -> None:
+    """Every finite |log-feature| at most `log_feature_limit(dtype)` (-inf, a feature that is exactly 0,
+    is allowed).  One read of each tensor; for a LogProjection an upper bound from its parts, one read of
+    its inputs: |a| <= |x| max_j |w_j| + |square_scale| |x|^2 + |shift|."""
+    limit = log_feature_limit(dtype)
+    for name, x in (("phi_q", phi_q), ("phi_k", phi_k)):
+        largest = _largest_log_feature(x)
+        if not largest <= limit:   # NaN passes: a NaN input gives NaN outputs, as documented
+            if largest != largest:
+                continue
+            reach = f"{largest:.3g}" if largest != float("inf") else "past float range"
+            raise ValueError(f"{name}'s log-features reach {reach} in magnitude, beyond {limit:.3g} (1/eps of "
+                             f"{str(dtype).removeprefix('torch.')}), where they cannot be held to within 1 and "
+                             f"attention weights lose all accuracy; scale the inputs down (for FAVOR+ |x|^2/(2 sqrt(D)) "
+                             f"must stay below it) or compute in float64")
+
+
+def _largest_log_feature(x) -> float:
+    """max |log-feature| over finite ones (for a LogProjection, the bound of check_log_feature_range)."""
+    with torch.no_grad():
+        if isinstance(x, LogProjection):
+            if not x.inputs.numel():
+                return 0.0
+            # norms with no (B, H, N, D) temporary, squared as Python floats (doubles): no overflow
+            norm = torch.linalg.vector_norm(x.inputs, dim=-1).amax().item()
+            weight = torch.linalg.vector_norm(x.weight, dim=-1).amax().item() if x.weight.numel() else 0.0
+            shift = x.shift.abs().amax().item() if isinstance(x.shift, torch.Tensor) else abs(x.shift)
+            return norm * weight + abs(x.square_scale) * norm ** 2 + shift
+        if not x.numel():
+            return 0.0
+        low, high = torch.aminmax(x)
+        if low.item() == float("-inf"):   # features that are exactly 0 (masked keys) do not count
+            low = x.masked_fill(torch.isneginf(x), 0).amin()
+        return max(-low.item(), high.item())
+
+
 def check_not_projection(phi_q, phi_k) -> None:
     if any(isinstance(x, LogProjection) for x in (phi_q, phi_k)):
         raise ValueError("a LogProjection holds log-features: pass log_space=True")
@@ -165,3 +227,14 @@ def numerator_features(phi_q, phi_k, *, rotary: bool, offset: int, base: float):
     if not rotary:
         return phi_q, phi_k
     return apply_rotary(phi_q, offset=offset, base=base), apply_rotary(phi_k, offset=offset, base=base)
+
+
+def without_autocast(backward):
+    """A custom function's backward run with autocast off: forward ran without it (in float32 or
+    float64), and a backward called inside an autocast region would otherwise run its products in
+    bf16/fp16 and write them into float32 buffers (index_put refuses the mismatch outright)."""
+    @functools.wraps(backward)
+    def run(ctx, grad, *grads):
+        with torch.autocast(grad.device.type, enabled=False):
+            return backward(ctx, grad, *grads)
+    return run

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from . import stable
-from .common import LogProjection
+from .common import LogProjection, without_autocast
 
 SOURCE = Path(__file__).with_name("stable_cpu.cpp")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp", "-shared", "-fPIC")
@@ -281,6 +281,7 @@ class _FusedCausalLogAttention(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @without_autocast
     def backward(ctx, grad, _state_grad, _key_sum_grad, _last_grad):
         queries, keys, (v, out, den, query_scale, feat, phases), (saved_states, saved_sums, flags) = \
             stable.saved_sources(ctx)

@@ -7,8 +7,8 @@ import torch
 
 from ...rotary import DEFAULT_BASE, apply_rotary
 from ...checks import check_rope_base, check_state_position, check_state_tensors
-from .common import (check_feature_kind, check_features, check_nonnegative, compute_dtype, divide,
-                     finite_log_features)
+from .common import (check_dtypes, check_feature_kind, check_features, check_log_feature_range, check_nonnegative,
+                     compute_dtype, divide, finite_log_features)
 from .stable import numerator_query, numerator_scale
 
 
@@ -42,16 +42,18 @@ def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Ten
     `nonnegative_features=False`: single features may be negative (see `linear_attention`)."""
     check_features(phi_q, phi_k, v, rank=3)
     check_feature_kind(log_space, nonnegative_features)
+    check_dtypes(phi_q, phi_k, v)
     check_rope_base(rope_base)
+    dtype = compute_dtype(phi_q, phi_k, v)
     if log_space:
+        check_log_feature_range(phi_q, phi_k, dtype)
         phi_q, phi_k = finite_log_features(phi_q), finite_log_features(phi_k)
     elif nonnegative_features:
         check_nonnegative(phi_q, phi_k)
-    dtype = compute_dtype(phi_q, phi_k, v)
     b, h, m = phi_q.shape
     if state is None:
         state = initial_state(b, h, m, v.shape[-1], device=v.device, dtype=dtype, log_space=log_space)
-    state = check_state(state, (b, h, m, v.shape[-1]), v.device, log_space)
+    state = check_state(state, (b, h, m, v.shape[-1]), v.device, dtype, log_space)
     with torch.autocast(phi_q.device.type, enabled=False):
         phi_q, phi_k, v_c = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
         if log_space:
@@ -66,19 +68,36 @@ def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Ten
     return out.to(v.dtype), LinearState(kv, k_sum, state.position + 1)
 
 
-def check_state(state, shape: tuple, device, log_space: bool) -> LinearState:
-    """A LinearState for (B, H, M, Dv) = `shape` on `device`, from the same kind of features; returned
-    with its position as a plain int."""
+def state_position(state) -> int:
+    """The position of a LinearState (tokens seen), as a plain int: what a block needs before it maps
+    the token (rope="pre" rotates at it); linear_attention_step checks the rest of the state."""
     if not isinstance(state, LinearState):
         raise ValueError(f"state must be the LinearState returned by a causal pass with return_state=True "
                          f"or by a step, got {type(state).__name__}")
+    return check_state_position(state)
+
+
+def check_state(state, shape: tuple, device, dtype: torch.dtype, log_space: bool) -> LinearState:
+    """A LinearState for (B, H, M, Dv) = `shape` on `device` in the step's compute `dtype`, from the same
+    kind of features, with no NaN or inf (log_scale is -inf only for features not seen yet); returned
+    with its position as a plain int.  One read of the state: the step itself reads it once more."""
+    position = state_position(state)
     if (state.log_scale is not None) != log_space:
         raise ValueError(f"the state was made from {'log-' if state.log_scale is not None else 'plain '}"
                          f"features but this step has log_space={log_space}; continue a sequence with "
                          "the kind of features that started it")
     shapes = {"kv": shape, "k_sum": shape[:3]} | ({"log_scale": shape[:3]} if log_space else {})
     check_state_tensors(state, device, shapes)
-    return state._replace(position=check_state_position(state))
+    for name in shapes:
+        t = getattr(state, name)
+        if t.dtype != dtype:
+            raise ValueError(f"state.{name} is {t.dtype} but this step computes in {dtype} (its inputs' dtype; "
+                             f"float32 for lower precisions); continue a sequence in the dtype that started it")
+        finite = (t != float("inf")) & ~t.isnan() if name == "log_scale" else t.isfinite()
+        if not bool(finite.all()):
+            raise ValueError(f"state.{name} holds NaN or inf; the state is damaged (a non-finite input "
+                             f"earlier in the sequence?): start again with state=None")
+    return state._replace(position=position)
 
 
 def _rotate_token(x: torch.Tensor, position: int, base: float) -> torch.Tensor:

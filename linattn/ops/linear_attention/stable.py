@@ -1,4 +1,5 @@
-"""Linear attention from log-features: exact Eq. 19 at any input scale, still strictly causal.
+"""Linear attention from log-features: exact Eq. 19 at any input scale, still strictly causal
+(log-features up to 1/eps of the dtype in magnitude: common.check_log_feature_range).
 
 Inputs are b = log phi_q and a = log phi_k, (B, H, N, M).  Eq. 19 is
 
@@ -99,7 +100,8 @@ from typing import NamedTuple
 import torch
 
 from ...rotary import apply_rotary, rotary_phases, rotate_pairs
-from .common import LogProjection, compute_dtype, divide, feature_tensors, output_gradients
+from .common import (LogProjection, compute_dtype, divide, feature_tensors, output_gradients,
+                     without_autocast)
 
 JUMP_LIMIT = 30.0      # a row whose running max grew more than this within its chunk is computed exactly
 NUMERATOR_CAP = 30.0   # numerator query factors are capped at e^30 (saturation beyond float32, see above)
@@ -548,6 +550,7 @@ class _CausalLogAttention(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @without_autocast
     def backward(ctx, grad, _state_grad, _key_sum_grad, _last_grad):
         queries, keys, (v, out, den, query_scale, feat, phases), saved = saved_sources(ctx)
         needs = ctx.needs_input_grad
