@@ -16,7 +16,8 @@ from typing import Callable
 import torch
 
 import linattn
-from linattn_lm.lm import ByteLM, ModelConfig, lm_loss
+from linattn_lm.config import ModelConfig
+from linattn_lm.lm import ByteLM, lm_loss
 from linattn_lm.runtime import autocast
 
 from . import report as tables

@@ -14,7 +14,8 @@ from typing import Any, Callable
 
 import torch
 
-from .lm import ByteLM, ModelConfig
+from .config import ModelConfig
+from .lm import ByteLM
 from .runtime import first_line, write_atomically
 
 CHECKPOINT_NAME = "ckpt.pt"

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from linattn.checks import is_integer
+from linattn import is_integer
 
 SPLITS = ("train", "val", "test")
 META_NAME = "meta.json"

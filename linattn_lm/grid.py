@@ -31,14 +31,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import linattn
+
 from . import training
 from .checkpoint import CHECKPOINT_NAME, CheckpointError
 from .cli import variant_skip
-from .config import DEFAULT_PRESET, TrainConfig, config_differences, config_from_flags
+from .config import ATTENTION_BACKENDS, DEFAULT_PRESET, TrainConfig, config_differences, config_from_flags
 from .data import DataError, check_window_fits, load_split
 from .evaluate import bpc_table
 from .grid_report import RECORD_KEYS, RESULT_NAME, write_report
-from .lm import ATTENTION_BACKENDS, feature_map_parameters
 from .ngram import reference_bpc
 from .runlock import DirectoryLock
 from .runtime import keep_freed_memory, write_atomically
@@ -70,7 +71,7 @@ def run_configs(given: dict[str, Any], variants: list[str], seeds: list[int]) ->
                 flags.pop("feature_map_options", None)
             else:
                 accepted = {key: value for key, value in shared_options.items()
-                            if key in feature_map_parameters(flags["feature_map"])}
+                            if key in linattn.feature_map_options(flags["feature_map"])}
                 used |= set(accepted)
                 flags["feature_map_options"] = {**accepted, **flags["feature_map_options"]}
             configs[seed, name] = config_from_flags(flags)

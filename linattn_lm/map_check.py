@@ -14,7 +14,6 @@ from typing import Callable
 import torch
 
 import linattn
-from linattn.checks import is_integer
 
 from .runtime import first_line
 
@@ -25,11 +24,11 @@ SMALLEST_COMPARED = 1e-30      # features below this underflow in log(); they ar
 
 def map_origin(name: str) -> str:
     """The file that defines the registered map `name` (its module when there is no file)."""
-    cls = linattn.feature_maps.FEATURE_MAPS.get(name)
+    cls = linattn.feature_map_class(name)
     try:
         return inspect.getsourcefile(cls) or cls.__module__
-    except TypeError:
-        return getattr(cls, "__module__", "an unknown module")
+    except TypeError:   # a class defined without a source file
+        return cls.__module__
 
 
 def checked_feature_map(name: str, build: Callable[[], linattn.FeatureMap]) -> linattn.FeatureMap:
@@ -62,7 +61,7 @@ def probe(feature_map: linattn.FeatureMap, where: str) -> None:
     """Features and log-features of a random probe input: shape, finite, non-negative (or, for a map
     whose single features may be negative, a non-negative kernel), not all zero, consistent logs."""
     num_features = feature_map.num_features
-    if not is_integer(num_features) or num_features < 1:
+    if not linattn.is_integer(num_features) or num_features < 1:
         raise ValueError(f"{where} declares num_features = {num_features!r}; it must be a positive integer")
     batch, heads, tokens = PROBE_SHAPE
     heads = getattr(feature_map, "heads", heads)   # a map with weights per head takes its own head count
