@@ -72,8 +72,8 @@ class ByteLM(nn.Module):
         super().__init__()
         # A config may come from anywhere (flags, a checkpoint, Python), so the model checks it too; that
         # builds and probes layer 0's map once more.  Kept although the flags' path validated it already:
-        # the build draws from torch's generator for maps initialised from it (taylor, hedgehog with
-        # M != 2 D), so dropping it would change the initial weights a seed gives.
+        # the build draws from torch's generator for maps initialised from it (taylor with dim != head_dim,
+        # hedgehog with M != 2 head_dim, user maps), so dropping it would change the weights a seed gives.
         config.validate()
         self.config = config
         self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
