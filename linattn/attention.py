@@ -13,7 +13,7 @@ from einops import rearrange
 from torch import nn
 
 from .checks import check_rope_base, check_state_position, check_state_tensors
-from .feature_maps import FeatureMap, make_feature_map
+from .feature_maps import FeatureMap, check_option_names, make_feature_map
 from .functional import BACKENDS, DEFAULT_CHUNK_SIZE, LinearState, linear_attention, linear_attention_step
 from .ops.linear_attention import backends
 from .ops.linear_attention.chunk import check_chunk_size
@@ -112,6 +112,7 @@ class LinearAttention(_Projections):
             raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
         check_chunk_size(chunk_size)
         check_rope_base(rope_base)
+        check_option_names(feature_map, feature_map_options or {})
         self.feature_map = make_feature_map(feature_map, self.head_dim, heads=self.heads,
                                             **(feature_map_options or {}))
         self.normalization = normalization
@@ -162,7 +163,13 @@ class LinearAttention(_Projections):
 
     def _normalize(self, out: torch.Tensor) -> torch.Tensor:
         """normalization="rmsnorm": RMSNorm over head_dim of the (B, H, N, head_dim) output."""
-        return out if self.norm is None else self.norm(out)
+        if self.norm is None:
+            return out
+        # In float32 (float64 stays), like the op's sums: under autocast the op returns bf16/fp16 while
+        # the gain is float32, and torch's RMSNorm would warn and skip its fused kernel.
+        with torch.autocast(out.device.type, enabled=False):
+            dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
+            return self.norm(out.to(dtype)).to(out.dtype)
 
     def step(self, x_t: torch.Tensor, state: LinearState | None = None):
         """Decode one token (B, dim) in O(1) time and memory; `state=None` starts a sequence."""

@@ -19,6 +19,7 @@ hand-derived backward needs instead of recomputing.
 from __future__ import annotations
 
 import threading
+from contextlib import nullcontext
 from typing import Optional, Sequence
 
 import torch
@@ -26,7 +27,7 @@ import torch
 from .ops.linear_attention.common import LogProjection, compute_dtype
 from .ops.linear_attention.recurrent import LinearState
 
-# Where the forward op's tensors are among its 19 arguments: q, q_weight, q_shift, k, k_weight, k_shift, v
+# Where the forward op's tensors are among its 20 arguments: q, q_weight, q_shift, k, k_weight, k_shift, v
 # (the rest are numbers and flags, which take no gradient).
 TENSOR_ARGUMENTS = (0, 1, 2, 5, 6, 7, 10)
 ARGUMENTS = 20
@@ -119,7 +120,7 @@ def linear_attention_backward_op(grad: torch.Tensor, q: torch.Tensor, q_weight: 
                            causal, rotary, offset, chunk_size, rope_base, False, backend, log_space)
             return torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ()
 
-    grads = iter(_with_autograd(gradients))
+    grads = iter(_with_autograd(gradients, grad.device))
     result = []
     for t, need in zip(leaves, needs):
         g = next(grads) if need else None
@@ -134,16 +135,21 @@ def _laid_out_as(g: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return g if g.stride() == like.stride() else like.copy_(g)
 
 
-def _with_autograd(compute):
+def _with_autograd(compute, device: torch.device):
     """compute() on a thread of its own.  An op's body runs with autograd's dispatch keys excluded, so
     the ATen ops between the backends' autograd Functions (a copy to contiguous, a projection) would
     record no graph and their inputs would get no gradient; that exclusion is thread-local, and a new
-    thread starts without it."""
+    thread starts without it.  The CUDA current device and stream are thread-local too: the thread
+    takes the caller's, so kernels launch on the rank's own GPU and stream (DDP, side streams)."""
     outcome = {}
+    on_cuda = device.type == "cuda"
+    stream = torch.cuda.current_stream(device) if on_cuda else None
 
     def run():
         try:
-            outcome["value"] = compute()
+            with torch.cuda.device(device) if on_cuda else nullcontext(), \
+                    torch.cuda.stream(stream) if on_cuda else nullcontext():
+                outcome["value"] = compute()
         except BaseException as error:   # re-raised on the caller's thread
             outcome["error"] = error
 
@@ -198,6 +204,9 @@ def linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rotary: boo
         backend, log_space, nonnegative_features)
     if not return_state:
         return out
+    # The state carries no gradient, as in eager (decoding is for inference): detached, so a loss on it
+    # raises instead of getting zeros from the op's autograd formula.
+    kv, k_sum, log_scale = kv.detach(), k_sum.detach(), log_scale.detach()
     return out, LinearState(kv, k_sum, offset + v.shape[-2], log_scale if log_space else None)
 
 

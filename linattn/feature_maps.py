@@ -69,6 +69,15 @@ def takes_heads(cls: type["FeatureMap"]) -> bool:
     return "heads" in inspect.signature(cls.__init__).parameters
 
 
+def check_option_names(feature_map: str | FeatureMap, options: dict) -> None:
+    """Options never name what the block sets (head_dim, heads): call this before passing user
+    options on with `**options` beside heads=, where a 'heads' option would collide."""
+    structural = sorted(set(options) & set(STRUCTURAL_PARAMETERS))
+    if structural:
+        raise ValueError(f"feature map {feature_map!r}: {structural} are set by the attention block (dim / heads), "
+                         "not given as options; drop them")
+
+
 def make_feature_map(feature_map: str | FeatureMap, head_dim: int, *, heads: int | None = None,
                      **options) -> FeatureMap:
     """A feature map from its registered name (or an instance, returned as is).  `heads`: the
@@ -87,6 +96,7 @@ def make_feature_map(feature_map: str | FeatureMap, head_dim: int, *, heads: int
         return feature_map
     cls = feature_map_class(feature_map)
     accepted = feature_map_options(cls)
+    check_option_names(feature_map, options)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise ValueError(f"feature map {feature_map!r} does not take option(s) {unknown}; "

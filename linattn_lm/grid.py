@@ -181,6 +181,20 @@ def run_grid(configs: dict[tuple[int, str], TrainConfig], grid_dir: Path, resume
     return 0
 
 
+def report_finished(configs: dict[tuple[int, str], TrainConfig], grid_dir: Path, multiples: list[int]) -> int:
+    """Rewrite the report from the runs whose result.json is complete, training nothing: the tables of
+    a grid that is stopped or still under way elsewhere (a copy of its run directories, say)."""
+    records = {key: record for key, config in configs.items() if (record := saved_record(config, multiples))}
+    if not records:
+        raise CheckpointError(f"{grid_dir} has no finished run of these variants and seeds (a run is finished "
+                              "once its result.json holds the asked --eval-multiples): nothing to report")
+    data_dir = next(iter(configs.values())).run.data_path
+    reference = {split: reference_bpc(data_dir, split) for split in EVAL_SPLITS}
+    write_report(grid_dir, records, next(iter(configs.values())), reference)
+    print(f"{len(records)} of {len(configs)} runs finished; wrote {grid_dir}/results.md, results.csv, val_bpc.png")
+    return 0
+
+
 def listed(text: str | None, default: list[Any], convert: type, flag: str, what: str) -> list[Any]:
     """A comma-separated flag's distinct values (default when absent)."""
     if text is None:
@@ -195,6 +209,8 @@ def listed(text: str | None, default: list[Any], convert: type, flag: str, what:
 
 
 def parse_grid_flags(given: dict[str, Any], args: Any) -> tuple[dict[tuple[int, str], TrainConfig], list[int], Path]:
+    if args.report_only and args.resume:
+        raise ValueError("--report-only trains nothing, so --resume does not apply: drop one of them")
     if args.seeds is not None and "seed" in given:
         raise ValueError("give either --seed or --seeds, not both")
     seeds = listed(args.seeds, [given.get("seed", 0)], int, "--seeds", "integer seeds")
@@ -225,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", help="comma-separated variants (default: softmax-rope, softmax-abs and "
                                            "linear-<map>-<post|pre|none> for every registered map)")
     parser.add_argument("--seeds", help="comma-separated seeds, each trains every variant (default: --seed)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="train nothing: rewrite results.md, results.csv and val_bpc.png from the listed "
+                             "variants' and seeds' finished runs (those with a complete result.json)")
     parser.add_argument("--eval-multiples", help="score each finished run on the whole val and test splits in "
                                                  "windows of these multiples of --seq-len, e.g. 1,2,4,8 for a "
                                                  "length-extrapolation table (1 is always scored)")
@@ -232,12 +251,16 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()   # large CPU temporaries reuse freed memory instead of page-faulting
 
     def run() -> int:
-        if args.resume and not grid_dir.exists():
-            raise CheckpointError(f"--resume continues a grid, but there is none at {grid_dir}: drop --resume "
-                                  "to start it, or give the --out-dir / --run-name it was started with")
+        if (args.resume or args.report_only) and not grid_dir.exists():
+            flag = "--report-only reports" if args.report_only else "--resume continues"
+            raise CheckpointError(f"{flag} a grid, but there is none at {grid_dir}: give the --out-dir / "
+                                  "--run-name it was started with" + ("" if args.report_only else
+                                                                      ", or drop --resume to start it"))
         check_eval_windows(configs.values(), multiples)
         main_process = training.launched_rank() == 0   # the job's other ranks write nothing here
         with DirectoryLock(grid_dir) if main_process else contextlib.nullcontext():   # each run locks its own too
+            if args.report_only:
+                return report_finished(configs, grid_dir, multiples)
             started = [config.run.run_name for config in configs.values()
                        if (config.run.run_dir / CHECKPOINT_NAME).exists()]
             if started and not args.resume:

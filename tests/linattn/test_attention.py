@@ -1,6 +1,7 @@
 """The attention blocks: softmax baseline against a naive reference, strict causality, recurrent
 decoding against the parallel forward, relative positions, and bad input."""
 import importlib
+import warnings
 
 import numpy as np
 import pytest
@@ -379,3 +380,15 @@ def test_resolve_backend_says_what_runs_where():
         linattn.resolve_backend("xformers", cpu, attention="softmax")
     with pytest.raises(ValueError, match="attention must be 'linear' or 'softmax'"):
         linattn.resolve_backend("auto", cpu, attention="performer")
+
+
+def test_rmsnorm_under_autocast_normalises_in_float32_without_a_warning() -> None:
+    torch.manual_seed(0)
+    block = LinearAttention(32, 2, feature_map="elu", normalization="rmsnorm")
+    x = torch.randn(2, 8, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = block(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), block(x), atol=3e-2, rtol=3e-2)

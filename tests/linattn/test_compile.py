@@ -181,3 +181,16 @@ def test_gpu_compiled_block_with_inductor_and_bf16_autocast():
         eager, compiled = model(x), torch.compile(model, fullgraph=True)(x)
     for got, want in zip(compiled, eager):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("feature_map", ["favor", "elu"])
+def test_compiled_state_carries_no_gradient_as_in_eager(feature_map: str) -> None:
+    """A prefill's state is for decoding: eager detaches it, and so does the compiled op (its autograd
+    formula would otherwise hand a loss on the state zero gradients without a word)."""
+    torch.manual_seed(0)
+    block = LinearAttention(16, 2, feature_map=feature_map, rope="post", backend="torch")
+    x = torch.randn(1, 9, 16, requires_grad=True)
+    compiled = torch.compile(lambda x: block(x, return_state=True), fullgraph=True, backend="aot_eager")
+    for run in (lambda x: block(x, return_state=True), compiled):
+        out, state = run(x)
+        assert out.requires_grad and not state.kv.requires_grad and not state.k_sum.requires_grad

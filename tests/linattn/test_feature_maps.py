@@ -380,3 +380,9 @@ def test_a_map_class_and_its_options_are_found_by_name():
             linattn.feature_map_class(unknown)
     with pytest.raises(ValueError, match="unknown feature map 'nope'"):
         linattn.feature_map_options("nope")
+
+
+@pytest.mark.parametrize("option", ["heads", "head_dim"])
+def test_options_the_block_sets_are_refused_as_options(option: str) -> None:
+    with pytest.raises(ValueError, match=f"set by the attention block.*drop them"):
+        LinearAttention(16, 2, feature_map="taylor", feature_map_options={option: 3})

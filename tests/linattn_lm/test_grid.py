@@ -287,3 +287,47 @@ def test_resume_with_fewer_seeds_keeps_the_finished_ones_in_the_report(grid_argv
     assert code == 0, out
     assert [row["seed"] for row in read_rows(tmp_path / "grid-tiny")] == ["0", "1", "2"]
     assert "seeds 0,1,2" in (tmp_path / "grid-tiny" / "results.md").read_text()
+
+
+def write_finished_run(given: dict, variant: str, seed: int, val: float) -> None:
+    """A run's result.json as grid.py writes it, for the configuration these flags give."""
+    config = grid.run_configs(given, [variant], [seed])[seed, variant]
+    scores = {split: {"64": val} for split in grid.EVAL_SPLITS}
+    record = {key: 0 for key in grid.RECORD_KEYS} | {
+        "variant": variant, "seed": seed, "steps": config.optim.steps, "data": "sample", "val_steps": [1],
+        "val_bpc": [val], "final_val_bpc": val, "best_val_bpc": val, "scores": scores, "config": config.flat()}
+    config.run.run_dir.mkdir(parents=True)
+    (config.run.run_dir / grid.RESULT_NAME).write_text(json.dumps(record))
+
+
+def test_report_only_tabulates_the_finished_runs_and_trains_nothing(data_dir: Path, tiny: list[str], tmp_path: Path,
+                                                                    run_main) -> None:
+    given = dict(preset="tiny", data_dir=str(data_dir), out_dir=str(tmp_path), run_name="g")
+    for seed, post, none in ((0, 3.0, 3.5), (1, 3.1, 3.4)):
+        write_finished_run(given, "linear-elu-post", seed, post)
+        write_finished_run(given, "linear-elu-none", seed, none)
+    argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "g", "--seeds", "0,1,2",
+            "--variants", "linear-elu-post,linear-elu-none,softmax-rope", "--report-only"]
+    code, out, err = run_main(grid.main, argv)
+    assert code == 0, err
+    assert "4 of 9 runs finished" in out
+    report = (tmp_path / "g" / "results.md").read_text()
+    assert "| linear-elu-post | linear-elu-none | rope | -0.500 (s0), -0.300 (s1) | -0.400 |" in report
+    assert not any((tmp_path / "g").glob("*/seed-*/ckpt.pt"))   # nothing trained
+    assert not (tmp_path / "g" / "softmax-rope").exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--resume"], "--resume does not apply"),
+    (["--run-name", "absent"], "--report-only reports a grid, but there is none at"),
+    (["--variants", "softmax-rope"], "no finished run of these variants and seeds"),
+])
+def test_report_only_refuses_what_it_cannot_report(extra: list[str], message: str, data_dir: Path, tiny: list[str],
+                                                   tmp_path: Path, run_main) -> None:
+    given = dict(preset="tiny", data_dir=str(data_dir), out_dir=str(tmp_path), run_name="g")
+    write_finished_run(given, "linear-elu-post", 0, 3.0)
+    argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "g", "--report-only",
+            "--variants", "linear-elu-post", *extra]
+    code, _, err = run_main(grid.main, argv)
+    assert code == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1
