@@ -27,7 +27,9 @@ states recomputed by `_states_kernel` rather than saved:
 Memory kept for backward: q, k, v, out (input dtype) and den (float32), O(N (M + Dv)); the per-chunk
 states, N/BT x M x Dv, live only inside forward or backward.
 
-bf16 inputs multiply in bf16 and keep the states in bf16 between the passes, as fla does; fp32 and
+bf16 inputs multiply in bf16 and keep the states in bf16 between the passes, as fla does (when every
+input is bf16: a call with mixed dtypes computes in float32, and LinearAttention under autocast gives
+float32 features with bf16 values, so today the block takes the float32 route); fp32 and
 fp16 inputs multiply as float32 (3xTF32), since the states and scores cast to fp16 could overflow
 (fused.py's `_dot_settings`, which also keeps the interpreter in float32).
 
