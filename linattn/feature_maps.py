@@ -199,7 +199,7 @@ class FavorFeatureMap(FeatureMap):
     The projection is redrawn every `redraw_interval` training forward passes (0, the default: never;
     never in eval), draw r from the seed (seed, r), so every DDP rank holds the same projection.
     Never is the default because redraws cost more than they brought in the RoPE-placement study
-    (docs/results/study-cpu.md): a model adapted to one projection loses that fit at each redraw.
+    (docs/results/study.md): a model adapted to one projection loses that fit at each redraw.
 
     Large inputs still underflow plain features (|x| = 100 gives logits near -6000), so
     LinearAttention uses `log_features`, log phi = w^T x - |x|^2/2 - log(M)/2, and the log-space

@@ -468,7 +468,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                  feature_map="favor", feature_map_options=dict(num_features=32, redraw_interval=1000),
                  chunk_size=32, eval_interval=10, eval_iters=2, log_interval=5, ckpt_interval=10,
                  sample_interval=30),
-    # The defaults, and the budget of the RoPE-placement study (docs/results/study-cpu.md): about 6-8
+    # The defaults, and the budget of the RoPE-placement study (docs/results/study.md): about 6-8
     # (softmax) and 8-12 (FAVOR+) minutes of training per run on 2 CPU cores; softmax and FAVOR+ with
     # RoPE beat the order-2 n-gram line (3.31 val bpc) clearly, FAVOR+ without RoPE does not (3.50);
     # FAVOR+ post (the quick start) measured 3.02-3.04 at step 1200 on the torch backend, 3.06 on the cpp
@@ -481,7 +481,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                 sample_interval=200),
     # EleutherAI rotary-embedding blog, Performer on enwik8: 8 layers, 512 wide, 8 heads, 1024 context.
     # No redraws here either: at the cpu preset redraws every 500 steps cost 0.22 val bpc [0.16, 0.28]
-    # over 3 seeds, each redraw throwing the model back (docs/results/study-cpu.md); the map's default.
+    # over 3 seeds, each redraw throwing the model back (docs/results/study.md); the map's default.
     "eleuther": dict(n_layer=8, d_model=512, n_head=8, mlp_ratio=4.0, dropout=0.1, seq_len=1024,
                      batch_size=32, lr=6e-4, min_lr=6e-5, warmup=1000, steps=20000, weight_decay=0.1,
                      grad_clip=1.0, feature_map="favor",

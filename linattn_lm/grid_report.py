@@ -125,18 +125,41 @@ def summary_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> li
     return lines
 
 
+PAIRED_HEADER = ["| A | B | factor | per-seed A - B | mean | std | 95% CI | paired t-test p |",
+                 "|---|---|---|---|---|---|---|---|"]
+
+
+def paired_row(a: str, b: str, factor: str, diff: dict[str, Any]) -> str:
+    per_seed = ", ".join(f"{signed(value)} (s{seed})" for seed, value in zip(diff["seeds"], diff["diffs"]))
+    ci = f"[{signed(diff['ci'][0])}, {signed(diff['ci'][1])}]" if not math.isnan(diff["ci"][0]) else "n/a"
+    std, p = ("n/a" if math.isnan(x) else f"{x:.3f}" for x in (diff["std"], diff["p"]))
+    return f"| {a} | {b} | {factor} | {per_seed} | {signed(diff['mean'])} | {std} | {ci} | {p} |"
+
+
 def paired_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> list[str]:
-    lines = ["| A | B | factor | per-seed A - B | mean | std | 95% CI | paired t-test p |",
-             "|---|---|---|---|---|---|---|---|"]
-    for a, b, factor in comparable_pairs({name: runs[0]["config"] for name, runs in variants.items()}):
-        diff = paired_difference(variants[a], variants[b], seq_len)
-        if diff is None:
-            continue
-        per_seed = ", ".join(f"{signed(value)} (s{seed})" for seed, value in zip(diff["seeds"], diff["diffs"]))
-        ci = f"[{signed(diff['ci'][0])}, {signed(diff['ci'][1])}]" if not math.isnan(diff["ci"][0]) else "n/a"
-        std, p = ("n/a" if math.isnan(x) else f"{x:.3f}" for x in (diff["std"], diff["p"]))
-        lines.append(f"| {a} | {b} | {factor} | {per_seed} | {signed(diff['mean'])} | {std} | {ci} | {p} |")
-    return lines if len(lines) > 2 else []
+    rows = [paired_row(a, b, factor, diff)
+            for a, b, factor in comparable_pairs({name: runs[0]["config"] for name, runs in variants.items()})
+            if (diff := paired_difference(variants[a], variants[b], seq_len)) is not None]
+    return [*PAIRED_HEADER, *rows] if rows else []
+
+
+def softmax_baseline(variants: dict[str, list[dict[str, Any]]]) -> str | None:
+    """The grid's softmax attention with RoPE and no learned positions, the yardstick of linear variants."""
+    return next((name for name, runs in variants.items()
+                 if factors(runs[0]["config"]) == ("softmax", {"rope": "post", "positions": "-",
+                                                               "normalization": "denominator"})), None)
+
+
+def baseline_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> list[str]:
+    """Every linear variant against softmax + RoPE on the same seeds, closest first: how far each is
+    from the attention it replaces (a comparison across families, which paired_table leaves out)."""
+    baseline = softmax_baseline(variants)
+    if baseline is None:
+        return []
+    diffs = [(name, diff) for name, runs in variants.items() if runs[0]["config"]["attention"] == "linear"
+             and (diff := paired_difference(runs, variants[baseline], seq_len)) is not None]
+    rows = [paired_row(name, baseline, "attention", diff) for name, diff in sorted(diffs, key=lambda x: x[1]["mean"])]
+    return [*PAIRED_HEADER, *rows] if rows else []
 
 
 def signed(value: float) -> str:
@@ -185,6 +208,10 @@ def write_report(grid_dir: Path, records: Records, config: Any, reference: dict[
     if paired:
         markdown += ["", "## Paired differences (whole val split, bpc; negative: A is better)", "",
                      "Variants that differ in one factor, compared on the same seeds.", "", *paired]
+    against_softmax = baseline_table(variants, seq_len)
+    if against_softmax:
+        markdown += ["", "## Against softmax attention with RoPE (whole val split, bpc; paired by seed, closest "
+                     "first)", "", *against_softmax]
     extrapolation = extrapolation_table(variants, seq_len)
     if extrapolation:
         markdown += ["", "## Length extrapolation (whole val split, bpc by window length)", "", *extrapolation]

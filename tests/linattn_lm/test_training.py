@@ -474,5 +474,5 @@ def test_ddp_two_cpu_ranks_keep_a_trainable_map_identical(data_dir: Path, tiny: 
 
 @pytest.mark.parametrize("preset", ["cpu", "eleuther", "paper"])
 def test_presets_never_redraw_favor(preset: str) -> None:
-    """The study measured that redraws cost accuracy (docs/results/study-cpu.md): the map's default."""
+    """The study measured that redraws cost accuracy (docs/results/study.md): the map's default."""
     assert PRESETS[preset]["feature_map_options"]["redraw_interval"] == 0
