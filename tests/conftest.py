@@ -23,11 +23,22 @@ SAMPLE = REPO_ROOT / "data" / "enwik8" / "enwik8-sample.gz"   # bundled with the
 SLICE_BYTES = 400_000     # -> train 360,000 / val 20,000 / test 20,000 bytes
 
 
+# pytest-xdist runs the suite in one process per core (`-n auto`, set in pyproject.toml): each then
+# takes one thread, so the processes together match the cores; alone, a test takes CI's 2.
+THREADS = 1 if "PYTEST_XDIST_WORKER" in os.environ else 2
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: a process per core on CPU; on a GPU machine the tests run in this one process, so
+    they share the GPU one at a time and their progress lines show (`pytest -m gpu`)."""
+    return 0 if torch.cuda.is_available() else os.cpu_count()
+
+
 @pytest.fixture(autouse=True)
 def _seed_and_threads():
-    """Every test starts from the same RNG state; 2 threads match CI's 2 cores."""
+    """Every test starts from the same RNG state and thread count."""
     torch.manual_seed(0)
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
 
 
 def pytest_collection_modifyitems(config, items):
