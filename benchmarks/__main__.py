@@ -12,6 +12,8 @@ import torch
 import linattn
 
 from .report import Report, write_outputs
+from .block import run_block
+from .kernels import run_kernels
 from .sections import run_attention, run_decode, run_efficiency, run_model
 from .settings import Settings, parse_settings, selected_methods
 from .timing import ChildRunner
@@ -67,6 +69,12 @@ def main(argv: list[str] | None = None) -> dict:
         write_outputs(out, results, report)
     if "model" in settings.sections:
         results["model"] = run_model(settings, device, runner, report)
+        write_outputs(out, results, report)
+    if "block" in settings.sections:
+        results["block"] = run_block(settings, device, runner, report)
+        write_outputs(out, results, report)
+    if "kernels" in settings.sections:
+        results["kernels"] = run_kernels(settings, device, runner, report)
     results["elapsed_s"] = time.perf_counter() - started
     write_outputs(out, results, report)
     print(f"\nresults: {out}.json, {out}.md" + (f", {out}.png" if records else "")

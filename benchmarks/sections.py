@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 import linattn
+from linattn_lm import PRESETS as TRAINING_PRESETS
 from linattn_lm.config import ModelConfig
 from linattn_lm.lm import ByteLM, lm_loss
 from linattn_lm.runtime import autocast
@@ -298,22 +299,32 @@ def run_decode(settings: Settings, device: torch.device, runner: ChildRunner, re
 # LM training throughput
 # ---------------------------------------------------------------------------------------------
 
-MODEL_KINDS = {"softmax": "softmax + RoPE", "linear": "linear favor-post"}
-MODEL_SIZE = {"n_layer": 4, "d_model": 256, "n_head": 4}
+SMALL_MODEL = {"n_layer": 4, "d_model": 256, "n_head": 4}
 
 
-def lm_config(kind: str, context: int, num_features: int) -> ModelConfig:
-    """The same small LM with softmax or favor-post attention."""
+def model_size(size: str) -> dict:
+    """Layers, width and heads of the small LM or of a training preset."""
+    if size == "small":
+        return SMALL_MODEL
+    preset = TRAINING_PRESETS[size]
+    return {key: preset[key] for key in ("n_layer", "d_model", "n_head", "mlp_ratio", "dropout")}
+
+
+def lm_config(kind: str, context: int, num_features: int, size: str = "small") -> ModelConfig:
+    """The same LM with softmax attention + RoPE or linear attention `<map>-<rope>` (M = num_features
+    where the map has that option)."""
     if kind == "softmax":
-        return ModelConfig(**MODEL_SIZE, seq_len=context, attention="softmax", feature_map="",
+        return ModelConfig(**model_size(size), seq_len=context, attention="softmax", feature_map="",
                            feature_map_options={}, rope="post")
-    return ModelConfig(**MODEL_SIZE, seq_len=context, attention="linear", feature_map="favor",
-                       feature_map_options={"num_features": num_features}, rope="post")
+    feature_map, rope = kind.rsplit("-", 1)
+    options = {"num_features": num_features} if "num_features" in linattn.feature_map_options(feature_map) else {}
+    return ModelConfig(**model_size(size), seq_len=context, attention="linear", feature_map=feature_map,
+                       feature_map_options=options, rope=rope)
 
 
 def model_task(task: dict) -> dict:
     device, context = torch.device(task["device"]), task["n"]
-    model = ByteLM(lm_config(task["model"], context, task["num_features"])).to(device).train()
+    model = ByteLM(lm_config(task["model"], context, task["num_features"], task["size"])).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = max(1, task["tokens"] // context)
     data = torch.randint(256, (batch, context + 1), generator=torch.Generator().manual_seed(0))
@@ -335,27 +346,29 @@ def model_task(task: dict) -> dict:
 
 def run_model(settings: Settings, device: torch.device, runner: ChildRunner, report: Report) -> list[dict]:
     report.section("Model: LM training throughput (forward + backward + AdamW step)")
-    report.add(f"{MODEL_SIZE['n_layer']} layers, d_model {MODEL_SIZE['d_model']}, {MODEL_SIZE['n_head']} heads, "
-               f"{settings.model_tokens} tokens per batch at every context; median of {settings.model_steps} "
-               "steps after 1 warm-up.\n")
+    size = model_size(settings.model_size)
+    report.add(f"{settings.model_size} LM: {size['n_layer']} layers, d_model {size['d_model']}, {size['n_head']} heads, "
+               f"{settings.model_tokens} tokens per batch at every context, M={settings.num_features} for maps with "
+               f"that option; {'bf16 autocast' if device.type == 'cuda' else 'fp32'}; median of "
+               f"{settings.model_steps} steps after 1 warm-up.\n")
+    kinds = {kind: "softmax + RoPE" if kind == "softmax" else f"linear {kind}" for kind in settings.model_methods}
     # Same tokens per batch: a step's cost grows at most linearly with context, softmax included.
-    histories = {kind: History(assume_quadratic=False) for kind in MODEL_KINDS}
+    histories = {kind: History(assume_quadratic=False) for kind in kinds}
     records = measure_each(
-        "model", MODEL_KINDS, settings.model_contexts, model_task, histories, "peak_bytes",
+        "model", kinds, settings.model_contexts, model_task, histories, "peak_bytes",
         lambda kind, context: {"device": str(device), "threads": settings.threads, "model": kind, "n": context,
                                "tokens": settings.model_tokens, "num_features": settings.num_features,
-                               "repeats": settings.model_steps},
+                               "size": settings.model_size, "repeats": settings.model_steps},
         lambda result: f"{result['tokens_per_s']:9.0f} tokens/s  step {result['step_s'] * 1e3:.0f} ms",
         settings, device, runner, report)
     value = functools.partial(record_value, records, "model")
     rows = []
     for context in settings.model_contexts:
-        softmax, linear = value("softmax", context, "tokens_per_s"), value("linear", context, "tokens_per_s")
-        rows.append([context, value("linear", context, "batch") or value("softmax", context, "batch") or "—",
-                     fmt(softmax, digits=0), fmt(linear, digits=0),
-                     fmt(linear / softmax if linear and softmax else None, digits=2, suffix="×"),
-                     fmt(value("softmax", context, "peak_bytes"), 1 / MB, 0),
-                     fmt(value("linear", context, "peak_bytes"), 1 / MB, 0)])
-    report.add(markdown_table(["context", "batch", "softmax tokens/s", "favor-post tokens/s", "linear/softmax",
-                               "softmax peak MB", "favor-post peak MB"], rows))
+        softmax = value("softmax", context, "tokens_per_s")
+        for kind in kinds:
+            tokens = value(kind, context, "tokens_per_s")
+            rows.append([context, kind, value(kind, context, "batch") or "—", fmt(tokens, digits=0),
+                         fmt(tokens / softmax if tokens and softmax and kind != "softmax" else None, digits=2, suffix="×"),
+                         fmt(value(kind, context, "peak_bytes"), 1 / MB, 0)])
+    report.add(markdown_table(["context", "LM", "batch", "tokens/s", "of softmax's tokens/s", "peak MB"], rows))
     return records

@@ -15,9 +15,15 @@ from linattn_lm.runtime import resolve_device
 
 import torch
 
+from linattn_lm import PRESETS as TRAINING_PRESETS
+
+from .block import SOFTMAX_BLOCKS, block_names, build_block
+from .kernels import KERNEL_METHODS
 from .methods import DTYPES, MASKS, Method, Shape, build_attention, method_table, unavailable
 
-SECTIONS = ("attention", "efficiency", "decode", "model")
+SECTIONS = ("attention", "efficiency", "decode", "model", "block", "kernels")
+DEFAULT_SECTIONS = SECTIONS[:-1]   # kernels, beside fla's, is for GPUs: --sections kernels or --preset gpu-targets
+MODEL_SIZES = ("small",) + tuple(TRAINING_PRESETS)
 PASSES = ("fwd", "fwd+bwd")
 DEFAULT_LENGTHS = {"cpu": tuple(2 ** p for p in range(8, 16)),      # 256 .. 32768
                    "cuda": tuple(2 ** p for p in range(10, 17))}    # 1024 .. 65536
@@ -85,7 +91,7 @@ def option(default, help: str, parse: Callable[[str], object]):
 
 @dataclass(frozen=True)
 class Settings:
-    sections: tuple[str, ...] = option(SECTIONS, "sections to run", names(SECTIONS))
+    sections: tuple[str, ...] = option(DEFAULT_SECTIONS, "sections to run", names(SECTIONS))
     device: str = option("auto", "auto (CUDA when available), cpu or cuda", one_of(("auto", "cpu", "cuda")))
     threads: int = option(0, "torch CPU threads in each measuring process; 0 keeps torch's default", count)
     methods: tuple[str, ...] = option(("*",), "attention methods, by name or shell pattern "
@@ -110,6 +116,14 @@ class Settings:
     model_contexts: tuple[int, ...] = option((256, 1024, 4096), "LM context lengths of the model section", int_list)
     model_tokens: int = option(4096, "LM tokens per training batch, the same at every context", positive_int)
     model_steps: int = option(3, "timed LM optimizer steps", positive_int)
+    model_methods: tuple[str, ...] = option(("softmax", "favor-post"), "LMs of the model section: softmax "
+                                            "(+ RoPE) or <map>-<rope>", names(block_names()))
+    model_size: str = option("small", "the model section's LM: small (4 x 256, 4 heads) or a training preset's "
+                             "layers, width and heads", one_of(MODEL_SIZES))
+    block_methods: tuple[str, ...] = option(("softmax", "favor-post", "elu-post"), "blocks of the block section: "
+                                            "softmax, softmax-xformers or <map>-<rope>", names(block_names()))
+    kernel_methods: tuple[str, ...] = option(KERNEL_METHODS, "ops of the kernels section", names(KERNEL_METHODS))
+    kernel_features: tuple[int, ...] = option((64, 256), "feature counts M of the kernels section", int_list)
     out: str = option("bench_results/bench", "output prefix: writes OUT.json, OUT.md and OUT.png", str)
     overwrite: bool = option(False, "replace the results of an earlier run at --out (refused without it)", bool)
 
@@ -125,6 +139,11 @@ PRESETS: dict[str, dict[str, object]] = {
     # Issue 8's CPU table: causal favor+post and favor+none beside torch SDPA, fwd+bwd, 2 threads.
     "cpu-targets": dict(sections=("attention",), device="cpu", threads=2, methods=("sdpa", "favor-post", "favor-none"),
                         masks=("causal",), passes=("fwd+bwd",), lengths=(2048, 8192, 16384), budget_s=600.0),
+    # Issue 21's GPU tables in one run (a few minutes on an H100): the blocks as imported, the op beside
+    # fla's chunk kernels, and eleuther-size LM training in bf16 at ctx 1024 (batch 32) and 8192 (batch 4).
+    "gpu-targets": dict(sections=("block", "kernels", "model"), device="cuda", dtypes=("bf16",),
+                        lengths=(4096, 16384, 65536), model_size="eleuther", model_contexts=(1024, 8192),
+                        model_tokens=32768, model_methods=("softmax", "favor-post", "elu-post"), budget_s=60.0),
 }
 
 
@@ -224,10 +243,11 @@ def selected_methods(settings: Settings) -> list[Method]:
 def check_methods_build(settings: Settings, device: torch.device) -> None:
     """Every selected method that can run here accepts the shape and chunk settings (an odd M with a
     rotation, say), checked once with one head on the CPU rather than as an error row per config;
-    so does causal favor-post, which the efficiency, decode and model sections always run."""
+    so does causal favor-post, which the efficiency and decode sections always run, and every block of
+    the block and model sections."""
     shape = replace(settings.shape, heads=1)
-    builds = [(method, settings.masks) for method in selected_methods(settings)]
-    if set(settings.sections) - {"attention"}:
+    builds = [(method, settings.masks) for method in selected_methods(settings)] if "attention" in settings.sections else []
+    if set(settings.sections) & {"efficiency", "decode"}:
         builds.append((next(m for m in method_table(settings.backends) if m.name.startswith("favor-post")),
                        ("causal",)))
     for method, masks in builds:
@@ -238,3 +258,10 @@ def check_methods_build(settings: Settings, device: torch.device) -> None:
                 build_attention(method, shape, torch.device("cpu"), MASKS[mask], settings.chunk_size)
             except (ValueError, TypeError) as error:
                 raise BadSetting(f"method {method.name} ({mask}) cannot run with these settings: {error}") from None
+    if "block" in settings.sections or "model" in settings.sections:
+        linear = [name for name in settings.block_methods + settings.model_methods if name not in SOFTMAX_BLOCKS]
+        for name in dict.fromkeys(linear):
+            try:
+                build_block(name, settings.head_dim, 1, settings.num_features)
+            except (ValueError, TypeError) as error:
+                raise BadSetting(f"block {name} cannot run with these settings: {error}") from None

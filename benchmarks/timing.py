@@ -145,7 +145,8 @@ class ChildRunner:
 
     def __init__(self) -> None:
         self.context = multiprocessing.get_context("forkserver")
-        self.context.set_forkserver_preload(["torch", "linattn", "benchmarks.sections"])
+        self.context.set_forkserver_preload(["torch", "linattn", "benchmarks.sections", "benchmarks.block",
+                                             "benchmarks.kernels"])
 
     def run(self, run_task: Callable[[dict], dict], task: dict, timeout_s: float) -> dict:
         receiver, sender = self.context.Pipe(duplex=False)

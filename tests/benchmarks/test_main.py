@@ -55,3 +55,20 @@ def test_cuda_path_measures_with_events_and_max_memory_allocated(tmp_path, fla_a
     assert results["machine"]["device"].startswith("cuda")
     for suffix in (".json", ".md", ".png"):
         assert out.with_suffix(suffix).stat().st_size > 0
+
+
+@pytest.mark.gpu
+def test_cuda_block_and_kernel_sections_measure_every_method_and_judge_the_targets(tmp_path):
+    """The gpu-targets preset's sections, shortened: every block and op runs (fla's when installed),
+    and the comparisons the targets come from are filled in."""
+    import importlib.util
+    results = main(["--preset", "gpu-targets", "--sections", "block,kernels", "--lengths", "4096",
+                    "--kernel-features", "64", "--repeats", "2", "--out", str(tmp_path / "bench")])
+    blocks = {r["block"] for r in results["block"]["records"] if "train_s" in r}
+    assert blocks == {"softmax", "favor-post", "elu-post"}
+    assert [t["n"] for t in results["block"]["targets"]] == [4096]
+    timed = {r["method"] for r in results["kernels"]["records"] if "train_s" in r}
+    fla = importlib.util.find_spec("fla") is not None
+    assert timed == ({"linattn-log", "linattn-plain", "fla-gla", "fla-linear"} if fla else {"linattn-log", "linattn-plain"})
+    assert len(results["kernels"]["comparisons"]) == (2 if fla else 0)
+    assert all(r["bandwidth_share"] > 0 for r in results["kernels"]["records"] if "train_s" in r)

@@ -33,6 +33,12 @@ def test_lengths_default_to_the_device_and_run_small_to_large(tmp_path):
     (["--sections", "decode", "--methods", "sdpa", "--num-features", "255"], "method favor-post (causal) cannot run"),
     (["--sections", "model", "--model-contexts", "96,128", "--model-tokens", "128"],
      "--model-tokens 128 is not a whole number of sequences at context(s) 96"),
+    (["--sections", "block", "--block-methods", "softmax,favor-sideways"], "--block-methods"),
+    (["--sections", "block", "--block-methods", "favor-post", "--num-features", "7"], "block favor-post cannot run"),
+    (["--sections", "model", "--model-methods", "elu-post", "--head-dim", "5"], "block elu-post cannot run"),
+    (["--model-size", "huge"], "--model-size"),
+    (["--kernel-methods", "fla-delta"], "--kernel-methods"),
+    (["--kernel-features", "0"], "--kernel-features"),
 ])
 def test_bad_flags_exit_2_with_one_line_that_names_the_flag(flags, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
@@ -58,3 +64,13 @@ def test_results_of_an_earlier_run_are_replaced_only_with_overwrite(tmp_path, ca
     assert "bench.md from an earlier run would be replaced; pass --overwrite" in capsys.readouterr().err
     assert parse_settings(["--out", str(tmp_path / "bench"), "--overwrite"]).overwrite
     assert (tmp_path / "bench.md").read_text() == "earlier"
+
+
+def test_the_gpu_targets_preset_is_the_flags_it_stands_for(tmp_path, monkeypatch):
+    monkeypatch.setattr("benchmarks.settings.resolve_device", lambda name: __import__("torch").device(name))
+    out = ["--out", str(tmp_path / "bench")]
+    explicit = parse_settings(["--sections", "block,kernels,model", "--device", "cuda", "--dtypes", "bf16",
+                               "--lengths", "4096,16384,65536", "--model-size", "eleuther", "--model-contexts",
+                               "1024,8192", "--model-tokens", "32768", "--model-methods", "softmax,favor-post,elu-post",
+                               "--budget-s", "60"] + out)
+    assert parse_settings(["--preset", "gpu-targets"] + out) == explicit

@@ -1,0 +1,107 @@
+"""The block and kernels sections: what they build, measure and judge, on CPU (fla's kernels are CUDA
+only; their rows are skipped with the reason, and the comparisons are checked on given records)."""
+import pytest
+import torch
+
+import linattn
+from benchmarks import block, kernels
+from benchmarks.sections import lm_config
+
+TINY = {"device": "cpu", "threads": 0, "dim": 32, "heads": 2, "num_features": 16, "repeats": 2, "warmup": 1}
+
+
+@pytest.mark.parametrize("name", [n for n in block.block_names() if n not in block.SOFTMAX_BLOCKS] + ["softmax"])
+def test_every_block_name_builds_the_block_a_user_would(name):
+    built = block.build_block(name, 32, 2, 16)
+    if name == "softmax":
+        assert isinstance(built, linattn.SoftmaxAttention) and built.rope is not None
+        return
+    feature_map, rope = name.rsplit("-", 1)
+    assert isinstance(built, linattn.LinearAttention) and built.rope == rope
+    assert type(built.feature_map) is linattn.feature_map_class(feature_map)
+    if "num_features" in linattn.feature_map_options(feature_map):
+        assert built.feature_map.num_features == 16
+
+
+@pytest.mark.parametrize("name, dtype", [("favor-post", "fp32"), ("elu-post", "bf16"), ("softmax", "bf16")])
+def test_a_block_task_times_forward_and_backward_and_reports_first_call_and_peak(name, dtype):
+    result = block.block_task({**TINY, "block": name, "dtype": dtype, "n": 64})
+    assert result["train_s"] > 0 and result["first_call_s"] > 0 and result["train_repeats"] == 2
+    assert result["train_peak_bytes"] >= 0
+
+
+def record(name, n, seconds, peak, dtype="bf16"):
+    return {"block": name, "dtype": dtype, "n": n, "train_s": seconds, "train_peak_bytes": peak}
+
+
+def test_block_comparisons_pair_each_linear_block_with_softmax_at_its_n_and_dtype():
+    records = [record("softmax", 4096, 2.0, 100), record("favor-post", 4096, 1.0, 300),
+               record("softmax", 16384, 8.0, 400), record("favor-post", 16384, 5.0, 500),
+               record("favor-post", 65536, 1.0, 1), {"block": "softmax", "dtype": "bf16", "n": 65536,
+                                                     "skipped": "skipped: predicted 90 s"}]
+    rows = block.comparisons(records)
+    assert [(r["n"], r["speedup"], r["memory_ratio"]) for r in rows] == [(4096, 2.0, 3.0), (16384, 1.6, 1.25)]
+    judged = block.judge(rows)
+    assert [(t["speed_met"], t["memory_met"]) for t in judged] == [(True, False), (False, True)]
+
+
+def test_judging_leaves_lengths_without_a_target_unjudged():
+    judged = block.judge(block.comparisons([record("softmax", 1024, 1.0, 10), record("favor-post", 1024, 2.0, 10)]))
+    assert judged[0]["speed_met"] is None and judged[0]["memory_met"] is None
+
+
+@pytest.mark.parametrize("method", list(kernels.OURS))
+def test_a_kernel_task_runs_every_length_of_our_op_in_one_process(method):
+    task = {**TINY, "method": method, "m": 16, "dtype": "fp32", "lengths": (64, 128), "batch": 1, "dv": 8,
+            "budget_s": 60.0}
+    rows = kernels.kernel_task(task)["rows"]
+    assert [r["n"] for r in rows] == [64, 128] and all(r["train_s"] > 0 for r in rows)
+    # 2 heads of float32 features (M=16) and values (Dv=8): each input read twice and its gradient
+    # written; the output written and its gradient read
+    inputs = 2 * (2 * 64 * 16 * 4 + 64 * 8 * 4)
+    assert rows[0]["traffic_bytes"] == 3 * inputs + 2 * (2 * 64 * 8 * 4)
+
+
+def test_a_kernel_task_stops_at_the_length_predicted_over_budget():
+    task = {**TINY, "method": "linattn-plain", "m": 16, "dtype": "fp32", "lengths": (64, 2 ** 40), "batch": 1,
+            "dv": 8, "budget_s": 1e-9}
+    rows = kernels.kernel_task(task)["rows"]
+    assert "train_s" in rows[0] and rows[1]["skipped"].startswith("skipped: predicted over")
+
+
+def test_fla_kernels_say_why_they_cannot_run_on_cpu():
+    for method in kernels.FLA_METHODS:
+        assert kernels.unavailable(method, torch.device("cpu")) is not None
+    assert kernels.unavailable("linattn-log", torch.device("cpu")) is None
+
+
+def test_fla_kernels_take_its_layout_and_the_gate():
+    inputs = kernels.make_inputs("fla-gla", (1, 2, 32, 16, 8), torch.device("cpu"), torch.bfloat16)
+    assert [tuple(t.shape) for t in inputs] == [(1, 32, 2, 16), (1, 32, 2, 16), (1, 32, 2, 8), (1, 32, 2, 16)]
+    assert inputs[0].dtype == torch.bfloat16 and inputs[3].dtype == torch.float32 and (inputs[3] <= 0).all()
+
+
+def test_kernel_comparisons_judge_our_time_against_the_fla_peer():
+    def row(method, m, n, seconds):
+        return {"method": method, "m": m, "dtype": "bf16", "n": n, "train_s": seconds, "train_peak_bytes": 10}
+    records = [row("linattn-log", 64, 4096, 3.0), row("fla-gla", 64, 4096, 2.0),
+               row("linattn-plain", 64, 4096, 1.3), row("fla-linear", 64, 4096, 1.0),
+               row("linattn-plain", 256, 4096, 1.0)]
+    rows = {(r["method"], r["m"]): r for r in kernels.comparisons(records)}
+    assert set(rows) == {("linattn-log", 64), ("linattn-plain", 64)}
+    assert rows[("linattn-log", 64)]["met"] and not rows[("linattn-plain", 64)]["met"]
+
+
+def test_bandwidth_is_the_least_traffic_over_time_and_its_share_of_a_known_peak():
+    records = kernels.with_bandwidth([{"train_s": 0.5, "traffic_bytes": 10 ** 12}], "NVIDIA H100 80GB HBM3")
+    assert records[0]["bandwidth"] == 2e12 and records[0]["bandwidth_share"] == pytest.approx(2 / 3.35)
+    assert kernels.with_bandwidth([{"train_s": 1.0, "traffic_bytes": 1}], "cpu")[0]["bandwidth_share"] is None
+
+
+def test_the_model_section_builds_a_training_presets_lm_with_any_map():
+    config = lm_config("hedgehog-pre", 1024, 64, "eleuther")
+    assert (config.n_layer, config.d_model, config.n_head) == (8, 512, 8)
+    assert config.feature_map == "hedgehog" and config.rope == "pre" and config.feature_map_options == {"num_features": 64}
+    assert lm_config("taylor-none", 256, 64).feature_map_options == {}
+    assert lm_config("favor-post", 256, 64).feature_map_options == {"num_features": 64}
+    assert lm_config("softmax", 256, 64, "small").attention == "softmax"
