@@ -151,7 +151,7 @@ class LinearAttention(_Projections):
         """The attention between the projections: (B, H, N, head_dim) queries, keys and values ->
         (B, H, N, head_dim), with this block's map, placement and backend (what forward runs)."""
         self._check_heads(q, k, v)
-        phi_q, phi_k = self._features(q, k, offset, projected=self.causal)
+        phi_q, phi_k = self._tensor_core_features(*self._features(q, k, offset, projected=self.causal), v)
         result = linear_attention(phi_q, phi_k, v, causal=self.causal, rotary=self.rope == "post",
                                   offset=offset, chunk_size=self.chunk_size, rope_base=self.rope_base,
                                   return_state=return_state, backend=self.backend,
@@ -160,6 +160,20 @@ class LinearAttention(_Projections):
         if return_state:
             return self._normalize(result[0]), result[1]
         return self._normalize(result)
+
+    def _tensor_core_features(self, phi_q, phi_k, v: torch.Tensor):
+        """Plain features in the autocast dtype when the triton backend runs them: maps compute in
+        float32, and the kernels multiply in bf16/fp16 on tensor cores (float32 sums) only when every
+        input is in that dtype, as flash-linear-attention's layers run under autocast.  Log-features
+        stay float32 (bf16 would round their exponents), and the torch and cpp backends sum in float32
+        anyway, so only this route gains from the cast."""
+        device = v.device.type
+        if self.feature_map.log_space or not torch.is_autocast_enabled(device):
+            return phi_q, phi_k
+        dtype = torch.get_autocast_dtype(device)
+        if v.dtype != dtype or resolve_backend(self.backend, v.device, log_space=False) != "triton":
+            return phi_q, phi_k
+        return phi_q.to(dtype), phi_k.to(dtype)
 
     def _normalize(self, out: torch.Tensor) -> torch.Tensor:
         """normalization="rmsnorm": RMSNorm over head_dim of the (B, H, N, head_dim) output."""

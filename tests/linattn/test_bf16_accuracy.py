@@ -14,12 +14,14 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm()).item()
 
 
-def bf16_errors(block: LinearAttention, x: torch.Tensor) -> dict[str, float]:
-    """Relative errors of the bf16-autocast pass (output, d input, d weights) against float64."""
+def bf16_errors(block: LinearAttention, x: torch.Tensor, reference_backend: str | None = None) -> dict[str, float]:
+    """Relative errors of the bf16-autocast pass (output, d input, d weights) against float64 (on
+    `reference_backend` if given: triton takes no float64)."""
     weights = torch.randn(x.shape[:-1] + (block.dim,), device=x.device, dtype=torch.float64)
-    results = []
+    results, backend = [], block.backend
     for dtype in (torch.float64, torch.bfloat16):
         model = block.double() if dtype == torch.float64 else block.float()
+        model.backend = (reference_backend or backend) if dtype == torch.float64 else backend
         inputs = x.to(torch.float64 if dtype == torch.float64 else torch.float32).requires_grad_()
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             out = model(inputs)
@@ -51,3 +53,30 @@ def test_gpu_bf16_autocast_block_is_within_2e_2_of_float64_at_64k_tokens(capsys)
         print("\n[gpu] bf16 vs float64 at N=65536, relative errors:",
               ", ".join(f"{name} {value:.2e}" for name, value in errors.items()))
     assert max(errors.values()) < BOUND, errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("feature_map", ["elu", "taylor"])
+def test_plain_features_reach_the_triton_kernels_in_bf16_under_autocast_and_stay_accurate(feature_map, monkeypatch):
+    """Tensor cores multiply bf16 tiles only when every input is bf16: the block casts plain features
+    (computed in float32) to the autocast dtype for the triton backend, and stays within the bound."""
+    pytest.importorskip("triton")
+    from linattn.ops.linear_attention import chunk_parallel
+    seen, run = [], chunk_parallel.linear_attention
+    monkeypatch.setattr(chunk_parallel, "linear_attention",
+                        lambda phi_q, phi_k, v, **kw: seen.append((phi_q.dtype, phi_k.dtype, v.dtype)) or run(phi_q, phi_k, v, **kw))
+    torch.manual_seed(0)
+    block = LinearAttention(64, heads=4, feature_map=feature_map, rope="post", backend="triton")
+    errors = bf16_errors(block, torch.randn(1, 80, 64), reference_backend="torch")
+    assert seen == [(torch.bfloat16,) * 3]
+    assert max(errors.values()) < BOUND, errors
+
+
+def test_plain_features_stay_float32_for_the_cpu_backends_under_autocast(monkeypatch):
+    import linattn.attention as attention
+    seen, run = [], attention.linear_attention
+    monkeypatch.setattr(attention, "linear_attention", lambda phi_q, phi_k, v, **kw: seen.append(phi_q.dtype) or run(phi_q, phi_k, v, **kw))
+    block = LinearAttention(32, heads=2, feature_map="elu", rope="post", backend="torch")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        block(torch.randn(1, 16, 32))
+    assert seen == [torch.float32]
