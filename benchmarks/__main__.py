@@ -61,20 +61,16 @@ def main(argv: list[str] | None = None) -> dict:
             from .plots import plot_scaling
             plot_scaling(records, out.with_name(out.name + ".png"))
         write_outputs(out, results, report)
-    if "efficiency" in settings.sections:
-        results["efficiency"] = run_efficiency(settings, device, runner, report, records)
-        write_outputs(out, results, report)
-    if "decode" in settings.sections:
-        results["decode"] = run_decode(settings, device, runner, report)
-        write_outputs(out, results, report)
-    if "model" in settings.sections:
-        results["model"] = run_model(settings, device, runner, report)
-        write_outputs(out, results, report)
-    if "block" in settings.sections:
-        results["block"] = run_block(settings, device, runner, report)
-        write_outputs(out, results, report)
-    if "kernels" in settings.sections:
-        results["kernels"] = run_kernels(settings, device, runner, report)
+    # Each section's results are written as soon as it ends, so a later failure loses none of them.
+    later_sections = {"efficiency": lambda: run_efficiency(settings, device, runner, report, records),
+                      "decode": lambda: run_decode(settings, device, runner, report),
+                      "model": lambda: run_model(settings, device, runner, report),
+                      "block": lambda: run_block(settings, device, runner, report),
+                      "kernels": lambda: run_kernels(settings, device, runner, report)}
+    for name, run in later_sections.items():
+        if name in settings.sections:
+            results[name] = run()
+            write_outputs(out, results, report)
     results["elapsed_s"] = time.perf_counter() - started
     write_outputs(out, results, report)
     print(f"\nresults: {out}.json, {out}.md" + (f", {out}.png" if records else "")

@@ -15,7 +15,7 @@ import torch
 import linattn
 
 from .methods import DTYPES
-from .report import Report, fmt, markdown_table, note
+from .report import Report, fmt, markdown_table, note, timed_line
 from .timing import MB, ChildRunner, History, median_time, one_call_peak, run_budgeted, time_call
 
 if TYPE_CHECKING:   # settings.py imports this module
@@ -87,16 +87,9 @@ def block_sweep(settings: Settings, device: torch.device, runner: ChildRunner, r
             result = run_budgeted(runner, block_task, task, histories[(name, dtype)], n, settings.budget_s,
                                   device, "train_peak_bytes")
             record = {"block": name, "dtype": dtype, "n": n, **result}
-            report.progress(f"  N={n:>6}  {name:<18} {dtype}  " + describe(record))
+            report.progress(f"  N={n:>6}  {name:<18} {dtype}  " + timed_line(record))
             records.append(record)
     return records
-
-
-def describe(record: dict) -> str:
-    if "train_s" not in record:
-        return note(record)
-    return (f"fwd+bwd {record['train_s'] * 1e3:9.2f} ms  peak {record['train_peak_bytes'] / MB:8.0f} MB  "
-            f"first call {record['first_call_s']:.1f} s")
 
 
 def find(records: list[dict], name: str, dtype: str, n: int) -> dict | None:

@@ -24,7 +24,7 @@ import torch
 import linattn
 
 from .methods import DTYPES
-from .report import Report, fmt, markdown_table, note
+from .report import Report, fmt, markdown_table, note, timed_line
 from .timing import MB, ChildRunner, child_timeout, median_time, one_call_peak, time_call
 
 if TYPE_CHECKING:   # settings.py imports this module
@@ -87,6 +87,23 @@ def least_traffic_bytes(inputs: list[torch.Tensor], out: torch.Tensor) -> int:
     return sum(3 * t.numel() * t.element_size() for t in inputs) + 2 * out.numel() * out.element_size()
 
 
+def measure(call, inputs: list[torch.Tensor], task: dict) -> dict:
+    """Forward + backward of `call` on `inputs`: the first call apart, the median, one call's peak."""
+    device, values = torch.device(task["device"]), inputs[2]   # every output has the values' shape and dtype
+    grad = torch.randn_like(values)
+
+    def step() -> None:
+        for t in inputs:
+            t.grad = None
+        call(*inputs).backward(grad)
+
+    first_call_s = time_call(step, device)
+    timing = median_time(step, repeats=task["repeats"], warmup=task["warmup"], device=device)
+    _, peak = one_call_peak(step, device)
+    return {"train_s": timing.seconds, "first_call_s": first_call_s, "train_repeats": timing.repeats,
+            "train_peak_bytes": peak, "traffic_bytes": least_traffic_bytes(inputs, values)}
+
+
 def kernel_task(task: dict) -> dict:
     """Every N of one (method, M, dtype), smallest first, until the next N is predicted over budget."""
     device, method = torch.device(task["device"]), task["method"]
@@ -97,21 +114,8 @@ def kernel_task(task: dict) -> dict:
             continue
         inputs = make_inputs(method, (task["batch"], task["heads"], n, task["m"], task["dv"]), device,
                              DTYPES[task["dtype"]])
-        values = inputs[2]   # every method's output has the values' shape and dtype
-        grad = torch.randn_like(values)
-
-        def step() -> None:
-            for t in inputs:
-                t.grad = None
-            call(*inputs).backward(grad)
-
-        first_call_s = time_call(step, device)
-        timing = median_time(step, repeats=task["repeats"], warmup=task["warmup"], device=device)
-        baseline, peak = one_call_peak(step, device)
-        previous = {"n": n, "train_s": timing.seconds, "first_call_s": first_call_s, "train_repeats": timing.repeats,
-                    "train_peak_bytes": peak, "traffic_bytes": least_traffic_bytes(inputs, values)}
+        previous = {"n": n, **measure(call, inputs, task)}
         rows.append(previous)
-        del inputs, values, grad
     return {"rows": rows}
 
 
@@ -132,16 +136,9 @@ def kernel_sweep(settings: Settings, device: torch.device, runner: ChildRunner, 
                 result = runner.run(kernel_task, task, child_timeout(settings.budget_s) * len(settings.lengths))
                 for row in result.get("rows", [{"n": n, "error": result.get("error", "?")} for n in settings.lengths]):
                     record = {"method": method, "m": m, "dtype": dtype, **row}
-                    report.progress(f"  {method:<14} M={m:<4} {dtype} N={record['n']:>6}  " + describe(record))
+                    report.progress(f"  {method:<14} M={m:<4} {dtype} N={record['n']:>6}  " + timed_line(record))
                     records.append(record)
     return records
-
-
-def describe(record: dict) -> str:
-    if "train_s" not in record:
-        return note(record)
-    return (f"fwd+bwd {record['train_s'] * 1e3:8.2f} ms  peak {record['train_peak_bytes'] / MB:7.0f} MB  "
-            f"first call {record['first_call_s']:.1f} s")
 
 
 def peak_bandwidth(device_name: str) -> float | None:

@@ -62,6 +62,14 @@ def note(record: dict) -> str:
     return record.get("skipped") or ("error: " + record["error"] if "error" in record else "")
 
 
+def timed_line(record: dict) -> str:
+    """A progress line's measurement: fwd+bwd time, peak and first call, or why there is none."""
+    if "train_s" not in record:
+        return note(record)
+    return (f"fwd+bwd {record['train_s'] * 1e3:9.2f} ms  peak {record['train_peak_bytes'] / 2 ** 20:8.0f} MB  "
+            f"first call {record['first_call_s']:.1f} s")
+
+
 def measured(records: list[dict], label: str) -> list[dict]:
     """The successful records of one method, mask and dtype, by increasing N."""
     return sorted((r for r in records if r["label"] == label and "elapsed_s" in r), key=lambda r: r["n"])
