@@ -5,7 +5,9 @@ phi(q) . phi(k) instead (taylor).
 A map is called as `fm(x, is_query=...)`, so queries and keys may be mapped differently.  All the
 randomness of a map (FAVOR+'s projection) lives inside it, drawn reproducibly from its own seed.
 A map with weights of its own per head (hedgehog, taylor) takes a keyword-only `heads` in its
-constructor: `make_feature_map` and LinearAttention pass the block's head count to such maps.
+constructor: `make_feature_map` and LinearAttention pass the block's head count to such maps.  The
+user's options travel as a dict (`options=`), apart from the structural head_dim and heads, so an
+option can never take the place of what the block sets.
 
 Add a map in a few lines:
 
@@ -70,8 +72,8 @@ def takes_heads(cls: type["FeatureMap"]) -> bool:
 
 
 def check_option_names(feature_map: str | FeatureMap, options: dict) -> None:
-    """Options never name what the block sets (head_dim, heads): call this before passing user
-    options on with `**options` beside heads=, where a 'heads' option would collide."""
+    """Options never name what the block sets (head_dim, heads).  `make_feature_map` checks this
+    itself, once; call it only to ask before building anything."""
     structural = sorted(set(options) & set(STRUCTURAL_PARAMETERS))
     if structural:
         raise ValueError(f"feature map {feature_map!r}: {structural} are set by the attention block (dim / heads), "
@@ -79,9 +81,13 @@ def check_option_names(feature_map: str | FeatureMap, options: dict) -> None:
 
 
 def make_feature_map(feature_map: str | FeatureMap, head_dim: int, *, heads: int | None = None,
-                     **options) -> FeatureMap:
+                     options: dict | None = None) -> FeatureMap:
     """A feature map from its registered name (or an instance, returned as is).  `heads`: the
-    block's head count, passed to maps with weights per head (and checked against an instance's)."""
+    block's head count, passed to maps with weights per head (and checked against an instance's).
+    `options`: the map's own options by name (`feature_map_options` lists them), validated here."""
+    options = {} if options is None else options
+    if not isinstance(options, dict):
+        raise ValueError(f"feature-map options must be a dict of option name to value, got {type(options).__name__}")
     if isinstance(feature_map, FeatureMap):
         if options:
             raise ValueError("feature-map options apply only when the map is given by name, "

@@ -181,10 +181,9 @@ class ModelConfig:
         model both build with it).  A map that takes a `seed` gets one per layer unless the options fix
         it, a map with weights per head gets n_head."""
         options = dict(self.feature_map_options)
-        linattn.check_option_names(self.feature_map, options)
         if "seed" in linattn.feature_map_options(self.feature_map):
             options.setdefault("seed", layer_seed(self.seed, layer))
-        return linattn.make_feature_map(self.feature_map, self.head_dim, heads=self.n_head, **options)
+        return linattn.make_feature_map(self.feature_map, self.head_dim, heads=self.n_head, options=options)
 
     @property
     def block_backend(self) -> str:

@@ -139,6 +139,19 @@ def test_config_errors(overrides: dict, message: str) -> None:
         config.validate()
 
 
+def test_building_a_layers_map_checks_its_option_names_once(monkeypatch) -> None:
+    """make_feature_map is the one place that validates options; the harness passes them as a dict."""
+    calls = []
+    check = linattn.feature_maps.check_option_names
+    counted = lambda *args: calls.append(args) or check(*args)
+    for module in (linattn, linattn.feature_maps):
+        monkeypatch.setattr(module, "check_option_names", counted)
+    ModelConfig(n_head=2, d_model=16, feature_map="taylor", feature_map_options={"dim": 4}).build_feature_map(0)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match=r"\['heads'\] are set by the attention block"):
+        ModelConfig(feature_map="taylor", feature_map_options={"heads": 2}).validate()
+
+
 def test_variant_names(small_config) -> None:
     assert small_config(feature_map_options={"num_features": 256}).variant == "linear-favor-post-M256"
     assert small_config(feature_map="elu", rope="pre", abs_pos=True).variant == "linear-elu-pre-abs"
