@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from .config import ModelConfig
+from .config import TrainConfig
 from .lm import ByteLM
 from .runtime import first_line, write_atomically
 
@@ -147,7 +147,10 @@ def model_from_checkpoint(checkpoint: dict[str, Any], path: Path | str = "checkp
     checkpoint_entries(checkpoint, path, ("config", "step", "model", "data"))
     check_finite_weights(checkpoint["model"], path)
     try:
-        config = ModelConfig.from_dict(checkpoint["config"].get("model"))
+        config = TrainConfig.parsed(checkpoint["config"]).model
+    except ValueError as error:
+        raise CheckpointError(f"{path}: its saved configuration is not valid ({first_line(error)})") from None
+    try:
         config.validate()
     except ValueError as error:
         raise CheckpointError(f"{path}: its model settings are not usable ({first_line(error)})") from None

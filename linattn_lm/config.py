@@ -431,15 +431,22 @@ class TrainConfig:
         return {key: value for section in asdict(self).values() for key, value in section.items()}
 
     @classmethod
-    def from_dict(cls, values: Any) -> "TrainConfig":
-        """A checkpoint's config, checked like any other.  A section or setting it lacks (written
-        before that setting existed) takes the default."""
+    def parsed(cls, values: Any) -> "TrainConfig":
+        """A checkpoint's config as sections, the one way every command reads one (--resume through
+        `from_dict`, eval.py directly): unknown sections and settings are errors, each setting has its
+        type, and a section or setting it lacks (written before that setting existed) takes the
+        default.  Not validated: settings of the machine it ran on (device, paths) may not fit this one."""
         if not isinstance(values, dict):
             raise ValueError(f"the config must be a dict of sections, got {type(values).__name__}")
         unknown = sorted(set(values) - set(SECTIONS), key=str)
         if unknown:
             raise ValueError(f"unknown config section(s) {unknown}; known: {sorted(SECTIONS)}")
-        config = cls(**{name: from_plain_dict(SECTIONS[name], values.get(name, {}), name) for name in SECTIONS})
+        return cls(**{name: from_plain_dict(SECTIONS[name], values.get(name, {}), name) for name in SECTIONS})
+
+    @classmethod
+    def from_dict(cls, values: Any) -> "TrainConfig":
+        """A checkpoint's config (`parsed`), validated like any other."""
+        config = cls.parsed(values)
         config.validate()
         return config
 
