@@ -200,10 +200,15 @@ class ModelConfig:
 
     @property
     def num_features(self) -> int:
-        """M of the feature map: its `num_features` option when it has one, else head_dim (an
-        estimate made before the map is built; the map itself is the authority)."""
-        value = self.feature_map_options.get("num_features")
-        return value if isinstance(value, int) and not isinstance(value, bool) else self.head_dim
+        """M of the feature map as its class gives it for these options, before anything is built
+        (memory estimates).  Options the map refuses give head_dim: building the map then says what
+        was wrong."""
+        try:
+            value = linattn.feature_map_class(self.feature_map).num_features_for(self.head_dim,
+                                                                                self.feature_map_options)
+        except Exception:   # a map registered by --import is user code: it may raise anything
+            return self.head_dim
+        return value if linattn.is_integer(value) and value >= 1 else self.head_dim
 
     def parameter_bytes(self) -> int:
         """float32 parameters and feature-map buffers (an M x head_dim projection per layer)."""

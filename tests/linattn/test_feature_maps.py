@@ -407,3 +407,18 @@ def test_option_names_are_checked_once_per_map_built(monkeypatch: pytest.MonkeyP
         monkeypatch.setattr(module, "check_option_names", counted, raising=False)
     LinearAttention(16, 2, feature_map="taylor", feature_map_options={"dim": 4})
     assert len(calls) == 1
+
+
+LIBRARY_MAPS = sorted(name for name, cls in FEATURE_MAPS.items() if cls.__module__ == "linattn.feature_maps")
+SIZE_OPTIONS = {"favor": {"num_features": 24}, "hedgehog": {"num_features": 10}, "taylor": {"dim": 5}}
+
+
+@pytest.mark.parametrize("name", LIBRARY_MAPS)
+def test_a_maps_class_knows_its_num_features_before_it_is_built(name: str) -> None:
+    assert set(LIBRARY_MAPS) >= {"elu", "favor", "hedgehog", "softmax", "taylor"}
+    cls = linattn.feature_map_class(name)
+    for options in ({}, SIZE_OPTIONS.get(name, {})):
+        built = make_feature_map(name, 16, heads=2, options=options)
+        assert cls.num_features_for(16, options) == built.num_features, options
+    assert linattn.TaylorFeatureMap.num_features_for(64, {}) == 154 and linattn.TaylorFeatureMap.num_features_for(64, {"dim": 4}) == 16
+    assert linattn.HedgehogFeatureMap.num_features_for(64, {}) == 128
