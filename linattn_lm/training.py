@@ -41,6 +41,11 @@ from .runtime import (WriteFailed, autocast, decode_bytes, first_line, gradient_
 SAMPLE_PROMPT_BYTES = 128
 SAMPLE_NEW_BYTES = 256
 EXIT_SIGNAL_BASE = 128   # a run stopped by signal S exits 128 + S, as shells report it
+# fp16: the gradient scaler skips a step whose gradients overflowed and halves its scale.  Now and
+# then that is expected; this many skips in a row, or a scale below the floor (the gradients then
+# overflow fp16 even unscaled), means no step will be taken again: training stops.
+MAX_SKIPPED_STEPS = 20
+MIN_LOSS_SCALE = 1.0
 
 
 class TrainingDiverged(RuntimeError):
@@ -380,6 +385,7 @@ class Trainer:
         self.scaler = gradient_scaler(self.device, config.run.dtype)
         self.stats, self.step, self.saved_step, self.resumed_step = RunStats(), 0, None, None
         self.saved_step_went_on = False   # whether a step from the saved weights was finite
+        self.skipped_steps = 0            # fp16 steps skipped in a row by the gradient scaler
         self.loss_sum, self.loss_count = torch.zeros((), device=self.device), 0
         if checkpoint is None:
             torch.manual_seed(config.model.seed + 1 + ctx.rank)   # per-rank dropout masks
@@ -455,8 +461,10 @@ class Trainer:
         if self.ctx.any(~(torch.isfinite(loss) & gradient_ok)):
             raise self.diverged(f"loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g} (non-finite)")
         self.saved_step_went_on |= self.step == self.saved_step
+        scale_before = self.scaler.get_scale()
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        self.count_skipped_step(scale_before)
         if self.ctx.any(~torch.stack([p.isfinite().all() for p in self.model.parameters()]).all()):
             raise self.diverged("the optimiser step made weights non-finite")
         if self.device.type == "cuda":
@@ -467,6 +475,20 @@ class Trainer:
         self.loss_sum += loss.detach()
         self.loss_count += 1
         return grad_norm
+
+    def count_skipped_step(self, scale_before: float) -> None:
+        """fp16: a step the scaler skipped lowered its scale.  Stops training (TrainingDiverged) after
+        MAX_SKIPPED_STEPS skips in a row or once the scale is below MIN_LOSS_SCALE."""
+        if not self.scaler.is_enabled():
+            return
+        scale = self.scaler.get_scale()
+        self.skipped_steps = self.skipped_steps + 1 if scale < scale_before else 0
+        if self.skipped_steps >= MAX_SKIPPED_STEPS or scale < MIN_LOSS_SCALE:
+            raise TrainingDiverged(
+                f"training stopped at step {self.step + 1}: the fp16 gradients overflowed in {self.skipped_steps} "
+                f"step(s) in a row and the gradient scaler skipped each (loss scale now {scale:.3g}, floor "
+                f"{MIN_LOSS_SCALE:g}), so the weights stopped changing; {self.checkpoint_kept()}; train with "
+                "--dtype bf16 (or fp32), or lower --lr")
 
     def diverged(self, what: str) -> TrainingDiverged:
         """The error that stops a run whose step went non-finite; nothing of that step is saved."""

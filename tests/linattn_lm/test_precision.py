@@ -80,3 +80,28 @@ def test_configs_without_dtype_compare_as_the_default():
 def test_eval_takes_the_runs_dtype_unless_told():
     assert recorded_dtype({"config": {"run": {"dtype": "bf16"}}}) == "bf16"
     assert recorded_dtype({"config": {"run": {}}}) == "auto"
+
+
+class OverflowingGradient(torch.autograd.Function):
+    """The loss as it is, its gradient inf: every fp16 step overflows, whatever the loss scale."""
+
+    @staticmethod
+    def forward(ctx, loss):
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+@pytest.mark.parametrize("floor, skips", [(1.0, 17), (0.0, 20)])   # 2**16 halved 17 times is below 1
+def test_fp16_stops_when_the_scaler_skips_step_after_step(floor: float, skips: int, data_dir: Path, tiny: list[str],
+                                                          tmp_path: Path, run_main, monkeypatch) -> None:
+    loss = training.lm_loss
+    monkeypatch.setattr(training, "lm_loss", lambda logits, targets: OverflowingGradient.apply(loss(logits, targets)))
+    monkeypatch.setattr(training, "MIN_LOSS_SCALE", floor, raising=False)
+    code, _, err = run_main(training.main, [*tiny, *SHORT, "--eval-interval", "100", "--data-dir", str(data_dir),
+                                            "--out-dir", str(tmp_path), "--dtype", "fp16"])
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert f"training stopped at step {skips}: the fp16 gradients overflowed in {skips} step(s) in a row" in err
+    assert "train with --dtype bf16 (or fp32), or lower --lr" in err
