@@ -420,5 +420,6 @@ def test_a_maps_class_knows_its_num_features_before_it_is_built(name: str) -> No
     for options in ({}, SIZE_OPTIONS.get(name, {})):
         built = make_feature_map(name, 16, heads=2, options=options)
         assert cls.num_features_for(16, options) == built.num_features, options
-    assert linattn.TaylorFeatureMap.num_features_for(64, {}) == 154 and linattn.TaylorFeatureMap.num_features_for(64, {"dim": 4}) == 16
+    assert linattn.TaylorFeatureMap.num_features_for(64, {}) == 154
+    assert linattn.TaylorFeatureMap.num_features_for(64, {"dim": 4}) == 16
     assert linattn.HedgehogFeatureMap.num_features_for(64, {}) == 128

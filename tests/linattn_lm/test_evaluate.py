@@ -117,7 +117,8 @@ def test_errors_are_clear(data_dir: Path, tmp_path: Path, run_main, make_model) 
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda config: config.update(extra=5), "its saved configuration is not valid (unknown config section(s) ['extra']"),
+    (lambda config: config.update(extra=5),
+     "its saved configuration is not valid (unknown config section(s) ['extra']"),
     (lambda config: config["optim"].update(colour="red"),
      "its saved configuration is not valid (unknown optim setting(s) ['colour']"),
 ])
