@@ -97,7 +97,7 @@ def make_feature_map(name: str, shape: Shape) -> linattn.FeatureMap:
     """A registered map with M = shape.num_features where the map has that option (and the shape's
     heads, for maps with weights per head)."""
     options = {"num_features": shape.num_features} if "num_features" in linattn.feature_map_options(name) else {}
-    return linattn.make_feature_map(name, shape.head_dim, heads=shape.heads, **options).eval()
+    return linattn.make_feature_map(name, shape.head_dim, heads=shape.heads, options=options).eval()
 
 
 def build_attention(method: Method, shape: Shape, device: torch.device, causal: bool,

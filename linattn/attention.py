@@ -13,7 +13,7 @@ from einops import rearrange
 from torch import nn
 
 from .checks import check_rope_base, check_state_position, check_state_tensors
-from .feature_maps import FeatureMap, check_option_names, make_feature_map
+from .feature_maps import FeatureMap, make_feature_map
 from .functional import BACKENDS, DEFAULT_CHUNK_SIZE, LinearState, linear_attention, linear_attention_step
 from .ops.linear_attention import backends
 from .ops.linear_attention.chunk import check_chunk_size
@@ -112,9 +112,8 @@ class LinearAttention(_Projections):
             raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
         check_chunk_size(chunk_size)
         check_rope_base(rope_base)
-        check_option_names(feature_map, feature_map_options or {})
         self.feature_map = make_feature_map(feature_map, self.head_dim, heads=self.heads,
-                                            **(feature_map_options or {}))
+                                            options=feature_map_options)
         self.normalization = normalization
         self.norm = nn.RMSNorm(self.head_dim, eps=RMSNORM_EPS) if normalization == "rmsnorm" else None
         rotated_dim = {"post": self.feature_map.num_features, "pre": self.head_dim}.get(rope, 0)

@@ -5,7 +5,9 @@ phi(q) . phi(k) instead (taylor).
 A map is called as `fm(x, is_query=...)`, so queries and keys may be mapped differently.  All the
 randomness of a map (FAVOR+'s projection) lives inside it, drawn reproducibly from its own seed.
 A map with weights of its own per head (hedgehog, taylor) takes a keyword-only `heads` in its
-constructor: `make_feature_map` and LinearAttention pass the block's head count to such maps.
+constructor: `make_feature_map` and LinearAttention pass the block's head count to such maps.  The
+user's options travel as a dict (`options=`), apart from the structural head_dim and heads, so an
+option can never take the place of what the block sets.
 
 Add a map in a few lines:
 
@@ -70,8 +72,8 @@ def takes_heads(cls: type["FeatureMap"]) -> bool:
 
 
 def check_option_names(feature_map: str | FeatureMap, options: dict) -> None:
-    """Options never name what the block sets (head_dim, heads): call this before passing user
-    options on with `**options` beside heads=, where a 'heads' option would collide."""
+    """Options never name what the block sets (head_dim, heads).  `make_feature_map` checks this
+    itself, once; call it only to ask before building anything."""
     structural = sorted(set(options) & set(STRUCTURAL_PARAMETERS))
     if structural:
         raise ValueError(f"feature map {feature_map!r}: {structural} are set by the attention block (dim / heads), "
@@ -79,9 +81,13 @@ def check_option_names(feature_map: str | FeatureMap, options: dict) -> None:
 
 
 def make_feature_map(feature_map: str | FeatureMap, head_dim: int, *, heads: int | None = None,
-                     **options) -> FeatureMap:
+                     options: dict | None = None) -> FeatureMap:
     """A feature map from its registered name (or an instance, returned as is).  `heads`: the
-    block's head count, passed to maps with weights per head (and checked against an instance's)."""
+    block's head count, passed to maps with weights per head (and checked against an instance's).
+    `options`: the map's own options by name (`feature_map_options` lists them), validated here."""
+    options = {} if options is None else options
+    if not isinstance(options, dict):
+        raise ValueError(f"feature-map options must be a dict of option name to value, got {type(options).__name__}")
     if isinstance(feature_map, FeatureMap):
         if options:
             raise ValueError("feature-map options apply only when the map is given by name, "
@@ -131,6 +137,13 @@ class FeatureMap(nn.Module):
             raise ValueError(f"head_dim must be positive, got {head_dim}")
         self.head_dim = head_dim
         self.num_features = head_dim
+
+    @classmethod
+    def num_features_for(cls, head_dim: int, options: dict) -> int:
+        """M of this map for `head_dim` and `options`, known before it is built (memory estimates):
+        head_dim here; a map whose M differs overrides it, and its constructor takes M from it, so
+        the two agree.  Options the constructor would refuse may give any value."""
+        return head_dim
 
     def forward(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement forward(x, *, is_query)")
@@ -211,7 +224,7 @@ class FavorFeatureMap(FeatureMap):
     def __init__(self, head_dim: int, num_features: int | None = None, redraw_interval: int = 0,
                  seed: int | None = None):
         super().__init__(head_dim)
-        self.num_features = 4 * head_dim if num_features is None else num_features
+        self.num_features = self.num_features_for(head_dim, {"num_features": num_features})
         if not is_integer(self.num_features) or self.num_features < 1:
             raise ValueError(f"num_features must be a positive integer, got {self.num_features!r}")
         if not is_integer(redraw_interval) or redraw_interval < 0:
@@ -225,6 +238,12 @@ class FavorFeatureMap(FeatureMap):
         self.draws = 0            # projections drawn so far after the first
         self.training_calls = 0   # training forward passes seen, for the redraw schedule
         self.register_buffer("projection", self._draw(0))
+
+    @classmethod
+    def num_features_for(cls, head_dim: int, options: dict) -> int:
+        """The `num_features` option, default 4 * head_dim."""
+        num_features = options.get("num_features")
+        return 4 * head_dim if num_features is None else num_features
 
     def _draw(self, index: int) -> torch.Tensor:
         with torch.random.fork_rng(devices=[]):
@@ -361,7 +380,7 @@ class HedgehogFeatureMap(PerHeadFeatureMap):
 
     def __init__(self, head_dim: int, num_features: int | None = None, activation: str = "softmax", *,
                  heads: int = 1):
-        num_features = 2 * head_dim if num_features is None else num_features
+        num_features = self.num_features_for(head_dim, {"num_features": num_features})
         if not is_integer(num_features) or num_features < 2 or num_features % 2:
             raise ValueError(f"num_features must be an even integer >= 2 (features over [z, -z]), "
                              f"got {num_features!r}")
@@ -369,6 +388,12 @@ class HedgehogFeatureMap(PerHeadFeatureMap):
             raise ValueError(f"activation must be one of {HEDGEHOG_ACTIVATIONS}, got {activation!r}")
         super().__init__(head_dim, num_features // 2, heads)
         self.num_features, self.activation = int(num_features), activation
+
+    @classmethod
+    def num_features_for(cls, head_dim: int, options: dict) -> int:
+        """The `num_features` option, default 2 * head_dim."""
+        num_features = options.get("num_features")
+        return 2 * head_dim if num_features is None else num_features
 
     def forward(self, x, *, is_query):
         return self.log_features(x, is_query=is_query).exp()
@@ -381,6 +406,9 @@ class HedgehogFeatureMap(PerHeadFeatureMap):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, activation={self.activation!r}"
+
+
+TAYLOR_DIM = 16   # Based's d'
 
 
 @register_feature_map("taylor")
@@ -406,7 +434,7 @@ class TaylorFeatureMap(PerHeadFeatureMap):
 
     nonnegative_features = False
 
-    def __init__(self, head_dim: int, dim: int = 16, *, heads: int = 1):
+    def __init__(self, head_dim: int, dim: int = TAYLOR_DIM, *, heads: int = 1):
         if not is_integer(dim) or dim < 1:
             raise ValueError(f"dim must be a positive integer (the projected size d'), got {dim!r}")
         super().__init__(head_dim, int(dim), heads)
@@ -415,9 +443,15 @@ class TaylorFeatureMap(PerHeadFeatureMap):
         self.register_buffer("upper_rows", rows, persistent=False)
         self.register_buffer("upper_cols", cols, persistent=False)
         self.register_buffer("upper_diagonal", rows == cols, persistent=False)
-        taylor_features = 1 + self.dim + len(rows)
-        self.padding = taylor_features % 2
-        self.num_features = taylor_features + self.padding
+        self.num_features = self.num_features_for(head_dim, {"dim": self.dim})
+        self.padding = self.num_features - (1 + self.dim + len(rows))
+
+    @classmethod
+    def num_features_for(cls, head_dim: int, options: dict) -> int:
+        """1 + d' + d'(d'+1)/2, padded to even (154 for the default d' = 16)."""
+        dim = options.get("dim", TAYLOR_DIM)
+        taylor_features = 1 + dim + dim * (dim + 1) // 2
+        return taylor_features + taylor_features % 2
 
     def forward(self, x, *, is_query):
         with torch.autocast(x.device.type, enabled=False):

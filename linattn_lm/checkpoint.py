@@ -1,7 +1,8 @@
 """Checkpoints: written atomically, read with `torch.load(weights_only=True)`, checked before use.
 
 A checkpoint is a dict: format, version, config (a dict per settings section, plain values),
-step, model, optimizer, loader (RandomWindows state), rng (per-rank torch states), stats,
+step, model, optimizer, scaler (fp16's loss scale), precision (fp32, bf16 or fp16: --dtype as it
+resolved when the run started), loader (RandomWindows state), rng (per-rank torch states), stats,
 log_window (the open train/loss average), data (description).
 """
 from __future__ import annotations
@@ -14,9 +15,9 @@ from typing import Any, Callable
 
 import torch
 
-from .config import ModelConfig
+from .config import TrainConfig
 from .lm import ByteLM
-from .runtime import first_line, write_atomically
+from .runtime import PRECISIONS, first_line, write_atomically
 
 CHECKPOINT_NAME = "ckpt.pt"
 CHECKPOINT_FORMAT = "linattn-byte-lm"
@@ -74,6 +75,16 @@ def checkpoint_entries(checkpoint: dict[str, Any], path: Path | str, names=tuple
                                   f"found {found}; resume from another checkpoint or start a new run")
     if checkpoint["step"] < 0:
         raise CheckpointError(f"{path} is damaged: step {checkpoint['step']} is negative")
+
+
+def saved_precision(checkpoint: dict[str, Any], path: Path | str) -> str | None:
+    """The precision the run computed in, fp32, bf16 or fp16 (--dtype auto resolved where it ran);
+    None for checkpoints written before it was saved."""
+    precision = checkpoint.get("precision")
+    if precision is not None and precision not in PRECISIONS:
+        raise CheckpointError(f"{path} is damaged: its 'precision' entry is {precision!r}, not one of "
+                              f"{', '.join(PRECISIONS)}; resume from another checkpoint or start a new run")
+    return precision
 
 
 def load_state(path: Path | str, name: str, load: Callable[[], Any]) -> None:
@@ -147,7 +158,10 @@ def model_from_checkpoint(checkpoint: dict[str, Any], path: Path | str = "checkp
     checkpoint_entries(checkpoint, path, ("config", "step", "model", "data"))
     check_finite_weights(checkpoint["model"], path)
     try:
-        config = ModelConfig.from_dict(checkpoint["config"].get("model"))
+        config = TrainConfig.parsed(checkpoint["config"]).model
+    except ValueError as error:
+        raise CheckpointError(f"{path}: its saved configuration is not valid ({first_line(error)})") from None
+    try:
         config.validate()
     except ValueError as error:
         raise CheckpointError(f"{path}: its model settings are not usable ({first_line(error)})") from None

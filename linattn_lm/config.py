@@ -181,10 +181,9 @@ class ModelConfig:
         model both build with it).  A map that takes a `seed` gets one per layer unless the options fix
         it, a map with weights per head gets n_head."""
         options = dict(self.feature_map_options)
-        linattn.check_option_names(self.feature_map, options)
         if "seed" in linattn.feature_map_options(self.feature_map):
             options.setdefault("seed", layer_seed(self.seed, layer))
-        return linattn.make_feature_map(self.feature_map, self.head_dim, heads=self.n_head, **options)
+        return linattn.make_feature_map(self.feature_map, self.head_dim, heads=self.n_head, options=options)
 
     @property
     def block_backend(self) -> str:
@@ -201,10 +200,15 @@ class ModelConfig:
 
     @property
     def num_features(self) -> int:
-        """M of the feature map: its `num_features` option when it has one, else head_dim (an
-        estimate made before the map is built; the map itself is the authority)."""
-        value = self.feature_map_options.get("num_features")
-        return value if isinstance(value, int) and not isinstance(value, bool) else self.head_dim
+        """M of the feature map as its class gives it for these options, before anything is built
+        (memory estimates).  Options the map refuses give head_dim: building the map then says what
+        was wrong."""
+        try:
+            value = linattn.feature_map_class(self.feature_map).num_features_for(self.head_dim,
+                                                                                self.feature_map_options)
+        except Exception:   # a map registered by --import is user code: it may raise anything
+            return self.head_dim
+        return value if linattn.is_integer(value) and value >= 1 else self.head_dim
 
     def parameter_bytes(self) -> int:
         """float32 parameters and feature-map buffers (an M x head_dim projection per layer)."""
@@ -432,15 +436,22 @@ class TrainConfig:
         return {key: value for section in asdict(self).values() for key, value in section.items()}
 
     @classmethod
-    def from_dict(cls, values: Any) -> "TrainConfig":
-        """A checkpoint's config, checked like any other.  A section or setting it lacks (written
-        before that setting existed) takes the default."""
+    def parsed(cls, values: Any) -> "TrainConfig":
+        """A checkpoint's config as sections, the one way every command reads one (--resume through
+        `from_dict`, eval.py directly): unknown sections and settings are errors, each setting has its
+        type, and a section or setting it lacks (written before that setting existed) takes the
+        default.  Not validated: settings of the machine it ran on (device, paths) may not fit this one."""
         if not isinstance(values, dict):
             raise ValueError(f"the config must be a dict of sections, got {type(values).__name__}")
         unknown = sorted(set(values) - set(SECTIONS), key=str)
         if unknown:
             raise ValueError(f"unknown config section(s) {unknown}; known: {sorted(SECTIONS)}")
-        config = cls(**{name: from_plain_dict(SECTIONS[name], values.get(name, {}), name) for name in SECTIONS})
+        return cls(**{name: from_plain_dict(SECTIONS[name], values.get(name, {}), name) for name in SECTIONS})
+
+    @classmethod
+    def from_dict(cls, values: Any) -> "TrainConfig":
+        """A checkpoint's config (`parsed`), validated like any other."""
+        config = cls.parsed(values)
         config.validate()
         return config
 

@@ -30,8 +30,8 @@ from .cli import (EXIT_ERROR, EXIT_USAGE, DefaultsFormatter, Parser, UsageError,
                   pre_parse_imports)
 from .lm import ByteLM, bits_per_byte
 from .ngram import format_reference, reference_bpc
-from .runtime import (DTYPES, autocast, decode_bytes, encode_text, keep_freed_memory, resolve_device, resolve_dtype,
-                      summed_loss)
+from .runtime import (DTYPES, PRECISIONS, autocast, decode_bytes, encode_text, keep_freed_memory, resolve_device,
+                      resolve_dtype, summed_loss)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,7 +155,10 @@ def import_recorded(checkpoint: dict[str, Any], path: Path) -> None:
 
 
 def recorded_dtype(checkpoint: dict[str, Any]) -> str:
-    """The precision the run trained in (checkpoints from before --dtype ran as its default, auto)."""
+    """The precision the run trained in: its saved precision (what --dtype resolved to where it
+    ran), else its --dtype (checkpoints from before --dtype ran as its default, auto)."""
+    if checkpoint.get("precision") in PRECISIONS:
+        return checkpoint["precision"]
     run = checkpoint["config"].get("run")
     dtype = run.get("dtype", "auto") if isinstance(run, dict) else "auto"
     return dtype if dtype in DTYPES else "auto"

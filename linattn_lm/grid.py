@@ -113,7 +113,7 @@ def whole_split_scores(result: TrainResult, config: TrainConfig, multiples: list
     for split in EVAL_SPLITS:
         print(f"{config.run.run_name}: whole {split} split", flush=True)
         rows = bpc_table(model, load_split(data_dir, split).data, lengths, 8, next(model.parameters()).device,
-                         config.run.dtype)
+                         result.dtype)
         scores[split] = {str(seq_len): bpc for seq_len, bpc, _ in rows}
     return scores
 

@@ -72,6 +72,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return PRECISIONS[name]
 
 
+def precision_key(dtype: str, device: torch.device) -> str:
+    """--dtype `dtype` resolved on `device`, by name: fp32, bf16 or fp16."""
+    resolved = resolve_dtype(dtype, device)
+    return next(name for name, value in PRECISIONS.items() if value == resolved)
+
+
 def autocast(device: torch.device, dtype: str = "auto") -> contextlib.AbstractContextManager:
     """Autocast to --dtype's precision (`resolve_dtype`); nothing for fp32.  The attention kernels
     compute in float32 whatever autocast says, and return the input dtype."""

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_finite_weights, check_optimizer_state,
                          checkpoint_entries, load_checkpoint, load_state, load_weights, remove_stale_temporaries,
-                         save_checkpoint)
+                         save_checkpoint, saved_precision)
 from .cli import (EXIT_ERROR, EXIT_USAGE, Parser, UsageError, add_config_flags, given_settings, import_user_code,
                   pre_parse_imports)
 from .config import TrainConfig, config_differences, config_from_flags
@@ -35,12 +35,17 @@ from .data import DataError, RandomWindows, load_split
 from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss
 from .runlock import DirectoryLock
 from .runtime import (WriteFailed, autocast, decode_bytes, first_line, gradient_scaler, keep_freed_memory,
-                      peak_memory_mb, precision_name, release_free_memory, reset_peak_memory, resolve_device,
-                      summed_loss)
+                      peak_memory_mb, precision_key, precision_name, release_free_memory, reset_peak_memory,
+                      resolve_device, summed_loss)
 
 SAMPLE_PROMPT_BYTES = 128
 SAMPLE_NEW_BYTES = 256
 EXIT_SIGNAL_BASE = 128   # a run stopped by signal S exits 128 + S, as shells report it
+# fp16: the gradient scaler skips a step whose gradients overflowed and halves its scale.  Now and
+# then that is expected; this many skips in a row, or a scale below the floor (the gradients then
+# overflow fp16 even unscaled), means no step will be taken again: training stops.
+MAX_SKIPPED_STEPS = 20
+MIN_LOSS_SCALE = 1.0
 
 
 class TrainingDiverged(RuntimeError):
@@ -224,6 +229,7 @@ class TrainResult:
     data: str
     val_steps: list[int]
     val_bpc: list[float]
+    dtype: str = "auto"              # the precision it computed in (fp32, bf16, fp16)
     stop_signal: int = 0             # the signal that stopped the run early, 0 if it finished
     late_signal: int = 0             # a signal that came with the last step (the run finished)
     model: ByteLM | None = None
@@ -262,6 +268,7 @@ def load_for_resume(path: Path, config: TrainConfig, data: str) -> dict[str, Any
     """The run's checkpoint, refused unless it holds every entry and the same configuration."""
     checkpoint = load_checkpoint(path)
     checkpoint_entries(checkpoint, path)
+    saved_precision(checkpoint, path)
     check_finite_weights(checkpoint["model"], path)
     try:
         saved = TrainConfig.resumed(checkpoint["config"], config)
@@ -279,11 +286,12 @@ def load_for_resume(path: Path, config: TrainConfig, data: str) -> dict[str, Any
     return checkpoint
 
 
-def evaluate(model: torch.nn.Module, val: RandomWindows, config: TrainConfig, ctx: Distributed) -> float:
-    """Validation bpc on eval_iters fixed batches: the same windows at every evaluation and, with
-    the same seed, for every variant.  Each rank takes its share; the sums are combined."""
+def evaluate(model: torch.nn.Module, val: RandomWindows, config: TrainConfig, ctx: Distributed, dtype: str) -> float:
+    """Validation bpc on eval_iters fixed batches in precision `dtype`: the same windows at every
+    evaluation and, with the same seed, for every variant.  Each rank takes its share; the sums are
+    combined."""
     batches = (val.batch_at(i) for i in range(config.log.eval_iters))
-    nats, count = summed_loss(model, batches, ctx.device, config.run.dtype)
+    nats, count = summed_loss(model, batches, ctx.device, dtype)
     totals = ctx.sum(torch.tensor([nats, count], dtype=torch.float64, device=ctx.device))
     return bits_per_byte((totals[0] / totals[1]).item())
 
@@ -377,9 +385,11 @@ class Trainer:
         torch.manual_seed(config.model.seed)   # identical initial weights on every rank
         self.model = ByteLM(config.model).to(self.device)
         self.optimizer = make_optimizer(self.model, config, self.device)
-        self.scaler = gradient_scaler(self.device, config.run.dtype)
+        self.dtype = self._run_precision(checkpoint)
+        self.scaler = gradient_scaler(self.device, self.dtype)
         self.stats, self.step, self.saved_step, self.resumed_step = RunStats(), 0, None, None
         self.saved_step_went_on = False   # whether a step from the saved weights was finite
+        self.skipped_steps = 0            # fp16 steps skipped in a row by the gradient scaler
         self.loss_sum, self.loss_count = torch.zeros((), device=self.device), 0
         if checkpoint is None:
             torch.manual_seed(config.model.seed + 1 + ctx.rank)   # per-rank dropout masks
@@ -407,7 +417,20 @@ class Trainer:
         model = config.model
         self.log(f"model: {model.variant}, {self.model.num_parameters():,} parameters, {model.n_layer} "
                  f"layers x {model.d_model} wide, {model.n_head} heads; device {self.device}, "
-                 f"{ctx.world_size} process(es), {precision_name(config.run.dtype, self.device)}")
+                 f"{ctx.world_size} process(es), {precision_name(self.dtype, self.device)}")
+
+    def _run_precision(self, checkpoint: dict[str, Any] | None) -> str:
+        """--dtype resolved on this device (fp32, bf16, fp16).  A resumed run keeps the precision it
+        started in: --dtype auto resolves by device (bf16 on CUDA, fp32 elsewhere), and the device may
+        change on --resume while the precision, which changes what the optimiser computes, may not
+        (an explicit --dtype that differs is refused with the other settings)."""
+        here = precision_key(self.config.run.dtype, self.device)
+        saved = saved_precision(checkpoint, self.ckpt_file) if checkpoint is not None else None
+        if saved is None or saved == here:
+            return here
+        self.log(f"--dtype {self.config.run.dtype}: continuing in {saved}, the precision this run started in "
+                 f"(here {self.config.run.dtype} would mean {here})")
+        return saved
 
     def _restore_log_window(self, window: dict[str, Any]) -> None:
         """Each rank's open loss sum (log_train adds them up); a job of another size splits their
@@ -443,7 +466,7 @@ class Trainer:
             group["lr"] = learning_rate(self.step, self.config)
         x, y = (t.to(self.device, non_blocking=True) for t in next(self.train_batches))
         compute_start = time.perf_counter()
-        with autocast(self.device, self.config.run.dtype):
+        with autocast(self.device, self.dtype):
             loss = lm_loss(self.trainable(x), y)
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
@@ -455,8 +478,10 @@ class Trainer:
         if self.ctx.any(~(torch.isfinite(loss) & gradient_ok)):
             raise self.diverged(f"loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g} (non-finite)")
         self.saved_step_went_on |= self.step == self.saved_step
+        scale_before = self.scaler.get_scale()
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        self.count_skipped_step(scale_before)
         if self.ctx.any(~torch.stack([p.isfinite().all() for p in self.model.parameters()]).all()):
             raise self.diverged("the optimiser step made weights non-finite")
         if self.device.type == "cuda":
@@ -467,6 +492,20 @@ class Trainer:
         self.loss_sum += loss.detach()
         self.loss_count += 1
         return grad_norm
+
+    def count_skipped_step(self, scale_before: float) -> None:
+        """fp16: a step the scaler skipped lowered its scale.  Stops training (TrainingDiverged) after
+        MAX_SKIPPED_STEPS skips in a row or once the scale is below MIN_LOSS_SCALE."""
+        if not self.scaler.is_enabled():
+            return
+        scale = self.scaler.get_scale()
+        self.skipped_steps = self.skipped_steps + 1 if scale < scale_before else 0
+        if self.skipped_steps >= MAX_SKIPPED_STEPS or scale < MIN_LOSS_SCALE:
+            raise TrainingDiverged(
+                f"training stopped at step {self.step + 1}: the fp16 gradients overflowed in {self.skipped_steps} "
+                f"step(s) in a row and the gradient scaler skipped each (loss scale now {scale:.3g}, floor "
+                f"{MIN_LOSS_SCALE:g}), so the weights stopped changing; {self.checkpoint_kept()}; train with "
+                "--dtype bf16 (or fp32), or lower --lr")
 
     def diverged(self, what: str) -> TrainingDiverged:
         """The error that stops a run whose step went non-finite; nothing of that step is saved."""
@@ -513,7 +552,7 @@ class Trainer:
     def evaluate_and_sample(self) -> None:
         config, step = self.config, self.step
         if step % config.log.eval_interval == 0 or step == config.optim.steps:
-            val_bpc = evaluate(self.compiled, self.val_batches, config, self.ctx)
+            val_bpc = evaluate(self.compiled, self.val_batches, config, self.ctx, self.dtype)
             self.stats.val_steps.append(step)
             self.stats.val_bpc.append(val_bpc)
             self.scalar("val/loss", val_bpc / BITS_PER_NAT)
@@ -523,14 +562,14 @@ class Trainer:
                      + (f" | {speed:,.0f} tokens/s" if math.isfinite(speed) else ""))
         if self.writer and config.log.sample_interval and step % config.log.sample_interval == 0:
             sample = text_sample(self.model, self.prompt, self.sample_bytes, config.model.seed, self.device,
-                                 config.run.dtype)
+                                 self.dtype)
             self.writer.add_text("sample", sample, step)
 
     def save(self) -> None:
         """Model, optimiser, data position, every rank's RNG, the counters and the open log window."""
         self.stats.peak_memory_mb = max(self.stats.peak_memory_mb, peak_memory_mb(self.device))
         payload = dict(config=asdict(self.config), step=self.step, model=self.model.state_dict(),
-                       optimizer=self.optimizer.state_dict(), scaler=self.scaler.state_dict(),
+                       optimizer=self.optimizer.state_dict(), scaler=self.scaler.state_dict(), precision=self.dtype,
                        loader=self.train_batches.state_dict(),
                        rng=self.ctx.gather(rng_states(self.device)), stats=asdict(self.stats), data=self.data,
                        log_window={"loss_sums": self.ctx.gather(self.loss_sum.cpu().clone()),
@@ -590,7 +629,7 @@ class Trainer:
             parameters=self.model.num_parameters(), steps=self.step,
             wall_seconds=stats.train_seconds + stats.other_seconds, loop_overhead=stats.loop_overhead,
             seed=config.model.seed, data=self.data, val_steps=list(stats.val_steps),
-            val_bpc=list(stats.val_bpc), stop_signal=stop_signal, model=self.model)
+            val_bpc=list(stats.val_bpc), dtype=self.dtype, stop_signal=stop_signal, model=self.model)
         self.log(f"loop overhead {100 * result.loop_overhead:.1f}% of step time (data, logging, "
                  f"checkpoints; evaluation and sampling, {stats.other_seconds:.1f}s, not counted)")
         if self.writer:

@@ -21,7 +21,7 @@ with warnings.catch_warnings():
 def test_registry_lists_the_three_maps_and_builds_them_by_name():
     assert {"elu", "favor", "softmax"} <= set(linattn.available_feature_maps())
     assert make_feature_map("favor", 64).num_features == 256          # default M = 4 D
-    assert make_feature_map("favor", 64, num_features=100).projection.shape == (100, 64)
+    assert make_feature_map("favor", 64, options={"num_features": 100}).projection.shape == (100, 64)
     assert make_feature_map("elu", 32).num_features == 32
 
 
@@ -39,12 +39,12 @@ def test_unknown_feature_map_lists_registered_ones():
 ])
 def test_favor_counts_and_seeds_must_be_integers(options, message):
     with pytest.raises(ValueError, match=message.replace("+", r"\+")):
-        make_feature_map("favor", 16, **options)
+        make_feature_map("favor", 16, options=options)
 
 
 def test_unknown_option_names_accepted_ones():
     with pytest.raises(ValueError, match=r"does not take option\(s\) \['num_features'\]"):
-        make_feature_map("elu", 16, num_features=8)
+        make_feature_map("elu", 16, options={"num_features": 8})
 
 
 def test_user_registered_map_is_selectable_by_name():
@@ -273,14 +273,14 @@ def test_hedgehog_weights_exist_at_construction_and_start_at_the_identity():
     fm = make_feature_map("hedgehog", 8, heads=3)
     assert fm.num_features == 16 and [name for name, _ in fm.named_parameters()] == ["weight"]
     torch.testing.assert_close(fm.weight.detach(), torch.eye(8).expand(3, 8, 8))
-    wide = make_feature_map("hedgehog", 8, heads=2, num_features=32)   # 8 -> 16: semi-orthogonal
+    wide = make_feature_map("hedgehog", 8, heads=2, options={"num_features": 32})   # 8 -> 16: semi-orthogonal
     for head in wide.weight.detach():
         torch.testing.assert_close(head @ head.T, torch.eye(8), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("activation", ["softmax", "exp"])
 def test_hedgehog_features_over_z_and_minus_z(activation):
-    fm = make_feature_map("hedgehog", 8, heads=2, num_features=12, activation=activation).double()
+    fm = make_feature_map("hedgehog", 8, heads=2, options={"num_features": 12, "activation": activation}).double()
     x = torch.randn(3, 2, 5, 8, dtype=torch.float64)
     z = torch.einsum("bhnd,hdf->bhnf", x, fm.weight)
     logits = torch.cat((z, -z), dim=-1)
@@ -294,7 +294,7 @@ def test_hedgehog_features_over_z_and_minus_z(activation):
 def test_hedgehog_and_taylor_draws_follow_torch_manual_seed():
     def draw(seed):
         torch.manual_seed(seed)
-        return [make_feature_map(name, 8, heads=2, **options).weight.detach()
+        return [make_feature_map(name, 8, heads=2, options=options).weight.detach()
                 for name, options in (("hedgehog", {"num_features": 32}), ("taylor", {"dim": 4}))]
     for a, b in zip(draw(0), draw(0)):
         assert torch.equal(a, b)
@@ -313,7 +313,7 @@ def test_hedgehog_and_taylor_draws_follow_torch_manual_seed():
 ])
 def test_trainable_map_options_are_validated(name, options, message):
     with pytest.raises(ValueError, match=message):
-        make_feature_map(name, 8, heads=2, **options)
+        make_feature_map(name, 8, heads=2, options=options)
 
 
 @pytest.mark.parametrize("heads", [0, -1, 2.0, True])
@@ -324,14 +324,14 @@ def test_heads_must_be_a_positive_integer(heads):
 
 
 def test_per_head_maps_refuse_inputs_with_another_head_count():
-    fm = make_feature_map("taylor", 8, heads=2, dim=4)
+    fm = make_feature_map("taylor", 8, heads=2, options={"dim": 4})
     with pytest.raises(ValueError, match=r"weights for 2 heads and takes \(B, 2, N, 8\) inputs, got shape \(1, 3, 4, 8\)"):
         fm(torch.randn(1, 3, 4, 8), is_query=True)
 
 
 @pytest.mark.parametrize("dim, num_features, padding", [(16, 154, 1), (4, 16, 1), (2, 6, 0), (1, 4, 1)])
 def test_taylor_size_is_one_plus_d_plus_the_upper_triangle_padded_to_even(dim, num_features, padding):
-    fm = make_feature_map("taylor", 32, heads=1, dim=dim)
+    fm = make_feature_map("taylor", 32, heads=1, options={"dim": dim})
     assert fm.num_features == num_features and fm.padding == padding
     features = fm(torch.randn(1, 1, 3, 32), is_query=True)
     assert features.shape == (1, 1, 3, num_features) and torch.equal(features[..., 0], torch.ones(1, 1, 3))
@@ -341,7 +341,7 @@ def test_taylor_size_is_one_plus_d_plus_the_upper_triangle_padded_to_even(dim, n
 
 @pytest.mark.parametrize("scale", [0.1, 1.0, 30.0])
 def test_taylor_kernel_is_the_second_order_taylor_polynomial_of_exp(scale):
-    fm = make_feature_map("taylor", 8, heads=2, dim=5).double()
+    fm = make_feature_map("taylor", 8, heads=2, options={"dim": 5}).double()
     q, k = (torch.randn(2, 2, 7, 8, dtype=torch.float64) * scale for _ in range(2))
     kernel = fm(q, is_query=True) @ fm(k, is_query=False).transpose(-1, -2)
     s = fm.project(q) @ fm.project(k).transpose(-1, -2) / 5 ** 0.5
@@ -352,7 +352,7 @@ def test_taylor_kernel_is_the_second_order_taylor_polynomial_of_exp(scale):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_taylor_denominator_is_positive_and_only_an_opt_in_lets_negative_features_through(causal):
-    fm = make_feature_map("taylor", 8, heads=2, dim=4)
+    fm = make_feature_map("taylor", 8, heads=2, options={"dim": 4})
     q, k, v = torch.randn(2, 2, 40, 8) * 5, torch.randn(2, 2, 40, 8) * 5, torch.randn(2, 2, 40, 8)
     phi_q, phi_k = fm(q, is_query=True), fm(k, is_query=False)
     kernel = phi_q @ phi_k.transpose(-1, -2)
@@ -386,3 +386,40 @@ def test_a_map_class_and_its_options_are_found_by_name():
 def test_options_the_block_sets_are_refused_as_options(option: str) -> None:
     with pytest.raises(ValueError, match=f"set by the attention block.*drop them"):
         LinearAttention(16, 2, feature_map="taylor", feature_map_options={option: 3})
+
+
+@pytest.mark.parametrize("option", ["heads", "head_dim"])
+def test_make_feature_map_takes_options_as_a_dict_beside_the_structural_heads(option: str) -> None:
+    """An option named like a structural parameter cannot collide with heads=: it is refused."""
+    assert make_feature_map("hedgehog", 8, heads=2, options={"num_features": 6}).num_features == 6
+    with pytest.raises(ValueError, match=f"feature map 'taylor': \\['{option}'\\] are set by the attention block"):
+        make_feature_map("taylor", 8, heads=2, options={option: 3})
+    with pytest.raises(ValueError, match="feature-map options must be a dict"):
+        make_feature_map("favor", 8, options=[("num_features", 8)])
+
+
+def test_option_names_are_checked_once_per_map_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """make_feature_map validates the options; LinearAttention passes them on unchecked."""
+    calls = []
+    check = linattn.feature_maps.check_option_names
+    counted = lambda *args: calls.append(args) or check(*args)
+    for module in (linattn, linattn.feature_maps, linattn.attention):
+        monkeypatch.setattr(module, "check_option_names", counted, raising=False)
+    LinearAttention(16, 2, feature_map="taylor", feature_map_options={"dim": 4})
+    assert len(calls) == 1
+
+
+LIBRARY_MAPS = sorted(name for name, cls in FEATURE_MAPS.items() if cls.__module__ == "linattn.feature_maps")
+SIZE_OPTIONS = {"favor": {"num_features": 24}, "hedgehog": {"num_features": 10}, "taylor": {"dim": 5}}
+
+
+@pytest.mark.parametrize("name", LIBRARY_MAPS)
+def test_a_maps_class_knows_its_num_features_before_it_is_built(name: str) -> None:
+    assert set(LIBRARY_MAPS) >= {"elu", "favor", "hedgehog", "softmax", "taylor"}
+    cls = linattn.feature_map_class(name)
+    for options in ({}, SIZE_OPTIONS.get(name, {})):
+        built = make_feature_map(name, 16, heads=2, options=options)
+        assert cls.num_features_for(16, options) == built.num_features, options
+    assert linattn.TaylorFeatureMap.num_features_for(64, {}) == 154
+    assert linattn.TaylorFeatureMap.num_features_for(64, {"dim": 4}) == 16
+    assert linattn.HedgehogFeatureMap.num_features_for(64, {}) == 128

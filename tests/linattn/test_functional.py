@@ -13,7 +13,7 @@ B, H, D, DV = 2, 2, 8, 6
 
 
 def feature_map(name):
-    return make_feature_map(name, D, heads=H, **OPTIONS.get(name, {})).double()
+    return make_feature_map(name, D, heads=H, options=OPTIONS.get(name, {})).double()
 
 
 def features(fm, q, k, rope, offset=0):

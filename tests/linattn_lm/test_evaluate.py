@@ -116,6 +116,23 @@ def test_errors_are_clear(data_dir: Path, tmp_path: Path, run_main, make_model) 
     assert code == 2 and "only 10 bytes" in err
 
 
+@pytest.mark.parametrize("damage, message", [
+    (lambda config: config.update(extra=5),
+     "its saved configuration is not valid (unknown config section(s) ['extra']"),
+    (lambda config: config["optim"].update(colour="red"),
+     "its saved configuration is not valid (unknown optim setting(s) ['colour']"),
+])
+def test_a_saved_config_is_read_as_resume_reads_it(damage, message: str, data_dir: Path, tmp_path: Path, run_main,
+                                                   make_model) -> None:
+    """Unknown sections and settings are refused, with --resume's one-line message."""
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", make_model(), data_dir)
+    checkpoint = torch.load(ckpt, weights_only=True)
+    damage(checkpoint["config"])
+    torch.save(checkpoint, ckpt)
+    code, _, err = run_main(evaluate.main, [str(ckpt), "--generate", "The ", "--max-new-tokens", "1"])
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--temperature", "nan"], "must be a finite number"),
     (["--temperature", "-1"], "--temperature must be >= 0"),

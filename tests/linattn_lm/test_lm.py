@@ -139,6 +139,35 @@ def test_config_errors(overrides: dict, message: str) -> None:
         config.validate()
 
 
+def test_building_a_layers_map_checks_its_option_names_once(monkeypatch) -> None:
+    """make_feature_map is the one place that validates options; the harness passes them as a dict."""
+    calls = []
+    check = linattn.feature_maps.check_option_names
+    counted = lambda *args: calls.append(args) or check(*args)
+    for module in (linattn, linattn.feature_maps):
+        monkeypatch.setattr(module, "check_option_names", counted)
+    ModelConfig(n_head=2, d_model=16, feature_map="taylor", feature_map_options={"dim": 4}).build_feature_map(0)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match=r"\['heads'\] are set by the attention block"):
+        ModelConfig(feature_map="taylor", feature_map_options={"heads": 2}).validate()
+
+
+LIBRARY_MAPS = sorted(name for name in linattn.available_feature_maps()
+                      if linattn.feature_map_class(name).__module__ == "linattn.feature_maps")
+
+
+@pytest.mark.parametrize("name", LIBRARY_MAPS)
+@pytest.mark.parametrize("options", [{}, {"num_features": 24}, {"dim": 5}])
+def test_the_memory_estimate_takes_m_from_the_map(name: str, options: dict) -> None:
+    """taylor's M is 1 + d' + d'(d'+1)/2 padded to even (154 at d' = 16), hedgehog's 2 head_dim:
+    the estimate asks the map's class, so it matches the map that gets built."""
+    options = {key: value for key, value in options.items() if key in linattn.feature_map_options(name)}
+    config = ModelConfig(d_model=64, n_head=2, feature_map=name, feature_map_options=options)
+    assert config.num_features == config.build_feature_map(0).num_features
+    if name == "taylor" and not options:
+        assert config.num_features == 154
+
+
 def test_variant_names(small_config) -> None:
     assert small_config(feature_map_options={"num_features": 256}).variant == "linear-favor-post-M256"
     assert small_config(feature_map="elu", rope="pre", abs_pos=True).variant == "linear-elu-pre-abs"

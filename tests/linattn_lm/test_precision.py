@@ -80,3 +80,58 @@ def test_configs_without_dtype_compare_as_the_default():
 def test_eval_takes_the_runs_dtype_unless_told():
     assert recorded_dtype({"config": {"run": {"dtype": "bf16"}}}) == "bf16"
     assert recorded_dtype({"config": {"run": {}}}) == "auto"
+    assert recorded_dtype({"config": {"run": {"dtype": "auto"}}, "precision": "bf16"}) == "bf16"
+
+
+class OverflowingGradient(torch.autograd.Function):
+    """The loss as it is, its gradient inf: every fp16 step overflows, whatever the loss scale."""
+
+    @staticmethod
+    def forward(ctx, loss):
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+@pytest.mark.parametrize("floor, skips", [(1.0, 17), (0.0, 20)])   # 2**16 halved 17 times is below 1
+def test_fp16_stops_when_the_scaler_skips_step_after_step(floor: float, skips: int, data_dir: Path, tiny: list[str],
+                                                          tmp_path: Path, run_main, monkeypatch) -> None:
+    loss = training.lm_loss
+    monkeypatch.setattr(training, "lm_loss", lambda logits, targets: OverflowingGradient.apply(loss(logits, targets)))
+    monkeypatch.setattr(training, "MIN_LOSS_SCALE", floor, raising=False)
+    code, _, err = run_main(training.main, [*tiny, *SHORT, "--eval-interval", "100", "--data-dir", str(data_dir),
+                                            "--out-dir", str(tmp_path), "--dtype", "fp16"])
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert f"training stopped at step {skips}: the fp16 gradients overflowed in {skips} step(s) in a row" in err
+    assert "train with --dtype bf16 (or fp32), or lower --lr" in err
+
+
+def test_resume_keeps_the_precision_auto_chose_where_the_run_started(data_dir: Path, tiny: list[str], tmp_path: Path,
+                                                                     run_main) -> None:
+    """--dtype auto is bf16 on CUDA, fp32 on CPU: a run started on CUDA and resumed on CPU continues in
+    bf16, says so, and saves bf16 again (its checkpoint is edited here as CUDA would have written it)."""
+    common = [*tiny, *SHORT, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "auto",
+              "--decay-steps", "4"]
+    assert training.main([*common, "--steps", "2"]) == 0
+    checkpoint = load_checkpoint(tmp_path / "auto")
+    assert checkpoint["config"]["run"]["dtype"] == "auto" and checkpoint["precision"] == "fp32"
+    checkpoint["precision"] = "bf16"
+    torch.save(checkpoint, tmp_path / "auto" / "ckpt.pt")
+    code, out, err = run_main(training.main, [*common, "--steps", "4", "--resume"])
+    assert code == 0, err
+    assert "--dtype auto: continuing in bf16, the precision this run started in (here auto would mean fp32)" in out
+    assert "bf16 autocast" in out
+    resumed = load_checkpoint(tmp_path / "auto")
+    assert resumed["precision"] == "bf16" and resumed["config"]["run"]["dtype"] == "auto"
+
+
+def test_resume_refuses_an_explicit_dtype_other_than_the_runs(data_dir: Path, tiny: list[str], tmp_path: Path,
+                                                              run_main) -> None:
+    common = [*tiny, *SHORT, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "auto",
+              "--decay-steps", "4"]
+    assert training.main([*common, "--steps", "2"]) == 0
+    code, _, err = run_main(training.main, [*common, "--steps", "4", "--resume", "--dtype", "bf16"])
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "it was trained with a different configuration (dtype: checkpoint 'auto', now 'bf16')" in err

@@ -218,6 +218,7 @@ def damage_adam_step(c): c["optimizer"]["state"][0]["step"] = torch.tensor(float
 def damage_parameter_count(c): c["optimizer"]["param_groups"][1]["params"].pop()
 def damage_config_section(c): c["config"]["extra"] = 5
 def damage_config_key(c): c["config"]["model"]["colour"] = "red"
+def damage_precision(c): c["precision"] = "fp8"
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -243,6 +244,7 @@ def damage_config_key(c): c["config"]["model"]["colour"] = "red"
     (damage_parameter_count, "its 'optimizer' entry holds 23 parameters, the model has 24"),
     (damage_config_section, "its saved configuration is not valid (unknown config section(s) ['extra']"),
     (damage_config_key, "its saved configuration is not valid (unknown model setting(s) ['colour']"),
+    (damage_precision, "is damaged: its 'precision' entry is 'fp8', not one of fp32, bf16, fp16"),
 ])
 def test_resume_refuses_damaged_checkpoints(damage, message: str, tiny_run: Path, data_dir: Path, tiny: list[str],
                                             tmp_path: Path, run_main) -> None:
