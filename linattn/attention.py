@@ -15,7 +15,7 @@ from torch import nn
 from .checks import check_rope_base, check_state_position, check_state_tensors
 from .feature_maps import FeatureMap, make_feature_map
 from .functional import BACKENDS, DEFAULT_CHUNK_SIZE, LinearState, linear_attention, linear_attention_step
-from .ops.linear_attention import backends
+from .ops.linear_attention import dispatch
 from .ops.linear_attention.chunk import check_chunk_size
 from .ops.linear_attention.recurrent import state_position
 from .rotary import DEFAULT_BASE, apply_rotary, check_offset
@@ -211,7 +211,7 @@ def resolve_backend(backend: str, device: torch.device | str, *, attention: str 
     causal log-space calls it computes."""
     device = torch.device(device)
     if attention == "linear":
-        return backends.resolve(backend, device, cpp_kernel_runs=log_space and causal)
+        return dispatch.resolve(backend, device, log_space=log_space, causal=causal)
     if attention != "softmax":
         raise ValueError(f"attention must be 'linear' or 'softmax', got {attention!r}")
     if backend not in SOFTMAX_BACKENDS:

@@ -11,27 +11,27 @@ unrotated features, so it stays a sum of non-negative terms:
     out_m = sum_n (R_m phi_q_m)^T (R_n phi_k_n) v_n  /  sum_n phi_q_m^T phi_k_n
 
 All sums are accumulated in float32 (float64 stays float64) with autocast turned off, and the
-denominator is clamped away from zero only where it underflows.  The backends live in
-`linattn.ops.linear_attention`, each beside the naive reference it is tested against.
+denominator is clamped away from zero only where it underflows.  The implementations live in
+`linattn.ops.linear_attention`, each beside the naive reference it is tested against; its
+dispatch.py holds the one table that picks the implementation of a call.
 """
 from __future__ import annotations
 
 import torch
 
 from . import custom_ops
-from .ops.linear_attention import backends
-from .ops.linear_attention.chunk import DEFAULT_CHUNK_SIZE, causal_attention, check_chunk_size
+from .ops.linear_attention import dispatch
+from .ops.linear_attention.chunk import DEFAULT_CHUNK_SIZE, check_chunk_size
 from .ops.linear_attention.common import (LogProjection, check_dtypes, check_feature_kind, check_features,
                                           check_log_features, check_log_feature_range,
                                           check_nonnegative, check_not_projection, compute_dtype,
-                                          divide, feature_tensors, finite_log_features, numerator_features)
+                                          feature_tensors, finite_log_features)
 from .ops.linear_attention.naive import linear_attention_reference, softmax_attention_reference
-from .ops.linear_attention.stable import log_linear_attention
 from .ops.linear_attention.recurrent import LinearState, initial_state, linear_attention_step
 from .checks import check_rope_base
-from .rotary import DEFAULT_BASE, check_offset, check_positions, check_rotated_dim, rotary_phases
+from .rotary import DEFAULT_BASE, check_offset, check_positions, check_rotated_dim
 
-BACKENDS = backends.BACKENDS
+BACKENDS = dispatch.BACKENDS
 
 __all__ = ["BACKENDS", "DEFAULT_CHUNK_SIZE", "LinearState", "LogProjection", "initial_state",
            "linear_attention", "linear_attention_reference", "linear_attention_step",
@@ -48,9 +48,10 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     With `return_state=True` (causal only) also returns the `LinearState` after the last token,
     so decoding can continue with `linear_attention_step`.  `backend`: "torch", "triton" (fused
     kernels: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1) or "auto" (triton on CUDA
-    tensors when it is installed, torch for float64 and elsewhere).  `log_space=True`: phi_q and
-    phi_k hold log-features, and the stabilised algorithm of `ops/linear_attention/stable.py` runs,
-    on either backend; each
+    tensors when it is installed, the C++ kernel for causal log-space calls on CPU, torch for float64
+    and elsewhere); `ops/linear_attention/dispatch.py` has the table of what runs.  `log_space=True`:
+    phi_q and phi_k hold log-features, and the stabilised algorithm of `ops/linear_attention/stable.py`
+    runs, on every backend; each
     may also be a `LogProjection` (inputs @ weight^T + shift), which the torch backend's causal pass
     projects chunk by chunk without holding the (B, H, N, M) log-features.
     `nonnegative_features=False` skips the check that every feature is >= 0, for features whose
@@ -84,46 +85,19 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
 def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rotary: bool, offset: int,
                              chunk_size: int, rope_base: float, return_state: bool, backend: str, log_space: bool,
                              nonnegative_features: bool = True):
-    """`linear_attention` after its argument checks: the data's checks, the backend's choice and its
-    computation.  What the custom op `linattn::linear_attention` runs under torch.compile (the range
-    check reads the data, so it is here, inside the op)."""
+    """`linear_attention` after its argument checks: the checks that read the data, then the
+    implementation that dispatch.py's table holds for the call.  What the custom op
+    `linattn::linear_attention` runs under torch.compile (the range check reads the data, so it is
+    here, inside the op)."""
     if log_space:   # the bound first: -inf (a feature that is exactly 0) is raised to a floor below it
         check_log_feature_range(phi_q, phi_k, compute_dtype(*feature_tensors(phi_q, phi_k), v))
         phi_q, phi_k = finite_log_features(phi_q), finite_log_features(phi_k)
     float64 = compute_dtype(*feature_tensors(phi_q, phi_k), v) == torch.float64
-    resolved = backends.resolve(backend, v.device, float64=float64, cpp_kernel_runs=log_space and causal)
-    chunk_size = max(1, min(chunk_size, v.shape[-2]))   # a short sequence is one chunk, unpadded
-    if log_space and resolved == "triton" and v.shape[-2] > 0:
-        from .ops.linear_attention import fused
-        return fused.log_linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset,
-                                          rope_base=rope_base, return_state=return_state)
-    if log_space:   # log-features: the stabilised algorithm of stable.py, in torch ops
-        return log_linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset,
-                                    base=rope_base, chunk_size=chunk_size, return_state=return_state,
-                                    fused=resolved == "cpp")
-    if nonnegative_features:
+    resolved = dispatch.resolve(backend, v.device, float64=float64, log_space=log_space, causal=causal)
+    if not log_space and nonnegative_features:
         check_nonnegative(phi_q, phi_k)
-    if phi_q.shape[-2] == 0:   # no tokens: an empty output (every backend's chunk loops want one)
-        if not return_state:
-            return v.clone()
-        b, h, _, m = phi_q.shape
-        state = initial_state(b, h, m, v.shape[-1], device=v.device, dtype=compute_dtype(phi_q, phi_k, v))
-        return v.clone(), state._replace(position=offset)
-    if resolved == "triton":   # plain features: the chunk-parallel kernels (log space: fused.py's, above)
-        from .ops.linear_attention import chunk_parallel
-        return chunk_parallel.linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset,
-                                               rope_base=rope_base, return_state=return_state)
-    out_dtype, dtype = v.dtype, compute_dtype(phi_q, phi_k, v)
-    with torch.autocast(phi_q.device.type, enabled=False):
-        phi_q, phi_k, v = phi_q.to(dtype).contiguous(), phi_k.to(dtype).contiguous(), v.to(dtype)
-        n, m = phi_q.shape[-2:]
-        if causal:
-            phases = rotary_phases(n, m, offset=offset, base=rope_base, device=phi_q.device,
-                                   dtype=dtype) if rotary else None
-            out, kv, k_sum = causal_attention(phi_q, phi_k, v, phases, chunk_size)
-            out = out.to(out_dtype)
-            return (out, LinearState(kv, k_sum, offset + n)) if return_state else out
-        q_num, k_num = numerator_features(phi_q, phi_k, rotary=rotary, offset=offset, base=rope_base)
-        numerator = q_num @ (k_num.transpose(-1, -2) @ v)
-        denominator = (phi_q @ phi_k.sum(dim=-2).unsqueeze(-1)).squeeze(-1)
-        return divide(numerator, denominator).to(out_dtype)
+    tokens = v.shape[-2]
+    attend = dispatch.implementation(log_space, resolved, causal, tokens)
+    return attend(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset, rope_base=rope_base,
+                  chunk_size=max(1, min(chunk_size, tokens)),   # a short sequence is one chunk, unpadded
+                  return_state=return_state)

@@ -63,7 +63,7 @@ class Blocks(torch.nn.Module):
         return [block(x * scale) for block, scale in zip(self.blocks, self.scales)]
 
 
-# favor takes the log-space path (the cpp kernel or stable.py), elu the plain one (chunk.py); every
+# favor takes the log-space path (the cpp kernel or chunk.py's log-space ops), elu the plain one; every
 # placement appears on the log-space path, each backend on two; scale 30 makes running maxima jump
 # inside chunks, so the op runs the exact rows' branch too.  Kept to six: compile time grows with them.
 CASES = [("favor", "post", "cpp", True, 2), ("favor", "pre", "torch", True, 2), ("favor", "none", "cpp", True, 2),

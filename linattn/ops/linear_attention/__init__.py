@@ -1,5 +1,10 @@
-"""Causal and non-causal linear attention with RoPE after the feature map (Eq. 19).
+"""Causal and non-causal linear attention with RoPE after the feature map (Eq. 19), in the layout of
+flash-linear-attention: one file per algorithm, kernels beside them, one call shape, one table.
 
-naive.py: the O(N^2) definitions; chunk.py: the torch backend; stable.py: its log-space path;
-cpp.py (stable_cpu.cpp): that path's C++ kernel for CPUs; fused.py: the Triton kernels;
-recurrent.py: one-token decoding; backends.py: which backend runs a call."""
+Algorithms (torch): naive.py, the O(N^2) references; chunk.py, the chunked algorithms for plain
+features and for log-features; recurrent.py, one-token decoding.
+Kernels: cpp.py (stable_cpu.cpp), the causal log-space pass in C++ for CPUs; chunk_parallel.py and
+fused.py, the Triton kernels for plain and for log-features.
+Shared: common.py (checks, dtypes, the guarded division), stable.py (the log-space numerics: scales
+and margins), backends.py (what hardware is here).
+dispatch.py: the table (numerics, backend, causal) -> implementation, and "auto"'s choice."""

@@ -1,5 +1,5 @@
-"""What every backend of linear attention shares: input checks, compute dtype, the guarded division
-and the numerator's rotation."""
+"""What every implementation of linear attention shares: log-features given as a projection, input
+checks, compute dtype, the guarded division and the numerator's rotation."""
 from __future__ import annotations
 
 import functools
@@ -42,6 +42,18 @@ class LogProjection(NamedTuple):
         with torch.autocast(self.inputs.device.type, enabled=False):
             logits = self.inputs @ self.weight.to(self.inputs.dtype).transpose(-1, -2)
             return logits + self.row_shift(self.inputs, self.shift)
+
+
+def source_parts(x) -> tuple:
+    """A log-feature tensor or a `LogProjection` as an autograd function's arguments (inputs, weight,
+    shift, square_scale; weight None for a tensor), which take no named tuples."""
+    return tuple(x) if isinstance(x, LogProjection) else (x, None, None, None)
+
+
+def source_from_parts(inputs, weight, shift, square_scale):
+    """The log-feature tensor (weight None) or the `LogProjection` that `source_parts` gave."""
+    return inputs if weight is None else LogProjection(inputs, weight, shift, square_scale)
+
 
 def check_features(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *, rank: int) -> None:
     names = "(B, H, N, M) features and (B, H, N, Dv) values" if rank == 4 else \

@@ -1,9 +1,11 @@
-"""The "cpp" backend: stable.py's causal log-space pass with each (head, chunk) fused in C++.
+"""The "cpp" backend: chunk.py's causal log-space pass with each (head, chunk) fused in C++.
 
-stable.py computes runs of chunks op by op over (B, H, G, L, M) tensors, so on a CPU every op
-streams them through memory.  `stable_cpu.cpp` does the same maths for one head and one chunk at a
-time, in cache, with the BLAS that torch links (MKL's sgemm_) on one thread per head, and hands the
-rare irregular chunks (exact rows, wide pairs) back to stable.py's own functions.  Outputs, states
+chunk.py computes runs of chunks op by op over (B, H, G, L, M) tensors, so on a CPU every op
+streams them through memory.  `stable_cpu.cpp` does the same maths (stable.py's numerics) for one
+head and one chunk at a time, in cache, with the BLAS that torch links (MKL's sgemm_) on one thread
+per head, and hands the rare irregular chunks (exact rows, wide pairs) back to chunk.py
+(`irregular_chunk_forward`, `irregular_chunk_backward`).  `log_linear_attention` is the entry that
+dispatch.py's table holds for causal log-space calls on CPU.  Outputs, states
 and gradients are those of the torch backend up to float rounding (tests/linattn/ops/test_cpp.py).
 
 It is built on first use with the system's C++ compiler and OpenMP (a few seconds), into a cache
@@ -27,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-from . import stable
-from .common import LogProjection, without_autocast
+from . import chunk
+from .common import LogProjection, source_from_parts, source_parts, without_autocast
+from .stable import JUMP_LIMIT, PAIR_SPREAD
 
 SOURCE = Path(__file__).with_name("stable_cpu.cpp")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp", "-shared", "-fPIC")
@@ -139,8 +142,8 @@ def _load(path: Path) -> ctypes.CDLL:
         raise CppUnavailable(f"cannot load the cpp backend ({error}); delete {path} to rebuild it, "
                              "or use backend='torch'") from None
     blas = _torch_blas()
-    lib.linattn_set_blas(blas["sgemm_"], blas["dgemm_"], ctypes.c_double(stable.JUMP_LIMIT),
-                         ctypes.c_double(stable.PAIR_SPREAD))
+    lib.linattn_set_blas(blas["sgemm_"], blas["dgemm_"], ctypes.c_double(JUMP_LIMIT),
+                         ctypes.c_double(PAIR_SPREAD))
     i64, ptr, call = ctypes.c_int64, ctypes.c_void_p, ctypes.POINTER(_Call)
     grads = ctypes.POINTER(_SourceGrad)
     signatures = {   # stable_cpu.cpp's extern "C" entry points: (result, arguments)
@@ -243,23 +246,28 @@ class _Kernel:
         return result
 
 
+def log_linear_attention(b, a, v, **call):
+    """chunk.log_linear_attention (dispatch.py's call shape) with its causal pass in the C++ kernel."""
+    return chunk.log_linear_attention(b, a, v, causal_pass=causal, **call)
+
+
 def causal(b, a, v, phases, length: int, base: float):
     """Causal Eq. 19 from log-features (tensors or `LogProjection`s) on CPU: (out, state, key sum, F
-    after the last token), as stable._CausalLogAttention gives them."""
-    return _FusedCausalLogAttention.apply(*stable._parts(b), *stable._parts(a), v, phases, length, base)
+    after the last token), as chunk.causal_log_attention gives them."""
+    return _FusedCausalLogAttention.apply(*source_parts(b), *source_parts(a), v, phases, length, base)
 
 
 class _FusedCausalLogAttention(torch.autograd.Function):
-    """stable._CausalLogAttention with its regular chunks in stable_cpu.cpp."""
+    """chunk.causal_log_attention's autograd function with its regular chunks in stable_cpu.cpp."""
 
     @staticmethod
     def forward(ctx, q_inputs, q_weight, q_shift, q_square, k_inputs, k_weight, k_shift, k_square, v, phases,
                 length, base):
-        queries = stable._source(q_inputs, q_weight, q_shift, q_square)
-        keys = stable._source(k_inputs, k_weight, k_shift, k_square)
+        queries = source_from_parts(q_inputs, q_weight, q_shift, q_square)
+        keys = source_from_parts(k_inputs, k_weight, k_shift, k_square)
         batch, heads, n, dv = v.shape
         m = k_inputs.shape[-1] if k_weight is None else k_weight.shape[0]
-        chunks, groups = -(-n // length), -(-n // (length * stable.STATE_GROUP))
+        chunks, groups = -(-n // length), -(-n // (length * chunk.STATE_GROUP))
         feat = v.new_empty(batch, heads, chunks + 1, m)
         kernel = _Kernel(queries, keys, v, phases, feat, length)
         out, den = v.new_empty(batch, heads, n, dv), v.new_empty(batch, heads, n)
@@ -270,21 +278,21 @@ class _FusedCausalLogAttention(torch.autograd.Function):
         start = 0
         while start < chunks:
             start = kernel.run("forward", start, chunks, state, key_sum, out, den, query_scale, saved_states,
-                               saved_sums, stable.STATE_GROUP, flags)
-            if start < chunks:   # an irregular chunk: stable.py's own, from the state before it
-                _irregular_forward(start, queries, keys, v, phases, feat, length, base, state, key_sum, out, den,
-                                   query_scale)
+                               saved_sums, chunk.STATE_GROUP, flags)
+            if start < chunks:   # an irregular chunk: chunk.py's own, from the state before it
+                chunk.irregular_chunk_forward(start, queries, keys, v, phases, feat, length, base, state, key_sum,
+                                              out, den, query_scale)
                 start += 1
         parts = (q_inputs, q_weight, q_shift, q_square, k_inputs, k_weight, k_shift, k_square)
-        return stable.finish_forward(ctx, parts, length, base, v, out, den, query_scale, feat, phases, state, key_sum,
-                                     saved_states, saved_sums, flags)
+        return chunk.finish_forward(ctx, parts, length, base, v, out, den, query_scale, feat, phases, state, key_sum,
+                                    saved_states, saved_sums, flags)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     @without_autocast
     def backward(ctx, grad, _state_grad, _key_sum_grad, _last_grad):
         queries, keys, (v, out, den, query_scale, feat, phases), (saved_states, saved_sums, flags) = \
-            stable.saved_sources(ctx)
+            chunk.saved_sources(ctx)
         needs = ctx.needs_input_grad
         kernel = _Kernel(queries, keys, v, phases, feat, ctx.length)
         grad = grad.contiguous()
@@ -293,7 +301,7 @@ class _FusedCausalLogAttention(torch.autograd.Function):
         later, later_sum = torch.zeros_like(saved_states[0]), torch.zeros_like(saved_sums[0])
         chunks, length = feat.shape[2] - 1, ctx.length
         for group in reversed(range(saved_states.shape[0])):
-            lo, hi = group * stable.STATE_GROUP, min((group + 1) * stable.STATE_GROUP, chunks)
+            lo, hi = group * chunk.STATE_GROUP, min((group + 1) * chunk.STATE_GROUP, chunks)
             states = v.new_empty(*v.shape[:2], hi - lo, feat.shape[-1], v.shape[-1])
             sums = v.new_empty(*v.shape[:2], hi - lo, feat.shape[-1])
             kernel.run("states", lo, hi, flags, saved_states[group], saved_sums[group], states, sums)
@@ -301,17 +309,18 @@ class _FusedCausalLogAttention(torch.autograd.Function):
             while top >= lo:
                 top = kernel.run("backward", top, lo, flags, states, sums, lo, hi - lo, grad, out, den, query_scale,
                                  later, later_sum, ctypes.byref(q_grads.c), ctypes.byref(k_grads.c), dv)
-                if top >= lo:   # an irregular chunk: stable.py's backward of it
-                    _irregular_backward(top, queries, keys, v, phases, feat, length, ctx.base, states[:, :, top - lo],
-                                        sums[:, :, top - lo], grad, out, den, query_scale, later, later_sum,
-                                        q_grads, k_grads, dv, capped=bool(flags[top] & 1))
+                if top >= lo:   # an irregular chunk: chunk.py's backward of it
+                    chunk.irregular_chunk_backward(top, queries, keys, v, phases, feat, length, ctx.base,
+                                                   states[:, :, top - lo], sums[:, :, top - lo], grad, out, den,
+                                                   query_scale, later, later_sum, q_grads.eager, k_grads.eager, dv,
+                                                   capped=bool(flags[top] & 1))
                     top -= 1
         return (*q_grads.result(), None, *k_grads.result(), None, dv, None, None, None)
 
 
 class _FusedGradients:
     """A source's gradients, written by the kernel (C view `c`) and, for irregular chunks, by
-    stable._Gradients (`eager`): contiguous buffers, and the weight's as per-head partial sums."""
+    chunk.SourceGradients (`eager`): contiguous buffers, and the weight's as per-head partial sums."""
 
     def __init__(self, source, needs):
         projection = isinstance(source, LogProjection)
@@ -323,7 +332,7 @@ class _FusedGradients:
         if projection and needs[1]:
             self.weight_parts = inputs.new_zeros(inputs.shape[0] * inputs.shape[1], *source.weight.shape)
             weight = torch.zeros_like(source.weight)
-        self.eager = stable._Gradients(self.inputs, weight,
+        self.eager = chunk.SourceGradients(self.inputs, weight,
                                        None if self.shift is None else self.shift.unsqueeze(-1))
         self.c = _SourceGrad(_pointer(self.inputs), _pointer(self.shift), _pointer(self.weight_parts))
 
@@ -331,43 +340,3 @@ class _FusedGradients:
         weight = None if self.weight_parts is None else self.eager.weight + self.weight_parts.sum(0)
         return self.inputs, weight, None if self.shift is None else self.shift.unsqueeze(-1)
 
-
-def _chunk_inputs(chunk: int, queries, keys, v, phases, feat, length: int):
-    """One chunk's (b, a, v) as (B, H, 1, L, .), its scales and its rotation, for stable.py's functions."""
-    s = slice(chunk * length, min((chunk + 1) * length, v.shape[-2]))
-    b, a, v_c = (stable._rows(x, s).contiguous().unsqueeze(2) for x in (queries, keys, v))
-    scales = stable._Scales.of(feat[:, :, chunk:chunk + 2], phases is not None)
-    return s, (b, a, v_c), scales, None if phases is None else phases[s].unsqueeze(0)
-
-
-def _irregular_forward(chunk, queries, keys, v, phases, feat, length, base, state, key_sum, out, den, query_scale):
-    """stable._irregular_chunk for the kernel's first irregular chunk: rows before a jump keep the
-    kernel's regular values (unless the chunk is wide, then redone whole); the state after it
-    replaces `state`, `key_sum`."""
-    s, inputs, scales, ph = _chunk_inputs(chunk, queries, keys, v, phases, feat, length)
-    regular = stable._Chunks(*(x[:, :, s].unsqueeze(2) for x in (out, den, query_scale)), None, None, None, None, None)
-    alone = stable._irregular_chunk(*inputs, regular, 0, state, key_sum, scales, ph, base, first=True)
-    out[:, :, s], den[:, :, s], query_scale[:, :, s] = (x.squeeze(2) for x in (alone.out, alone.den, alone.query_scale))
-    state.copy_(alone.state)
-    key_sum.copy_(alone.key_sum)
-
-
-def _irregular_backward(chunk, queries, keys, v, phases, feat, length, base, state, key_sum, grad, out, den,
-                        query_scale, later, later_sum, q_grads, k_grads, dv, capped: bool):
-    """stable.py's backward of one irregular chunk (autograd through it where keys passed the cap),
-    updating `later`, `later_sum` and writing the chunk's gradients."""
-    s, inputs, scales, ph = _chunk_inputs(chunk, queries, keys, v, phases, feat, length)
-    qs, g = query_scale[:, :, s].unsqueeze(2), grad[:, :, s].unsqueeze(2)
-    if capped:
-        (db, da, dv_c), after, after_sum = stable._chunk_backward_autograd(
-            inputs, state, key_sum, scales, ph, base, qs, g, later, later_sum)
-    else:
-        g_num, g_den = stable.output_gradients(g, out[:, :, s].unsqueeze(2), den[:, :, s].unsqueeze(2))
-        factors = stable._keys(inputs[1], scales, ph)[1]
-        (db, da, dv_c), after, after_sum = stable._chunk_backward(
-            inputs, state.unsqueeze(2), key_sum.unsqueeze(2), factors, scales, ph, qs, g_num, g_den, later, later_sum)
-    later.copy_(after)
-    later_sum.copy_(after_sum)
-    dv[:, :, s] = dv_c.squeeze(2)
-    q_grads.eager.write(queries, db.squeeze(2), s)
-    k_grads.eager.write(keys, da.squeeze(2), s)

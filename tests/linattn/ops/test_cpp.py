@@ -1,4 +1,4 @@
-"""The C++ kernel of the causal log-space pass (cpp.py, stable_cpu.cpp) against stable.py's torch
+"""The C++ kernel of the causal log-space pass (cpp.py, stable_cpu.cpp) against chunk.py's torch
 ops and the float64 reference: outputs, states and gradients, irregular chunks between regular
 ones, state spacing, threads, input layouts, and what happens where it cannot be built.
 (test_stable.py runs its behavioural tests on both backends.)"""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from linattn import LinearAttention, functional
-from linattn.ops.linear_attention import backends, cpp, stable
+from linattn.ops.linear_attention import chunk, cpp, dispatch
 
 from linattn.ops.linear_attention.naive import log_linear_attention_reference
 
@@ -49,7 +49,7 @@ def test_the_favor_block_gives_the_torch_backends_outputs_and_gradients(rope):
 
 @pytest.mark.parametrize("rotary", [True, False])
 def test_irregular_chunks_between_regular_ones_match_the_reference_in_float32(rotary):
-    """Keys jumping by 45 every 37 tokens (exact rows) and a wide pair at the end: stable.py
+    """Keys jumping by 45 every 37 tokens (exact rows) and a wide pair at the end: chunk.py
     computes those chunks between the kernel's regular ones, and the state flows through both."""
     b = log_features(2, 3, 150, 8, scale=3, seed=3)
     a = log_features(2, 3, 150, 8, scale=3, seed=4)
@@ -69,7 +69,7 @@ def test_irregular_chunks_between_regular_ones_match_the_reference_in_float32(ro
 @pytest.mark.parametrize("state_group", [1, 3, 16])
 @pytest.mark.parametrize("jumps", [False, True])
 def test_backward_recomputes_states_from_any_spacing_of_saved_ones(state_group, jumps, monkeypatch):
-    monkeypatch.setattr(stable, "STATE_GROUP", state_group)
+    monkeypatch.setattr(chunk, "STATE_GROUP", state_group)
     b, a = log_features(1, 2, 23, 6, scale=3), log_features(1, 2, 23, 6, scale=3, seed=1)
     if jumps:
         a = a + torch.arange(2, 25, dtype=torch.float64).div(8).floor().mul(40).view(1, 1, 23, 1)
@@ -105,7 +105,7 @@ def test_projections_of_strided_inputs_give_the_gradients_of_every_part(squared)
     inputs = wide[:, :, 0].transpose(1, 2)                       # (B, H, N, D) with strides
     weight = log_features(12, 6, scale=0.5, seed=2).requires_grad_()
     shift = -0.7 if squared else log_features(2, 2, 40, 1, scale=1, seed=3).requires_grad_()
-    projection = stable.LogProjection(inputs, weight, shift, -0.2 if squared else 0.0)
+    projection = functional.LogProjection(inputs, weight, shift, -0.2 if squared else 0.0)
     v = wide[:, :, 1, :, :3].transpose(1, 2)
     keys = log_features(2, 2, 40, 12, scale=1, seed=4)
     weights = log_features(2, 2, 40, 3, scale=1, seed=5)
@@ -132,7 +132,7 @@ def test_rows_in_any_layout_are_read_as_the_torch_backend_reads_them():
     kwargs = dict(causal=True, rotary=False, log_space=True, chunk_size=4)
     expanded = torch.ones(1, 1, 1, 4, dtype=torch.float64).expand(1, 2, 16, 4)
     one_row = log_features(1, 2, 4, 1, scale=1, seed=2).transpose(-1, -2)    # (1, 2, 1, 4), row stride 1
-    projection = stable.LogProjection(log_features(1, 2, 1, 6, scale=1, seed=3).expand(1, 2, 16, 6),
+    projection = functional.LogProjection(log_features(1, 2, 1, 6, scale=1, seed=3).expand(1, 2, 16, 6),
                                       log_features(8, 6, scale=1, seed=4), 0.0, -0.1)
     cases = [((b, a, expanded), expanded), ((b[:, :, :1], a[:, :, :1], one_row), one_row),
              ((projection, a, expanded), None)]
@@ -169,11 +169,15 @@ def test_odd_shapes(batch, heads, n, length):
     torch.testing.assert_close(out, log_linear_attention_reference(b, a, v, causal=True, rotary=True), rtol=1e-9, atol=1e-9)
 
 
-def test_auto_takes_cpp_for_cpu_tensors_and_cpp_refuses_other_devices():
-    assert backends.resolve("auto", torch.device("cpu")) == "cpp"
-    assert backends.resolve("auto", torch.device("cpu"), float64=True) == "cpp"
+def test_auto_takes_cpp_for_causal_log_space_cpu_tensors_and_cpp_refuses_other_devices():
+    cpu = torch.device("cpu")
+    assert dispatch.resolve("auto", cpu, log_space=True, causal=True) == "cpp"
+    assert dispatch.resolve("auto", cpu, float64=True, log_space=True, causal=True) == "cpp"
+    # the table has no C++ kernel for these calls: torch's runs
+    assert dispatch.resolve("auto", cpu, log_space=True, causal=False) == "torch"
+    assert dispatch.resolve("auto", cpu, log_space=False, causal=True) == "torch"
     with pytest.raises(ValueError, match="runs on CPU tensors"):
-        backends.resolve("cpp", torch.device("meta"))
+        dispatch.resolve("cpp", torch.device("meta"), log_space=True, causal=True)
 
 
 def python(code: str, **env) -> subprocess.CompletedProcess:

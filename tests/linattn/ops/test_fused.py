@@ -414,9 +414,10 @@ def test_more_batch_x_heads_than_a_cuda_grid_holds_is_refused():
 
 def test_auto_takes_torch_for_float64_on_cuda():
     """The kernels compute in float32: `auto` does not send float64 to them (asking for triton is an error)."""
-    from linattn.ops.linear_attention.backends import resolve
+    from linattn.ops.linear_attention.dispatch import resolve
     cuda = torch.device("cuda")
-    assert resolve("auto", cuda) == "triton" and resolve("auto", cuda, float64=True) == "torch"
+    assert resolve("auto", cuda, log_space=True, causal=True) == "triton"
+    assert resolve("auto", cuda, float64=True, log_space=True, causal=True) == "torch"
 
 
 # ---- on a GPU ------------------------------------------------------------------------------------
@@ -475,8 +476,8 @@ def test_gpu_heads_past_element_2_31_are_read_where_they_are():
 
 @pytest.mark.gpu
 def test_gpu_auto_backend_is_triton_on_cuda():
-    from linattn.ops.linear_attention.backends import resolve
-    assert resolve("auto", torch.device("cuda")) == "triton"
+    from linattn.ops.linear_attention.dispatch import resolve
+    assert resolve("auto", torch.device("cuda"), log_space=False, causal=True) == "triton"
 
 
 @pytest.mark.gpu

@@ -1,7 +1,7 @@
-"""Log-space linear attention (stable.py): exact Eq. 19 from log-features at any scale, strictly
-causal, against an O(N^2) float64 reference that never exponentiates more than it must.  What the
-algorithm promises is checked on both CPU backends (`attend`): stable.py's torch ops and the C++
-kernel that runs its regular chunks (cpp.py); its internals on the torch backend."""
+"""Log-space linear attention (stable.py's numerics): exact Eq. 19 from log-features at any scale,
+strictly causal, against an O(N^2) float64 reference that never exponentiates more than it must.
+What the algorithm promises is checked on both CPU backends (`attend`): chunk.py's torch ops and the
+C++ kernel that runs their regular chunks (cpp.py); chunk.py's internals on the torch backend."""
 from functools import partial
 
 import pytest
@@ -10,10 +10,10 @@ import torch
 from linattn import LinearAttention, functional
 from linattn.feature_maps import FavorFeatureMap
 from linattn.functional import linear_attention_reference, linear_attention_step
-from linattn.ops.linear_attention import stable
+from linattn.ops.linear_attention import chunk
 from linattn.ops.linear_attention.naive import log_linear_attention_reference
 
-linear_attention = partial(functional.linear_attention, backend="torch")   # stable.py's own ops
+linear_attention = partial(functional.linear_attention, backend="torch")   # chunk.py's own ops
 
 
 @pytest.fixture(params=["torch", "cpp"])
@@ -211,7 +211,7 @@ def test_group_size_does_not_change_the_exact_rows(monkeypatch):
     a = torch.arange(n, dtype=torch.float64).mul(50).view(1, 1, n, 1).expand(1, 2, n, 4).contiguous()
     b, v = log_features(1, 2, n, 4, scale=1), log_features(1, 2, n, 2, scale=1, seed=2)
     out = linear_attention(b, a, v, causal=True, rotary=True, chunk_size=8, log_space=True)
-    monkeypatch.setattr(stable, "EXACT_ELEMENTS", 1)
+    monkeypatch.setattr(chunk, "EXACT_ELEMENTS", 1)
     assert torch.equal(out, linear_attention(b, a, v, causal=True, rotary=True, chunk_size=8, log_space=True))
 
 
@@ -252,10 +252,10 @@ def test_backward_matches_the_reference_whatever_the_saved_state_spacing(state_g
     of chunks: `backward_paths` lists each chunk's)."""
     backward_paths = []
     for name in ("_chunk_backward", "_chunk_backward_autograd"):
-        original = getattr(stable, name)
-        monkeypatch.setattr(stable, name, lambda inputs, *args, name=name, original=original:
+        original = getattr(chunk, name)
+        monkeypatch.setattr(chunk, name, lambda inputs, *args, name=name, original=original:
                             backward_paths.extend([name] * inputs[0].shape[2]) or original(inputs, *args))
-    monkeypatch.setattr(stable, "STATE_GROUP", state_group)
+    monkeypatch.setattr(chunk, "STATE_GROUP", state_group)
     b, a = query_log_features(1, 2, 23, 6, scale=3), log_features(1, 2, 23, 6, scale=3, seed=1)
     if jumps:
         a = a + torch.arange(2, 25, dtype=torch.float64).div(8).floor().mul(40).view(1, 1, 23, 1)
@@ -284,9 +284,9 @@ def test_gradcheck_in_float64_with_ragged_chunks(rotary, attend):
 
 
 def chunk_calls(monkeypatch):
-    """How many chunks each forward call of `stable._chunks` computed together, in order."""
-    calls, original = [], stable._chunks
-    monkeypatch.setattr(stable, "_chunks", lambda b, *args, **kwargs: calls.append(b.shape[2]) or
+    """How many chunks each forward call of `chunk._chunks` computed together, in order."""
+    calls, original = [], chunk._chunks
+    monkeypatch.setattr(chunk, "_chunks", lambda b, *args, **kwargs: calls.append(b.shape[2]) or
                         original(b, *args, **kwargs))
     return calls
 
@@ -303,8 +303,8 @@ def test_runs_of_chunks_agree_with_one_chunk_at_a_time(rotary, jumps, monkeypatc
     v = log_features(2, 3, 150, 5, scale=1, seed=5)
     weights = log_features(2, 3, 150, 5, scale=1, seed=6)
     results = []
-    for run_elements in (stable.RUN_ELEMENTS, 1):
-        monkeypatch.setattr(stable, "RUN_ELEMENTS", run_elements)
+    for run_elements in (chunk.RUN_ELEMENTS, 1):
+        monkeypatch.setattr(chunk, "RUN_ELEMENTS", run_elements)
         calls = chunk_calls(monkeypatch)
         inputs = [t.clone().requires_grad_() for t in (b, a, v)]
         out, state = linear_attention(*inputs, causal=True, rotary=rotary, chunk_size=8, offset=3,
@@ -337,9 +337,9 @@ def test_a_jump_later_in_a_run_leaves_earlier_outputs_bitwise_unchanged(rotary, 
 
 
 def test_runs_cover_every_chunk_within_their_state_groups(monkeypatch):
-    monkeypatch.setattr(stable, "STATE_GROUP", 4)
-    monkeypatch.setattr(stable, "RUN_ELEMENTS", 3 * 2 * 8 * 5)   # three chunks of (B, H, L, Dv) = (1, 2, 8, 5)
-    runs = stable._runs(torch.empty(1, 2, 85, 5), 3, 8)
+    monkeypatch.setattr(chunk, "STATE_GROUP", 4)
+    monkeypatch.setattr(chunk, "RUN_ELEMENTS", 3 * 2 * 8 * 5)   # three chunks of (B, H, L, Dv) = (1, 2, 8, 5)
+    runs = chunk._runs(torch.empty(1, 2, 85, 5), 3, 8)
     assert [(run.first, run.count) for run in runs] == [(0, 3), (3, 1), (4, 3), (7, 1), (8, 2), (10, 1)]
     assert [run.tokens for run in runs] == [slice(0, 24), slice(24, 32), slice(32, 56), slice(56, 64),
                                             slice(64, 80), slice(80, 85)]
@@ -352,7 +352,7 @@ def test_backward_saves_one_state_per_group_of_chunks_not_per_chunk():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         linear_attention(b, b, v, causal=True, rotary=True, chunk_size=10, log_space=True)
     states = [t for t in saved if t.shape == (1, 2, 8, 4)]
-    assert len(states) == -(-100 // stable.STATE_GROUP)
+    assert len(states) == -(-100 // chunk.STATE_GROUP)
     assert sum(t.numel() for t in saved) < 6 * b.numel()
 
 
@@ -363,12 +363,12 @@ def projection(n, *, jumps, seed=0, weight_grad=False, squared=False):
     inputs = log_features(1, 2, n, 4, scale=1, seed=seed)
     weight = log_features(8, 4, scale=1, seed=seed + 1)
     if squared:
-        return stable.LogProjection(inputs.mul(1 + 10 * jumps).requires_grad_(), weight.requires_grad_(weight_grad),
+        return functional.LogProjection(inputs.mul(1 + 10 * jumps).requires_grad_(), weight.requires_grad_(weight_grad),
                                     -1.5, -0.3)
     shift = log_features(1, 2, n, 1, scale=1, seed=seed + 2)
     if jumps:
         shift = shift + torch.arange(n, dtype=torch.float64).div(6).floor().mul(40).view(1, 1, n, 1)
-    return stable.LogProjection(inputs.requires_grad_(), weight.requires_grad_(weight_grad),
+    return functional.LogProjection(inputs.requires_grad_(), weight.requires_grad_(weight_grad),
                                 shift.requires_grad_())
 
 
@@ -401,7 +401,7 @@ def test_non_causal_and_empty_projections_take_the_log_features(attend):
         attend(q_proj, k_proj, v, causal=False, rotary=True, log_space=True),
         attend(q_proj.materialize(), k_proj.materialize(), v, causal=False, rotary=True,
                          log_space=True))
-    empty = stable.LogProjection(torch.zeros(1, 2, 0, 4), torch.zeros(8, 4), torch.zeros(1, 2, 0, 1))
+    empty = functional.LogProjection(torch.zeros(1, 2, 0, 4), torch.zeros(8, 4), torch.zeros(1, 2, 0, 1))
     assert attend(empty, empty, torch.zeros(1, 2, 0, 3), causal=True, rotary=True,
                             log_space=True).shape == (1, 2, 0, 3)
 
