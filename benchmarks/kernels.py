@@ -112,9 +112,15 @@ def kernel_task(task: dict) -> dict:
         if previous and previous["train_s"] * n / previous["n"] > task["budget_s"]:
             rows.append({"n": n, "skipped": f"skipped: predicted over the {task['budget_s']:g} s budget"})
             continue
-        inputs = make_inputs(method, (task["batch"], task["heads"], n, task["m"], task["dv"]), device,
-                             DTYPES[task["dtype"]])
-        previous = {"n": n, **measure(call, inputs, task)}
+        try:
+            inputs = make_inputs(method, (task["batch"], task["heads"], n, task["m"], task["dv"]), device,
+                                 DTYPES[task["dtype"]])
+            previous = {"n": n, **measure(call, inputs, task)}
+        except Exception as error:   # an OOM at a large N keeps the smaller N measured before it
+            failure = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            rows.append({"n": n, "error": failure})
+            rows += [{"n": later, "skipped": f"skipped: failed at N={n}"} for later in task["lengths"] if later > n]
+            break
         rows.append(previous)
     return {"rows": rows}
 

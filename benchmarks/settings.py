@@ -258,10 +258,16 @@ def check_methods_build(settings: Settings, device: torch.device) -> None:
                 build_attention(method, shape, torch.device("cpu"), MASKS[mask], settings.chunk_size)
             except (ValueError, TypeError) as error:
                 raise BadSetting(f"method {method.name} ({mask}) cannot run with these settings: {error}") from None
-    if "block" in settings.sections or "model" in settings.sections:
-        linear = [name for name in settings.block_methods + settings.model_methods if name not in SOFTMAX_BLOCKS]
-        for name in dict.fromkeys(linear):
+    for section, flag_name, chosen in (("block", "--block-methods", settings.block_methods),
+                                       ("model", "--model-methods", settings.model_methods)):
+        for name in chosen if section in settings.sections else ():
+            if name in SOFTMAX_BLOCKS:
+                continue
             try:
                 build_block(name, settings.head_dim, 1, settings.num_features)
             except (ValueError, TypeError) as error:
-                raise BadSetting(f"block {name} cannot run with these settings: {error}") from None
+                raise BadSetting(f"{flag_name} {name} cannot run with these settings: {error}") from None
+    odd = [m for m in settings.kernel_features if m % 2]
+    if "kernels" in settings.sections and odd:
+        raise BadSetting(f"--kernel-features {','.join(map(str, odd))}: the kernels section's op rotates pairs of "
+                         "features (rope post), so every M must be even")

@@ -165,14 +165,14 @@ class LinearAttention(_Projections):
         float32, and the kernels multiply in bf16/fp16 on tensor cores (float32 sums) only when every
         input is in that dtype, as flash-linear-attention's layers run under autocast.  Log-features
         stay float32 (bf16 would round their exponents), and the torch and cpp backends sum in float32
-        anyway, so only this route gains from the cast."""
+        anyway, so only this route gains from the cast: backend "triton", or "auto" on CUDA (decided
+        from the names alone, which torch.compile traces; resolving would ask the machine)."""
         device = v.device.type
-        if self.feature_map.log_space or not torch.is_autocast_enabled(device):
+        triton_route = self.backend == "triton" or (self.backend == "auto" and device == "cuda")
+        if self.feature_map.log_space or not triton_route or not torch.is_autocast_enabled(device):
             return phi_q, phi_k
         dtype = torch.get_autocast_dtype(device)
-        if v.dtype != dtype or resolve_backend(self.backend, v.device, log_space=False) != "triton":
-            return phi_q, phi_k
-        return phi_q.to(dtype), phi_k.to(dtype)
+        return (phi_q.to(dtype), phi_k.to(dtype)) if v.dtype == dtype else (phi_q, phi_k)
 
     def _normalize(self, out: torch.Tensor) -> torch.Tensor:
         """normalization="rmsnorm": RMSNorm over head_dim of the (B, H, N, head_dim) output."""

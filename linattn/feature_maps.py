@@ -81,10 +81,14 @@ def check_option_names(feature_map: str | FeatureMap, options: dict) -> None:
 
 
 def make_feature_map(feature_map: str | FeatureMap, head_dim: int, *, heads: int | None = None,
-                     options: dict | None = None) -> FeatureMap:
+                     options: dict | None = None, **misplaced) -> FeatureMap:
     """A feature map from its registered name (or an instance, returned as is).  `heads`: the
     block's head count, passed to maps with weights per head (and checked against an instance's).
-    `options`: the map's own options by name (`feature_map_options` lists them), validated here."""
+    `options`: the map's own options by name (`feature_map_options` lists them), validated here.
+    Options given as keywords (the form before `options=`) are refused with the form to use."""
+    if misplaced:
+        raise ValueError(f"make_feature_map takes the map's options as a dict: options={misplaced!r} "
+                         f"rather than {', '.join(f'{k}=...' for k in misplaced)}")
     options = {} if options is None else options
     if not isinstance(options, dict):
         raise ValueError(f"feature-map options must be a dict of option name to value, got {type(options).__name__}")

@@ -81,7 +81,7 @@ def saved_precision(checkpoint: dict[str, Any], path: Path | str) -> str | None:
     """The precision the run computed in, fp32, bf16 or fp16 (--dtype auto resolved where it ran);
     None for checkpoints written before it was saved."""
     precision = checkpoint.get("precision")
-    if precision is not None and precision not in PRECISIONS:
+    if precision is not None and (not isinstance(precision, str) or precision not in PRECISIONS):
         raise CheckpointError(f"{path} is damaged: its 'precision' entry is {precision!r}, not one of "
                               f"{', '.join(PRECISIONS)}; resume from another checkpoint or start a new run")
     return precision
@@ -158,7 +158,7 @@ def model_from_checkpoint(checkpoint: dict[str, Any], path: Path | str = "checkp
     checkpoint_entries(checkpoint, path, ("config", "step", "model", "data"))
     check_finite_weights(checkpoint["model"], path)
     try:
-        config = TrainConfig.parsed(checkpoint["config"]).model
+        config = TrainConfig.saved_section(checkpoint["config"], "model")
     except ValueError as error:
         raise CheckpointError(f"{path}: its saved configuration is not valid ({first_line(error)})") from None
     try:

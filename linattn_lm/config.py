@@ -256,13 +256,17 @@ class ModelConfig:
         return from_plain_dict(cls, values, "model")
 
 
-def from_plain_dict(cls: type, values: Any, section: str) -> Any:
+def check_setting_names(cls: type, values: Any, section: str) -> None:
     if not isinstance(values, dict):
         raise ValueError(f"the {section} settings must be a dict, got {type(values).__name__}")
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"unknown {section} setting(s) {unknown}; known: {sorted(known)}")
+
+
+def from_plain_dict(cls: type, values: Any, section: str) -> Any:
+    check_setting_names(cls, values, section)
     config = cls(**values)
     check_types(config)
     return config
@@ -441,12 +445,22 @@ class TrainConfig:
         `from_dict`, eval.py directly): unknown sections and settings are errors, each setting has its
         type, and a section or setting it lacks (written before that setting existed) takes the
         default.  Not validated: settings of the machine it ran on (device, paths) may not fit this one."""
+        return cls(**{name: cls.saved_section(values, name) for name in SECTIONS})
+
+    @staticmethod
+    def saved_section(values: Any, name: str) -> Any:
+        """One section of a checkpoint's config, read as `parsed` reads it, for commands that need
+        only that section (eval.py: the model).  Every section's names are checked, unknown ones
+        refused; only this one's values are typed (the run section's paths and device name another
+        machine's, and eval.py takes its own)."""
         if not isinstance(values, dict):
             raise ValueError(f"the config must be a dict of sections, got {type(values).__name__}")
         unknown = sorted(set(values) - set(SECTIONS), key=str)
         if unknown:
             raise ValueError(f"unknown config section(s) {unknown}; known: {sorted(SECTIONS)}")
-        return cls(**{name: from_plain_dict(SECTIONS[name], values.get(name, {}), name) for name in SECTIONS})
+        for section, cls in SECTIONS.items():
+            check_setting_names(cls, values.get(section, {}), section)
+        return from_plain_dict(SECTIONS[name], values.get(name, {}), name)
 
     @classmethod
     def from_dict(cls, values: Any) -> "TrainConfig":

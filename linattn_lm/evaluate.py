@@ -25,7 +25,7 @@ import torch
 
 import linattn
 from .data import SPLITS, DataError, SequentialWindows, default_data_dir, load_split
-from .checkpoint import CheckpointError, checkpoint_path, load_checkpoint, model_from_checkpoint
+from .checkpoint import CheckpointError, checkpoint_path, load_checkpoint, model_from_checkpoint, saved_precision
 from .cli import (EXIT_ERROR, EXIT_USAGE, DefaultsFormatter, Parser, UsageError, finite_float, import_user_code, integer,
                   pre_parse_imports)
 from .lm import ByteLM, bits_per_byte
@@ -154,11 +154,13 @@ def import_recorded(checkpoint: dict[str, Any], path: Path) -> None:
                               f"which failed: {error}; pass --import MODULE_OR_FILE to give its new place") from None
 
 
-def recorded_dtype(checkpoint: dict[str, Any]) -> str:
+def recorded_dtype(checkpoint: dict[str, Any], path: Path | str) -> str:
     """The precision the run trained in: its saved precision (what --dtype resolved to where it
-    ran), else its --dtype (checkpoints from before --dtype ran as its default, auto)."""
-    if checkpoint.get("precision") in PRECISIONS:
-        return checkpoint["precision"]
+    ran; a damaged entry is refused as --resume refuses it), else its --dtype (checkpoints from
+    before --dtype ran as its default, auto)."""
+    precision = saved_precision(checkpoint, path)
+    if precision is not None:
+        return precision
     run = checkpoint["config"].get("run")
     dtype = run.get("dtype", "auto") if isinstance(run, dict) else "auto"
     return dtype if dtype in DTYPES else "auto"
@@ -192,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         import_recorded(checkpoint, path)
         model = model_from_checkpoint(checkpoint, path).to(device).eval()
         config = model.config
-        args.dtype = args.dtype or recorded_dtype(checkpoint)
+        args.dtype = args.dtype or recorded_dtype(checkpoint, path)
         resolve_dtype(args.dtype, device)
         print(f"checkpoint: {path} (step {checkpoint['step']}, {config.variant}, "
               f"{model.num_parameters():,} parameters, trained at seq_len {config.seq_len})")

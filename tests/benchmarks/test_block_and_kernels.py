@@ -105,3 +105,19 @@ def test_the_model_section_builds_a_training_presets_lm_with_any_map():
     assert lm_config("taylor-none", 256, 64).feature_map_options == {}
     assert lm_config("favor-post", 256, 64).feature_map_options == {"num_features": 64}
     assert lm_config("softmax", 256, 64, "small").attention == "softmax"
+
+
+def test_a_kernel_task_that_fails_at_a_length_keeps_the_lengths_measured_before(monkeypatch):
+    run = kernels.measure
+
+    def fail_at_128(call, inputs, task):
+        if inputs[0].shape[-2] == 128:
+            raise RuntimeError("CUDA out of memory (pretend)")
+        return run(call, inputs, task)
+    monkeypatch.setattr(kernels, "measure", fail_at_128)
+    task = {**TINY, "method": "linattn-plain", "m": 16, "dtype": "fp32", "lengths": (64, 128, 256), "batch": 1,
+            "dv": 8, "budget_s": 60.0}
+    rows = kernels.kernel_task(task)["rows"]
+    assert "train_s" in rows[0]
+    assert rows[1] == {"n": 128, "error": "RuntimeError: CUDA out of memory (pretend)"}
+    assert rows[2] == {"n": 256, "skipped": "skipped: failed at N=128"}

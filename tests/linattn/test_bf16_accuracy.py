@@ -72,11 +72,25 @@ def test_plain_features_reach_the_triton_kernels_in_bf16_under_autocast_and_stay
     assert max(errors.values()) < BOUND, errors
 
 
-def test_plain_features_stay_float32_for_the_cpu_backends_under_autocast(monkeypatch):
+@pytest.mark.parametrize("backend", ["torch", "cpp", "auto"])
+def test_plain_features_stay_float32_for_the_cpu_backends_under_autocast(backend, monkeypatch):
     import linattn.attention as attention
     seen, run = [], attention.linear_attention
     monkeypatch.setattr(attention, "linear_attention", lambda phi_q, phi_k, v, **kw: seen.append(phi_q.dtype) or run(phi_q, phi_k, v, **kw))
-    block = LinearAttention(32, heads=2, feature_map="elu", rope="post", backend="torch")
+    block = LinearAttention(32, heads=2, feature_map="elu", rope="post", backend=backend)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         block(torch.randn(1, 16, 32))
     assert seen == [torch.float32]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+def test_the_plain_block_compiles_fullgraph_under_autocast(backend):
+    """The route to the kernels is decided from the backend's name, which dynamo traces."""
+    torch.manual_seed(0)
+    block = LinearAttention(32, heads=2, feature_map="elu", rope="post", backend=backend)
+    x = torch.randn(1, 16, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = block(x)
+        got = torch.compile(block, fullgraph=True, backend="eager")(x)
+    torch.testing.assert_close(got, want)

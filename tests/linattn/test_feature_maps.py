@@ -25,6 +25,11 @@ def test_registry_lists_the_three_maps_and_builds_them_by_name():
     assert make_feature_map("elu", 32).num_features == 32
 
 
+def test_options_given_as_keywords_are_refused_with_the_dict_form():
+    with pytest.raises(ValueError, match=r"options=\{'num_features': 100\} rather than num_features=..."):
+        make_feature_map("favor", 64, num_features=100)
+
+
 def test_unknown_feature_map_lists_registered_ones():
     with pytest.raises(ValueError, match=r"unknown feature map 'relu2'.*elu, favor, hedgehog, softmax, taylor"):
         make_feature_map("relu2", 16)

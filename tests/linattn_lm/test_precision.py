@@ -78,9 +78,9 @@ def test_configs_without_dtype_compare_as_the_default():
 
 
 def test_eval_takes_the_runs_dtype_unless_told():
-    assert recorded_dtype({"config": {"run": {"dtype": "bf16"}}}) == "bf16"
-    assert recorded_dtype({"config": {"run": {}}}) == "auto"
-    assert recorded_dtype({"config": {"run": {"dtype": "auto"}}, "precision": "bf16"}) == "bf16"
+    assert recorded_dtype({"config": {"run": {"dtype": "bf16"}}}, "ckpt.pt") == "bf16"
+    assert recorded_dtype({"config": {"run": {}}}, "ckpt.pt") == "auto"
+    assert recorded_dtype({"config": {"run": {"dtype": "auto"}}, "precision": "bf16"}, "ckpt.pt") == "bf16"
 
 
 class OverflowingGradient(torch.autograd.Function):
@@ -135,3 +135,12 @@ def test_resume_refuses_an_explicit_dtype_other_than_the_runs(data_dir: Path, ti
     code, _, err = run_main(training.main, [*common, "--steps", "4", "--resume", "--dtype", "bf16"])
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "it was trained with a different configuration (dtype: checkpoint 'auto', now 'bf16')" in err
+
+
+@pytest.mark.parametrize("precision", ["bf17", ["bf16"], {"a": 1}, 16])
+def test_a_damaged_saved_precision_is_refused_by_eval_and_resume_alike(precision):
+    from linattn_lm.checkpoint import CheckpointError, saved_precision
+    checkpoint = {"config": {"run": {"dtype": "auto"}}, "precision": precision}
+    for read in (lambda: recorded_dtype(checkpoint, "ckpt.pt"), lambda: saved_precision(checkpoint, "ckpt.pt")):
+        with pytest.raises(CheckpointError, match="'precision' entry"):
+            read()

@@ -38,7 +38,7 @@ first token s_k, a past position for every row of the chunk (1.-3. say how; 4. g
    that costs 2 L M exps per such row.  Key factors are capped at e^JUMP_LIMIT, which only touches
    keys that are masked or in rows computed exactly, and such a chunk feeds the next state with
    e^{a_n - P_{k+1}} <= 1 directly instead of through the capped factors of 2.
-4. backward (custom autograd, as the plain path's chunk.py): the loop runs again in reverse,
+4. backward (custom autograd, as the plain path's `_CausalAttention` below): the loop runs again in reverse,
    recomputing each chunk's factors rather than saving them.  What is saved is the inputs, the
    output, the denominators, Q, the scales and one state every STATE_GROUP chunks; a group's
    states are recomputed before it is walked in reverse.  With g = d loss / d out, the output

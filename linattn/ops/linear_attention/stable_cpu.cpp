@@ -1,10 +1,10 @@
-// The causal log-space pass of stable.py, fused per (head, chunk) for CPUs: the "cpp" backend.
+// The causal log-space pass of chunk.py, fused per (head, chunk) for CPUs: the "cpp" backend.
 //
-// stable.py computes runs of chunks op by op over (B, H, G, L, M) tensors, and every op streams
+// chunk.py computes runs of chunks op by op over (B, H, G, L, M) tensors, and every op streams
 // them through memory.  Here each thread takes whole heads and works chunk by chunk in its cache,
-// with the same maths (stable.py's docstring, 1.-4.) and BLAS (the sgemm_ / dgemm_ that torch
+// with the same maths (chunk.py's docstring, 1.-4.) and BLAS (the sgemm_ / dgemm_ that torch
 // links) for the products.  Only regular chunks are computed here: a chunk with exact rows (a key
-// past JUMP_LIMIT) or wide pairs is handed back to stable.py (rare: first tokens, outliers), and
+// past JUMP_LIMIT) or wide pairs is handed back to chunk.py (rare: first tokens, outliers), and
 // this code carries on from the chunk after it.
 //
 // Built by cpp.py with the system's C++ compiler and OpenMP.  It runs in torch's own OpenMP runtime
@@ -53,7 +53,7 @@ void gemm(bool ta, bool tb, int64_t m_, int64_t n_, int64_t k_, const T* a, int6
 
 // e^x for float in a form the compiler vectorises: x = n ln2 + r, |r| <= ln2/2, e^r from Cephes'
 // expf polynomial (about 1 ulp), times 2^n made in the exponent bits.  NaN stays NaN; beyond float's
-// range it saturates (callers clamp from below first, as stable._exp does).
+// range it saturates (callers clamp from below first, as chunk._exp does).
 inline float exp_value(float x) {
   x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
   const float n = std::nearbyint(x * 1.44269504088896341f);
@@ -72,7 +72,7 @@ inline float exp_value(float x) {
 }
 inline double exp_value(double x) { return std::exp(x); }
 
-// e^max(x, log(smallest normal) + 1), stable._exp: exp is slow where it returns subnormals, and
+// e^max(x, log(smallest normal) + 1), chunk._exp: exp is slow where it returns subnormals, and
 // such terms are below 1e-37 of a denominator >= 1.
 template <typename T> inline T exp_floored(T x) {
   const T low = T(std::log(double(std::numeric_limits<T>::min())) + 1.0);
@@ -189,7 +189,7 @@ template <typename T> void rotate(T* x, const void* phases, int64_t row, int64_t
   }
 }
 
-// One chunk of one head in the scales of the chunk's first token (stable.py's docstring, 1.-3.).
+// One chunk of one head in the scales of the chunk's first token (chunk.py's docstring, 1.-3.).
 template <typename T> struct Chunk {
   const Call& call;
   int64_t m, length, rows = 0, row = 0;
@@ -222,8 +222,8 @@ template <typename T> struct Chunk {
     for (int64_t i = 0; i < m; i += 2) p[i] = p[i + 1] = max_nan(f[i], f[i + 1]);
   }
 
-  // a: e^(a - F) and R e^(a - P) = R e^(a - F) e^(F - P) (stable._keys); `cap`: a key past
-  // JUMP_LIMIT feeds the state with e^(a - P') instead (stable._run_states), only for states.
+  // a: e^(a - F) and R e^(a - P) = R e^(a - F) e^(F - P) (chunk._keys); `cap`: a key past
+  // JUMP_LIMIT feeds the state with e^(a - P') instead (chunk._run_states), only for states.
   void keys() {
     for (int64_t r = 0; r < rows; ++r)
 #pragma omp simd
@@ -235,7 +235,7 @@ template <typename T> struct Chunk {
     rotate(key_rot.data(), call.phases, row, rows, m, false);
   }
 
-  // b: e^(b + F - Q) and R e^(b + P - Q) (stable._queries, no wide pairs); Q = max_j (b_j + F_j),
+  // b: e^(b + F - Q) and R e^(b + P - Q) (chunk._queries, no wide pairs); Q = max_j (b_j + F_j),
   // or the saved one with `given`.
   void queries(bool given) {
     for (int64_t r = 0; r < rows; ++r) {
@@ -266,7 +266,7 @@ template <typename T> struct Chunk {
   }
 
   // Whether a key passes the chunk's first-token scale by more than JUMP_LIMIT (bit 1: exact rows)
-  // and whether a pair's scales differ by more than PAIR_SPREAD (bit 2: wide), as stable._first_irregular.
+  // and whether a pair's scales differ by more than PAIR_SPREAD (bit 2: wide), as chunk._first_irregular.
   int irregular() const {
     int flags = 0;
     for (int64_t r = 0; r < rows && !(flags & 1); ++r)
@@ -277,7 +277,7 @@ template <typename T> struct Chunk {
     return flags;
   }
 
-  // The state before the next chunk from the state s, z before this one (stable._run_states):
+  // The state before the next chunk from the state s, z before this one (chunk._run_states):
   // regular:  S' = e^(P - P') (R k)^T v + e^(P - P') S,   Z' = e^(F - F') sum_n k + e^(F - F') Z;
   // `capped`: S' = (R e^(a - P'))^T v + e^(P - P') S,     Z' = sum_n e^(a - F') + e^(F - F') Z.
   void next_state(const T* s, const T* z, const T* v, int64_t ldv, int64_t dv, bool capped, T* s_next, T* z_next) {
@@ -326,7 +326,7 @@ template <typename T> std::vector<Workspace<T>> workspaces(const Call& c) {
 }
 
 // F at the next chunk's first token, from this chunk's F and its keys (rows x M): the max of every key
-// up to this chunk's last and of that token (stable.py's `feat`); after the last chunk, of every key.
+// up to this chunk's last and of that token (chunk.py's `feat`); after the last chunk, of every key.
 template <typename T> void write_next_scale(const Call& c, int64_t head, int64_t chunk, const T* keys, int64_t rows,
                                             T* first) {
   T* f_next = static_cast<T*>(c.feat) + (head * (chunk_count(c) + 1) + chunk + 1) * c.m;
@@ -341,8 +341,8 @@ template <typename T> void write_next_scale(const Call& c, int64_t head, int64_t
 }
 
 // Forward over chunks [start, end) of every head.  Stops at the first irregular chunk: its outputs
-// are then its regular values (rows before a jump keep them, stable._irregular_chunk), its flags
-// are set and the state is the one before it, for stable.py to take it from there.  Returns that
+// are then its regular values (rows before a jump keep them, chunk._irregular_chunk), its flags
+// are set and the state is the one before it, for chunk.py to take it from there.  Returns that
 // chunk, or end.  Every state_group-th chunk's state before it goes to `saved`.
 template <typename T>
 int64_t forward(const Call& c, int64_t start, int64_t end, T* state, T* key_sum, T* out, T* den, T* query_scale,
@@ -450,8 +450,8 @@ void states(const Call& c, int64_t lo, int64_t hi, const std::int32_t* flags, co
   }
 }
 
-// Backward (stable.py 4.) from chunk hi down to lo, stopping at an irregular chunk (left to
-// stable.py) or below lo; returns that chunk, or lo - 1.  states, sums: the states before each chunk
+// Backward (chunk.py 4.) from chunk hi down to lo, stopping at an irregular chunk (left to
+// chunk.py) or below lo; returns that chunk, or lo - 1.  states, sums: the states before each chunk
 // of [first, first + count) (B H, count, .), from `states`.  later, later_sum: d loss / d S and
 // d loss / d Z after chunk hi, updated to before the last chunk done.
 template <typename T>
