@@ -30,7 +30,7 @@ from .cli import (EXIT_ERROR, EXIT_USAGE, DefaultsFormatter, Parser, UsageError,
                   pre_parse_imports)
 from .lm import ByteLM, bits_per_byte
 from .ngram import format_reference, reference_bpc
-from .runtime import (DTYPES, PRECISIONS, autocast, decode_bytes, encode_text, keep_freed_memory, resolve_device,
+from .runtime import (DTYPES, autocast, decode_bytes, encode_text, keep_freed_memory, resolve_device,
                       resolve_dtype, summed_loss)
 
 
