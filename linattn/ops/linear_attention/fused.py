@@ -43,20 +43,17 @@ hands back d b = d q_num q_num + d q_den q_den (zero where capped), likewise d a
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
-from ...rotary import DEFAULT_BASE, rotary_angles
-from .backends import interpreting
+from ...rotary import DEFAULT_BASE
 from . import stable
 from .common import LogProjection, divide
 from .recurrent import LinearState
+from .triton_common import (angle_table, check_grid, check_interpreter_unchanged, common_dtype,
+                            dot_settings, launch_fitting, mm, phases, rotate, store, tile, tile_size)
 
-INTERPRETED = interpreting()   # fixed when the kernels below are decorated
 CHUNK = 64            # tokens per step of the scan (BT)
 # Tiles measured on an H100 (b=1, h=8, M=256, Dv=64, fp32 fwd+bwd, N=4096 and 65536): BK=32 was
 # 1.7-2.4x faster than BK=64 (twice the programs); BV=16 gained nothing over 32 and costs one
@@ -75,47 +72,8 @@ LOG_BACKWARD_STAGES = 2
 # level 1 64 KB on sm_86 (RTX 30xx/40xx, A10, L4: 99 KB) but 68 KB on sm_75; level 2 49 KB on sm_75
 # (T4: 64 KB).
 TILE_LEVELS = ((FEATURE_TILE, VALUE_TILE, None), (FEATURE_TILE, MIN_VALUE_TILE, 1), (16, 16, 1))
-TWO_PI = 2 * math.pi
-MAX_GRID_Z = 65_535   # CUDA's limit on a grid's third dimension, which holds batch x heads
 JUMP_LIMIT = tl.constexpr(stable.JUMP_LIMIT)          # the log-space limits of stable.py, for the kernels
 NUMERATOR_CAP = tl.constexpr(stable.NUMERATOR_CAP)
-
-
-@triton.jit
-def _rotate(x, cos, sin, BT: tl.constexpr, BK: tl.constexpr):
-    """Multiply each pair (2i, 2i+1) of the (BT, BK) tile x by cos + i sin, of shape (BT, BK/2)."""
-    even, odd = tl.split(tl.reshape(x, (BT, BK // 2, 2)))
-    return tl.reshape(tl.join(even * cos - odd * sin, odd * cos + even * sin), (BT, BK))
-
-
-@triton.jit
-def _phases(turns_ptr, first, i_k, HALF, BT: tl.constexpr, BK: tl.constexpr):
-    """cos and sin of rows first..first+BT-1 (positions offset + row) for the feature pairs of tile
-    i_k; the table holds theta / 2pi, then offset * theta / 2pi mod 1 (both float64)."""
-    pairs = i_k * (BK // 2) + tl.arange(0, BK // 2)
-    turns = tl.load(turns_ptr + pairs, mask=pairs < HALF, other=0.0)
-    start = tl.load(turns_ptr + HALF + pairs, mask=pairs < HALF, other=0.0)
-    row = (first + tl.arange(0, BT)).to(tl.float64)
-    turn = start[None, :] + row[:, None] * turns[None, :]
-    angle = (turn - tl.floor(turn)).to(tl.float32) * 6.283185307179586
-    return tl.cos(angle), tl.sin(angle)
-
-
-@triton.jit
-def _tile(ptr, rows, cols, n_rows, n_cols, stride):
-    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    return tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _store(ptr, value, rows, cols, row_mask, n_cols, stride):
-    mask = row_mask[:, None] & (cols < n_cols)[None, :]
-    tl.store(ptr + rows[:, None] * stride + cols[None, :], value.to(ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _mm(a, b, DOT: tl.constexpr, PRECISION: tl.constexpr):
-    return tl.dot(a.to(DOT), b.to(DOT), input_precision=PRECISION, out_dtype=tl.float32)
 
 
 @triton.jit
@@ -129,7 +87,7 @@ def _pair_max(x, R: tl.constexpr, BK: tl.constexpr):
 @triton.jit
 def _scales(f_ptr, row, k_cols, N, M, BK: tl.constexpr, ROTARY: tl.constexpr):
     """F (the running max of the key log-features) and P (its pair max), (1, BK), at `row`."""
-    f = _tile(f_ptr, row + tl.arange(0, 1), k_cols, N, M, M)
+    f = tile(f_ptr, row + tl.arange(0, 1), k_cols, N, M, M)
     p = f
     if ROTARY:
         p = _pair_max(f, 1, BK)
@@ -157,13 +115,13 @@ def _factors(q_ptr, k_ptr, f_ptr, qs_ptr, rows, k_cols, f_s, p_s, N, M,
     are their own factors.  Log-features (stable.py) are scaled by (f_s, p_s), the running maxima at
     a past position, and by each row's own Q; the numerator query's cap is measured against the
     row's own pair scale, so it acts at the same place whatever the chunking."""
-    q = _tile(q_ptr, rows, k_cols, N, M, M)
-    k = _tile(k_ptr, rows, k_cols, N, M, M)
+    q = tile(q_ptr, rows, k_cols, N, M, M)
+    k = tile(k_ptr, rows, k_cols, N, M, M)
     if not LOG:
         return q, q, k, k, q, k, k
     live = (rows < N)[:, None] & (k_cols < M)[None, :]
     q_scale = tl.load(qs_ptr + rows, mask=rows < N, other=0.0)[:, None]
-    p_own = _tile(f_ptr, rows, k_cols, N, M, M)
+    p_own = tile(f_ptr, rows, k_cols, N, M, M)
     if ROTARY:
         p_own = _pair_max(p_own, BT, BK)
     # (b - Q) + F, not (b + F) - Q: at |b|, |F| in the thousands both steps of the former are
@@ -190,9 +148,9 @@ def _token(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, turns_ptr, row, i_k, k_cols, v_co
     sin = tl.zeros((1, BK // 2), tl.float32)
     q_rot, k_rot = q_num, k_num
     if ROTARY:
-        cos, sin = _phases(turns_ptr, row, i_k, M // 2, 1, BK)
-        q_rot, k_rot = _rotate(q_num, cos, sin, 1, BK), _rotate(k_num, cos, sin, 1, BK)
-    v = _tile(v_ptr, rows, v_cols, N, DV, DV)
+        cos, sin = phases(turns_ptr, row, i_k, M // 2, 1, BK)
+        q_rot, k_rot = rotate(q_num, cos, sin, 1, BK), rotate(k_num, cos, sin, 1, BK)
+    v = tile(v_ptr, rows, v_cols, N, DV, DV)
     return rows, f, p, q_rot, q_den, k_rot, k_den, q_grad, k_num_grad, k_den_grad, v, cos, sin
 
 
@@ -217,18 +175,18 @@ def _tokens_forward(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, ou
             k_sum += tl.reshape(k_den, (BK,))
             if tl.load(exact_ptr + row) != 0:
                 if GRAD:
-                    g = _tile(dnum_ptr, rows, v_cols, N, DV, DV)
+                    g = tile(dnum_ptr, rows, v_cols, N, DV, DV)
                     g_den = tl.load(dden_ptr + rows)
                     d_rot = tl.reshape(tl.sum(state * g, axis=1), (1, BK))
                     if ROTARY:
-                        d_rot = _rotate(d_rot, cos, -sin, 1, BK)
+                        d_rot = rotate(d_rot, cos, -sin, 1, BK)
                     dq = d_rot * q_grad
                     if i_v == 0:
                         dq += g_den[:, None] * k_sum[None, :] * q_den
-                    _store(out_ptr, dq, rows, k_cols, rows < N, M, M)
+                    store(out_ptr, dq, rows, k_cols, rows < N, M, M)
                 else:
                     num = tl.reshape(tl.sum(tl.trans(q_rot) * state, axis=0), (1, BV))
-                    _store(out_ptr, num, rows, v_cols, rows < N, DV, DV)
+                    store(out_ptr, num, rows, v_cols, rows < N, DV, DV)
                     if i_v == 0:
                         tl.store(den_ptr + rows, tl.sum(q_den * k_sum[None, :], axis=1))
     return state, k_sum, f_ref, p_ref
@@ -255,12 +213,12 @@ def _tokens_backward(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, d
                 q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, turns_ptr, row, i_k, k_cols, v_cols, N, M,
                 DV, BK, ROTARY)
             if tl.load(exact_ptr + row) != 0:
-                g = _tile(dnum_ptr, rows, v_cols, N, DV, DV)
+                g = tile(dnum_ptr, rows, v_cols, N, DV, DV)
                 d_state += tl.trans(q_rot) * g
                 dq_sum += tl.reshape(tl.load(dden_ptr + rows)[:, None] * q_den, (BK,))
             dk_rot = tl.reshape(tl.sum(d_state * v, axis=1), (1, BK))
             if ROTARY:
-                dk_rot = _rotate(dk_rot, cos, -sin, 1, BK)
+                dk_rot = rotate(dk_rot, cos, -sin, 1, BK)
             dk = dk_rot * k_num_grad
             if i_v == 0:
                 dk += dq_sum[None, :] * k_den_grad
@@ -301,7 +259,7 @@ def _state_after_chunk(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr,
             state, k_sum, f_ref, p_ref, first, i_k, i_v, k_cols, v_cols, N, M, DV, BT, BK, BV,
             ROTARY, GRAD)
     else:
-        state += _mm(tl.trans(k_rot), v, DOT, PRECISION)
+        state += mm(tl.trans(k_rot), v, DOT, PRECISION)
         k_sum += tl.sum(k_den, axis=0)
     return state, k_sum, f_ref, p_ref
 
@@ -339,12 +297,12 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, nu
             rows = t * BT + within
             _qn, _qd, k_num, k_den, _qg, _kng, _kdg = _factors(q_ptr, k_ptr, f_ptr, qs_ptr, rows, k_cols,
                                                               f_ref, p_ref, N, M, BT, BK, ROTARY, LOG)
-            v = _tile(v_ptr, rows, v_cols, N, DV, DV)
+            v = tile(v_ptr, rows, v_cols, N, DV, DV)
             k_rot = k_num
             if ROTARY:
-                cos, sin = _phases(turns_ptr, t * BT, i_k, M // 2, BT, BK)
-                k_rot = _rotate(k_num, cos, sin, BT, BK)
-            state += _mm(tl.trans(k_rot), v, DOT, PRECISION)
+                cos, sin = phases(turns_ptr, t * BT, i_k, M // 2, BT, BK)
+                k_rot = rotate(k_num, cos, sin, BT, BK)
+            state += mm(tl.trans(k_rot), v, DOT, PRECISION)
             k_sum += tl.sum(k_den, axis=0)
     for t in range(0, n_chunks):
         first = t * BT
@@ -357,23 +315,23 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, nu
                                                               f_ref, p_ref, N, M, BT, BK, ROTARY, LOG)
         q_rot = q_num
         if ROTARY:
-            cos, sin = _phases(turns_ptr, first, i_k, M // 2, BT, BK)
-            q_rot = _rotate(q_num, cos, sin, BT, BK)
+            cos, sin = phases(turns_ptr, first, i_k, M // 2, BT, BK)
+            q_rot = rotate(q_num, cos, sin, BT, BK)
         written = rows < N
         if CAUSAL:
-            v = _tile(v_ptr, rows, v_cols, N, DV, DV)
+            v = tile(v_ptr, rows, v_cols, N, DV, DV)
             k_rot = k_num
             if ROTARY:
-                k_rot = _rotate(k_num, cos, sin, BT, BK)
-            scores = tl.where(causal_mask, _mm(q_rot, tl.trans(k_rot), DOT, PRECISION), 0.0)
-            num = _mm(scores, v, DOT, PRECISION) + _mm(q_rot, state, DOT, PRECISION)
+                k_rot = rotate(k_num, cos, sin, BT, BK)
+            scores = tl.where(causal_mask, mm(q_rot, tl.trans(k_rot), DOT, PRECISION), 0.0)
+            num = mm(scores, v, DOT, PRECISION) + mm(q_rot, state, DOT, PRECISION)
             den = tl.sum(q_den * (tl.cumsum(k_den, axis=0) + k_sum[None, :]), axis=1)
             if LOG:
                 written = _chunk_form_rows(exact_ptr, rows, N)
         else:
-            num = _mm(q_rot, state, DOT, PRECISION)
+            num = mm(q_rot, state, DOT, PRECISION)
             den = tl.sum(q_den * k_sum[None, :], axis=1)
-        _store(num_ptr, num, rows, v_cols, written, DV, DV)
+        store(num_ptr, num, rows, v_cols, written, DV, DV)
         if i_v == 0:
             tl.store(den_ptr + rows, den, mask=written)
         if CAUSAL:
@@ -385,7 +343,7 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, nu
         if LOG:   # hand the state over at the last token's own scales, as the recurrent step keeps it
             f_last, p_last = _scales(f_ptr, N - 1, k_cols, N, M, BK, ROTARY)
             state, k_sum = _decay(state, k_sum, f_ref, p_ref, f_last, p_last, BK)
-        _store(kv_ptr + i_bh * M * DV, state, k_cols, v_cols, k_cols < M, DV, DV)
+        store(kv_ptr + i_bh * M * DV, state, k_cols, v_cols, k_cols < M, DV, DV)
         if i_v == 0:
             tl.store(ksum_ptr + i_bh * M + k_cols, k_sum, mask=k_cols < M)
 
@@ -399,15 +357,15 @@ def _backward_chunk(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, dnum_ptr, dden_ptr, turn
     rows = first + tl.arange(0, BT)
     q_num, q_den, k_num, k_den, q_grad, k_num_grad, k_den_grad = _factors(
         q_ptr, k_ptr, f_ptr, qs_ptr, rows, k_cols, f_s, p_s, N, M, BT, BK, ROTARY, LOG)
-    v = _tile(v_ptr, rows, v_cols, N, DV, DV)
-    g_num = _tile(dnum_ptr, rows, v_cols, N, DV, DV)
+    v = tile(v_ptr, rows, v_cols, N, DV, DV)
+    g_num = tile(dnum_ptr, rows, v_cols, N, DV, DV)
     g_den = tl.load(dden_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
     cos = tl.full((BT, BK // 2), 1.0, tl.float32)
     sin = tl.zeros((BT, BK // 2), tl.float32)
     q_rot, k_rot = q_num, k_num
     if ROTARY:
-        cos, sin = _phases(turns_ptr, first, i_k, M // 2, BT, BK)
-        q_rot, k_rot = _rotate(q_num, cos, sin, BT, BK), _rotate(k_num, cos, sin, BT, BK)
+        cos, sin = phases(turns_ptr, first, i_k, M // 2, BT, BK)
+        q_rot, k_rot = rotate(q_num, cos, sin, BT, BK), rotate(k_num, cos, sin, BT, BK)
     return (rows, q_den, k_den, q_grad, k_num_grad, k_den_grad, v, g_num, g_den, q_rot, k_rot, cos, sin)
 
 
@@ -419,7 +377,7 @@ def _by_log_feature(d_rot, cos, sin, d_den, factor_grad, den_factor, first_value
     for log-features (d x = d factor * factor, zero where capped)."""
     d = d_rot
     if ROTARY:
-        d = _rotate(d_rot, cos, -sin, BT, BK)
+        d = rotate(d_rot, cos, -sin, BT, BK)
     if LOG:
         d = d * factor_grad
         if first_value_tile:
@@ -474,22 +432,22 @@ def _backward_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, dnum_ptr, dd
             q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, dnum_ptr, dden_ptr, turns_ptr, first, f_ref, p_ref,
             i_k, k_cols, v_cols, N, M, DV, BT, BK, ROTARY, LOG)
         if CAUSAL:
-            d_scores = tl.where(causal_mask, _mm(g_num, tl.trans(v), DOT, PRECISION), 0.0)
-            dq_rot = _mm(d_scores, k_rot, DOT, PRECISION) + _mm(g_num, tl.trans(state), DOT, PRECISION)
+            d_scores = tl.where(causal_mask, mm(g_num, tl.trans(v), DOT, PRECISION), 0.0)
+            dq_rot = mm(d_scores, k_rot, DOT, PRECISION) + mm(g_num, tl.trans(state), DOT, PRECISION)
             dq = _by_log_feature(dq_rot, cos, sin, g_den[:, None] * (tl.cumsum(k_den, axis=0) + k_sum[None, :]),
                                  q_grad, q_den, first_value_tile, BT, BK, ROTARY, LOG)
             written = rows < N
             if LOG:
                 written = _chunk_form_rows(exact_ptr, rows, N)
-            _store(dq_ptr, dq, rows, k_cols, written, M, M)
+            store(dq_ptr, dq, rows, k_cols, written, M, M)
             state, k_sum, f_ref, p_ref = _state_after_chunk(
                 q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, turns_ptr, dq_ptr, dden_ptr, dnum_ptr, dden_ptr,
                 state, k_sum, f_ref, p_ref, k_rot, v, k_den, first, i_k, i_v, k_cols, v_cols, N, M, DV,
                 BT, BK, BV, ROTARY, LOG, True, DOT, PRECISION)
         else:
-            d_state += _mm(tl.trans(q_rot), g_num, DOT, PRECISION)
+            d_state += mm(tl.trans(q_rot), g_num, DOT, PRECISION)
             dq_sum += tl.sum(g_den[:, None] * q_den, axis=0)
-            state += _mm(tl.trans(k_rot), v, DOT, PRECISION)
+            state += mm(tl.trans(k_rot), v, DOT, PRECISION)
             k_sum += tl.sum(k_den, axis=0)
 
     # Pass 2: backward in time for causal (dS, dz of the chunks after); any order otherwise.
@@ -528,65 +486,39 @@ def _backward_kernel(q_ptr, k_ptr, v_ptr, f_ptr, qs_ptr, exact_ptr, dnum_ptr, dd
                 chunk_form = _chunk_form_rows(exact_ptr, rows, N)
                 g_num = tl.where(chunk_form[:, None], g_num, 0.0)
                 g_den = tl.where(chunk_form, g_den, 0.0)
-            scores = tl.where(causal_mask, _mm(q_rot, tl.trans(k_rot), DOT, PRECISION), 0.0)
-            d_scores = tl.where(causal_mask, _mm(g_num, tl.trans(v), DOT, PRECISION), 0.0)
+            scores = tl.where(causal_mask, mm(q_rot, tl.trans(k_rot), DOT, PRECISION), 0.0)
+            d_scores = tl.where(causal_mask, mm(g_num, tl.trans(v), DOT, PRECISION), 0.0)
             g_q = g_den[:, None] * q_den
-            dk_rot = _mm(v, tl.trans(carried), DOT, PRECISION) + _mm(tl.trans(d_scores), q_rot, DOT, PRECISION)
-            dv = _mm(k_rot, carried, DOT, PRECISION) + _mm(tl.trans(scores), g_num, DOT, PRECISION) + dv_tokens
+            dk_rot = mm(v, tl.trans(carried), DOT, PRECISION) + mm(tl.trans(d_scores), q_rot, DOT, PRECISION)
+            dv = mm(k_rot, carried, DOT, PRECISION) + mm(tl.trans(scores), g_num, DOT, PRECISION) + dv_tokens
             dk = _by_log_feature(dk_rot, cos, sin, tl.cumsum(g_q, axis=0, reverse=True) + carried_sum[None, :],
                                  k_num_grad, k_den_grad, first_value_tile, BT, BK, ROTARY, LOG) + dk_tokens
-            d_state += _mm(tl.trans(q_rot), g_num, DOT, PRECISION)
+            d_state += mm(tl.trans(q_rot), g_num, DOT, PRECISION)
             dq_sum += tl.sum(g_q, axis=0)
             f_ref, p_ref = f_s, p_s
         else:
-            dq_rot = _mm(g_num, tl.trans(state), DOT, PRECISION)
+            dq_rot = mm(g_num, tl.trans(state), DOT, PRECISION)
             dq = _by_log_feature(dq_rot, cos, sin, g_den[:, None] * k_sum[None, :], q_grad, q_den,
                                  first_value_tile, BT, BK, ROTARY, LOG)
-            _store(dq_ptr, dq, rows, k_cols, rows < N, M, M)
-            dk = _by_log_feature(_mm(v, tl.trans(d_state), DOT, PRECISION), cos, sin,
+            store(dq_ptr, dq, rows, k_cols, rows < N, M, M)
+            dk = _by_log_feature(mm(v, tl.trans(d_state), DOT, PRECISION), cos, sin,
                                  tl.zeros((BT, BK), dtype=tl.float32) + dq_sum[None, :], k_num_grad, k_den_grad,
                                  first_value_tile, BT, BK, ROTARY, LOG)
-            dv = _mm(k_rot, d_state, DOT, PRECISION)
-        _store(dk_ptr, dk, rows, k_cols, rows < N, M, M)
-        _store(dv_ptr, dv, rows, v_cols, rows < N, DV, DV)
+            dv = mm(k_rot, d_state, DOT, PRECISION)
+        store(dk_ptr, dk, rows, k_cols, rows < N, M, M)
+        store(dv_ptr, dv, rows, v_cols, rows < N, DV, DV)
 
 
-def _tile_size(dim: int, largest: int) -> int:
-    """Power-of-two tile of at least 16 (tl.dot's minimum) and at most `largest`."""
-    return min(largest, max(16, triton.next_power_of_2(dim)))
-
-
-def _value_tile(dv: int, programs_per_value_tile: int, device: torch.device, largest: int) -> int:
+def _valuetile(dv: int, programs_per_value_tile: int, device: torch.device, largest: int) -> int:
     """Each program scans the whole sequence, so a grid of fewer programs than the GPU has SMs
     leaves most of it idle (b=1, h=8, M=256 gives 32): narrow the value tile until it fills them."""
-    tile = _tile_size(dv, largest)
+    tile = tile_size(dv, largest)
     if device.type != "cuda":
         return tile
     processors = torch.cuda.get_device_properties(device).multi_processor_count
     while tile > MIN_VALUE_TILE and programs_per_value_tile * triton.cdiv(dv, tile) < processors:
         tile //= 2
     return tile
-
-
-def _dot_settings(dtype: torch.dtype):
-    """bf16 inputs multiply in bf16.  Everything else multiplies as float32 on tensor cores, as
-    3xTF32 (split operands: about float32 accuracy at a fraction of plain float32's cost): fp16 too,
-    since the float32 state and scores cast to fp16 overflow past 65504 (bf16 keeps float32's
-    range).  In the interpreter bf16 multiplies as float32 as well: triton 3.7's interpreted bf16
-    tl.dot is wrong (off by 1e8 on a 16 x 16 product).  Plain TF32 is not offered: with triton 3.6
-    on an H100 the backward kernel failed to compile with it (TritonGPUOptimizeDotOperands), and
-    3xTF32 was already 5-13x faster than plain float32 there."""
-    if dtype == torch.bfloat16 and not INTERPRETED:
-        return tl.bfloat16, "ieee"
-    return tl.float32, "tf32x3"
-
-
-def _turns(half: int, base: float, offset: int, device) -> torch.Tensor:
-    """The kernels' angle table (2 * half,) in float64: theta_i / 2pi = base^(-2i/M) / 2pi, then the
-    offset's turns offset * theta_i / 2pi mod 1, reduced exactly by rotary_angles."""
-    turns = base ** (-torch.arange(half, dtype=torch.float64) / half) / TWO_PI
-    start = rotary_angles(1, 2 * half, offset=offset, base=base)[0] / TWO_PI
-    return torch.cat([turns, start - start.floor()]).to(device)
 
 
 def _reduce(partials: torch.Tensor) -> torch.Tensor:
@@ -603,16 +535,14 @@ class _Launch:
         feature_tile, value_tile, stages = TILE_LEVELS[level]
         self.level, self.turns = level, turns
         self.batch_heads, self.n, self.m = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
-        if self.batch_heads > MAX_GRID_Z:
-            raise ValueError(f"backend='triton' takes at most {MAX_GRID_Z:,} batch x heads per call (CUDA's "
-                             f"grid limit), got {q.shape[0]} x {q.shape[1]}; split the batch or use backend='torch'")
+        check_grid(q.shape[0], q.shape[1])
         self.dv = v.shape[-1]
-        self.bk = _tile_size(self.m, feature_tile)
+        self.bk = tile_size(self.m, feature_tile)
         self.n_k = triton.cdiv(self.m, self.bk)
-        self.bv = _value_tile(self.dv, self.batch_heads * self.n_k, q.device, value_tile)
+        self.bv = _valuetile(self.dv, self.batch_heads * self.n_k, q.device, value_tile)
         self.n_v = triton.cdiv(self.dv, self.bv)
         self.causal, self.rotary = causal, rotary
-        self.dot, self.precision = _dot_settings(q.dtype)
+        self.dot, self.precision = dot_settings(q.dtype)
         stages = pipelining_stages(level, backward=backward, log=log, causal=causal)
         self.stages = {} if stages is None else {"num_stages": stages}
 
@@ -634,23 +564,9 @@ _FITTING_LEVEL: dict = {}   # (kernel and mode, device, dtype) -> the first leve
 
 
 def _launch_fitting(mode: tuple, q: torch.Tensor, run_at_level):
-    """run_at_level(level) launches a kernel with TILE_LEVELS[level]'s tiles and returns its outputs.
-    Triton raises OutOfResources when the compiled kernel needs more shared memory than the GPU
-    has per block (level 0 needs up to 206 KB, sized for an H100; an RTX 30xx or L4 has 99 KB):
-    then the next level is tried, and the one that fits is remembered for this device and mode."""
-    key = (mode, q.device, q.dtype)   # mode: (kernel, causal, rotary, log)
-    level = _FITTING_LEVEL.get(key, 0)
-    while True:
-        try:
-            result = run_at_level(level)
-        except OutOfResources as error:
-            if level + 1 == len(TILE_LEVELS):
-                raise RuntimeError(f"linattn's {mode[0]} kernel does not fit this GPU even with its smallest "
-                                   f"tiles ({error}); use backend='torch'") from None
-            level += 1
-            continue
-        _FITTING_LEVEL[key] = level
-        return result
+    """triton_common.launch_fitting for a kernel of `mode` (kernel, causal, rotary, log) on q's device
+    and dtype (level 0 needs up to 206 KB, sized for an H100)."""
+    return launch_fitting(_FITTING_LEVEL, (mode, q.device, q.dtype), len(TILE_LEVELS), run_at_level, mode[0])
 
 
 def _log_scales(b: torch.Tensor, a: torch.Tensor, causal: bool):
@@ -717,19 +633,9 @@ class _FusedLinearAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-def _common_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    dtypes = {t.dtype for t in tensors}
-    if torch.float64 in dtypes:
-        raise ValueError("backend='triton' computes in float32 (bf16/fp16 inputs multiply in their own "
-                         "type); for float64 use backend='torch'")
-    return dtypes.pop() if len(dtypes) == 1 else torch.float32
-
-
 def _attend(q, k, v, dtype, *, causal, rotary, offset, rope_base, return_state, log):
-    if interpreting() != INTERPRETED:
-        raise RuntimeError(f"TRITON_INTERPRET was {'on' if INTERPRETED else 'off'} when linattn's kernels were "
-                           "imported and has changed since; set it before the first triton call")
-    turns = _turns(max(q.shape[-1] // 2, 1), float(rope_base), offset if rotary else 0, q.device)
+    check_interpreter_unchanged()
+    turns = angle_table(max(q.shape[-1] // 2, 1), float(rope_base), offset if rotary else 0, q.device)
     with torch.autocast(q.device.type, enabled=False):
         q_c, k_c, v_c = (t.to(dtype).contiguous() for t in (q, k, v))
         num, den, kv, k_sum = _FusedLinearAttention.apply(q_c, k_c, v_c, causal, rotary, turns, return_state, log)
@@ -746,7 +652,7 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
                      return_state: bool = False):
     """Eq. 19 with the fused kernels; the same call and results as the torch backend.  Called by
     `linattn.functional.linear_attention`, which has checked the inputs."""
-    return _attend(phi_q, phi_k, v, _common_dtype(phi_q, phi_k, v), causal=causal, rotary=rotary,
+    return _attend(phi_q, phi_k, v, common_dtype(phi_q, phi_k, v), causal=causal, rotary=rotary,
                    offset=offset, rope_base=rope_base, return_state=return_state, log=False)
 
 
@@ -757,6 +663,6 @@ def log_linear_attention(b, a, v: torch.Tensor, *, causal: bool, rotary: bool, o
     stable.py, in float32 whatever the input dtype: log-features need float32's range and
     precision.  The returned state carries F, as the torch backend's."""
     b, a = (x.materialize() if isinstance(x, LogProjection) else x for x in (b, a))
-    _common_dtype(b, a, v)
+    common_dtype(b, a, v)
     return _attend(b, a, v, torch.float32, causal=causal, rotary=rotary, offset=offset,
                    rope_base=rope_base, return_state=return_state, log=True)

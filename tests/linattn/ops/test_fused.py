@@ -346,7 +346,7 @@ def test_a_launch_that_does_not_fit_takes_the_next_tile_level_and_remembers_it(m
 
     def never(level):
         raise OutOfResources(140_000, 1_000, "shared memory")
-    with pytest.raises(RuntimeError, match="does not fit this GPU even with its smallest tiles.*backend='torch'"):
+    with pytest.raises(RuntimeError, match="backward kernels do not fit this GPU even with their smallest tiles.*backend='torch'"):
         fused_module._launch_fitting(("backward", True, True, True), q, never)
 
 
