@@ -94,9 +94,9 @@ def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rot
     resolved = backends.resolve(backend, v.device, float64=float64, cpp_kernel_runs=log_space and causal)
     chunk_size = max(1, min(chunk_size, v.shape[-2]))   # a short sequence is one chunk, unpadded
     if log_space and resolved == "triton" and v.shape[-2] > 0:
-        from .ops.linear_attention import fused
-        return fused.log_linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset,
-                                          rope_base=rope_base, return_state=return_state)
+        from .ops.linear_attention import log_chunk_parallel
+        return log_chunk_parallel.log_linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset,
+                                                       rope_base=rope_base, return_state=return_state)
     if log_space:   # log-features: the stabilised algorithm of stable.py, in torch ops
         return log_linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset,
                                     base=rope_base, chunk_size=chunk_size, return_state=return_state,
@@ -109,7 +109,7 @@ def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rot
         b, h, _, m = phi_q.shape
         state = initial_state(b, h, m, v.shape[-1], device=v.device, dtype=compute_dtype(phi_q, phi_k, v))
         return v.clone(), state._replace(position=offset)
-    if resolved == "triton":   # plain features: the chunk-parallel kernels (log space: fused.py's, above)
+    if resolved == "triton":   # plain features: the chunk-parallel kernels (log space: log_chunk_parallel.py's, above)
         from .ops.linear_attention import chunk_parallel
         return chunk_parallel.linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset,
                                                rope_base=rope_base, return_state=return_state)
