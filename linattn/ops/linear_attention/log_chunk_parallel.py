@@ -233,7 +233,7 @@ def _output_kernel(b_ptr, a_ptr, v_ptr, f_ptr, p_ptr, q_ptr, turns_ptr, h_ptr, z
     rows = first + tl.arange(0, BC)
     chunk_rows = t * BT + tl.arange(0, BT)
     v_cols = i_v * BV + tl.arange(0, BV)
-    ref, _ = _chunk_frames(t, N, BT)
+    ref, _end = _chunk_frames(t, N, BT)
     num = tl.zeros((BC, BV), dtype=tl.float32)
     den = tl.zeros((BC,), dtype=tl.float32)
     earlier = tl.zeros((BC, BT), dtype=tl.float32)    # scores with the chunk's keys before the sub-chunk
@@ -356,7 +356,7 @@ def _dq_kernel(b_ptr, a_ptr, v_ptr, f_ptr, p_ptr, q_ptr, g_ptr, gd_ptr, turns_pt
     live = (rows < N)[:, None] & (k_cols < M)[None, :]
     gd = tl.load(gd_ptr + rows, mask=rows < N, other=0.0)[:, None]
     shift, p_own, uncapped = _query_logs(b_ptr, p_ptr, q_ptr, rows, k_cols, N, M)
-    ref, _ = _chunk_frames(t, N, BT)
+    ref, _end = _chunk_frames(t, N, BT)
     x_num, x_den = _query_factors(shift, p_own, uncapped, f_ptr, p_ptr, ref, k_cols, rows < N, M)
     if ROTARY:
         cos, sin = phases(turns_ptr, first, i_k, M // 2, BC, BK)
@@ -429,7 +429,7 @@ def _dk_kernel(b_ptr, a_ptr, v_ptr, f_ptr, p_ptr, q_ptr, g_ptr, gd_ptr, turns_pt
         if CAUSAL:
             d_later += mm(v, tl.trans(tile(g_ptr, chunk_rows, v_cols, N, DV, DV)), DOT, PRECISION)
             d_own += mm(v, tl.trans(tile(g_ptr, rows, v_cols, N, DV, DV)), DOT, PRECISION)
-    _, end = _chunk_frames(t, N, BT)
+    _ref, end = _chunk_frames(t, N, BT)
     y_num, y_den = _key_factors(a_ptr, f_ptr, p_ptr, rows, end, k_cols, rows < N, N, M)
     if ROTARY:
         cos, sin = phases(turns_ptr, first, i_k, M // 2, BC, BK)
@@ -492,21 +492,21 @@ def _dv_kernel(b_ptr, a_ptr, f_ptr, p_ptr, q_ptr, g_ptr, turns_ptr, dh_ptr, dv_p
     v_cols = i_v * BV + tl.arange(0, BV)
     last = tl.minimum(first + BC, N) - 1
     later = (chunk_rows > last) & (chunk_rows < N)
-    _, end = _chunk_frames(t, N, BT)
+    _ref, end = _chunk_frames(t, N, BT)
     dv = tl.zeros((BC, BV), dtype=tl.float32)
     later_scores = tl.zeros((BC, BT), dtype=tl.float32)    # [n, m]
     own_scores = tl.zeros((BC, BC), dtype=tl.float32)      # [m, n]
     for i_k in range(tl.cdiv(M, BK)):
         k_cols = i_k * BK + tl.arange(0, BK)
-        y_num, _ = _key_factors(a_ptr, f_ptr, p_ptr, rows, end, k_cols, rows < N, N, M)
+        y_num, _y_den = _key_factors(a_ptr, f_ptr, p_ptr, rows, end, k_cols, rows < N, N, M)
         if ROTARY:
             cos, sin = phases(turns_ptr, first, i_k, M // 2, BC, BK)
             y_num = rotate(y_num, cos, sin, BC, BK)
         dv += mm(y_num, tile(dh_ptr, k_cols, v_cols, M, DV, DV), DOT, PRECISION)
         if CAUSAL:
-            y_num, _ = _key_factors(a_ptr, f_ptr, p_ptr, rows, last, k_cols, rows < N, N, M)
+            y_num, _y_den = _key_factors(a_ptr, f_ptr, p_ptr, rows, last, k_cols, rows < N, N, M)
             shift, p_q, uncapped_q = _query_logs(b_ptr, p_ptr, q_ptr, chunk_rows, k_cols, N, M)
-            x_num, _ = _query_factors(shift, p_q, uncapped_q, f_ptr, p_ptr, last, k_cols, later, M)
+            x_num, _x_den = _query_factors(shift, p_q, uncapped_q, f_ptr, p_ptr, last, k_cols, later, M)
             live = (rows < N)[:, None] & (k_cols < M)[None, :]
             shift, p_own, uncapped = _query_logs(b_ptr, p_ptr, q_ptr, rows, k_cols, N, M)
             x_own, y_own = _own_factors(shift, p_own, uncapped, tile(a_ptr, rows, k_cols, N, M, M), live)

@@ -75,13 +75,45 @@ def main_chunk_parallel(arch: int, level: int, dots: list):
                           "dot": str(dot), "shared": compiled.metadata.shared}), flush=True)
 
 
+LOG_CHUNK_PARALLEL_KERNELS = ("_states_kernel", "_output_kernel", "_dstate_kernel", "_dq_kernel", "_dk_kernel",
+                              "_dv_kernel")
+
+
+def log_chunk_parallel_pointer_types(dot) -> dict:
+    """Values, outputs and dv in the input dtype; per-chunk states in the dots' dtype; log-features,
+    scales, denominators, their gradients and G, gd in float32."""
+    half = "*bf16" if dot == tl.bfloat16 else "*fp32"
+    return {**{name: half for name in ("v_ptr", "out_ptr", "dv_ptr", "h_ptr", "dh_ptr")}, "turns_ptr": "*fp64"}
+
+
+def main_log_chunk_parallel(arch: int, level: int, dots: list):
+    from linattn.ops.linear_attention import log_chunk_parallel as module
+    feature_tile, value_tile = module.TILE_LEVELS[level]
+    for dot, causal, rotary, name in itertools.product(dots, [True, False], [True, False],
+                                                       LOG_CHUNK_PARALLEL_KERNELS):
+        precision = "tf32x3" if dot == tl.float32 else "ieee"
+        constants = dict(BT=module.CHUNK, BK=feature_tile, BV=value_tile, ROTARY=rotary, DOT=dot,
+                         PRECISION=precision)
+        if name == "_states_kernel":
+            constants.update(CHUNKS=causal, STATE=True)
+        else:
+            constants.update(CAUSAL=causal)
+        if name not in ("_states_kernel", "_dstate_kernel"):
+            constants.update(BC=module.SUB_CHUNK)
+        compiled = compile_kernel(getattr(module, name), constants, 3, arch, log_chunk_parallel_pointer_types(dot))
+        print(json.dumps({"arch": arch, "level": level, "kernel": name, "causal": causal, "rotary": rotary,
+                          "dot": str(dot), "shared": compiled.metadata.shared}), flush=True)
+
+
 def main(args: list[str]):
     targets = [tuple(map(int, arg.split(":"))) for arg in args if not arg.startswith("--")] or [(90, 0)]
-    if "--chunk-parallel" in args:
-        dots = [tl.float32] if "--float32" in args else [tl.float32, tl.bfloat16]
-        for arch, level in targets:
-            main_chunk_parallel(arch, level, dots)
-        return
+    dots = [tl.float32] if "--float32" in args else [tl.float32, tl.bfloat16]
+    for flag, compile_at in (("--chunk-parallel", main_chunk_parallel),
+                             ("--log-chunk-parallel", main_log_chunk_parallel)):
+        if flag in args:
+            for arch, level in targets:
+                compile_at(arch, level, dots)
+            return
     which = "all" if "--all" in args else "causal-log" if "--causal-log" in args else "log"
     for (arch, level), (causal, rotary, log, dot) in itertools.product(targets, modes(which)):
         feature_tile, value_tile, _ = fused.TILE_LEVELS[level]
