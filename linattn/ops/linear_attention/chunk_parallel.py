@@ -36,7 +36,7 @@ fp16 inputs multiply as float32 (3xTF32), since the states and scores cast to fp
 Without `causal`, the states kernel sums the whole sequence's S and z (one per batch x head), the
 output pass reads them in every chunk (num = R q S, den = q . z: no scores), the reverse pass sums
 dS and dz over every row, and the gradient kernels read those.  This module covers plain features;
-log-space calls take fused.py's kernels.
+log-space calls take log_chunk_parallel.py's kernels (the same design in gated-linear-attention form).
 """
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
-"""Compile the fused kernels for a GPU on a machine without one and print, per mode, the shared
-memory each needs (JSON lines).  Targets are ARCH:LEVEL (default 90:0, an H100 with the first tile
-level of fused.TILE_LEVELS); modes are the log-space ones (non-causal: rotated only), the causal
-log-space one alone with --causal-log, or every mode with --all; --backward compiles the backward
-kernels only (they need the most shared memory in every mode measured).  The interpreter runs constructs
-the compiler rejects and knows no resource limits; triton's compiler and bundled ptxas need no
-device.  Run by test_fused.py in a subprocess, since TRITON_INTERPRET must be off when the kernels
-are imported.  --chunk-parallel compiles the kernels of chunk_parallel.py instead (targets ARCH:LEVEL of
-chunk_parallel.TILE_LEVELS), every one causal or not, rotated or not, in float32 and bf16 (--float32: float32 only,
-which needs the most shared memory)."""
+"""Compile linattn's Triton kernels for a GPU on a machine without one and print, per kernel and mode,
+the shared memory each needs (JSON lines).  --chunk-parallel compiles those of chunk_parallel.py (plain
+features), --log-chunk-parallel those of log_chunk_parallel.py (log-features); targets are ARCH:LEVEL
+(default 90:0, an H100 with the first of the module's TILE_LEVELS), every kernel causal or not,
+rotated or not, in float32 and bf16 (--float32: float32 only, which needs the most shared memory).
+The interpreter runs constructs the compiler rejects and knows no resource limits; triton's compiler
+and bundled ptxas need no device.  Run by the modules' tests in a subprocess, since TRITON_INTERPRET
+must be off when the kernels are imported."""
 import itertools
 import json
 import os
@@ -20,33 +18,19 @@ import triton.language as tl                       # noqa: E402
 from triton.backends.compiler import GPUTarget     # noqa: E402
 from triton.compiler import ASTSource              # noqa: E402
 
-from linattn.ops.linear_attention import fused     # noqa: E402
 
-POINTER_TYPES = {"exact_ptr": "*i32", "turns_ptr": "*fp64"}
-
-
-def compile_kernel(kernel, constants: dict, num_stages: int, arch: int, pointer_types: dict = POINTER_TYPES):
+def compile_kernel(kernel, constants: dict, num_stages: int, arch: int, pointer_types: dict):
     signature = {name: (pointer_types.get(name, "*fp32") if name.endswith("_ptr") else "i32")
                  for name in kernel.arg_names if name not in constants}
     signature.update({name: "constexpr" for name in constants})
     constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
-    # As a launch with aligned pointers and M, Dv multiples of 16 specialises (N is
-    # do_not_specialize): those are the tiles that need the most shared memory.
+    # As a launch with aligned pointers and M, Dv multiples of 16 specialises: those are the tiles that
+    # need the most shared memory.
     aligned = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in signature
                if signature[name] != "constexpr" and name != "N"}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": 4, "num_stages": num_stages})
-
-
-def modes(which: str):
-    every = [(causal, rotary, log, dot)
-             for causal, rotary, log in itertools.product([True, False], [True, False], [True, False])
-             for dot in ([tl.float32] if log else [tl.float32, tl.bfloat16])]
-    keep = {"all": lambda causal, rotary, log: True,
-            "log": lambda causal, rotary, log: log and (causal or rotary),
-            "causal-log": lambda causal, rotary, log: log and causal and rotary}[which]
-    return [mode for mode in every if keep(*mode[:3])]
 
 
 CHUNK_PARALLEL_KERNELS = ("_states_kernel", "_output_kernel", "_dstate_kernel", "_dqk_kernel", "_dv_kernel")
@@ -114,19 +98,7 @@ def main(args: list[str]):
             for arch, level in targets:
                 compile_at(arch, level, dots)
             return
-    which = "all" if "--all" in args else "causal-log" if "--causal-log" in args else "log"
-    for (arch, level), (causal, rotary, log, dot) in itertools.product(targets, modes(which)):
-        feature_tile, value_tile, _ = fused.TILE_LEVELS[level]
-        precision = "tf32x3" if dot == tl.float32 else "ieee"
-        constants = dict(BT=fused.CHUNK, BK=feature_tile, BV=value_tile, CAUSAL=causal,
-                         ROTARY=rotary, LOG=log, DOT=dot, PRECISION=precision)
-        kernels = [(fused._forward_kernel, {"STATE": True}, False), (fused._backward_kernel, {}, True)]
-        for kernel, extra, backward in kernels[1:] if "--backward" in args else kernels:
-            stages = fused.pipelining_stages(level, backward=backward, log=log, causal=causal) or 3
-            compiled = compile_kernel(kernel, {**constants, **extra}, stages, arch)
-            print(json.dumps({"arch": arch, "level": level, "kernel": kernel.fn.__name__, "causal": causal,
-                              "rotary": rotary, "log": log, "dot": str(dot), "shared": compiled.metadata.shared}),
-                  flush=True)
+    raise SystemExit("name the kernels: --chunk-parallel or --log-chunk-parallel")
 
 
 if __name__ == "__main__":

@@ -72,6 +72,23 @@ def test_values_and_gradients_match_reference(n, m, dv, offset, rotary, causal):
     assert_matches_reference(log_inputs(n, m, dv), causal=causal, rotary=rotary, offset=offset)
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("n,m,dv", [(129, 64, 16), (65, 256, 64)])
+def test_linear_attention_with_log_space_on_triton_matches_reference(n, m, dv, causal):
+    """Through the public call (functional.py sends log-space triton calls here): three chunks of
+    M = 64, and M = 256 in four feature tiles with a full value tile."""
+    tensors = log_inputs(n, m, dv)
+    weights = torch.randn(tensors[2].shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    got = outputs_and_grads(lambda b, a, v: linear_attention(b, a, v, causal=causal, rotary=True, offset=3,
+                                                             backend="triton", log_space=True), tensors, weights)
+    doubles = [t.detach().cpu().double().requires_grad_() for t in tensors]
+    want = outputs_and_grads(lambda b, a, v: log_linear_attention_reference(b, a, v, causal=causal, rotary=True,
+                                                                            offset=3), doubles, weights.cpu().double())
+    for name, g, w in zip(("out", "d b", "d a", "dv"), got, want):
+        torch.testing.assert_close(g.cpu().double(), w, rtol=2e-4, atol=2e-5 * max(w.abs().max().item(), 1.0),
+                                   msg=name)
+
+
 @pytest.mark.parametrize("level", [0, 1, 2])
 def test_every_tile_level_matches_reference(level, monkeypatch):
     """Level 2's 16-wide tiles make M = 48 and Dv = 40 three tiles each in every kernel (the loops over
@@ -87,7 +104,7 @@ def test_every_tile_level_matches_reference(level, monkeypatch):
 @pytest.mark.parametrize("rotary", [True, False], ids=["post", "unrotated"])
 def test_running_maxima_that_jump_inside_chunks_match_reference(rotary):
     """Keys spread over +-150: running maxima jump by far more than e^30 inside sub-chunks and chunks
-    (where fused.py needed a token-by-token pass); every factor stays <= 1 in its frame."""
+    (where the earlier scanning kernels needed a token-by-token pass); every factor stays <= 1 in its frame."""
     tensors = log_inputs(75, 16, 16, key_scale=50.0, query_scale=2.0)
     jumps = tensors[1].detach().cummax(-2).values.diff(dim=-2).amax(-1)
     assert (jumps > 30).any()
@@ -183,6 +200,12 @@ def test_half_inputs_give_their_dtype_and_stay_close_to_float32(dtype):
     for g, w in zip(got, want):
         assert g.dtype == dtype
         torch.testing.assert_close(g.float(), w, rtol=3e-2, atol=3e-2 * max(w.abs().max().item(), 1.0))
+
+
+def test_float64_is_refused_with_a_way_out():
+    b, a, v = (t.detach().double() for t in log_inputs(8, 16, 16))
+    with pytest.raises(ValueError, match="backend='torch'"):
+        linear_attention(b, a, v, causal=True, rotary=True, backend="triton", log_space=True)
 
 
 def test_a_non_causal_state_is_refused():
