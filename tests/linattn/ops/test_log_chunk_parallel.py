@@ -271,3 +271,14 @@ def test_the_next_tile_level_fits_gpus_with_less_shared_memory():
     assert len(compiled) == 6 * 2 * 2
     for kernel in compiled:
         assert kernel["shared"] <= 101_376, kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gpu_bf16_factors_on_tensor_cores_stay_close_to_float32(causal):
+    """On a GPU bf16 inputs multiply their factors (<= 1) in bf16; log-features stay float32."""
+    b, a, v = (t.detach() for t in log_inputs(2048, 128, 64, key_scale=3.0, query_scale=3.0))
+    want = linear_attention(b, a, v, causal=causal, rotary=True, backend="torch", log_space=True)
+    got = kernels(causal, True)(*(t.bfloat16() for t in (b, a, v)))
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
