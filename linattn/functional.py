@@ -1,7 +1,7 @@
 """Linear attention with RoPE after the feature map (RoFormer Eq. 19): the public functional API.
 
 * `linear_attention`            - the fast path, O(N) time and memory, on one of two backends:
-                                  "torch" (chunked, any device) or "triton" (fused kernels, CUDA);
+                                  "torch" (chunked, any device) or "triton" (Triton kernels, CUDA);
 * `linear_attention_reference`  - a plain O(N^2) version of the same maths, for tests;
 * `linear_attention_step`       - one token of recurrent decoding with an O(1) state.
 
@@ -46,7 +46,7 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
 
     `rotary=True` is Eq. 19 at positions offset..offset+N-1; `causal=True` sums over n <= m only.
     With `return_state=True` (causal only) also returns the `LinearState` after the last token,
-    so decoding can continue with `linear_attention_step`.  `backend`: "torch", "triton" (fused
+    so decoding can continue with `linear_attention_step`.  `backend`: "torch", "triton" (Triton
     kernels: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1) or "auto" (triton on CUDA
     tensors when it is installed, the C++ kernel for causal log-space calls on CPU, torch for float64
     and elsewhere); `ops/linear_attention/dispatch.py` has the table of what runs.  `log_space=True`:

@@ -14,11 +14,7 @@ MODULES = {".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix("
 PACKAGES = {name for name, path in MODULES.items() if path.name == "__init__.py"}
 # Private names one module still takes from another, each with the change that removes it; a stale
 # entry fails `test_every_allowed_private_import_is_still_there`, so that it is deleted with its cause.
-ALLOWED = {
-    # fused.py's Triton helpers that chunk_parallel.py shares are moving into a module of their own
-    # (issue 21, the Triton engineer's part); neither file is this refactor's to edit.
-    ("linattn.ops.linear_attention.chunk_parallel", "linattn.ops.linear_attention.fused"),
-}
+ALLOWED: set[tuple[str, str]] = set()
 
 
 def private(name: str) -> bool:

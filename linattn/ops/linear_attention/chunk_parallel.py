@@ -16,7 +16,7 @@ Forward, two kernels:
     forming R q S_t, the masked rotated scores and the unrotated ones for the denominator, and
     writes out = num / den (and den, for backward) directly.
 R multiplies each pair (2i, 2i+1) of a loaded tile by e^{i p theta_i}, p = offset + row, with the
-angles of fused.py (the offset reduced exactly on the host, rows added in float64 turns).
+angles of triton_common.py (the offset reduced exactly on the host, rows added in float64 turns).
 
 Backward (G = d num = g / den, gd = d den = -(g . out) / den, zero where den was clamped), with the
 states recomputed by `_states_kernel` rather than saved:
@@ -28,44 +28,37 @@ Memory kept for backward: q, k, v, out (input dtype) and den (float32), O(N (M +
 states, N/BT x M x Dv, live only inside forward or backward.
 
 bf16 inputs multiply in bf16 and keep the states in bf16 between the passes, as fla does (when every
-input is bf16: a call with mixed dtypes computes in float32, and LinearAttention under autocast gives
-float32 features with bf16 values, so today the block takes the float32 route); fp32 and
+input is bf16: a call with mixed dtypes computes in float32; LinearAttention under autocast hands
+its plain features over in the autocast dtype for this reason); fp32 and
 fp16 inputs multiply as float32 (3xTF32), since the states and scores cast to fp16 could overflow
-(fused.py's `_dot_settings`, which also keeps the interpreter in float32).
+(triton_common.dot_settings, which also keeps the interpreter in float32).
 
 Without `causal`, the states kernel sums the whole sequence's S and z (one per batch x head), the
 output pass reads them in every chunk (num = R q S, den = q . z: no scores), the reverse pass sums
 dS and dz over every row, and the gradient kernels read those.  This module covers plain features;
-log-space calls take fused.py's kernels.
+log-space calls take log_chunk_parallel.py's kernels (the same design in gated-linear-attention form).
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
 from ...rotary import DEFAULT_BASE
 from .common import output_gradients
-from .fused import (MAX_GRID_Z, _common_dtype, _dot_settings, _mm, _phases, _rotate, _store, _tile,
-                    _tile_size, _turns)
+from .triton_common import (angle_table, check_grid, common_dtype, dot_settings, launch_fitting, mm, phases, rotate,
+                            store, tile, tile_size, unrotate)
 from .recurrent import LinearState
 
 CHUNK = 64          # tokens per chunk (BT); a power of two of at least 16 (tl.dot's minimum)
 FEATURE_TILE = 64   # largest feature tile (BK)
 VALUE_TILE = 64     # largest value tile (BV)
 # Largest (feature, value) tiles per level, tried in order until a call's kernels fit the GPU's shared
-# memory per block (`_launch_fitting`); tiles only change the rounding.  Compiled for sm_90 without a
-# GPU (tests/linattn/ops/compile_kernels.py), level 0 needs at most 164,864 bytes in float32 and
+# memory per block (triton_common.launch_fitting); tiles only change the rounding.  Compiled for sm_90
+# without a GPU (tests/linattn/ops/compile_kernels.py), level 0 needs at most 164,864 bytes in float32 and
 # 106,496 in bf16 (an H100 gives a block 232,448).
 TILE_LEVELS = ((FEATURE_TILE, VALUE_TILE), (32, 32), (16, 16))
 GUARD = tl.constexpr(torch.finfo(torch.float32).tiny ** 0.5)   # common.divide's clamp
-
-
-@triton.jit
-def _unrotate(x, cos, sin, BT: tl.constexpr, BK: tl.constexpr):
-    """R^T x: the rotation by the opposite angles, which carries a gradient back through R."""
-    return _rotate(x, cos, -sin, BT, BK)
 
 
 @triton.jit
@@ -97,20 +90,20 @@ def _states_kernel(k_ptr, v_ptr, turns_ptr, h_ptr, z_ptr, kv_ptr, k_sum_ptr, N, 
     k_sum = tl.zeros((BK,), dtype=tl.float32)
     for t in range(n_chunks):
         if CHUNKS:
-            _store(h_ptr + t * M * DV, state, k_cols, v_cols, k_cols < M, DV, DV)
+            store(h_ptr + t * M * DV, state, k_cols, v_cols, k_cols < M, DV, DV)
         rows = t * BT + tl.arange(0, BT)
-        k = _tile(k_ptr, rows, k_cols, N, M, M)
-        v = _tile(v_ptr, rows, v_cols, N, DV, DV)
+        k = tile(k_ptr, rows, k_cols, N, M, M)
+        v = tile(v_ptr, rows, v_cols, N, DV, DV)
         if i_v == 0:
             if CHUNKS:
                 tl.store(z_ptr + t * M + k_cols, k_sum, mask=k_cols < M)
             k_sum += tl.sum(k, 0)
         if ROTARY:
-            cos, sin = _phases(turns_ptr, t * BT, i_k, M // 2, BT, BK)
-            k = _rotate(k, cos, sin, BT, BK)
-        state += _mm(tl.trans(k), v, DOT, PRECISION)
+            cos, sin = phases(turns_ptr, t * BT, i_k, M // 2, BT, BK)
+            k = rotate(k, cos, sin, BT, BK)
+        state += mm(tl.trans(k), v, DOT, PRECISION)
     if STATE:
-        _store(kv_ptr + i_bh * M * DV, state, k_cols, v_cols, k_cols < M, DV, DV)
+        store(kv_ptr + i_bh * M * DV, state, k_cols, v_cols, k_cols < M, DV, DV)
         if i_v == 0:
             tl.store(k_sum_ptr + i_bh * M + k_cols, k_sum, mask=k_cols < M)
 
@@ -136,19 +129,19 @@ def _output_kernel(q_ptr, k_ptr, v_ptr, turns_ptr, h_ptr, z_ptr, out_ptr, den_pt
     den = tl.zeros((BT,), dtype=tl.float32)
     for i_k in range(tl.cdiv(M, BK)):
         k_cols = i_k * BK + tl.arange(0, BK)
-        q = _tile(q_ptr, rows, k_cols, N, M, M)
-        k = _tile(k_ptr, rows, k_cols, N, M, M)
+        q = tile(q_ptr, rows, k_cols, N, M, M)
+        k = tile(k_ptr, rows, k_cols, N, M, M)
         z = tl.load(z_ptr + k_cols, mask=k_cols < M, other=0.0)
         den += tl.sum(q * z[None, :], 1)
         if ROTARY:
             if CAUSAL:
-                den_scores += _mm(q, tl.trans(k), DOT, PRECISION)
-            cos, sin = _phases(turns_ptr, t * BT, i_k, M // 2, BT, BK)
-            q = _rotate(q, cos, sin, BT, BK)
-            k = _rotate(k, cos, sin, BT, BK)
-        num += _mm(q, _tile(h_ptr, k_cols, v_cols, M, DV, DV), DOT, PRECISION)
+                den_scores += mm(q, tl.trans(k), DOT, PRECISION)
+            cos, sin = phases(turns_ptr, t * BT, i_k, M // 2, BT, BK)
+            q = rotate(q, cos, sin, BT, BK)
+            k = rotate(k, cos, sin, BT, BK)
+        num += mm(q, tile(h_ptr, k_cols, v_cols, M, DV, DV), DOT, PRECISION)
         if CAUSAL:
-            scores += _mm(q, tl.trans(k), DOT, PRECISION)
+            scores += mm(q, tl.trans(k), DOT, PRECISION)
     if CAUSAL:
         causal = rows[:, None] >= rows[None, :]
         scores = tl.where(causal, scores, 0.0)
@@ -156,9 +149,9 @@ def _output_kernel(q_ptr, k_ptr, v_ptr, turns_ptr, h_ptr, z_ptr, out_ptr, den_pt
             den += tl.sum(tl.where(causal, den_scores, 0.0), 1)
         else:   # unrotated, the numerator's scores are the denominator's
             den += tl.sum(scores, 1)
-        num += _mm(scores, _tile(v_ptr, rows, v_cols, N, DV, DV), DOT, PRECISION)
+        num += mm(scores, tile(v_ptr, rows, v_cols, N, DV, DV), DOT, PRECISION)
     # Features are non-negative, so den >= 0; clamped only where every key feature underflowed.
-    _store(out_ptr + i_bh * N * DV, num / tl.maximum(den, GUARD)[:, None], rows, v_cols, rows < N, DV, DV)
+    store(out_ptr + i_bh * N * DV, num / tl.maximum(den, GUARD)[:, None], rows, v_cols, rows < N, DV, DV)
     if i_v == 0:
         tl.store(den_ptr + i_bh * N + rows, den, mask=rows < N)
 
@@ -183,20 +176,20 @@ def _dstate_kernel(q_ptr, g_ptr, gd_ptr, turns_ptr, dh_ptr, dz_ptr, N, M, DV,
     for back in range(n_chunks):
         t = n_chunks - 1 - back
         if CAUSAL:
-            _store(dh_ptr + (i_bh * n_chunks + t) * M * DV, d_state, k_cols, v_cols, k_cols < M, DV, DV)
+            store(dh_ptr + (i_bh * n_chunks + t) * M * DV, d_state, k_cols, v_cols, k_cols < M, DV, DV)
         rows = t * BT + tl.arange(0, BT)
-        q = _tile(q_ptr, rows, k_cols, N, M, M)
+        q = tile(q_ptr, rows, k_cols, N, M, M)
         if i_v == 0:
             if CAUSAL:
                 tl.store(dz_ptr + (i_bh * n_chunks + t) * M + k_cols, d_z, mask=k_cols < M)
             gd = tl.load(gd_ptr + rows, mask=rows < N, other=0.0)
             d_z += tl.sum(q * gd[:, None], 0)
         if ROTARY:
-            cos, sin = _phases(turns_ptr, t * BT, i_k, M // 2, BT, BK)
-            q = _rotate(q, cos, sin, BT, BK)
-        d_state += _mm(tl.trans(q), _tile(g_ptr, rows, v_cols, N, DV, DV), DOT, PRECISION)
+            cos, sin = phases(turns_ptr, t * BT, i_k, M // 2, BT, BK)
+            q = rotate(q, cos, sin, BT, BK)
+        d_state += mm(tl.trans(q), tile(g_ptr, rows, v_cols, N, DV, DV), DOT, PRECISION)
     if not CAUSAL:
-        _store(dh_ptr + i_bh * M * DV, d_state, k_cols, v_cols, k_cols < M, DV, DV)
+        store(dh_ptr + i_bh * M * DV, d_state, k_cols, v_cols, k_cols < M, DV, DV)
         if i_v == 0:
             tl.store(dz_ptr + i_bh * M + k_cols, d_z, mask=k_cols < M)
 
@@ -229,31 +222,31 @@ def _dqk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, gd_ptr, turns_ptr, h_ptr, z_ptr, dh_
     dz_ptr += _read_offset(i_bh, t, n_chunks, M, CAUSAL)
     rows = t * BT + tl.arange(0, BT)
     k_cols = i_k * BK + tl.arange(0, BK)
-    q = _tile(q_ptr, rows, k_cols, N, M, M)
-    k = _tile(k_ptr, rows, k_cols, N, M, M)
+    q = tile(q_ptr, rows, k_cols, N, M, M)
+    k = tile(k_ptr, rows, k_cols, N, M, M)
     q_rot, k_rot = q, k
     if ROTARY:
-        cos, sin = _phases(turns_ptr, t * BT, i_k, M // 2, BT, BK)
-        q_rot = _rotate(q, cos, sin, BT, BK)
-        k_rot = _rotate(k, cos, sin, BT, BK)
+        cos, sin = phases(turns_ptr, t * BT, i_k, M // 2, BT, BK)
+        q_rot = rotate(q, cos, sin, BT, BK)
+        k_rot = rotate(k, cos, sin, BT, BK)
     d_q_rot = tl.zeros((BT, BK), dtype=tl.float32)
     d_k_rot = tl.zeros((BT, BK), dtype=tl.float32)
     d_scores = tl.zeros((BT, BT), dtype=tl.float32)     # G v^T, summed over value tiles
     for i_v in range(tl.cdiv(DV, BV)):
         v_cols = i_v * BV + tl.arange(0, BV)
-        v = _tile(v_ptr, rows, v_cols, N, DV, DV)
-        g = _tile(g_ptr, rows, v_cols, N, DV, DV)
-        d_q_rot += _mm(g, tl.trans(_tile(h_ptr, k_cols, v_cols, M, DV, DV)), DOT, PRECISION)
-        d_k_rot += _mm(v, tl.trans(_tile(dh_ptr, k_cols, v_cols, M, DV, DV)), DOT, PRECISION)
+        v = tile(v_ptr, rows, v_cols, N, DV, DV)
+        g = tile(g_ptr, rows, v_cols, N, DV, DV)
+        d_q_rot += mm(g, tl.trans(tile(h_ptr, k_cols, v_cols, M, DV, DV)), DOT, PRECISION)
+        d_k_rot += mm(v, tl.trans(tile(dh_ptr, k_cols, v_cols, M, DV, DV)), DOT, PRECISION)
         if CAUSAL:
-            d_scores += _mm(g, tl.trans(v), DOT, PRECISION)
+            d_scores += mm(g, tl.trans(v), DOT, PRECISION)
     if CAUSAL:
         d_scores = tl.where(rows[:, None] >= rows[None, :], d_scores, 0.0)
-        d_q_rot += _mm(d_scores, k_rot, DOT, PRECISION)
-        d_k_rot += _mm(tl.trans(d_scores), q_rot, DOT, PRECISION)
+        d_q_rot += mm(d_scores, k_rot, DOT, PRECISION)
+        d_k_rot += mm(tl.trans(d_scores), q_rot, DOT, PRECISION)
     if ROTARY:
-        d_q_rot = _unrotate(d_q_rot, cos, sin, BT, BK)
-        d_k_rot = _unrotate(d_k_rot, cos, sin, BT, BK)
+        d_q_rot = unrotate(d_q_rot, cos, sin, BT, BK)
+        d_k_rot = unrotate(d_k_rot, cos, sin, BT, BK)
     gd = tl.load(gd_ptr + rows, mask=rows < N, other=0.0)
     z = tl.load(z_ptr + k_cols, mask=k_cols < M, other=0.0)
     d_z = tl.load(dz_ptr + k_cols, mask=k_cols < M, other=0.0)
@@ -263,8 +256,8 @@ def _dqk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, gd_ptr, turns_ptr, h_ptr, z_ptr, dh_
     else:
         dq = d_q_rot + gd[:, None] * z[None, :]
         dk = d_k_rot + d_z[None, :]
-    _store(dq_ptr + i_bh * N * M, dq, rows, k_cols, rows < N, M, M)
-    _store(dk_ptr + i_bh * N * M, dk, rows, k_cols, rows < N, M, M)
+    store(dq_ptr + i_bh * N * M, dq, rows, k_cols, rows < N, M, M)
+    store(dk_ptr + i_bh * N * M, dk, rows, k_cols, rows < N, M, M)
 
 
 @triton.jit
@@ -286,19 +279,19 @@ def _dv_kernel(q_ptr, k_ptr, g_ptr, turns_ptr, dh_ptr, dv_ptr, N, M, DV,
     scores_t = tl.zeros((BT, BT), dtype=tl.float32)     # R k (R q)^T: [n, m]
     for i_k in range(tl.cdiv(M, BK)):
         k_cols = i_k * BK + tl.arange(0, BK)
-        q = _tile(q_ptr, rows, k_cols, N, M, M)
-        k = _tile(k_ptr, rows, k_cols, N, M, M)
+        q = tile(q_ptr, rows, k_cols, N, M, M)
+        k = tile(k_ptr, rows, k_cols, N, M, M)
         if ROTARY:
-            cos, sin = _phases(turns_ptr, t * BT, i_k, M // 2, BT, BK)
-            q = _rotate(q, cos, sin, BT, BK)
-            k = _rotate(k, cos, sin, BT, BK)
-        dv += _mm(k, _tile(dh_ptr, k_cols, v_cols, M, DV, DV), DOT, PRECISION)
+            cos, sin = phases(turns_ptr, t * BT, i_k, M // 2, BT, BK)
+            q = rotate(q, cos, sin, BT, BK)
+            k = rotate(k, cos, sin, BT, BK)
+        dv += mm(k, tile(dh_ptr, k_cols, v_cols, M, DV, DV), DOT, PRECISION)
         if CAUSAL:
-            scores_t += _mm(k, tl.trans(q), DOT, PRECISION)
+            scores_t += mm(k, tl.trans(q), DOT, PRECISION)
     if CAUSAL:
         scores_t = tl.where(rows[:, None] <= rows[None, :], scores_t, 0.0)
-        dv += _mm(scores_t, _tile(g_ptr, rows, v_cols, N, DV, DV), DOT, PRECISION)
-    _store(dv_ptr + i_bh * N * DV, dv, rows, v_cols, rows < N, DV, DV)
+        dv += mm(scores_t, tile(g_ptr, rows, v_cols, N, DV, DV), DOT, PRECISION)
+    store(dv_ptr + i_bh * N * DV, dv, rows, v_cols, rows < N, DV, DV)
 
 
 class _Shapes:
@@ -306,15 +299,13 @@ class _Shapes:
 
     def __init__(self, q: torch.Tensor, v: torch.Tensor, chunk: int, level: int = 0):
         self.batch_heads, self.n, self.m = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
-        if self.batch_heads > MAX_GRID_Z:
-            raise ValueError(f"backend='triton' takes at most {MAX_GRID_Z:,} batch x heads per call (CUDA's "
-                             f"grid limit), got {q.shape[0]} x {q.shape[1]}; split the batch or use backend='torch'")
+        check_grid(q.shape[0], q.shape[1])
         self.dv = v.shape[-1]
         feature_tile, value_tile = TILE_LEVELS[level]
-        self.bt, self.bk, self.bv = chunk, _tile_size(self.m, feature_tile), _tile_size(self.dv, value_tile)
+        self.bt, self.bk, self.bv = chunk, tile_size(self.m, feature_tile), tile_size(self.dv, value_tile)
         self.n_t, self.n_k, self.n_v = (triton.cdiv(a, b) for a, b in
                                         ((self.n, self.bt), (self.m, self.bk), (self.dv, self.bv)))
-        self.dot, self.precision = _dot_settings(q.dtype)
+        self.dot, self.precision = dot_settings(q.dtype)
         # Per-chunk states between the passes: bf16 where the dots take bf16, float32 otherwise.
         self.state_dtype = torch.bfloat16 if self.dot == tl.bfloat16 else torch.float32
 
@@ -350,24 +341,6 @@ def _states(q, k, v, turns, shapes: _Shapes, rotary: bool, causal: bool, want_st
 _FITTING_LEVEL: dict = {}   # (pass, rotary, causal, device, dtype) -> the first level whose tiles fitted
 
 
-def _launch_fitting(key: tuple, run_at_level):
-    """run_at_level(level) runs a pass's kernels with TILE_LEVELS[level]'s tiles.  Triton raises
-    OutOfResources when a kernel needs more shared memory per block than the GPU has (an RTX 30xx
-    or L4 has 99 KB): the next level is tried, and the one that fits is remembered."""
-    level = _FITTING_LEVEL.get(key, 0)
-    while True:
-        try:
-            result = run_at_level(level)
-        except OutOfResources as error:
-            if level + 1 == len(TILE_LEVELS):
-                raise RuntimeError(f"linattn's chunk-parallel kernels do not fit this GPU even with their "
-                                   f"smallest tiles ({error}); use backend='torch'") from None
-            level += 1
-            continue
-        _FITTING_LEVEL[key] = level
-        return result
-
-
 class _ChunkParallelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, turns, rotary, causal, chunk, want_state):
@@ -380,7 +353,8 @@ class _ChunkParallelAttention(torch.autograd.Function):
                 q, k, v, turns, h, z, out, den, *shapes.args(), CAUSAL=causal, **shapes.constants(rotary))
             return out, den, kv, k_sum
 
-        out, den, kv, k_sum = _launch_fitting(("forward", rotary, causal, q.device, q.dtype), at_level)
+        out, den, kv, k_sum = launch_fitting(_FITTING_LEVEL, ("forward", rotary, causal, q.device, q.dtype),
+                                             len(TILE_LEVELS), at_level, "chunk-parallel")
         ctx.save_for_backward(q, k, v, out, den, turns)
         ctx.rotary, ctx.causal, ctx.chunk = rotary, causal, chunk
         ctx.mark_non_differentiable(kv, k_sum)
@@ -406,7 +380,8 @@ class _ChunkParallelAttention(torch.autograd.Function):
                 q, k, g, turns, dh, dv, *shapes.args(), **constants)
             return dq, dk, dv
 
-        dq, dk, dv = _launch_fitting(("backward", ctx.rotary, ctx.causal, q.device, q.dtype), at_level)
+        dq, dk, dv = launch_fitting(_FITTING_LEVEL, ("backward", ctx.rotary, ctx.causal, q.device, q.dtype),
+                                    len(TILE_LEVELS), at_level, "chunk-parallel")
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -426,8 +401,8 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     check_chunk(chunk)
     if return_state and not causal:
         raise ValueError("return_state=True needs causal=True: a non-causal pass has no decoding state")
-    dtype = _common_dtype(phi_q, phi_k, v)
-    turns = _turns(max(phi_q.shape[-1] // 2, 1), float(rope_base), offset if rotary else 0, phi_q.device)
+    dtype = common_dtype(phi_q, phi_k, v)
+    turns = angle_table(max(phi_q.shape[-1] // 2, 1), float(rope_base), offset if rotary else 0, phi_q.device)
     with torch.autocast(phi_q.device.type, enabled=False):
         q, k, v_c = (t.to(dtype).contiguous() for t in (phi_q, phi_k, v))
         out, kv, k_sum = _ChunkParallelAttention.apply(q, k, v_c, turns, rotary, causal, chunk, return_state)

@@ -2,7 +2,7 @@
 
 * numerics: "plain" (features phi >= 0) or "log" (log-features, the numerics of stable.py);
 * backend: "torch" (chunk.py's algorithms, any device), "triton" (chunk_parallel.py for plain
-  features, fused.py for log-features: CUDA, or CPU under TRITON_INTERPRET=1) or "cpp" (cpp.py's
+  features, log_chunk_parallel.py for log-features: CUDA, or CPU under TRITON_INTERPRET=1) or "cpp" (cpp.py's
   C++ kernel: CPU); `resolve` turns "auto" into one of them and says why one asked for cannot run;
 * causal: the C++ kernel has a causal log-space pass only; elsewhere the cpp backend runs torch's.
 
@@ -31,9 +31,9 @@ def triton_linear_attention(phi_q, phi_k, v, *, chunk_size: int, **call):
 
 
 def triton_log_linear_attention(b, a, v, *, chunk_size: int, **call):
-    """fused.py's kernels, which choose their own tiles (no chunk_size)."""
-    from . import fused   # here, not above: triton may be absent
-    return fused.log_linear_attention(b, a, v, **call)
+    """log_chunk_parallel.py's kernels, which choose their own tiles (no chunk_size)."""
+    from . import log_chunk_parallel   # here, not above: triton may be absent
+    return log_chunk_parallel.log_linear_attention(b, a, v, **call)
 
 
 IMPLEMENTATIONS = {   # (numerics, backend, causal): implementation

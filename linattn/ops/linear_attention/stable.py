@@ -2,7 +2,8 @@
 still strictly causal (log-features up to 1/eps of the dtype in magnitude:
 common.check_log_feature_range).  Every log-space implementation shares what is here: the chunked
 torch algorithm (chunk.py, whose docstring gives the chunks, the backward and the cost), its C++
-kernel (cpp.py), the Triton kernels (fused.py) and the recurrent step (recurrent.py); dispatch.py
+kernel (cpp.py), the Triton kernels (log_chunk_parallel.py, in gated-linear-attention form: its
+docstring) and the recurrent step (recurrent.py); dispatch.py
 picks one.
 
 Inputs are b = log phi_q and a = log phi_k, (B, H, N, M).  Eq. 19 is

@@ -1,13 +1,11 @@
-"""Compile the fused kernels for a GPU on a machine without one and print, per mode, the shared
-memory each needs (JSON lines).  Targets are ARCH:LEVEL (default 90:0, an H100 with the first tile
-level of fused.TILE_LEVELS); modes are the log-space ones (non-causal: rotated only), the causal
-log-space one alone with --causal-log, or every mode with --all; --backward compiles the backward
-kernels only (they need the most shared memory in every mode measured).  The interpreter runs constructs
-the compiler rejects and knows no resource limits; triton's compiler and bundled ptxas need no
-device.  Run by test_fused.py in a subprocess, since TRITON_INTERPRET must be off when the kernels
-are imported.  --chunk-parallel compiles the kernels of chunk_parallel.py instead (targets ARCH:LEVEL of
-chunk_parallel.TILE_LEVELS), every one causal or not, rotated or not, in float32 and bf16 (--float32: float32 only,
-which needs the most shared memory)."""
+"""Compile linattn's Triton kernels for a GPU on a machine without one and print, per kernel and mode,
+the shared memory each needs (JSON lines).  --chunk-parallel compiles those of chunk_parallel.py (plain
+features), --log-chunk-parallel those of log_chunk_parallel.py (log-features); targets are ARCH:LEVEL
+(default 90:0, an H100 with the first of the module's TILE_LEVELS), every kernel causal or not,
+rotated or not, in float32 and bf16 (--float32: float32 only, which needs the most shared memory).
+The interpreter runs constructs the compiler rejects and knows no resource limits; triton's compiler
+and bundled ptxas need no device.  Run by the modules' tests in a subprocess, since TRITON_INTERPRET
+must be off when the kernels are imported."""
 import itertools
 import json
 import os
@@ -20,33 +18,19 @@ import triton.language as tl                       # noqa: E402
 from triton.backends.compiler import GPUTarget     # noqa: E402
 from triton.compiler import ASTSource              # noqa: E402
 
-from linattn.ops.linear_attention import fused     # noqa: E402
 
-POINTER_TYPES = {"exact_ptr": "*i32", "turns_ptr": "*fp64"}
-
-
-def compile_kernel(kernel, constants: dict, num_stages: int, arch: int, pointer_types: dict = POINTER_TYPES):
+def compile_kernel(kernel, constants: dict, num_stages: int, arch: int, pointer_types: dict):
     signature = {name: (pointer_types.get(name, "*fp32") if name.endswith("_ptr") else "i32")
                  for name in kernel.arg_names if name not in constants}
     signature.update({name: "constexpr" for name in constants})
     constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
-    # As a launch with aligned pointers and M, Dv multiples of 16 specialises (N is
-    # do_not_specialize): those are the tiles that need the most shared memory.
+    # As a launch with aligned pointers and M, Dv multiples of 16 specialises: those are the tiles that
+    # need the most shared memory.
     aligned = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in signature
                if signature[name] != "constexpr" and name != "N"}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=aligned)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": 4, "num_stages": num_stages})
-
-
-def modes(which: str):
-    every = [(causal, rotary, log, dot)
-             for causal, rotary, log in itertools.product([True, False], [True, False], [True, False])
-             for dot in ([tl.float32] if log else [tl.float32, tl.bfloat16])]
-    keep = {"all": lambda causal, rotary, log: True,
-            "log": lambda causal, rotary, log: log and (causal or rotary),
-            "causal-log": lambda causal, rotary, log: log and causal and rotary}[which]
-    return [mode for mode in every if keep(*mode[:3])]
 
 
 CHUNK_PARALLEL_KERNELS = ("_states_kernel", "_output_kernel", "_dstate_kernel", "_dqk_kernel", "_dv_kernel")
@@ -75,26 +59,46 @@ def main_chunk_parallel(arch: int, level: int, dots: list):
                           "dot": str(dot), "shared": compiled.metadata.shared}), flush=True)
 
 
+LOG_CHUNK_PARALLEL_KERNELS = ("_states_kernel", "_output_kernel", "_dstate_kernel", "_dq_kernel", "_dk_kernel",
+                              "_dv_kernel")
+
+
+def log_chunk_parallel_pointer_types(dot) -> dict:
+    """Values, outputs and dv in the input dtype; per-chunk states in the dots' dtype; log-features,
+    scales, denominators, their gradients and G, gd in float32."""
+    half = "*bf16" if dot == tl.bfloat16 else "*fp32"
+    return {**{name: half for name in ("v_ptr", "out_ptr", "dv_ptr", "h_ptr", "dh_ptr")}, "turns_ptr": "*fp64"}
+
+
+def main_log_chunk_parallel(arch: int, level: int, dots: list):
+    from linattn.ops.linear_attention import log_chunk_parallel as module
+    feature_tile, value_tile = module.TILE_LEVELS[level]
+    for dot, causal, rotary, name in itertools.product(dots, [True, False], [True, False],
+                                                       LOG_CHUNK_PARALLEL_KERNELS):
+        precision = "tf32x3" if dot == tl.float32 else "ieee"
+        constants = dict(BT=module.CHUNK, BK=feature_tile, BV=value_tile, ROTARY=rotary, DOT=dot,
+                         PRECISION=precision)
+        if name == "_states_kernel":
+            constants.update(CHUNKS=causal, STATE=True)
+        else:
+            constants.update(CAUSAL=causal)
+        if name not in ("_states_kernel", "_dstate_kernel"):
+            constants.update(BC=module.SUB_CHUNK)
+        compiled = compile_kernel(getattr(module, name), constants, 3, arch, log_chunk_parallel_pointer_types(dot))
+        print(json.dumps({"arch": arch, "level": level, "kernel": name, "causal": causal, "rotary": rotary,
+                          "dot": str(dot), "shared": compiled.metadata.shared}), flush=True)
+
+
 def main(args: list[str]):
     targets = [tuple(map(int, arg.split(":"))) for arg in args if not arg.startswith("--")] or [(90, 0)]
-    if "--chunk-parallel" in args:
-        dots = [tl.float32] if "--float32" in args else [tl.float32, tl.bfloat16]
-        for arch, level in targets:
-            main_chunk_parallel(arch, level, dots)
-        return
-    which = "all" if "--all" in args else "causal-log" if "--causal-log" in args else "log"
-    for (arch, level), (causal, rotary, log, dot) in itertools.product(targets, modes(which)):
-        feature_tile, value_tile, _ = fused.TILE_LEVELS[level]
-        precision = "tf32x3" if dot == tl.float32 else "ieee"
-        constants = dict(BT=fused.CHUNK, BK=feature_tile, BV=value_tile, CAUSAL=causal,
-                         ROTARY=rotary, LOG=log, DOT=dot, PRECISION=precision)
-        kernels = [(fused._forward_kernel, {"STATE": True}, False), (fused._backward_kernel, {}, True)]
-        for kernel, extra, backward in kernels[1:] if "--backward" in args else kernels:
-            stages = fused.pipelining_stages(level, backward=backward, log=log, causal=causal) or 3
-            compiled = compile_kernel(kernel, {**constants, **extra}, stages, arch)
-            print(json.dumps({"arch": arch, "level": level, "kernel": kernel.fn.__name__, "causal": causal,
-                              "rotary": rotary, "log": log, "dot": str(dot), "shared": compiled.metadata.shared}),
-                  flush=True)
+    dots = [tl.float32] if "--float32" in args else [tl.float32, tl.bfloat16]
+    for flag, compile_at in (("--chunk-parallel", main_chunk_parallel),
+                             ("--log-chunk-parallel", main_log_chunk_parallel)):
+        if flag in args:
+            for arch, level in targets:
+                compile_at(arch, level, dots)
+            return
+    raise SystemExit("name the kernels: --chunk-parallel or --log-chunk-parallel")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch
 
 from linattn.functional import linear_attention, linear_attention_reference, linear_attention_step
 from linattn.ops.linear_attention import chunk_parallel
+from linattn.ops.linear_attention.triton_common import launch_fitting
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 B, H = 1, 2
@@ -135,10 +136,9 @@ def test_chunks_that_tl_dot_cannot_take_are_refused(chunk):
         chunk_parallel.linear_attention(q, k, v, causal=True, rotary=True, chunk=chunk)
 
 
-def test_a_pass_that_does_not_fit_takes_the_next_tile_level_and_remembers_it(monkeypatch):
+def test_a_pass_that_does_not_fit_takes_the_next_tile_level_and_remembers_it():
     from triton.runtime.errors import OutOfResources
-    monkeypatch.setattr(chunk_parallel, "_FITTING_LEVEL", {})
-    tried = []
+    fitted, tried = {}, []
 
     def launch(level):
         tried.append(level)
@@ -147,13 +147,15 @@ def test_a_pass_that_does_not_fit_takes_the_next_tile_level_and_remembers_it(mon
         return "outputs"
 
     key = ("forward", True, True, torch.device("cpu"), torch.float32)
-    assert chunk_parallel._launch_fitting(key, launch) == "outputs" and tried == [0, 1, 2]
-    assert chunk_parallel._launch_fitting(key, launch) == "outputs" and tried == [0, 1, 2, 2]
+    assert launch_fitting(fitted, key, 3, launch, "chunk-parallel") == "outputs" and tried == [0, 1, 2]
+    assert launch_fitting(fitted, key, 3, launch, "chunk-parallel") == "outputs" and tried == [0, 1, 2, 2]
+    assert fitted == {key: 2}
 
     def never(level):
         raise OutOfResources(140_000, 1_000, "shared memory")
-    with pytest.raises(RuntimeError, match="do not fit this GPU even with their smallest tiles.*backend='torch'"):
-        chunk_parallel._launch_fitting(("backward",) + key[1:], never)
+    with pytest.raises(RuntimeError, match="chunk-parallel kernels do not fit this GPU even with their smallest "
+                                           "tiles.*backend='torch'"):
+        launch_fitting(fitted, ("backward",) + key[1:], 3, never, "chunk-parallel")
 
 
 @pytest.mark.parametrize("level", [1, 2])

@@ -1,4 +1,6 @@
-"""The fused Triton kernels against the O(N^2) reference: values, gradients and decoding states.
+"""The triton backend through `linear_attention` and the blocks, against the O(N^2) reference and the
+torch backend: values, gradients, decoding states, dtypes and refusals.  Plain features take
+chunk_parallel.py's kernels, log-features log_chunk_parallel.py's (each also tested on its own).
 
 Without a GPU they run in Triton's interpreter (conftest.py), in float32 against float64
 references; bf16 dots and TF32 are checked on a GPU only (`gpu` marker): the interpreter's bf16
@@ -14,7 +16,6 @@ import torch
 
 from linattn import LinearAttention, SoftmaxAttention
 from linattn.functional import linear_attention, linear_attention_reference, linear_attention_step
-from linattn.ops.linear_attention import fused as fused_module
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 B, H = 1, 2
@@ -37,7 +38,7 @@ def reference(causal, rotary, offset):
     return lambda q, k, v: linear_attention_reference(q, k, v, causal=causal, rotary=rotary, offset=offset)
 
 
-def fused(causal, rotary, offset):
+def triton_backend(causal, rotary, offset):
     return lambda q, k, v: linear_attention(q, k, v, causal=causal, rotary=rotary, offset=offset,
                                             backend="triton")
 
@@ -45,7 +46,7 @@ def fused(causal, rotary, offset):
 def assert_matches_reference(causal, rotary, n, m, dv, offset, rtol=2e-4, atol=2e-5):
     tensors = inputs(n, m, dv)
     weights = torch.randn(B, H, n, dv, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    got = outputs_and_grads(fused(causal, rotary, offset), tensors, weights)
+    got = outputs_and_grads(triton_backend(causal, rotary, offset), tensors, weights)
     doubles = [t.detach().cpu().double().requires_grad_() for t in tensors]
     want = outputs_and_grads(reference(causal, rotary, offset), doubles, weights.cpu().double())
     for name, g, w in zip(("out", "d phi_q", "d phi_k", "dv"), got, want):
@@ -138,229 +139,6 @@ def test_cpu_tensors_outside_the_interpreter_get_a_clear_error(interpret):
     assert "TRITON_INTERPRET=1" in result.stderr and "backend='torch'" in result.stderr
 
 
-# ---- log-features (stable.py's algorithm in the kernels) -----------------------------------------
-
-def log_inputs(n, m, dv, *, key_scale=1.0, query_scale=1.0, seed=0):
-    """Log-features and values that require grad.  Query pairs (2i, 2i+1) are equal, so the
-    numerator cap never acts (stable.py) and float64 Eq. 19 is the exact answer."""
-    gen = torch.Generator().manual_seed(seed)
-    b = (torch.randn(B, H, n, m // 2, generator=gen) * query_scale).repeat_interleave(2, dim=-1)
-    a = torch.randn(B, H, n, m, generator=gen) * key_scale
-    v = torch.randn(B, H, n, dv, generator=gen)
-    return [t.to(DEVICE).requires_grad_() for t in (b, a, v)]
-
-
-def log_fused(causal, rotary, offset=0):
-    return lambda b, a, v: linear_attention(b, a, v, causal=causal, rotary=rotary, offset=offset,
-                                            backend="triton", log_space=True)
-
-
-def assert_log_space_matches_reference(tensors, causal, rotary, offset=0, rtol=2e-4, atol=2e-5):
-    weights = torch.randn(tensors[2].shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    got = outputs_and_grads(log_fused(causal, rotary, offset), tensors, weights)
-    doubles = [t.detach().cpu().double().requires_grad_() for t in tensors]
-    exact = lambda b, a, v: linear_attention_reference(b.exp(), a.exp(), v, causal=causal, rotary=rotary,
-                                                       offset=offset)
-    want = outputs_and_grads(exact, doubles, weights.cpu().double())
-    for name, g, w in zip(("out", "d log phi_q", "d log phi_k", "dv"), got, want):
-        torch.testing.assert_close(g.cpu().double(), w, rtol=rtol, atol=atol * max(w.abs().max().item(), 1.0),
-                                   msg=name)
-
-
-def exact_rows(a, causal=True):
-    """The rows the kernels compute token by token (their running max jumped within the chunk)."""
-    from linattn.ops.linear_attention.fused import _log_scales
-    return _log_scales(a.detach(), a.detach(), causal)[2].bool()
-
-
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("rotary", [True, False], ids=["post", "unrotated"])
-@pytest.mark.parametrize("n,m,dv,offset", [(1, 16, 16, 0), (70, 16, 64, 100_000), (129, 64, 16, 0),
-                                           (65, 256, 64, 3)])
-def test_log_space_values_and_gradients_match_reference(causal, rotary, n, m, dv, offset):
-    tensors = log_inputs(n, m, dv, key_scale=2.0, query_scale=2.0)
-    assert not exact_rows(tensors[1]).any()
-    assert_log_space_matches_reference(tensors, causal, rotary, offset)
-
-
-@pytest.mark.parametrize("rotary", [True, False], ids=["post", "unrotated"])
-def test_log_space_rows_computed_token_by_token_match_reference(rotary):
-    """Keys spread over +-150 make running maxima jump by more than JUMP_LIMIT inside chunks:
-    those rows (and the state a chunk holding them hands on) take the token pass, forward and
-    backward, and the other rows of such a chunk the chunk form."""
-    tensors = log_inputs(75, 16, 16, key_scale=50.0)
-    exact = exact_rows(tensors[1])
-    assert exact.any() and not exact.all()
-    assert not exact[..., 64:].all()          # the second chunk too starts with rows of the chunk form
-    assert_log_space_matches_reference(tensors, True, rotary, offset=5)
-
-
-def test_log_space_large_logits_give_no_empty_rows_and_finite_gradients():
-    """FAVOR+-like log-features at |x| = 100: a = w.x - |x|^2/2 reaches -5000.  Plain features would
-    underflow to all-zero rows; the log-space kernels give the torch backend's answer."""
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(B, H, 40, 16, generator=gen)
-    x = 100 * x / x.norm(dim=-1, keepdim=True)
-    w = torch.randn(32, 16, generator=gen)
-    log_phi = x @ w.T - x.square().sum(-1, keepdim=True) / 2
-    v = torch.randn(B, H, 40, 16, generator=gen)
-    b, a, v = (t.to(DEVICE).requires_grad_() for t in (log_phi.clone(), log_phi.clone(), v))
-    got = linear_attention(b, a, v, causal=True, rotary=False, backend="triton", log_space=True)
-    want = linear_attention(b.detach().cpu(), a.detach().cpu(), v.detach().cpu(), causal=True, rotary=False,
-                            backend="torch", log_space=True)
-    assert exact_rows(a).any() and (got.abs().amax(-1) > 0).all()
-    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
-    grads = torch.autograd.grad(got.square().sum(), (b, a, v))
-    assert all(torch.isfinite(g).all() for g in grads)
-
-
-def test_log_space_cap_acts_where_the_recurrent_step_caps():
-    """Query pairs spread by ~100: Eq. 19 is beyond e^NUMERATOR_CAP, where stable.py saturates.
-    The kernels measure the cap against each row's own scales, as the step does, so they agree
-    with decoding token by token even there."""
-    v = inputs(40, 16, 16)[2].detach()
-    gen = torch.Generator().manual_seed(2)
-    b, a = (30 * torch.randn(B, H, 40, 16, generator=gen).to(DEVICE) for _ in range(2))
-    got = linear_attention(b, a, v, causal=True, rotary=True, backend="triton", log_space=True)
-    state, steps = None, []
-    for i in range(40):
-        y, state = linear_attention_step(b[:, :, i], a[:, :, i], v[:, :, i], state, rotary=True,
-                                         log_space=True)
-        steps.append(y)
-    want = torch.stack(steps, 2)
-    assert want.abs().max() > 1e6
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6 * want.abs().max().item())
-
-
-@pytest.mark.parametrize("rotary", [True, False])
-def test_log_space_state_equals_torch_backend_and_continues_with_step(rotary):
-    n, extra = 70, 4
-    b, a, v = (t.detach() for t in log_inputs(n + extra, 16, 16, key_scale=50.0))
-    prefix = [t[:, :, :n] for t in (b, a, v)]
-    out, state = linear_attention(*prefix, causal=True, rotary=rotary, offset=7, return_state=True,
-                                  backend="triton", log_space=True)
-    _, torch_state = linear_attention(*(t.cpu() for t in prefix), causal=True, rotary=rotary, offset=7,
-                                      return_state=True, backend="torch", log_space=True)
-    for name in ("kv", "k_sum", "log_scale"):
-        torch.testing.assert_close(getattr(state, name).cpu(), getattr(torch_state, name), rtol=1e-5,
-                                   atol=1e-6, msg=name)
-    assert state.position == torch_state.position == n + 7
-    steps = []
-    for i in range(n, n + extra):
-        y, state = linear_attention_step(b[:, :, i], a[:, :, i], v[:, :, i], state, rotary=rotary,
-                                         log_space=True)
-        steps.append(y)
-    whole = linear_attention_reference(b.double().exp().cpu(), a.double().exp().cpu(), v.double().cpu(),
-                                       causal=True, rotary=rotary, offset=7)
-    torch.testing.assert_close(torch.cat([out, torch.stack(steps, 2)], 2).cpu().double(), whole,
-                               rtol=1e-4, atol=1e-5)
-
-
-def test_log_space_past_outputs_are_bitwise_unchanged_by_the_future():
-    """Later tokens that jump (so their chunk takes the token pass) or change values must not move
-    a single bit of the outputs before them."""
-    b, a, v = (t.detach() for t in log_inputs(60, 16, 16, key_scale=2.0))
-    before = log_fused(True, True)(b, a, v)
-    a2, v2 = a.clone(), v.clone()
-    a2[:, :, 40:] += 80.0
-    v2[:, :, 40:] = torch.randn_like(v2[:, :, 40:])
-    assert exact_rows(a2)[:, :, 40:].all() and not exact_rows(a)[:, :, 40:].any()
-    after = log_fused(True, True)(b, a2, v2)
-    assert torch.equal(after[:, :, :40], before[:, :, :40])
-
-
-def test_log_space_float64_is_refused_with_a_way_out():
-    b, a, v = (t.detach().double() for t in log_inputs(8, 16, 16))
-    with pytest.raises(ValueError, match="backend='torch'"):
-        linear_attention(b, a, v, causal=True, rotary=True, backend="triton", log_space=True)
-
-
-@pytest.mark.parametrize("scale", [30.0, 100.0])
-@pytest.mark.parametrize("rope", ["post", "pre", "none"])
-def test_favor_block_at_large_inputs_on_triton(rope, scale):
-    """FAVOR+ takes the log-space kernels on backend='triton': no row is empty and gradients stay
-    finite at |x| = 30 and 100.  Without rope='post' (whose exact output is beyond the cap there)
-    it agrees with the torch backend."""
-    torch.manual_seed(0)
-    block = LinearAttention(32, 2, feature_map="favor", rope=rope, backend="triton",
-                            feature_map_options={"num_features": 16}).to(DEVICE)
-    x = torch.randn(1, 40, 32, device=DEVICE)
-    x = (scale * x / x.norm(dim=-1, keepdim=True)).requires_grad_()
-    y = block(x)
-    assert torch.isfinite(y).all() and (y.abs().amax(-1) > 0).all()
-    assert all(torch.isfinite(g).all() for g in torch.autograd.grad(y.square().sum(), (x, block.to_qkv.weight)))
-    if rope != "post":
-        block.backend = "torch"
-        torch.testing.assert_close(y, block(x), rtol=1e-4, atol=1e-5)
-
-
-H100_SHARED_MEMORY = 232_448   # bytes per block (227 KB)
-
-
-@pytest.mark.slow
-def test_log_space_kernels_compile_for_an_h100_within_its_shared_memory():
-    """No GPU needed: triton compiles for sm_90 here.  With triton's default 3 pipelining stages the
-    causal log-space backward needed over 248 KB; it launches with LOG_BACKWARD_STAGES (2)."""
-    script = Path(__file__).with_name("compile_kernels.py")
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    compiled = [json.loads(line) for line in result.stdout.splitlines()]
-    assert len(compiled) == 6
-    for kernel in compiled:
-        assert kernel["shared"] <= H100_SHARED_MEMORY, kernel
-
-
-SHARED_MEMORY_PER_BLOCK = {86: 101_376, 75: 65_536}   # sm_86 (RTX 30xx, A10; sm_89 the same), sm_75 (T4)
-
-
-@pytest.mark.slow
-def test_smaller_tile_levels_fit_gpus_with_less_shared_memory():
-    """Level 0 needs 140 KB on sm_86; a launch there raises OutOfResources and `_launch_fitting`
-    moves on: level 1 must fit sm_86 and level 2 sm_75, in the causal log-space backward, which needs
-    the most."""
-    script = Path(__file__).with_name("compile_kernels.py")
-    result = subprocess.run([sys.executable, str(script), "--causal-log", "--backward", "86:1", "75:2"],
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    compiled = [json.loads(line) for line in result.stdout.splitlines()]
-    assert len(compiled) == 2
-    for kernel in compiled:
-        assert kernel["shared"] <= SHARED_MEMORY_PER_BLOCK[kernel["arch"]], kernel
-
-
-def test_a_launch_that_does_not_fit_takes_the_next_tile_level_and_remembers_it(monkeypatch):
-    from triton.runtime.errors import OutOfResources
-    monkeypatch.setattr(fused_module, "_FITTING_LEVEL", {})
-    tried = []
-
-    def launch(level):
-        tried.append(level)
-        if level < 2:
-            raise OutOfResources(140_000, 101_376, "shared memory")
-        return "outputs"
-
-    q = torch.zeros(1)
-    forward = ("forward", True, True, True)
-    assert fused_module._launch_fitting(forward, q, launch) == "outputs" and tried == [0, 1, 2]
-    assert fused_module._launch_fitting(forward, q, launch) == "outputs" and tried == [0, 1, 2, 2]
-
-    def never(level):
-        raise OutOfResources(140_000, 1_000, "shared memory")
-    with pytest.raises(RuntimeError, match="does not fit this GPU even with its smallest tiles.*backend='torch'"):
-        fused_module._launch_fitting(("backward", True, True, True), q, never)
-
-
-def test_every_tile_level_gives_the_same_results(monkeypatch):
-    """The levels change tiles and pipelining only: each matches the reference (in log space, the
-    path that takes these kernels; plain features take chunk_parallel.py's)."""
-    for level in range(len(fused_module.TILE_LEVELS)):
-        monkeypatch.setattr(fused_module, "_FITTING_LEVEL", {
-            ((kernel, True, True, True), torch.device(DEVICE), torch.float32): level
-            for kernel in ("forward", "backward")})
-        assert_log_space_matches_reference(log_inputs(70, 64, 40, key_scale=2.0, query_scale=2.0), True, True, 3)
-        assert set(fused_module._FITTING_LEVEL.values()) == {level}
-
-
 @pytest.mark.parametrize("offset", [10 ** 12, 2 ** 53 + 1, 2 ** 62 + 12345])
 def test_large_offsets_rotate_as_exactly_as_the_torch_backend(offset):
     """The offset's turns are reduced exactly on the host (rotary.py); float64 products of the
@@ -418,6 +196,15 @@ def test_auto_takes_torch_for_float64_on_cuda():
     cuda = torch.device("cuda")
     assert resolve("auto", cuda, log_space=True, causal=True) == "triton"
     assert resolve("auto", cuda, float64=True, log_space=True, causal=True) == "torch"
+
+
+def log_inputs(n, m, dv, *, key_scale=1.0, query_scale=1.0, seed=0):
+    """Log-features (query pairs equal, so the numerator cap never acts) and values that require grad."""
+    gen = torch.Generator().manual_seed(seed)
+    b = (torch.randn(B, H, n, m // 2, generator=gen) * query_scale).repeat_interleave(2, dim=-1)
+    a = torch.randn(B, H, n, m, generator=gen) * key_scale
+    v = torch.randn(B, H, n, dv, generator=gen)
+    return [t.to(DEVICE).requires_grad_() for t in (b, a, v)]
 
 
 # ---- on a GPU ------------------------------------------------------------------------------------
