@@ -73,10 +73,10 @@ def test_values_and_gradients_match_reference(n, m, dv, offset, rotary, causal):
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("n,m,dv", [(129, 64, 16), (65, 256, 64)])
+@pytest.mark.parametrize("n,m,dv", [(129, 64, 16), (65, 128, 64)])
 def test_linear_attention_with_log_space_on_triton_matches_reference(n, m, dv, causal):
     """Through the public call (functional.py sends log-space triton calls here): three chunks of
-    M = 64, and M = 256 in four feature tiles with a full value tile."""
+    M = 64, and M = 128 in two feature tiles with a full value tile."""
     tensors = log_inputs(n, m, dv)
     weights = torch.randn(tensors[2].shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     got = outputs_and_grads(lambda b, a, v: linear_attention(b, a, v, causal=causal, rotary=True, offset=3,
@@ -96,8 +96,8 @@ def test_every_tile_level_matches_reference(level, monkeypatch):
     monkeypatch.setattr(log_chunk_parallel, "_FITTING_LEVEL", {
         (direction, True, causal, torch.device(DEVICE), torch.float32): level
         for direction in ("forward", "backward") for causal in (True, False)})
-    for causal in (True, False):
-        assert_matches_reference(log_inputs(45, 48, 40), causal=causal, rotary=True, offset=7)
+    for causal in (True, False) if level == 1 else (True,):   # non-causal once: the interpreter is slow
+        assert_matches_reference(log_inputs(21, 48, 40), causal=causal, rotary=True, offset=7)
     assert set(log_chunk_parallel._FITTING_LEVEL.values()) == {level}   # no key was added at another level
 
 
