@@ -299,8 +299,8 @@ class _Shapes:
 
     def __init__(self, q: torch.Tensor, v: torch.Tensor, chunk: int, level: int = 0):
         self.batch_heads, self.n, self.m = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
-        check_grid(q.shape[0], q.shape[1])
         self.dv = v.shape[-1]
+        check_grid(q.shape[0], q.shape[1], self.n, self.m, self.dv, rows_per_program=chunk, chunk=chunk)
         feature_tile, value_tile = TILE_LEVELS[level]
         self.bt, self.bk, self.bv = chunk, tile_size(self.m, feature_tile), tile_size(self.dv, value_tile)
         self.n_t, self.n_k, self.n_v = (triton.cdiv(a, b) for a, b in

@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from ...rotary import DEFAULT_BASE
-from .common import LogProjection, output_gradients
+from .common import LogProjection, finite_log_features, output_gradients
 from .recurrent import LinearState
 from .stable import NUMERATOR_CAP as _NUMERATOR_CAP, pair_max
 from .triton_common import (angle_table, check_grid, check_interpreter_unchanged, common_dtype, dot_settings,
@@ -141,7 +141,8 @@ def _diagonal_scores(x_rot, y_rot, p_own, live, BC: tl.constexpr):
     for n in range(BC):
         seen = live & (within >= n)[:, None]
         decay = _exp(_pick(p_own, within, n)[None, :] - p_own, seen)
-        column = tl.sum(x_rot * _pick(y_rot, within, n)[None, :] * decay, 1)
+        # where, not the zero decay alone: 0 * NaN is NaN, and a later key's NaN must not reach row m
+        column = tl.sum(tl.where(seen, x_rot * _pick(y_rot, within, n)[None, :] * decay, 0.0), 1)
         scores = tl.where((within == n)[None, :], column[:, None], scores)
     return scores
 
@@ -379,7 +380,8 @@ def _dq_kernel(b_ptr, a_ptr, v_ptr, f_ptr, p_ptr, q_ptr, g_ptr, gd_ptr, turns_pt
         for n in range(BC):
             seen = live & (within >= n)[:, None]
             decay = _exp(_pick(p_own, within, n)[None, :] - p_own, seen)
-            d_x_own += _pick(tl.trans(d_own), within, n)[:, None] * _pick(y_own, within, n)[None, :] * decay
+            d_x_own += tl.where(seen, _pick(tl.trans(d_own), within, n)[:, None] * _pick(y_own, within, n)[None, :]
+                                * decay, 0.0)
         if ROTARY:
             d_x = unrotate(d_x, cos, sin, BC, BK)
             d_x_own = unrotate(d_x_own, cos, sin, BC, BK)
@@ -460,7 +462,8 @@ def _dk_kernel(b_ptr, a_ptr, v_ptr, f_ptr, p_ptr, q_ptr, g_ptr, gd_ptr, turns_pt
         for m in range(BC):
             before = live & (within <= m)[:, None] & (first + m < N)
             decay = _exp(p_own - _pick(p_own, within, m)[None, :], before)
-            d_y_own += _pick(tl.trans(d_own), within, m)[:, None] * _pick(x_own, within, m)[None, :] * decay
+            d_y_own += tl.where(before, _pick(tl.trans(d_own), within, m)[:, None] * _pick(x_own, within, m)[None, :]
+                                * decay, 0.0)
             gd_m = tl.sum(tl.where(within == m, gd, 0.0), 0)
             d_den_own += gd_m * _exp(_pick(shift, within, m)[None, :] + a, before)
         if ROTARY:
@@ -529,8 +532,8 @@ class _Shapes:
     """Sizes, tiles and dot settings of a call on (B, H, N, M) log-features and (B, H, N, Dv) values."""
 
     def __init__(self, b: torch.Tensor, v: torch.Tensor, level: int = 0):
-        check_grid(b.shape[0], b.shape[1])
         self.batch_heads, self.n, self.m, self.dv = b.shape[0] * b.shape[1], b.shape[2], b.shape[3], v.shape[-1]
+        check_grid(b.shape[0], b.shape[1], self.n, self.m, self.dv, rows_per_program=SUB_CHUNK, chunk=CHUNK)
         feature_tile, value_tile = TILE_LEVELS[level]
         self.bk, self.bv = tile_size(self.m, feature_tile), tile_size(self.dv, value_tile)
         self.n_t, self.n_s, self.n_k, self.n_v = (triton.cdiv(x, tile) for x, tile in
@@ -594,7 +597,8 @@ class _LogChunkParallelAttention(torch.autograd.Function):
         def at_level(level):
             shapes = _Shapes(b, v, level)
             h, z, kv, k_sum = _states(a, v, scales, turns, shapes, rotary, causal, want_state)
-            out = torch.empty_like(v)
+            # float32, cast to v's dtype by the caller: backward's gd = -(g . out) / den needs it unrounded
+            out = torch.empty(v.shape, device=v.device, dtype=torch.float32)
             den = b.new_empty(b.shape[:-1])
             _output_kernel[(shapes.n_v, shapes.n_s, shapes.batch_heads)](
                 b, a, v, *scales, turns, h, z, out, den, *shapes.args(), BC=SUB_CHUNK, CAUSAL=causal,
@@ -647,7 +651,8 @@ def log_linear_attention(b, a, v: torch.Tensor, *, causal: bool, rotary: bool, o
     check_interpreter_unchanged()
     if return_state and not causal:
         raise ValueError("return_state=True needs causal=True: a non-causal pass has no decoding state")
-    b, a = (x.materialize() if isinstance(x, LogProjection) else x for x in (b, a))
+    # -inf (a feature exactly 0) raised to a finite floor, as the public call does before it gets here
+    b, a = (finite_log_features(x.materialize() if isinstance(x, LogProjection) else x) for x in (b, a))
     dtype = common_dtype(b, a, v)
     turns = angle_table(max(b.shape[-1] // 2, 1), float(rope_base), offset if rotary else 0, b.device)
     with torch.autocast(b.device.type, enabled=False):

@@ -108,10 +108,19 @@ def check_interpreter_unchanged() -> None:
                            "imported and has changed since; set it before the first triton call")
 
 
-def check_grid(batch: int, heads: int) -> None:
+def check_grid(batch: int, heads: int, n: int, m: int, dv: int, rows_per_program: int, chunk: int) -> None:
+    """What one call's launches can address: batch x heads on the grid's z axis and the row blocks on
+    its y axis (CUDA allows 65,535 on each), and offsets within one (batch, head) in int32, as the
+    kernels compute them (features, values and the per-chunk states)."""
     if batch * heads > MAX_GRID_Z:
         raise ValueError(f"backend='triton' takes at most {MAX_GRID_Z:,} batch x heads per call (CUDA's "
                          f"grid limit), got {batch} x {heads}; split the batch or use backend='torch'")
+    most_rows = min(MAX_GRID_Z * rows_per_program,
+                    (2 ** 31 - 1) // max(m, dv, 1), (2 ** 31 - 1) // max(m * dv, 1) * chunk)
+    if n > most_rows:
+        raise ValueError(f"backend='triton' takes at most {most_rows:,} tokens per call with M={m}, Dv={dv} "
+                         f"(CUDA's grid limit and 32-bit offsets), got {n:,}; split the sequence (offset= and "
+                         "return_state=True carry it on) or use backend='torch'")
 
 
 def launch_fitting(fitted: dict, key: tuple, levels: int, run_at_level, kernels: str):
