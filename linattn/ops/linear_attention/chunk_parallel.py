@@ -47,7 +47,7 @@ import triton.language as tl
 from ...rotary import DEFAULT_BASE
 from .common import output_gradients
 from .triton_common import (angle_table, check_grid, common_dtype, dot_settings, launch_fitting, mm, phases, rotate,
-                            store, tile, tile_size, unrotate)
+                            state_offset, store, tile, tile_size, unrotate)
 from .recurrent import LinearState
 
 CHUNK = 64          # tokens per chunk (BT); a power of two of at least 16 (tl.dot's minimum)
@@ -59,16 +59,6 @@ VALUE_TILE = 64     # largest value tile (BV)
 # 106,496 in bf16 (an H100 gives a block 232,448).
 TILE_LEVELS = ((FEATURE_TILE, VALUE_TILE), (32, 32), (16, 16))
 GUARD = tl.constexpr(torch.finfo(torch.float32).tiny ** 0.5)   # common.divide's clamp
-
-
-@triton.jit
-def _read_offset(i_bh, t, n_chunks, size, CAUSAL: tl.constexpr):
-    """Where the state that chunk t reads starts: its own S_t when causal, else the one state of the
-    whole sequence of (batch, head) i_bh; `size` is one state's."""
-    offset = i_bh * size
-    if CAUSAL:
-        offset = (i_bh * n_chunks + t) * size
-    return offset
 
 
 @triton.jit
@@ -119,8 +109,8 @@ def _output_kernel(q_ptr, k_ptr, v_ptr, turns_ptr, h_ptr, z_ptr, out_ptr, den_pt
     q_ptr += i_bh * N * M
     k_ptr += i_bh * N * M
     v_ptr += i_bh * N * DV
-    h_ptr += _read_offset(i_bh, t, n_chunks, M * DV, CAUSAL)
-    z_ptr += _read_offset(i_bh, t, n_chunks, M, CAUSAL)
+    h_ptr += state_offset(i_bh, t, n_chunks, M * DV, CAUSAL)
+    z_ptr += state_offset(i_bh, t, n_chunks, M, CAUSAL)
     rows = t * BT + tl.arange(0, BT)
     v_cols = i_v * BV + tl.arange(0, BV)
     num = tl.zeros((BT, BV), dtype=tl.float32)
@@ -216,10 +206,10 @@ def _dqk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, gd_ptr, turns_ptr, h_ptr, z_ptr, dh_
     v_ptr += i_bh * N * DV
     g_ptr += i_bh * N * DV
     gd_ptr += i_bh * N
-    h_ptr += _read_offset(i_bh, t, n_chunks, M * DV, CAUSAL)
-    dh_ptr += _read_offset(i_bh, t, n_chunks, M * DV, CAUSAL)
-    z_ptr += _read_offset(i_bh, t, n_chunks, M, CAUSAL)
-    dz_ptr += _read_offset(i_bh, t, n_chunks, M, CAUSAL)
+    h_ptr += state_offset(i_bh, t, n_chunks, M * DV, CAUSAL)
+    dh_ptr += state_offset(i_bh, t, n_chunks, M * DV, CAUSAL)
+    z_ptr += state_offset(i_bh, t, n_chunks, M, CAUSAL)
+    dz_ptr += state_offset(i_bh, t, n_chunks, M, CAUSAL)
     rows = t * BT + tl.arange(0, BT)
     k_cols = i_k * BK + tl.arange(0, BK)
     q = tile(q_ptr, rows, k_cols, N, M, M)
@@ -272,7 +262,7 @@ def _dv_kernel(q_ptr, k_ptr, g_ptr, turns_ptr, dh_ptr, dv_ptr, N, M, DV,
     q_ptr += i_bh * N * M
     k_ptr += i_bh * N * M
     g_ptr += i_bh * N * DV
-    dh_ptr += _read_offset(i_bh, t, n_chunks, M * DV, CAUSAL)
+    dh_ptr += state_offset(i_bh, t, n_chunks, M * DV, CAUSAL)
     rows = t * BT + tl.arange(0, BT)
     v_cols = i_v * BV + tl.arange(0, BV)
     dv = tl.zeros((BT, BV), dtype=tl.float32)

@@ -65,7 +65,7 @@ from .common import LogProjection, finite_log_features, output_gradients
 from .recurrent import LinearState
 from .stable import NUMERATOR_CAP as _NUMERATOR_CAP, pair_max
 from .triton_common import (angle_table, check_grid, check_interpreter_unchanged, common_dtype, dot_settings,
-                            launch_fitting, mm, phases, rotate, store, tile, tile_size, unrotate)
+                            launch_fitting, mm, phases, rotate, state_offset, store, tile, tile_size, unrotate)
 
 CHUNK = 64          # tokens per chunk (BT): states are written once per chunk
 SUB_CHUNK = 16      # rows per sub-chunk (BC), the output and gradient kernels' block; tl.dot's minimum
@@ -159,16 +159,6 @@ def _diagonal_key_sums(shift, a, live, BC: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _read_offset(i_bh, t, n_chunks, size, CAUSAL: tl.constexpr):
-    """Where the state that chunk t reads starts: its own S_t when causal, else the one state of the
-    whole sequence of (batch, head) i_bh; `size` is one state's."""
-    offset = i_bh * size
-    if CAUSAL:
-        offset = (i_bh * n_chunks + t) * size
-    return offset
-
-
-@triton.jit
 def _chunk_frames(t, N, BT: tl.constexpr):
     """r(t), the frame of the state chunk t reads, and E(t), its last row (the frame it hands on)."""
     return tl.maximum(t * BT - 1, 0), tl.minimum(t * BT + BT, N) - 1
@@ -230,8 +220,8 @@ def _output_kernel(b_ptr, a_ptr, v_ptr, f_ptr, p_ptr, q_ptr, turns_ptr, h_ptr, z
     p_ptr += for_rows
     q_ptr += i_bh * N
     v_ptr += i_bh * N * DV
-    h_ptr += _read_offset(i_bh, t, n_chunks, M * DV, CAUSAL)
-    z_ptr += _read_offset(i_bh, t, n_chunks, M, CAUSAL)
+    h_ptr += state_offset(i_bh, t, n_chunks, M * DV, CAUSAL)
+    z_ptr += state_offset(i_bh, t, n_chunks, M, CAUSAL)
     rows = first + tl.arange(0, BC)
     chunk_rows = t * BT + tl.arange(0, BT)
     v_cols = i_v * BV + tl.arange(0, BV)
@@ -340,8 +330,8 @@ def _dq_kernel(b_ptr, a_ptr, v_ptr, f_ptr, p_ptr, q_ptr, g_ptr, gd_ptr, turns_pt
     v_ptr += i_bh * N * DV
     g_ptr += i_bh * N * DV
     gd_ptr += i_bh * N
-    h_ptr += _read_offset(i_bh, t, n_chunks, M * DV, CAUSAL)
-    z_ptr += _read_offset(i_bh, t, n_chunks, M, CAUSAL)
+    h_ptr += state_offset(i_bh, t, n_chunks, M * DV, CAUSAL)
+    z_ptr += state_offset(i_bh, t, n_chunks, M, CAUSAL)
     rows = first + tl.arange(0, BC)
     chunk_rows = t * BT + tl.arange(0, BT)
     k_cols = i_k * BK + tl.arange(0, BK)
@@ -415,8 +405,8 @@ def _dk_kernel(b_ptr, a_ptr, v_ptr, f_ptr, p_ptr, q_ptr, g_ptr, gd_ptr, turns_pt
     v_ptr += i_bh * N * DV
     g_ptr += i_bh * N * DV
     gd_ptr += i_bh * N
-    dh_ptr += _read_offset(i_bh, t, n_chunks, M * DV, CAUSAL)
-    dz_ptr += _read_offset(i_bh, t, n_chunks, M, CAUSAL)
+    dh_ptr += state_offset(i_bh, t, n_chunks, M * DV, CAUSAL)
+    dz_ptr += state_offset(i_bh, t, n_chunks, M, CAUSAL)
     rows = first + tl.arange(0, BC)
     chunk_rows = t * BT + tl.arange(0, BT)
     k_cols = i_k * BK + tl.arange(0, BK)
@@ -490,7 +480,7 @@ def _dv_kernel(b_ptr, a_ptr, f_ptr, p_ptr, q_ptr, g_ptr, turns_ptr, dh_ptr, dv_p
     p_ptr += for_rows
     q_ptr += i_bh * N
     g_ptr += i_bh * N * DV
-    dh_ptr += _read_offset(i_bh, t, n_chunks, M * DV, CAUSAL)
+    dh_ptr += state_offset(i_bh, t, n_chunks, M * DV, CAUSAL)
     rows = first + tl.arange(0, BC)
     chunk_rows = t * BT + tl.arange(0, BT)
     v_cols = i_v * BV + tl.arange(0, BV)

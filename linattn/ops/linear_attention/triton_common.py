@@ -108,6 +108,16 @@ def check_interpreter_unchanged() -> None:
                            "imported and has changed since; set it before the first triton call")
 
 
+@triton.jit
+def state_offset(i_bh, t, n_chunks, size, CAUSAL: tl.constexpr):
+    """Where the state that chunk t reads starts: its own S_t when causal, else the one state of the
+    whole sequence of (batch, head) i_bh; `size` is one state's."""
+    offset = i_bh * size
+    if CAUSAL:
+        offset = (i_bh * n_chunks + t) * size
+    return offset
+
+
 def check_grid(batch: int, heads: int, n: int, m: int, dv: int, rows_per_program: int, chunk: int) -> None:
     """What one call's launches can address: batch x heads on the grid's z axis and the row blocks on
     its y axis (CUDA allows 65,535 on each), and offsets within one (batch, head) in int32, as the
