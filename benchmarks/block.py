@@ -6,15 +6,13 @@ reported apart.  Peak memory counts as much as time: the table gives both ratios
 targets are judged for favor-post against softmax."""
 from __future__ import annotations
 
-import contextlib
-
 from typing import TYPE_CHECKING
 
 import torch
 
 import linattn
+from linattn_lm.runtime import autocast
 
-from .methods import DTYPES
 from .report import Report, fmt, markdown_table, note, timed_line
 from .timing import MB, ChildRunner, History, median_time, one_call_peak, run_budgeted, time_call
 
@@ -46,13 +44,6 @@ def build_block(name: str, dim: int, heads: int, num_features: int) -> torch.nn.
                                    rope=rope, causal=True)
 
 
-def precision(device: torch.device, dtype: str):
-    """fp32: as built; bf16: autocast over float32 weights."""
-    if dtype == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=DTYPES[dtype])
-
-
 def block_task(task: dict) -> dict:
     device = torch.device(task["device"])
     block = build_block(task["block"], task["dim"], task["heads"], task["num_features"]).to(device)
@@ -63,7 +54,7 @@ def block_task(task: dict) -> dict:
     def step() -> None:
         x.grad = None
         block.zero_grad(set_to_none=True)   # so that every call allocates its gradients alike
-        with precision(device, task["dtype"]):
+        with autocast(device, task["dtype"]):   # fp32: as built; bf16: autocast over float32 weights
             out = block(x)
         out.backward(grad.to(out.dtype))
 
