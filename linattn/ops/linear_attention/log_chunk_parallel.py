@@ -165,6 +165,21 @@ def _chunk_frames(t, N, BT: tl.constexpr):
 
 
 @triton.jit
+def _head_logs(b_ptr, a_ptr, f_ptr, p_ptr, q_ptr, i_bh, N, M):
+    """b, a, F, P ([N, M] per head) and Q ([N]) of head i_bh."""
+    for_rows = i_bh * N * M
+    return b_ptr + for_rows, a_ptr + for_rows, f_ptr + for_rows, p_ptr + for_rows, q_ptr + i_bh * N
+
+
+@triton.jit
+def _sub_chunk(i_s, BT: tl.constexpr, BC: tl.constexpr):
+    """Sub-chunk i_s: its first row, its chunk t, its rows and the rows of chunk t."""
+    first = i_s * BC
+    t = first // BT
+    return first, t, first + tl.arange(0, BC), t * BT + tl.arange(0, BT)
+
+
+@triton.jit
 def _states_kernel(a_ptr, v_ptr, f_ptr, p_ptr, turns_ptr, h_ptr, z_ptr, kv_ptr, k_sum_ptr, N, M, DV,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ROTARY: tl.constexpr,
                    CHUNKS: tl.constexpr, STATE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
@@ -211,19 +226,11 @@ def _output_kernel(b_ptr, a_ptr, v_ptr, f_ptr, p_ptr, q_ptr, turns_ptr, h_ptr, z
     """out = num / den for one sub-chunk and value tile; den written by the first value tile."""
     i_v, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     n_chunks = tl.cdiv(N, BT)
-    first = i_s * BC
-    t = first // BT
-    for_rows = i_bh * N * M
-    b_ptr += for_rows
-    a_ptr += for_rows
-    f_ptr += for_rows
-    p_ptr += for_rows
-    q_ptr += i_bh * N
+    first, t, rows, chunk_rows = _sub_chunk(i_s, BT, BC)
+    b_ptr, a_ptr, f_ptr, p_ptr, q_ptr = _head_logs(b_ptr, a_ptr, f_ptr, p_ptr, q_ptr, i_bh, N, M)
     v_ptr += i_bh * N * DV
     h_ptr += state_offset(i_bh, t, n_chunks, M * DV, CAUSAL)
     z_ptr += state_offset(i_bh, t, n_chunks, M, CAUSAL)
-    rows = first + tl.arange(0, BC)
-    chunk_rows = t * BT + tl.arange(0, BT)
     v_cols = i_v * BV + tl.arange(0, BV)
     ref, _end = _chunk_frames(t, N, BT)
     num = tl.zeros((BC, BV), dtype=tl.float32)
@@ -319,21 +326,13 @@ def _dq_kernel(b_ptr, a_ptr, v_ptr, f_ptr, p_ptr, q_ptr, g_ptr, gd_ptr, turns_pt
                         denominator sum_{n <= m} e^{b_m - Q_m + a_n} directly."""
     i_k, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     n_chunks = tl.cdiv(N, BT)
-    first = i_s * BC
-    t = first // BT
-    for_rows = i_bh * N * M
-    b_ptr += for_rows
-    a_ptr += for_rows
-    f_ptr += for_rows
-    p_ptr += for_rows
-    q_ptr += i_bh * N
+    first, t, rows, chunk_rows = _sub_chunk(i_s, BT, BC)
+    b_ptr, a_ptr, f_ptr, p_ptr, q_ptr = _head_logs(b_ptr, a_ptr, f_ptr, p_ptr, q_ptr, i_bh, N, M)
     v_ptr += i_bh * N * DV
     g_ptr += i_bh * N * DV
     gd_ptr += i_bh * N
     h_ptr += state_offset(i_bh, t, n_chunks, M * DV, CAUSAL)
     z_ptr += state_offset(i_bh, t, n_chunks, M, CAUSAL)
-    rows = first + tl.arange(0, BC)
-    chunk_rows = t * BT + tl.arange(0, BT)
     k_cols = i_k * BK + tl.arange(0, BK)
     d_x_state = tl.zeros((BC, BK), dtype=tl.float32)
     d_earlier = tl.zeros((BC, BT), dtype=tl.float32)
@@ -394,21 +393,13 @@ def _dk_kernel(b_ptr, a_ptr, v_ptr, f_ptr, p_ptr, q_ptr, g_ptr, gd_ptr, turns_pt
                         denominator sum_{m >= n} gd_m e^{b_m - Q_m + a_n} directly."""
     i_k, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     n_chunks = tl.cdiv(N, BT)
-    first = i_s * BC
-    t = first // BT
-    for_rows = i_bh * N * M
-    b_ptr += for_rows
-    a_ptr += for_rows
-    f_ptr += for_rows
-    p_ptr += for_rows
-    q_ptr += i_bh * N
+    first, t, rows, chunk_rows = _sub_chunk(i_s, BT, BC)
+    b_ptr, a_ptr, f_ptr, p_ptr, q_ptr = _head_logs(b_ptr, a_ptr, f_ptr, p_ptr, q_ptr, i_bh, N, M)
     v_ptr += i_bh * N * DV
     g_ptr += i_bh * N * DV
     gd_ptr += i_bh * N
     dh_ptr += state_offset(i_bh, t, n_chunks, M * DV, CAUSAL)
     dz_ptr += state_offset(i_bh, t, n_chunks, M, CAUSAL)
-    rows = first + tl.arange(0, BC)
-    chunk_rows = t * BT + tl.arange(0, BT)
     k_cols = i_k * BK + tl.arange(0, BK)
     last = tl.minimum(first + BC, N) - 1
     later = (chunk_rows > last) & (chunk_rows < N)
@@ -471,18 +462,10 @@ def _dv_kernel(b_ptr, a_ptr, f_ptr, p_ptr, q_ptr, g_ptr, turns_ptr, dh_ptr, dv_p
     = (R y_n^{E(t)}) dS_t + [later rows of the chunk, frame e] + [own sub-chunk], A the scores."""
     i_v, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     n_chunks = tl.cdiv(N, BT)
-    first = i_s * BC
-    t = first // BT
-    for_rows = i_bh * N * M
-    b_ptr += for_rows
-    a_ptr += for_rows
-    f_ptr += for_rows
-    p_ptr += for_rows
-    q_ptr += i_bh * N
+    first, t, rows, chunk_rows = _sub_chunk(i_s, BT, BC)
+    b_ptr, a_ptr, f_ptr, p_ptr, q_ptr = _head_logs(b_ptr, a_ptr, f_ptr, p_ptr, q_ptr, i_bh, N, M)
     g_ptr += i_bh * N * DV
     dh_ptr += state_offset(i_bh, t, n_chunks, M * DV, CAUSAL)
-    rows = first + tl.arange(0, BC)
-    chunk_rows = t * BT + tl.arange(0, BT)
     v_cols = i_v * BV + tl.arange(0, BV)
     last = tl.minimum(first + BC, N) - 1
     later = (chunk_rows > last) & (chunk_rows < N)
