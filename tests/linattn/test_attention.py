@@ -211,6 +211,14 @@ def test_linear_block_bad_arguments(kwargs, message):
         LinearAttention(**args)
 
 
+def test_attend_refuses_queries_keys_and_values_of_several_dtypes():
+    """The linear block decides from v's dtype how the op computes (a bf16 block's v goes to float32)."""
+    q = torch.randn(1, 4, 5, 8)
+    with pytest.raises(ValueError, match=r"attend takes queries, keys and values of one dtype, got torch.float32, "
+                                         r"torch.float32 and torch.bfloat16"):
+        LinearAttention(32, 4).attend(q, q, q.bfloat16())
+
+
 def test_odd_head_dim_with_pre_rotation_is_refused_but_fine_without():
     with pytest.raises(ValueError, match="head_dim must be even"):
         LinearAttention(30, 2, feature_map="elu", rope="pre")          # head_dim 15
