@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .checks import check_rope_base, check_state_position, check_state_tensors
+from .checks import check_flags, check_positive_integer, check_rope_base, check_state_position, check_state_tensors
 from .feature_maps import FeatureMap, make_feature_map
 from .functional import BACKENDS, DEFAULT_CHUNK_SIZE, LinearState, linear_attention, linear_attention_step
 from .ops.linear_attention import dispatch
@@ -36,7 +36,7 @@ class KVCache(NamedTuple):
 
 
 def _head_dim(dim: int, heads: int) -> int:
-    if dim < 1 or heads < 1 or dim % heads:
+    if dim % heads:
         raise ValueError(f"dim ({dim}) must be a positive multiple of heads ({heads})")
     return dim // heads
 
@@ -44,8 +44,10 @@ def _head_dim(dim: int, heads: int) -> int:
 class _Projections(nn.Module):
     """q/k/v/out projections and the (B, N, dim) <-> (B, H, N, head_dim) reshapes."""
 
-    def __init__(self, dim: int, heads: int, bias: bool):
+    def __init__(self, dim: int, heads: int, bias: bool, causal: bool):
         super().__init__()
+        dim, heads = check_positive_integer("dim", dim), check_positive_integer("heads", heads)
+        check_flags(bias=bias, causal=causal)
         self.dim, self.heads, self.head_dim = dim, heads, _head_dim(dim, heads)
         self.to_qkv = nn.Linear(dim, 3 * dim, bias=bias)
         self.to_out = nn.Linear(dim, dim, bias=bias)
@@ -108,7 +110,7 @@ class LinearAttention(_Projections):
                  rope: str = "post", causal: bool = True, feature_map_options: dict | None = None,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, rope_base: float = DEFAULT_BASE,
                  bias: bool = False, backend: str = "auto", normalization: str = "denominator"):
-        super().__init__(dim, heads, bias)
+        super().__init__(dim, heads, bias, causal)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if rope not in ROPE_PLACEMENTS:
@@ -226,7 +228,7 @@ def resolve_backend(backend: str, device: torch.device | str, *, attention: str 
     same way when they run; this asks before any work.  Linear attention: `log_space` and `causal`
     describe the calls (a map's `log_space`), since "auto" takes the C++ kernel on CPU only for the
     causal log-space calls it computes."""
-    device = torch.device(device)
+    device = as_device(device)
     if attention == "linear":
         return dispatch.resolve(backend, device, log_space=log_space, causal=causal)
     if attention != "softmax":
@@ -241,6 +243,15 @@ def resolve_backend(backend: str, device: torch.device | str, *, attention: str 
         except ImportError as err:
             raise ValueError(str(err)) from None
     return backend
+
+
+def as_device(device) -> torch.device:
+    """`device` as a torch.device: torch's own error for a bad name lists every device type it knows."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch.device or a device name such as 'cpu', 'cuda' or 'cuda:1', "
+                         f"got {device!r}") from None
 
 
 def _xformers_ops():
@@ -261,7 +272,7 @@ class SoftmaxAttention(_Projections):
 
     def __init__(self, dim: int, heads: int, *, rope: bool = True, causal: bool = True,
                  backend: str = "sdpa", rope_base: float = DEFAULT_BASE, bias: bool = False):
-        super().__init__(dim, heads, bias)
+        super().__init__(dim, heads, bias, causal)
         if backend not in SOFTMAX_BACKENDS:
             raise ValueError(f"backend must be one of {SOFTMAX_BACKENDS}, got {backend!r}")
         if not isinstance(rope, bool):
@@ -300,6 +311,7 @@ class SoftmaxAttention(_Projections):
 
     def forward(self, x: torch.Tensor, *, offset: int = 0, return_state: bool = False):
         check_offset(offset)
+        check_flags(return_state=return_state)
         q, k, v = self._qkv(x, 3)
         q, k = self._rotate(q, k, offset)   # the cache holds rotated keys
         out = self._merge(self._kernel(q, k, v, self.causal))
