@@ -12,11 +12,12 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .checks import check_rope_base, check_state_position, check_state_tensors
+from .checks import check_flags, check_positive_integer, check_rope_base, check_state_position, check_state_tensors
 from .feature_maps import FeatureMap, make_feature_map
 from .functional import BACKENDS, DEFAULT_CHUNK_SIZE, LinearState, linear_attention, linear_attention_step
 from .ops.linear_attention import dispatch
 from .ops.linear_attention.chunk import check_chunk_size
+from .ops.linear_attention.common import feature_tensors
 from .ops.linear_attention.recurrent import state_position
 from .rotary import DEFAULT_BASE, apply_rotary, check_offset
 
@@ -35,7 +36,7 @@ class KVCache(NamedTuple):
 
 
 def _head_dim(dim: int, heads: int) -> int:
-    if dim < 1 or heads < 1 or dim % heads:
+    if dim % heads:
         raise ValueError(f"dim ({dim}) must be a positive multiple of heads ({heads})")
     return dim // heads
 
@@ -43,8 +44,10 @@ def _head_dim(dim: int, heads: int) -> int:
 class _Projections(nn.Module):
     """q/k/v/out projections and the (B, N, dim) <-> (B, H, N, head_dim) reshapes."""
 
-    def __init__(self, dim: int, heads: int, bias: bool):
+    def __init__(self, dim: int, heads: int, bias: bool, causal: bool):
         super().__init__()
+        dim, heads = check_positive_integer("dim", dim), check_positive_integer("heads", heads)
+        check_flags(bias=bias, causal=causal)
         self.dim, self.heads, self.head_dim = dim, heads, _head_dim(dim, heads)
         self.to_qkv = nn.Linear(dim, 3 * dim, bias=bias)
         self.to_out = nn.Linear(dim, dim, bias=bias)
@@ -65,13 +68,17 @@ class _Projections(nn.Module):
         return (rearrange(t, "b n (h d) -> b h n d", h=self.heads) for t in (q, k, v))
 
     def _check_heads(self, q, k, v) -> None:
-        """attend's inputs: (B, H, N, head_dim) with this block's heads."""
+        """attend's inputs: (B, H, N, head_dim) with this block's heads, in one dtype (what the
+        projections give; the linear block decides from v's dtype how the op computes)."""
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[1] != self.heads \
                     or t.shape[-1] != self.head_dim:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"attend takes (batch, heads={self.heads}, seq_len, head_dim={self.head_dim}) "
                                  f"queries, keys and values, got {name} of shape {got}")
+        if not q.dtype == k.dtype == v.dtype:
+            raise ValueError(f"attend takes queries, keys and values of one dtype, got {q.dtype}, {k.dtype} and "
+                             f"{v.dtype}; convert them with .to(dtype)")
 
     def _check_decodable(self) -> None:
         if not self.causal:
@@ -103,7 +110,7 @@ class LinearAttention(_Projections):
                  rope: str = "post", causal: bool = True, feature_map_options: dict | None = None,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, rope_base: float = DEFAULT_BASE,
                  bias: bool = False, backend: str = "auto", normalization: str = "denominator"):
-        super().__init__(dim, heads, bias)
+        super().__init__(dim, heads, bias, causal)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if rope not in ROPE_PLACEMENTS:
@@ -150,39 +157,49 @@ class LinearAttention(_Projections):
         """The attention between the projections: (B, H, N, head_dim) queries, keys and values ->
         (B, H, N, head_dim), with this block's map, placement and backend (what forward runs)."""
         self._check_heads(q, k, v)
-        phi_q, phi_k = self._tensor_core_features(*self._features(q, k, offset, projected=self.causal), v)
-        result = linear_attention(phi_q, phi_k, v, causal=self.causal, rotary=self.rope == "post",
+        phi_q, phi_k, values = self._op_inputs(*self._features(q, k, offset, projected=self.causal), v)
+        result = linear_attention(phi_q, phi_k, values, causal=self.causal, rotary=self.rope == "post",
                                   offset=offset, chunk_size=self.chunk_size, rope_base=self.rope_base,
                                   return_state=return_state, backend=self.backend,
                                   log_space=self.feature_map.log_space,
                                   nonnegative_features=self.feature_map.nonnegative_features)
+        # Rounded to v's dtype before the norm, as the op rounds its output under autocast.
         if return_state:
-            return self._normalize(result[0]), result[1]
-        return self._normalize(result)
+            return self._normalize(result[0].to(v.dtype)), result[1]
+        return self._normalize(result.to(v.dtype))
 
-    def _tensor_core_features(self, phi_q, phi_k, v: torch.Tensor):
-        """Plain features in the autocast dtype when the triton backend runs them: maps compute in
-        float32, and the kernels multiply in bf16/fp16 on tensor cores (float32 sums) only when every
-        input is in that dtype, as flash-linear-attention's layers run under autocast.  Log-features
-        stay float32 (bf16 would round their exponents), and the torch and cpp backends sum in float32
-        anyway, so only this route gains from the cast: backend "triton", or "auto" on CUDA (decided
-        from the names alone, which torch.compile traces; resolving would ask the machine)."""
+    def _op_inputs(self, phi_q, phi_k, v: torch.Tensor):
+        """Features and values in one dtype for the op, which refuses a mix it was not told about.  Maps
+        compute in float32 (float64 stays), while v is in the block's dtype, or autocast's: bf16/fp16.
+
+        * Plain features on the triton route go to v's bf16/fp16: the kernels multiply on tensor cores
+          (float32 sums) only when every input is in that dtype, as flash-linear-attention's layers
+          run.  The route is backend "triton", or "auto" on CUDA, decided from the names (which
+          torch.compile traces; resolving would ask the machine).
+        * Otherwise v goes to the features' dtype: log-features stay float32 (bf16 would round their
+          exponents), and the torch and cpp backends sum in float32 anyway.  The op casts v there
+          itself; doing it here gives the same numbers and lets a bf16/fp16 block run without autocast.
+        The caller casts the output back to v's dtype."""
+        dtype = feature_tensors(phi_q, phi_k)[0].dtype
+        if v.dtype == dtype:
+            return phi_q, phi_k, v
         device = v.device.type
         triton_route = self.backend == "triton" or (self.backend == "auto" and device == "cuda")
-        if self.feature_map.log_space or not triton_route or not torch.is_autocast_enabled(device):
-            return phi_q, phi_k
-        dtype = torch.get_autocast_dtype(device)
-        return (phi_q.to(dtype), phi_k.to(dtype)) if v.dtype == dtype else (phi_q, phi_k)
+        if triton_route and not self.feature_map.log_space and v.dtype in (torch.bfloat16, torch.float16):
+            return phi_q.to(v.dtype), phi_k.to(v.dtype), v
+        return phi_q, phi_k, v.to(dtype)
 
     def _normalize(self, out: torch.Tensor) -> torch.Tensor:
         """normalization="rmsnorm": RMSNorm over head_dim of the (B, H, N, head_dim) output."""
         if self.norm is None:
             return out
-        # In float32 (float64 stays), like the op's sums: under autocast the op returns bf16/fp16 while
-        # the gain is float32, and torch's RMSNorm would warn and skip its fused kernel.
+        # In float32 (float64 stays), like the op's sums, the gain too: the output is bf16/fp16 in a
+        # bf16/fp16 block and under autocast, the gain only in the former, and at a mix torch's RMSNorm
+        # warns and skips its fused kernel.
         with torch.autocast(out.device.type, enabled=False):
             dtype = torch.float64 if out.dtype == torch.float64 else torch.float32
-            return self.norm(out.to(dtype)).to(out.dtype)
+            weight = self.norm.weight.to(dtype)
+            return F.rms_norm(out.to(dtype), self.norm.normalized_shape, weight, self.norm.eps).to(out.dtype)
 
     def step(self, x_t: torch.Tensor, state: LinearState | None = None):
         """Decode one token (B, dim) in O(1) time and memory; `state=None` starts a sequence."""
@@ -191,11 +208,13 @@ class LinearAttention(_Projections):
         # the position is needed before the features; linear_attention_step checks the rest of the state
         position = 0 if state is None else state_position(state)
         phi_q, phi_k = self._features(q, k, position)
-        out, state = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], state,
+        # The step computes in the features' dtype (float32 for bf16/fp16 blocks, as under autocast).
+        values = v[:, :, 0].to(phi_k.dtype)
+        out, state = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], values, state,
                                            rotary=self.rope == "post", rope_base=self.rope_base,
                                            log_space=self.feature_map.log_space,
                                            nonnegative_features=self.feature_map.nonnegative_features)
-        return self._merge(self._normalize(out.unsqueeze(2)))[:, 0], state
+        return self._merge(self._normalize(out.unsqueeze(2).to(v.dtype)))[:, 0], state
 
     def extra_repr(self) -> str:
         return (f"heads={self.heads}, rope={self.rope!r}, causal={self.causal}, "
@@ -209,7 +228,7 @@ def resolve_backend(backend: str, device: torch.device | str, *, attention: str 
     same way when they run; this asks before any work.  Linear attention: `log_space` and `causal`
     describe the calls (a map's `log_space`), since "auto" takes the C++ kernel on CPU only for the
     causal log-space calls it computes."""
-    device = torch.device(device)
+    device = as_device(device)
     if attention == "linear":
         return dispatch.resolve(backend, device, log_space=log_space, causal=causal)
     if attention != "softmax":
@@ -224,6 +243,15 @@ def resolve_backend(backend: str, device: torch.device | str, *, attention: str 
         except ImportError as err:
             raise ValueError(str(err)) from None
     return backend
+
+
+def as_device(device) -> torch.device:
+    """`device` as a torch.device: torch's own error for a bad name lists every device type it knows."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch.device or a device name such as 'cpu', 'cuda' or 'cuda:1', "
+                         f"got {device!r}") from None
 
 
 def _xformers_ops():
@@ -244,7 +272,7 @@ class SoftmaxAttention(_Projections):
 
     def __init__(self, dim: int, heads: int, *, rope: bool = True, causal: bool = True,
                  backend: str = "sdpa", rope_base: float = DEFAULT_BASE, bias: bool = False):
-        super().__init__(dim, heads, bias)
+        super().__init__(dim, heads, bias, causal)
         if backend not in SOFTMAX_BACKENDS:
             raise ValueError(f"backend must be one of {SOFTMAX_BACKENDS}, got {backend!r}")
         if not isinstance(rope, bool):
@@ -283,6 +311,7 @@ class SoftmaxAttention(_Projections):
 
     def forward(self, x: torch.Tensor, *, offset: int = 0, return_state: bool = False):
         check_offset(offset)
+        check_flags(return_state=return_state)
         q, k, v = self._qkv(x, 3)
         q, k = self._rotate(q, k, offset)   # the cache holds rotated keys
         out = self._merge(self._kernel(q, k, v, self.causal))

@@ -17,6 +17,33 @@ def is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def check_flags(**flags) -> None:
+    """Switches are Python bools: a string such as "no" is truthy, and a table keyed by the flag (the
+    dispatch table, torch's custom op) would fail far from the call that passed it."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def check_positive_integer(name: str, value) -> int:
+    """A size (a count of dimensions, heads, ...) as a plain int: 2.0 would reach torch's layers and
+    fail there with a message that names neither the argument nor the fix."""
+    if not is_integer(value) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def check_real_floating(name: str, t: torch.Tensor) -> None:
+    """Attention and rotation compute on real floating-point numbers: outputs come back in the input's
+    dtype, so integers would be truncated, and complex numbers are not what the maths takes."""
+    if t.is_complex():
+        raise ValueError(f"{name} must be a real floating-point tensor, got {t.dtype}; pass real tensors "
+                         f"(x.real and x.imag, or torch.view_as_real(x)) in a floating dtype such as float32")
+    if not t.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got {t.dtype}; integer inputs would give "
+                         f"truncated outputs: convert with .float()")
+
+
 def check_rope_base(base) -> None:
     """theta_i = base^(-2i/dim) needs a finite base > 0."""
     if not is_real(base) or base <= 0:

@@ -26,21 +26,35 @@ import torch.nn.functional as F
 from performer_pytorch.performer_pytorch import gaussian_orthogonal_random_matrix
 from torch import nn
 
-from .checks import is_integer
+from .checks import check_positive_integer, is_integer
 from .ops.linear_attention.common import LogProjection
 
 FEATURE_MAPS: dict[str, type["FeatureMap"]] = {}
 
 
 def register_feature_map(name: str):
-    """Class decorator that makes a `FeatureMap` selectable by `name` (e.g. `--feature-map name`)."""
+    """Class decorator that makes a `FeatureMap` selectable by `name` (e.g. `--feature-map name`).
+    Both are checked here, where the mistake is made: a bad entry would otherwise fail only when a
+    block asks for it by name, far from the registration."""
+    check_map_name(name)
+
     def register(cls: type[FeatureMap]) -> type[FeatureMap]:
+        if not (isinstance(cls, type) and issubclass(cls, FeatureMap)):
+            raise ValueError(f"register_feature_map({name!r}) registers FeatureMap subclasses, got {cls!r}; "
+                             f"derive the class from linattn.FeatureMap")
         if name in FEATURE_MAPS and FEATURE_MAPS[name] is not cls:
             raise ValueError(f"feature map name {name!r} is already registered to "
                              f"{FEATURE_MAPS[name].__name__}; choose another name")
         FEATURE_MAPS[name] = cls
         return cls
     return register
+
+
+def check_map_name(name) -> None:
+    """A name that a command line can pass as one word (`--feature-map name`)."""
+    if not isinstance(name, str) or not name or any(ch.isspace() for ch in name):
+        raise ValueError(f"a feature map's name must be a non-empty string without spaces, such as 'relu', "
+                         f"got {name!r}")
 
 
 def available_feature_maps() -> list[str]:
@@ -89,6 +103,7 @@ def make_feature_map(feature_map: str | FeatureMap, head_dim: int, *, heads: int
     if misplaced:
         raise ValueError(f"make_feature_map takes the map's options as a dict: options={misplaced!r} "
                          f"rather than {', '.join(f'{k}=...' for k in misplaced)}")
+    head_dim = check_positive_integer("head_dim", head_dim)   # before a map derives its M from it
     options = {} if options is None else options
     if not isinstance(options, dict):
         raise ValueError(f"feature-map options must be a dict of option name to value, got {type(options).__name__}")
@@ -137,10 +152,8 @@ class FeatureMap(nn.Module):
 
     def __init__(self, head_dim: int):
         super().__init__()
-        if head_dim < 1:
-            raise ValueError(f"head_dim must be positive, got {head_dim}")
-        self.head_dim = head_dim
-        self.num_features = head_dim
+        self.head_dim = check_positive_integer("head_dim", head_dim)
+        self.num_features = self.head_dim
 
     @classmethod
     def num_features_for(cls, head_dim: int, options: dict) -> int:
@@ -384,6 +397,7 @@ class HedgehogFeatureMap(PerHeadFeatureMap):
 
     def __init__(self, head_dim: int, num_features: int | None = None, activation: str = "softmax", *,
                  heads: int = 1):
+        head_dim = check_positive_integer("head_dim", head_dim)   # M derives from it before the base checks it
         num_features = self.num_features_for(head_dim, {"num_features": num_features})
         if not is_integer(num_features) or num_features < 2 or num_features % 2:
             raise ValueError(f"num_features must be an even integer >= 2 (features over [z, -z]), "

@@ -22,13 +22,13 @@ import torch
 from . import custom_ops
 from .ops.linear_attention import dispatch
 from .ops.linear_attention.chunk import DEFAULT_CHUNK_SIZE, check_chunk_size
-from .ops.linear_attention.common import (LogProjection, check_dtypes, check_feature_kind, check_features,
+from .ops.linear_attention.common import (LogProjection, check_device, check_dtypes, check_feature_kind, check_features,
                                           check_log_features, check_log_feature_range,
                                           check_nonnegative, check_not_projection, compute_dtype,
                                           feature_tensors, finite_log_features)
 from .ops.linear_attention.naive import linear_attention_reference, softmax_attention_reference
 from .ops.linear_attention.recurrent import LinearState, initial_state, linear_attention_step
-from .checks import check_rope_base
+from .checks import check_flags, check_rope_base
 from .rotary import DEFAULT_BASE, check_offset, check_positions, check_rotated_dim
 
 BACKENDS = dispatch.BACKENDS
@@ -58,12 +58,15 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     kernel phi_q . phi_k is positive though single features are not (a map's own guarantee, such
     as taylor's; the denominator must be positive for the output to mean anything).
     """
+    check_flags(causal=causal, rotary=rotary, return_state=return_state, log_space=log_space,
+                nonnegative_features=nonnegative_features)
     check_feature_kind(log_space, nonnegative_features)
     if log_space:
         check_log_features(phi_q, phi_k, v)
     else:
         check_not_projection(phi_q, phi_k)
         check_features(phi_q, phi_k, v, rank=4)
+    check_device(phi_q, phi_k, v)
     check_dtypes(phi_q, phi_k, v)
     check_chunk_size(chunk_size)
     check_offset(offset)

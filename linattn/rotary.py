@@ -20,7 +20,7 @@ from functools import lru_cache
 import mpmath
 import torch
 
-from .checks import check_rope_base, is_integer
+from .checks import check_real_floating, check_rope_base, is_integer
 
 DEFAULT_BASE = 10000.0
 _DIGIT_BITS = 16
@@ -113,10 +113,22 @@ def _(length, dim, offset, base, device, double):
 
 def apply_rotary(x: torch.Tensor, *, offset: int = 0, base: float = DEFAULT_BASE) -> torch.Tensor:
     """Rotate the last dimension of x (..., N, dim) at positions offset..offset+N-1."""
+    check_rotary_input(x)
     real_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     phases = rotary_phases(x.shape[-2], x.shape[-1], offset=offset, base=base, device=x.device,
                            dtype=real_dtype)
     return rotate_pairs(x.to(real_dtype).contiguous(), phases).to(x.dtype)
+
+
+def check_rotary_input(x) -> None:
+    """A real floating tensor of at least 2 dimensions (positions, then the pairs): the result comes back
+    in x's dtype, so an integer tensor would be rotated and then truncated."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"apply_rotary takes a tensor of shape (..., N, dim), got {type(x).__name__}")
+    check_real_floating("x", x)
+    if x.dim() < 2:
+        raise ValueError(f"apply_rotary takes x of shape (..., N, dim): positions, then the pairs to rotate; "
+                         f"got shape {tuple(x.shape)}")
 
 
 def rotate_pairs(x: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:

@@ -211,6 +211,42 @@ def test_linear_block_bad_arguments(kwargs, message):
         LinearAttention(**args)
 
 
+@pytest.mark.parametrize("block_class", [LinearAttention, SoftmaxAttention])
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(causal="yes"), r"causal must be True or False, got 'yes'"),
+    (dict(causal=None), r"causal must be True or False, got None"),
+    (dict(causal=1), r"causal must be True or False, got 1"),
+    (dict(bias="no"), r"bias must be True or False, got 'no'"),
+    (dict(heads=2.0), r"heads must be a positive integer, got 2.0"),
+    (dict(dim=32.0), r"dim must be a positive integer, got 32.0"),
+    (dict(heads=0), r"heads must be a positive integer, got 0"),
+    (dict(dim=True), r"dim must be a positive integer, got True"),
+])
+def test_blocks_refuse_switches_that_are_not_bools_and_sizes_that_are_not_integers(block_class, kwargs, message):
+    """At the constructor, naming the argument: `causal="yes"` used to build and fail at the first
+    call with a KeyError, and heads=2.0 was blamed on a feature-map option nobody gave."""
+    with pytest.raises(ValueError, match=message):
+        block_class(**(dict(dim=32, heads=4) | kwargs))
+
+
+def test_blocks_take_numpy_integer_sizes_as_plain_ints():
+    block = LinearAttention(np.int64(32), np.int64(4))
+    assert type(block.dim) is int and type(block.heads) is int and block(torch.randn(1, 3, 32)).shape == (1, 3, 32)
+
+
+def test_softmax_forward_refuses_a_return_state_that_is_not_a_bool():
+    with pytest.raises(ValueError, match="return_state must be True or False, got 'no'"):
+        SoftmaxAttention(32, 4)(torch.randn(1, 3, 32), return_state="no")
+
+
+def test_attend_refuses_queries_keys_and_values_of_several_dtypes():
+    """The linear block decides from v's dtype how the op computes (a bf16 block's v goes to float32)."""
+    q = torch.randn(1, 4, 5, 8)
+    with pytest.raises(ValueError, match=r"attend takes queries, keys and values of one dtype, got torch.float32, "
+                                         r"torch.float32 and torch.bfloat16"):
+        LinearAttention(32, 4).attend(q, q, q.bfloat16())
+
+
 def test_odd_head_dim_with_pre_rotation_is_refused_but_fine_without():
     with pytest.raises(ValueError, match="head_dim must be even"):
         LinearAttention(30, 2, feature_map="elu", rope="pre")          # head_dim 15
@@ -380,6 +416,13 @@ def test_resolve_backend_says_what_runs_where():
         linattn.resolve_backend("xformers", cpu, attention="softmax")
     with pytest.raises(ValueError, match="attention must be 'linear' or 'softmax'"):
         linattn.resolve_backend("auto", cpu, attention="performer")
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", None])
+def test_resolve_backend_refuses_a_device_torch_does_not_know_in_one_line(device):
+    with pytest.raises(ValueError, match=r"^device must be a torch.device or a device name such as 'cpu', 'cuda' "
+                                         r"or 'cuda:1', got [^\n]*$"):
+        linattn.resolve_backend("auto", device)
 
 
 def test_rmsnorm_under_autocast_normalises_in_float32_without_a_warning() -> None:

@@ -1,9 +1,13 @@
 """The block under bf16 autocast against the same block in float64: outputs and gradients within 2e-2
-relative (the issue's bound), on CPU at small N and on a GPU at N = 64k."""
+relative (the issue's bound), on CPU at small N and on a GPU at N = 64k.  Blocks converted to bf16/fp16
+compute as their float32 copies do under autocast."""
+import copy
+
 import pytest
 import torch
 
-from linattn import LinearAttention
+from linattn import NORMALIZATIONS, LinearAttention
+from linattn.functional import LogProjection
 
 BOUND = 2e-2
 
@@ -94,3 +98,105 @@ def test_the_plain_block_compiles_fullgraph_under_autocast(backend):
         want = block(x)
         got = torch.compile(block, fullgraph=True, backend="eager")(x)
     torch.testing.assert_close(got, want)
+
+
+# ---- blocks converted to bf16/fp16 (block.bfloat16(), block.half()), without autocast ----------------
+
+MAPS = ("favor", "elu", "softmax", "hedgehog", "taylor")
+OPTIONS = {"favor": {"num_features": 16}, "taylor": {"dim": 4}}
+HALF_DTYPES = [torch.bfloat16, torch.float16]
+HALF_BOUND = {torch.bfloat16: BOUND, torch.float16: 5e-3}   # measured: 4e-3 to 6e-3 and 5e-4 to 7e-4
+
+
+def float_and_half_blocks(feature_map: str, dtype: torch.dtype, normalization: str, backend: str = "auto"):
+    """A float32 block and a copy of it converted to `dtype` (weights and buffers rounded)."""
+    torch.manual_seed(0)
+    block = LinearAttention(32, heads=4, feature_map=feature_map, normalization=normalization, chunk_size=8,
+                            backend=backend, feature_map_options=OPTIONS.get(feature_map, {})).eval()
+    return block, copy.deepcopy(block).to(dtype)
+
+
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("feature_map", MAPS)
+def test_a_half_precision_block_runs_forward_and_backward_close_to_float32(feature_map, dtype, normalization):
+    full, half = float_and_half_blocks(feature_map, dtype, normalization)
+    x = torch.randn(2, 21, 32)
+    weights = torch.randn(2, 21, 32)
+    x_half, x_full = x.to(dtype).requires_grad_(), x.clone().requires_grad_()
+    out = half(x_half)
+    (out.float() * weights).sum().backward()
+    want = full(x_full)
+    (want * weights).sum().backward()
+    assert out.dtype == dtype
+    gradients = {"input": x_half.grad, **{name: p.grad for name, p in half.named_parameters()}}
+    assert all(g is not None and g.isfinite().all() for g in gradients.values()), gradients
+    assert relative_error(out, want) < HALF_BOUND[dtype]
+    assert relative_error(x_half.grad, x_full.grad) < HALF_BOUND[dtype]
+
+
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("feature_map", MAPS)
+def test_a_half_precision_block_computes_what_its_float32_copy_computes_under_autocast(feature_map, dtype,
+                                                                                        normalization):
+    """The same numbers: maps in float32, the op's sums in float32, outputs rounded where autocast's are."""
+    _, half = float_and_half_blocks(feature_map, dtype, normalization)
+    under_autocast = copy.deepcopy(half).float()   # the rounded weights, held in float32
+    x = torch.randn(2, 21, 32).to(dtype)
+    with torch.autocast("cpu", dtype=dtype):
+        want = under_autocast(x.float())
+    assert torch.equal(half(x), want)
+
+
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("feature_map", MAPS)
+def test_a_half_precision_block_decodes_what_it_computes_in_parallel(feature_map, dtype, normalization):
+    """step() from the start and from a prefill's state (float32, as under autocast) against forward."""
+    _, half = float_and_half_blocks(feature_map, dtype, normalization)
+    x = torch.randn(2, 21, 32).to(dtype)
+    want = half(x)
+    prefill, state = half(x[:, :13], return_state=True)
+    assert prefill.dtype == dtype and state.kv.dtype == torch.float32
+    continued = []
+    for t in range(13, 21):
+        y, state = half.step(x[:, t], state)
+        continued.append(y)
+    state, from_start = None, []
+    for t in range(21):
+        y, state = half.step(x[:, t], state)
+        from_start.append(y)
+    assert relative_error(torch.stack(from_start, 1), want) < 1e-3   # measured: 0 to 5e-5
+    assert relative_error(torch.cat([prefill, torch.stack(continued, 1)], 1), want) < 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("feature_map", ["elu", "favor"])
+def test_a_bf16_block_hands_the_triton_kernels_what_autocast_does(feature_map, monkeypatch):
+    """Plain features go to the kernels in bf16 beside bf16 values (tensor cores); log-features stay
+    float32 and the values join them."""
+    pytest.importorskip("triton")
+    import linattn.attention as attention
+    seen, run = [], attention.linear_attention
+    monkeypatch.setattr(attention, "linear_attention", lambda phi_q, phi_k, v, **kw: seen.append(
+        ((phi_q.inputs if isinstance(phi_q, LogProjection) else phi_q).dtype, v.dtype)) or run(phi_q, phi_k, v, **kw))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _, half = float_and_half_blocks(feature_map, torch.bfloat16, "denominator", backend="triton")
+    half = half.to(device)
+    x = torch.randn(1, 16, 32, device=device, dtype=torch.bfloat16)
+    under_autocast = copy.deepcopy(half).float()
+    with torch.autocast(device, dtype=torch.bfloat16):
+        want = under_autocast(x.float())
+    assert torch.equal(half(x), want)
+    expected = (torch.bfloat16,) * 2 if feature_map == "elu" else (torch.float32,) * 2
+    assert seen == [expected, expected]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("feature_map", ["elu", "favor"])
+def test_a_bf16_block_compiles_fullgraph(feature_map):
+    """The casts are decided from dtypes and names, which dynamo traces."""
+    _, half = float_and_half_blocks(feature_map, torch.bfloat16, "rmsnorm", backend="cpp")
+    x = torch.randn(1, 16, 32, dtype=torch.bfloat16)
+    torch.testing.assert_close(torch.compile(half, fullgraph=True, backend="eager")(x), half(x))

@@ -71,6 +71,32 @@ def test_registering_a_taken_name_for_another_class_fails():
         register_feature_map("favor")(type("Other", (FeatureMap,), {}))
 
 
+@pytest.mark.parametrize("name", ["", 3, None, "two words"])
+def test_registering_under_a_name_that_is_not_one_word_fails_at_once(name):
+    with pytest.raises(ValueError, match=r"a feature map's name must be a non-empty string without spaces, "
+                                         rf"such as 'relu', got {name!r}$"):
+        register_feature_map(name)
+    assert name not in FEATURE_MAPS
+
+
+@pytest.mark.parametrize("cls", [int, torch.nn.Linear, FeatureMap(4), "elu"], ids=["int", "module", "instance", "str"])
+def test_registering_something_that_is_not_a_feature_map_class_fails(cls):
+    """It used to be accepted, and a block asking for it by name then failed with an AttributeError."""
+    with pytest.raises(ValueError, match=r"register_feature_map\('zz'\) registers FeatureMap subclasses, got .*; "
+                                         r"derive the class from linattn.FeatureMap"):
+        register_feature_map("zz")(cls)
+    assert "zz" not in FEATURE_MAPS
+
+
+@pytest.mark.parametrize("name, heads", [("elu", None), ("favor", None), ("hedgehog", 2), ("taylor", 2)])
+def test_a_head_dim_that_is_not_an_integer_is_named_in_the_error(name, heads):
+    """8.0 was blamed on an option nobody gave (hedgehog: num_features 16.0) or got through (elu)."""
+    with pytest.raises(ValueError, match=r"^head_dim must be a positive integer, got 8.0$"):
+        make_feature_map(name, 8.0, heads=heads)
+    with pytest.raises(ValueError, match=r"^head_dim must be a positive integer, got 8.0$"):
+        linattn.feature_map_class(name)(8.0, **({} if heads is None else {"heads": heads}))
+
+
 @pytest.mark.parametrize("name", ["elu", "favor", "softmax"])
 def test_features_are_non_negative_with_expected_shape(name):
     fm = make_feature_map(name, 16)

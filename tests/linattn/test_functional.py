@@ -147,6 +147,17 @@ def test_post_numerator_rotated_denominator_not():
     (dict(phi_k=-torch.rand(1, 2, 8, 4)), "negative entries"),
     (dict(rope_base=0.0), "rope_base must be a finite number > 0"),
     (dict(phi_q=torch.rand(1, 2, 8, 5), phi_k=torch.rand(1, 2, 8, 5), causal=False, log_space=True), "must be even"),
+    (dict(causal="no"), "causal must be True or False, got 'no'"),
+    (dict(causal=None), "causal must be True or False, got None"),
+    (dict(rotary="no"), "rotary must be True or False, got 'no'"),
+    (dict(return_state=1), "return_state must be True or False, got 1"),
+    (dict(log_space="yes"), "log_space must be True or False"),
+    (dict(nonnegative_features=0), "nonnegative_features must be True or False"),
+    (dict(v=torch.rand(1, 2, 8, 3, dtype=torch.complex64)), r"v must be a real floating-point tensor, got torch.complex64"),
+    (dict(phi_q=torch.rand(1, 2, 8, 4, dtype=torch.complex64)), r"phi_q must be a real floating-point tensor"),
+    (dict(v=torch.rand(1, 2, 8, 3, device="meta")), r"must be on one device, got tensors on cpu and meta"),
+    (dict(phi_q=torch.rand(1, 2, 8, 4, device="meta"), phi_k=torch.rand(1, 2, 8, 4, device="meta"),
+          v=torch.rand(1, 2, 8, 3, device="meta")), r"tensors on the meta device hold none"),
 ])
 def test_bad_input_raises_clear_value_error(bad, message):
     args = dict(phi_q=torch.rand(1, 2, 8, 4), phi_k=torch.rand(1, 2, 8, 4), v=torch.rand(1, 2, 8, 3),
@@ -199,6 +210,26 @@ def test_log_features_of_exactly_zero_features_give_the_plain_result(causal, rot
                                                rotary=rotary, log_space=True)
             steps.append(out)
         torch.testing.assert_close(torch.stack(steps, 2), plain)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(rotary="no"), "rotary must be True or False, got 'no'"),
+    (dict(log_space=None), "log_space must be True or False, got None"),
+    (dict(v=torch.rand(1, 2, 3, device="meta")), "must be on one device"),
+    (dict(phi_q=torch.rand(1, 2, 4, dtype=torch.complex64)), "phi_q must be a real floating-point tensor"),
+])
+def test_step_bad_arguments_raise_clear_value_errors(bad, message):
+    args = dict(phi_q=torch.rand(1, 2, 4), phi_k=torch.rand(1, 2, 4), v=torch.rand(1, 2, 3), state=None,
+                rotary=True) | bad
+    with pytest.raises(ValueError, match=message):
+        linear_attention_step(**args)
+
+
+@pytest.mark.parametrize("flag", ["causal", "rotary", "nonnegative_features", "numerator_only"])
+def test_reference_refuses_switches_that_are_not_bools(flag):
+    args = dict(causal=True, rotary=False) | {flag: "no"}
+    with pytest.raises(ValueError, match=f"{flag} must be True or False, got 'no'"):
+        linear_attention_reference(torch.rand(1, 1, 3, 4), torch.rand(1, 1, 3, 4), torch.rand(1, 1, 3, 2), **args)
 
 
 def test_step_bad_rank_raises():

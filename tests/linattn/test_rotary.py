@@ -51,3 +51,16 @@ def test_huge_offset_needs_no_table_and_keeps_relative_positions():
 def test_bad_offsets_are_refused(offset):
     with pytest.raises(ValueError, match="offset"):
         apply_rotary(torch.randn(2, 4), offset=offset)
+
+
+@pytest.mark.parametrize("x, message", [
+    (torch.arange(16).reshape(1, 1, 4, 4), r"x must be floating point, got torch.int64; integer inputs would give "
+                                           r"truncated outputs"),
+    (torch.randn(1, 4, 4, dtype=torch.complex64), r"x must be a real floating-point tensor, got torch.complex64"),
+    (torch.randn(4), r"takes x of shape \(..., N, dim\).*got shape \(4,\)"),
+    ([[1.0, 2.0]], r"takes a tensor of shape \(..., N, dim\), got list"),
+])
+def test_inputs_that_are_not_real_floating_tensors_of_positions_are_refused(x, message):
+    """An int64 tensor came back rotated and truncated, with no error."""
+    with pytest.raises(ValueError, match=message):
+        apply_rotary(x)

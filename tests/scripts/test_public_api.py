@@ -34,7 +34,7 @@ def defined_private_names(paths) -> set[str]:
 
 
 # Private names of the library that the harness does not define itself: reaching one through any
-# object (block._tensor_core_features, linattn.attention._xformers_ops) is reaching into the library.
+# object (block._op_inputs, linattn.attention._xformers_ops) is reaching into the library.
 LIBRARY_PRIVATE = defined_private_names(ROOT.glob("linattn/**/*.py")) - defined_private_names(HARNESS)
 
 
@@ -101,7 +101,7 @@ def test_the_harness_uses_only_linattns_public_api(path):
     "import linattn\nlinattn.feature_maps.FEATURE_MAPS.get('favor')",
     "import linattn\nlinattn.attention.SOFTMAX_BACKENDS",
     "import linattn as la\nla.functional._private",
-    "block._tensor_core_features(q, k, v)",
+    "block._op_inputs(q, k, v)",
     "import inspect\ninspect.signature(cls)",
 ])
 def test_each_kind_of_private_access_is_caught(source):

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...checks import is_real
+from ...checks import check_real_floating, is_real
 from ...rotary import apply_rotary
 
 
@@ -61,9 +61,7 @@ def check_features(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *,
     for name, t in (("phi_q", phi_q), ("phi_k", phi_k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise ValueError(f"{name} must be floating point, got {t.dtype}; integer inputs would give "
-                             f"truncated outputs: convert with .float()")
+        check_real_floating(name, t)
         if t.dim() != rank:
             raise ValueError(f"{name} must have {rank} dimensions, got shape {tuple(t.shape)}; "
                              f"linear attention takes {names}")
@@ -128,6 +126,18 @@ def check_dtypes(phi_q, phi_k, v: torch.Tensor) -> None:
     if v.dtype != dtype and not autocast:
         raise ValueError(f"v is {v.dtype} but the features are {dtype}; convert one to the other with "
                          f".to(dtype), or run under autocast")
+
+
+def check_device(phi_q, phi_k, v: torch.Tensor) -> None:
+    """Every input on one device, and one that holds data: a meta tensor has none to attend over, and
+    torch would only say that autocast does not know its device type."""
+    devices = sorted({str(t.device) for t in (*feature_tensors(phi_q, phi_k), v)})
+    if len(devices) > 1:
+        raise ValueError(f"phi_q, phi_k and v must be on one device, got tensors on {' and '.join(devices)}; "
+                         f"move them with .to(device)")
+    if v.device.type == "meta":
+        raise ValueError("linear attention computes on data, and tensors on the meta device hold none; "
+                         "pass CPU or CUDA tensors")
 
 
 def log_feature_limit(dtype: torch.dtype) -> float:

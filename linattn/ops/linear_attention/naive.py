@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ...checks import check_flags
 from ...rotary import DEFAULT_BASE, check_offset, rotary_phases
 from .common import check_features, check_nonnegative, compute_dtype, divide, numerator_features
 
@@ -14,6 +15,8 @@ def linear_attention_reference(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torc
     """The same maths as `linear_attention` with explicit N x N weight matrices.
     `nonnegative_features=False`: single features may be negative (see `linear_attention`);
     `numerator_only=True`: the numerator alone, undivided (what normalization="rmsnorm" normalises)."""
+    check_flags(causal=causal, rotary=rotary, nonnegative_features=nonnegative_features,
+                numerator_only=numerator_only)
     check_features(phi_q, phi_k, v, rank=4)
     if nonnegative_features:
         check_nonnegative(phi_q, phi_k)

@@ -6,8 +6,8 @@ from typing import NamedTuple
 import torch
 
 from ...rotary import DEFAULT_BASE, apply_rotary
-from ...checks import check_rope_base, check_state_position, check_state_tensors
-from .common import (check_dtypes, check_feature_kind, check_features, check_log_feature_range, check_nonnegative,
+from ...checks import check_flags, check_rope_base, check_state_position, check_state_tensors
+from .common import (check_device, check_dtypes, check_feature_kind, check_features, check_log_feature_range, check_nonnegative,
                      compute_dtype, divide, finite_log_features)
 from .stable import numerator_query, numerator_scale
 
@@ -40,8 +40,10 @@ def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Ten
     `state.position`.  O(M * Dv) time and memory, whatever the context length.  With
     `log_space=True`, phi_q and phi_k hold log-features and the state carries their running max.
     `nonnegative_features=False`: single features may be negative (see `linear_attention`)."""
+    check_flags(rotary=rotary, log_space=log_space, nonnegative_features=nonnegative_features)
     check_features(phi_q, phi_k, v, rank=3)
     check_feature_kind(log_space, nonnegative_features)
+    check_device(phi_q, phi_k, v)
     check_dtypes(phi_q, phi_k, v)
     check_rope_base(rope_base)
     dtype = compute_dtype(phi_q, phi_k, v)
