@@ -169,23 +169,26 @@ class LinearAttention(_Projections):
         return self._normalize(result.to(v.dtype))
 
     def _op_inputs(self, phi_q, phi_k, v: torch.Tensor):
-        """Features and values in one dtype for the op, which refuses a mix it was not told about.  Maps
-        compute in float32 (float64 stays), while v is in the block's dtype, or autocast's: bf16/fp16.
+        """Features and values in a form the op takes.  Maps compute in float32 (float64 stays), while
+        v is in the block's dtype, or autocast's: bf16/fp16.
 
+        * Log-features go as they are, with v in its own dtype: the op takes float32 log-features with
+          half values (bf16 would round the exponents), and multiplies the values in their dtype (on
+          tensor cores on the triton backend).
         * Plain features on the triton route go to v's bf16/fp16: the kernels multiply on tensor cores
           (float32 sums) only when every input is in that dtype, as flash-linear-attention's layers
           run.  The route is backend "triton", or "auto" on CUDA, decided from the names (which
           torch.compile traces; resolving would ask the machine).
-        * Otherwise v goes to the features' dtype: log-features stay float32 (bf16 would round their
-          exponents), and the torch and cpp backends sum in float32 anyway.  The op casts v there
-          itself; doing it here gives the same numbers and lets a bf16/fp16 block run without autocast.
+        * Otherwise v goes to the features' dtype: the torch and cpp backends sum in float32 anyway
+          (under autocast the op casts v there itself; doing it here lets a bf16/fp16 block run
+          without autocast, with the same numbers).
         The caller casts the output back to v's dtype."""
         dtype = feature_tensors(phi_q, phi_k)[0].dtype
-        if v.dtype == dtype:
+        if v.dtype == dtype or self.feature_map.log_space:
             return phi_q, phi_k, v
         device = v.device.type
         triton_route = self.backend == "triton" or (self.backend == "auto" and device == "cuda")
-        if triton_route and not self.feature_map.log_space and v.dtype in (torch.bfloat16, torch.float16):
+        if triton_route and v.dtype in (torch.bfloat16, torch.float16):
             return phi_q.to(v.dtype), phi_k.to(v.dtype), v
         return phi_q, phi_k, v.to(dtype)
 
@@ -209,7 +212,7 @@ class LinearAttention(_Projections):
         position = 0 if state is None else state_position(state)
         phi_q, phi_k = self._features(q, k, position)
         # The step computes in the features' dtype (float32 for bf16/fp16 blocks, as under autocast).
-        values = v[:, :, 0].to(phi_k.dtype)
+        values = v[:, :, 0] if self.feature_map.log_space else v[:, :, 0].to(phi_k.dtype)
         out, state = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], values, state,
                                            rotary=self.rope == "post", rope_base=self.rope_base,
                                            log_space=self.feature_map.log_space,

@@ -67,7 +67,7 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
         check_not_projection(phi_q, phi_k)
         check_features(phi_q, phi_k, v, rank=4)
     check_device(phi_q, phi_k, v)
-    check_dtypes(phi_q, phi_k, v)
+    check_dtypes(phi_q, phi_k, v, log_space)
     check_chunk_size(chunk_size)
     check_offset(offset)
     check_rope_base(rope_base)

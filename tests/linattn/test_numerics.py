@@ -64,17 +64,36 @@ def test_step_continues_from_a_fresh_log_state_whose_scale_is_minus_inf():
     assert out.dtype == torch.float32 and torch.isfinite(out).all() and state.position == 1
 
 
-@pytest.mark.parametrize("log_space", [False, True])
-@pytest.mark.parametrize("dtypes, message", [
-    ((torch.float32, torch.float64, torch.float32), "phi_q and phi_k must share one dtype, got float32 and float64"),
-    ((torch.float64, torch.float64, torch.float32), "v is torch.float32 but the features are torch.float64"),
-    ((torch.float32, torch.float32, torch.float16), "v is torch.float16 but the features are torch.float32"),
+@pytest.mark.parametrize("dtypes, message, log_space", [
+    ((torch.float32, torch.float64, torch.float32), "phi_q and phi_k must share one dtype, got float32 and float64", False),
+    ((torch.float32, torch.float64, torch.float32), "phi_q and phi_k must share one dtype, got float32 and float64", True),
+    ((torch.float64, torch.float64, torch.float32), "v is torch.float32 but the features are torch.float64", False),
+    ((torch.float64, torch.float64, torch.float32), "v is torch.float32 but the features are torch.float64", True),
+    ((torch.float32, torch.float32, torch.float16), "v is torch.float16 but the features are torch.float32", False),
+    ((torch.float64, torch.float64, torch.bfloat16), "v is torch.bfloat16 but the features are torch.float64", True),
+    ((torch.bfloat16, torch.bfloat16, torch.float32), "v is torch.float32 but the features are torch.bfloat16", True),
 ])
 def test_linear_attention_refuses_inputs_of_different_dtypes(dtypes, message, log_space):
     from linattn.functional import linear_attention
     q, k, v = (torch.rand(1, 2, 8, 4, dtype=d) for d in dtypes)
     with pytest.raises(ValueError, match=message):
         linear_attention(q, k, v, causal=True, rotary=True, log_space=log_space)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float32_log_features_take_half_values_as_under_autocast(dtype):
+    """The log path's documented form (what a bf16/fp16 block hands it): float32 log-features beside
+    half values, with or without autocast, the same numbers, the output in the values' dtype."""
+    from linattn.functional import linear_attention, linear_attention_step
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4)
+    v = torch.randn(1, 2, 8, 4).to(dtype)
+    out = linear_attention(q, k, v, causal=True, rotary=True, log_space=True)
+    step, _ = linear_attention_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], None, rotary=True, log_space=True)
+    with torch.autocast("cpu", dtype=dtype):
+        assert torch.equal(out, linear_attention(q, k, v, causal=True, rotary=True, log_space=True))
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert torch.allclose(step.float(), out[:, :, 0].float(), atol=1e-2)
 
 
 def test_step_refuses_inputs_of_different_dtypes():

@@ -112,10 +112,14 @@ def check_log_features(phi_q, phi_k, v: torch.Tensor) -> None:
                          f"queries and keys with the same feature map")
 
 
-def check_dtypes(phi_q, phi_k, v: torch.Tensor) -> None:
+def check_dtypes(phi_q, phi_k, v: torch.Tensor, log_space: bool = False) -> None:
     """Queries' and keys' features (every tensor of a LogProjection too) share one dtype, and v has it,
-    so that no input is silently promoted or rounded.  Under autocast v may instead be in the autocast
-    dtype: the block's q, k, v come out in it together, and feature maps compute in float32."""
+    so that no input is silently promoted or rounded.  Two mixes are the documented forms:
+    * under autocast v may be in the autocast dtype: the block's q, k, v come out in it together, and
+      feature maps compute in float32;
+    * float32 log-features with bf16/fp16 values, autocast or not: log-features are kept in float32
+      (in half precision their exponents would round), and the values multiply in their own dtype
+      (on tensor cores on the triton backend)."""
     features = feature_tensors(phi_q, phi_k)
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in features})
     if len(dtypes) > 1:
@@ -123,7 +127,8 @@ def check_dtypes(phi_q, phi_k, v: torch.Tensor) -> None:
                          f"with .to(dtype)")
     dtype = features[0].dtype
     autocast = torch.is_autocast_enabled(v.device.type) and v.dtype == torch.get_autocast_dtype(v.device.type)
-    if v.dtype != dtype and not autocast:
+    half_values = log_space and dtype == torch.float32 and v.dtype in (torch.bfloat16, torch.float16)
+    if v.dtype != dtype and not (autocast or half_values):
         raise ValueError(f"v is {v.dtype} but the features are {dtype}; convert one to the other with "
                          f".to(dtype), or run under autocast")
 

@@ -44,7 +44,7 @@ def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Ten
     check_features(phi_q, phi_k, v, rank=3)
     check_feature_kind(log_space, nonnegative_features)
     check_device(phi_q, phi_k, v)
-    check_dtypes(phi_q, phi_k, v)
+    check_dtypes(phi_q, phi_k, v, log_space)
     check_rope_base(rope_base)
     dtype = compute_dtype(phi_q, phi_k, v)
     if log_space:
