@@ -16,6 +16,7 @@ from linattn_lm.runtime import resolve_device
 import torch
 
 from linattn_lm import PRESETS as TRAINING_PRESETS
+from linattn_lm.cli import Parser
 
 from .block import SOFTMAX_BLOCKS, block_names, build_block
 from .kernels import KERNEL_METHODS
@@ -156,8 +157,9 @@ def show(value) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks", allow_abbrev=False,
+    # Parser: train.py's one-line usage errors (the usage block is 22 lines); no abbreviated flags.
+    parser = Parser(
+        prog="python -m benchmarks",
         description="Benchmark linattn: attention time and memory vs N beside softmax and peers, "
                     "matmul efficiency, decoding, LM throughput.  Defaults in [brackets]; a preset "
                     "changes them, explicit flags override the preset.")
