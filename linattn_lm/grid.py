@@ -196,15 +196,17 @@ def report_finished(configs: dict[tuple[int, str], TrainConfig], grid_dir: Path,
 
 
 def listed(text: str | None, default: list[Any], convert: type, flag: str, what: str) -> list[Any]:
-    """A comma-separated flag's distinct values (default when absent)."""
+    """A comma-separated flag's distinct values (default when absent).  An empty item ('a,,b', 'a,')
+    is refused like an empty list: it is a typo more often than not, and may hide a missing value."""
     if text is None:
         return default
+    items = [item.strip() for item in text.split(",")]
     try:
-        values = [convert(item.strip()) for item in text.split(",") if item.strip()]
+        values = [convert(item) for item in items] if all(items) else []
     except ValueError:
         values = []
     if not values or len(set(values)) != len(values):
-        raise ValueError(f"{flag} must list distinct {what} separated by commas, got {text!r}")
+        raise ValueError(f"{flag} must list distinct {what} separated by commas, with no empty item, got {text!r}")
     return values
 
 

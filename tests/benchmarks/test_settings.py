@@ -21,6 +21,8 @@ def test_lengths_default_to_the_device_and_run_small_to_large(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--lengths", "0,256"], "positive integers"),
     (["--lengths", ""], "positive integers, got ''"),
+    (["--lengths", "128,,256"], "positive integers, got '128,,256'"),
+    (["--masks", "causal,"], "causal,full, got 'causal,'"),
     (["--len", "256"], "unrecognized arguments: --len"),
     (["--repeats", "two"], "positive integer"),
     (["--budget-s", "inf"], "positive number of seconds"),

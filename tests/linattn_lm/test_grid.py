@@ -248,6 +248,14 @@ def test_grid_rejects_bad_flags(argv: list[str], message: str, run_main) -> None
     assert code == 2 and message in err, err
 
 
+@pytest.mark.parametrize("text", ["softmax-rope,,linear-elu-post", "softmax-rope,", ",softmax-rope", " , "])
+def test_a_list_flag_with_an_empty_item_is_refused(text: str) -> None:
+    """As an empty list is, not read as 'a,b'; called directly: through grid.main, an accepted list trains."""
+    with pytest.raises(ValueError, match=f"--variants must list distinct variant names separated by commas, "
+                                         f"with no empty item, got '{text}'"):
+        grid.listed(text, [], str, "--variants", "variant names")
+
+
 def test_default_variants_cover_every_registered_map() -> None:
     variants = default_variants()
     assert all(f"linear-{name}-post" in variants for name in linattn.available_feature_maps())
