@@ -37,7 +37,7 @@ from . import training
 from .checkpoint import CHECKPOINT_NAME, CheckpointError
 from .cli import variant_skip
 from .config import ATTENTION_BACKENDS, DEFAULT_PRESET, TrainConfig, config_differences, config_from_flags
-from .data import DataError, check_window_fits, load_split
+from .data import check_window_fits, load_split
 from .evaluate import bpc_table
 from .grid_report import RECORD_KEYS, RESULT_NAME, write_report
 from .ngram import reference_bpc
@@ -277,9 +277,6 @@ def check_eval_windows(configs, multiples: list[int]) -> None:
     """The longest scoring window fits the val and test splits, checked before the first run trains."""
     for data_path, seq_len in {(config.run.data_path, config.model.seq_len) for config in configs}:
         for split in EVAL_SPLITS:
-            length = len(load_split(data_path, split).data)
-            try:
-                check_window_fits(length, max(multiples) * seq_len)
-            except DataError as error:
-                raise DataError(f"--eval-multiples {max(multiples)} x --seq-len {seq_len}: {error} "
-                                f"({split}); choose smaller multiples") from None
+            check_window_fits(len(load_split(data_path, split).data), max(multiples) * seq_len,
+                              asked=f"--eval-multiples {max(multiples)} x --seq-len {seq_len} ({split} split)",
+                              fix="choose smaller multiples")
