@@ -36,7 +36,8 @@ import linattn
 from . import training
 from .checkpoint import CHECKPOINT_NAME, CheckpointError
 from .cli import variant_skip
-from .config import ATTENTION_BACKENDS, DEFAULT_PRESET, TrainConfig, config_differences, config_from_flags
+from .config import (ATTENTION_BACKENDS, DEFAULT_PRESET, TrainConfig, check_run_name, config_differences,
+                     config_from_flags)
 from .data import check_window_fits, load_split
 from .evaluate import bpc_table
 from .grid_report import RECORD_KEYS, RESULT_NAME, write_report
@@ -50,7 +51,7 @@ EVAL_SPLITS = ("val", "test")
 
 
 def grid_name(given: dict[str, Any]) -> str:
-    return given.get("run_name") or f"grid-{given.get('preset') or DEFAULT_PRESET}"
+    return given["run_name"] if "run_name" in given else f"grid-{given.get('preset') or DEFAULT_PRESET}"
 
 
 def run_configs(given: dict[str, Any], variants: list[str], seeds: list[int]) -> dict[tuple[int, str], TrainConfig]:
@@ -220,6 +221,7 @@ def parse_grid_flags(given: dict[str, Any], args: Any) -> tuple[dict[tuple[int, 
     if any(seed < 0 for seed in seeds) or any(multiple < 1 for multiple in multiples):
         raise ValueError(f"--seeds must be >= 0 and --eval-multiples >= 1, got {seeds} and {multiples}")
     variants = listed(args.variants, default_variants(), str, "--variants", "variant names")
+    check_run_name(grid_name(given))   # as itself: each run's name holds it, in a message about the run
     configs = run_configs(given, variants, seeds)
     grid_dir = Path(next(iter(configs.values())).run.out_dir) / grid_name(given)
     earlier = run_configs(given, variants, earlier_seeds(grid_dir, variants, seeds)) if args.resume else {}

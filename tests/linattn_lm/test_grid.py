@@ -256,6 +256,16 @@ def test_a_list_flag_with_an_empty_item_is_refused(text: str) -> None:
         grid.listed(text, [], str, "--variants", "variant names")
 
 
+@pytest.mark.parametrize("name", ["", ".", " ", "g/./h"])
+def test_a_grid_name_that_names_no_directory_of_its_own_is_refused(name: str, data_dir: Path, tiny: list[str],
+                                                                    tmp_path: Path, run_main) -> None:
+    """'' fell back to grid-<preset>, '.' reported on --out-dir itself."""
+    argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", name, "--report-only"]
+    code, _, err = run_main(grid.main, argv)
+    assert code == 2 and "run_name must be a relative name inside --out-dir" in err and f"got {name!r}" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_default_variants_cover_every_registered_map() -> None:
     variants = default_variants()
     assert all(f"linear-{name}-post" in variants for name in linattn.available_feature_maps())
