@@ -40,7 +40,7 @@ from .config import (ATTENTION_BACKENDS, DEFAULT_PRESET, TrainConfig, check_run_
                      config_from_flags)
 from .data import check_window_fits, load_split
 from .evaluate import bpc_table
-from .grid_report import RECORD_KEYS, RESULT_NAME, write_report
+from .grid_report import RECORD_KEYS, RESULT_NAME, read_record, write_report
 from .ngram import reference_bpc
 from .runlock import DirectoryLock
 from .runtime import keep_freed_memory, write_atomically
@@ -90,18 +90,14 @@ def run_configs(given: dict[str, Any], variants: list[str], seeds: list[int]) ->
 def saved_record(config: TrainConfig, multiples: list[int]) -> dict[str, Any] | None:
     """The run's result.json when it was written for this very configuration (every setting that
     may not change on --resume, and the steps) and holds the asked scores; else None, and the run
-    is resumed from its checkpoint (which checks its configuration itself) and scored again."""
-    try:
-        record = json.loads((config.run.run_dir / RESULT_NAME).read_text())
-    except (OSError, ValueError):
+    is resumed from its checkpoint (which checks its configuration itself) and scored again.  A
+    damaged one is refused (read_record), not taken for a run to train again."""
+    record = read_record(config.run.run_dir / RESULT_NAME)
+    if record is None:
         return None
-    if not isinstance(record, dict) or not set(RECORD_KEYS) <= set(record):
-        return None
-    saved, scores = record["config"], record["scores"]
     wanted = {str(multiple * config.model.seq_len) for multiple in multiples}
-    if not isinstance(saved, dict) or config_differences(saved, config.flat()) or \
-            record["steps"] != config.optim.steps or not isinstance(scores, dict) or any(
-            not isinstance(scores.get(split), dict) or not wanted <= set(scores[split]) for split in EVAL_SPLITS):
+    if config_differences(record["config"], config.flat()) or record["steps"] != config.optim.steps or any(
+            not wanted <= set(record["scores"].get(split, {})) for split in EVAL_SPLITS):
         return None
     return record
 
@@ -161,12 +157,14 @@ def run_grid(configs: dict[tuple[int, str], TrainConfig], grid_dir: Path, resume
     also keeps the `earlier` runs (seeds this invocation does not list) whose records still match."""
     records: dict[tuple[int, str], dict[str, Any]] = {
         key: record for key, config in (earlier or {}).items() if (record := saved_record(config, multiples))}
+    # Read, and a damaged one refused, before anything trains.
+    finished = {key: saved_record(config, multiples) for key, config in configs.items()} if resume else {}
     first = next(iter(configs.values()))
     data_dir = first.run.data_path
     with training.distributed(first.run.device) as ctx:
         reference = {split: reference_bpc(data_dir, split) for split in EVAL_SPLITS} if ctx.is_main else {}
         for number, ((seed, name), config) in enumerate(configs.items(), 1):
-            record = saved_record(config, multiples) if resume else None
+            record = finished.get((seed, name))
             if ctx.is_main:
                 print(f"=== [{number}/{len(configs)}] {name} seed {seed}" + (" (done before)" if record else ""),
                       flush=True)
