@@ -47,6 +47,7 @@ def header(settings: Settings, machine: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     settings = parse_settings(argv)
     device, out = torch.device(settings.device), Path(settings.out)
+    plot = out.with_name(out.name + ".png")
     machine = machine_info(device)
     results: dict = {"machine": machine, "settings": asdict(settings)}
     report = Report()
@@ -54,14 +55,22 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     runner = ChildRunner()
     records: list[dict] = []
+
+    def save() -> None:
+        """Each section's results are written as soon as it ends, so a later failure loses none of
+        them.  An earlier run's plot (--overwrite) goes with its JSON and report: this run's results
+        would otherwise sit beside a plot of other measurements."""
+        write_outputs(out, results, report)
+        if settings.overwrite and not plotted(records):
+            plot.unlink(missing_ok=True)
+
     if "attention" in settings.sections:
         results["attention"] = run_attention(settings, device, runner, report)
         records = results["attention"]["records"]
-        if any("elapsed_s" in r for r in records):
+        if plotted(records):
             from .plots import plot_scaling
-            plot_scaling(records, out.with_name(out.name + ".png"))
-        write_outputs(out, results, report)
-    # Each section's results are written as soon as it ends, so a later failure loses none of them.
+            plot_scaling(records, plot)
+        save()
     later_sections = {"efficiency": lambda: run_efficiency(settings, device, runner, report, records),
                       "decode": lambda: run_decode(settings, device, runner, report),
                       "model": lambda: run_model(settings, device, runner, report),
@@ -70,12 +79,17 @@ def main(argv: list[str] | None = None) -> dict:
     for name, run in later_sections.items():
         if name in settings.sections:
             results[name] = run()
-            write_outputs(out, results, report)
+            save()
     results["elapsed_s"] = time.perf_counter() - started
-    write_outputs(out, results, report)
-    print(f"\nresults: {out}.json, {out}.md" + (f", {out}.png" if records else "")
+    save()
+    print(f"\nresults: {out}.json, {out}.md" + (f", {plot}" if plotted(records) else "")
           + f"; total {results['elapsed_s']:.0f} s")
     return results
+
+
+def plotted(records: list[dict]) -> bool:
+    """Whether the attention sweep measured anything to plot (every config may have been skipped)."""
+    return any("elapsed_s" in r for r in records)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from linattn_lm.runtime import resolve_device
 import torch
 
 from linattn_lm import PRESETS as TRAINING_PRESETS
+from linattn_lm.cli import Parser
 
 from .block import SOFTMAX_BLOCKS, block_names, build_block
 from .kernels import KERNEL_METHODS
@@ -55,10 +56,16 @@ def seconds(text: str) -> float:
     return _number(text, float, lambda value: math.isfinite(value) and value > 0, "a positive number of seconds")
 
 
+def items(text: str) -> list[str]:
+    """The comma-separated items, or none when one is empty ('64,,128' is a typo, as grid.py's lists)."""
+    found = [item.strip() for item in text.split(",")]
+    return found if all(found) else []
+
+
 def int_list(text: str) -> tuple[int, ...]:
     """'1024,256,1024' -> (256, 1024): sweeps run small to large, which the budget relies on."""
     try:
-        values = tuple(sorted({positive_int(item) for item in text.split(",") if item.strip()}))
+        values = tuple(sorted({positive_int(item) for item in items(text)}))
     except ValueError:
         values = ()
     if not values:
@@ -69,11 +76,12 @@ def int_list(text: str) -> tuple[int, ...]:
 def names(choices: tuple[str, ...] | None = None) -> Callable[[str], tuple[str, ...]]:
     """A parser of comma-separated names, each one of `choices` when given."""
     def parse(text: str) -> tuple[str, ...]:
-        items = tuple(dict.fromkeys(item.strip() for item in text.split(",") if item.strip()))
-        unknown = [item for item in items if choices and item not in choices]
-        if not items or unknown:
-            raise ValueError(f"expected comma-separated names from {','.join(choices or ())}, got {text!r}")
-        return items
+        given = tuple(dict.fromkeys(items(text)))
+        unknown = [item for item in given if choices and item not in choices]
+        if not given or unknown:
+            among = f" from {','.join(choices)}" if choices else ""
+            raise ValueError(f"expected comma-separated names{among}, got {text!r}")
+        return given
     return parse
 
 
@@ -156,8 +164,9 @@ def show(value) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks", allow_abbrev=False,
+    # Parser: train.py's one-line usage errors (the usage block is 22 lines); no abbreviated flags.
+    parser = Parser(
+        prog="python -m benchmarks",
         description="Benchmark linattn: attention time and memory vs N beside softmax and peers, "
                     "matmul efficiency, decoding, LM throughput.  Defaults in [brackets]; a preset "
                     "changes them, explicit flags override the preset.")

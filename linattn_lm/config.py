@@ -392,8 +392,7 @@ class RunConfig:
             raise ValueError(f"unknown preset {self.preset!r}; choose from {', '.join(PRESETS)}")
         if not self.out_dir:
             raise ValueError("out_dir must name a directory, got ''; pass --out-dir . for the current directory")
-        if not self.run_name or self.run_name.startswith("/") or ".." in self.run_name.split("/"):
-            raise ValueError(f"run_name must be a relative name inside --out-dir, got {self.run_name!r}")
+        check_run_name(self.run_name)
         if not 0 <= self.threads <= 4096:
             raise ValueError(f"threads must be in [0, 4096], got {self.threads}")
         if not all(isinstance(name, str) and name for name in self.imports):
@@ -405,6 +404,16 @@ def check_backend_runs_on(model: ModelConfig, device: torch.device) -> None:
     """The attention kernels asked for exist for the device (each error says what to do instead)."""
     log_space = model.attention == "linear" and linattn.feature_map_class(model.feature_map).log_space
     linattn.resolve_backend(model.block_backend, device, attention=model.attention, log_space=log_space)
+
+
+def check_run_name(name: str) -> None:
+    """A directory inside --out-dir named by its parts, nested or not (grid.py's runs are
+    <grid>/<variant>/seed-<s>).  A part that names no new directory ('', '.': the run would write
+    into its parent) or leaves it ('..'), or has spaces around it (invisible in listings), is refused."""
+    parts = name.split("/")
+    if name.startswith("/") or any(part in ("", ".", "..") or part != part.strip() for part in parts):
+        raise ValueError(f"run_name must be a relative name inside --out-dir, such as favor or study/favor/seed-0, "
+                         f"whose parts are not empty, '.' or '..' and have no spaces around them; got {name!r}")
 
 
 SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "log": LogConfig, "run": RunConfig}
@@ -561,7 +570,8 @@ def config_from_flags(given: dict[str, Any]) -> TrainConfig:
         sections[FIELDS[key][0]][key] = value
     config = TrainConfig(**{name: SECTIONS[name](**fields) for name, fields in sections.items()})
     config.optim.decay_steps = config.optim.decay_steps or config.optim.steps
-    config.run.run_name = config.run.run_name or config.model.variant
+    if "run_name" not in given:   # an explicit --run-name "" is refused by validate(), not replaced
+        config.run.run_name = config.model.variant
     config.validate()
     return config
 

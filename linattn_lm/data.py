@@ -207,13 +207,16 @@ def as_byte_array(data: ByteSplit | np.ndarray) -> np.ndarray:
     return array
 
 
-def check_window_fits(length: int, seq_len: int) -> None:
+def check_window_fits(length: int, seq_len: int, *, asked: str = "", fix: str = "") -> None:
+    """A window of seq_len inputs and their targets fits `length` bytes.  A command that checks its
+    longest window up front, before it scores anything, names what `asked` for it and how to `fix` it."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     if seq_len + 1 > length:
         raise DataError(
-            f"seq_len {seq_len:,} needs windows of {seq_len + 1:,} bytes (inputs plus the shifted target), "
-            f"but the split has only {length:,} bytes"
+            (f"{asked}: " if asked else "")
+            + f"seq_len {seq_len:,} needs windows of {seq_len + 1:,} bytes (inputs plus the shifted target), "
+            f"but the split has only {length:,} bytes" + (f"; {fix}" if fix else "")
         )
 
 

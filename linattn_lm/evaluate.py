@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import linattn
-from .data import SPLITS, DataError, SequentialWindows, default_data_dir, load_split
+from .data import SPLITS, DataError, SequentialWindows, check_window_fits, default_data_dir, load_split
 from .checkpoint import CheckpointError, checkpoint_path, load_checkpoint, model_from_checkpoint, saved_precision
 from .cli import (EXIT_ERROR, EXIT_USAGE, DefaultsFormatter, Parser, UsageError, finite_float, import_user_code, integer,
                   pre_parse_imports)
@@ -122,6 +122,18 @@ def beyond_learned_positions(model: ByteLM, seq_len: int) -> bool:
     return model.config.abs_pos and seq_len > model.config.seq_len
 
 
+def check_windows_fit(model: ByteLM, seq_lens: list[int], length: int, *, flag: bool, cut: bool) -> None:
+    """The longest window to score fits the `length` bytes, checked before any length is scored (a
+    row of the table, then an error, would leave the run half done); lengths past learned positions
+    score nothing, so they need no data.  `flag`: --seq-len gave the lengths; `cut`: --max-bytes cut
+    the split short."""
+    scored = [seq_len for seq_len in seq_lens if not beyond_learned_positions(model, seq_len)]
+    if scored:
+        longest = max(scored)
+        check_window_fits(length, longest, asked=f"--seq-len {longest}" if flag else f"the training seq_len {longest}",
+                          fix="pass a smaller --seq-len" + (" or a larger --max-bytes" if cut else ""))
+
+
 def non_finite_scores(model: ByteLM, rows: list[tuple[int, float, float]]) -> list[str]:
     """'seq_len N: bpc' for each score that is NaN or inf (not counting lengths beyond learned positions)."""
     return [f"seq_len {seq_len}: {bpc}" for seq_len, bpc, _ in rows
@@ -206,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         data = split.data[:args.max_bytes] if args.max_bytes else split.data
         print(f"data: {split.description} from {data_dir}, {args.split} split, "
               f"{len(data):,} of {len(split):,} bytes")
-        rows = bpc_table(model, data, args.seq_len or [config.seq_len], args.batch_size, device, args.dtype)
+        seq_lens = args.seq_len or [config.seq_len]
+        check_windows_fit(model, seq_lens, len(data), flag=bool(args.seq_len), cut=len(data) < len(split))
+        rows = bpc_table(model, data, seq_lens, args.batch_size, device, args.dtype)
         non_finite = non_finite_scores(model, rows)
         if non_finite:
             print(f"error: the model scores non-finite bits per byte ({', '.join(non_finite)}): its outputs overflow "

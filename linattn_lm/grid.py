@@ -36,10 +36,11 @@ import linattn
 from . import training
 from .checkpoint import CHECKPOINT_NAME, CheckpointError
 from .cli import variant_skip
-from .config import ATTENTION_BACKENDS, DEFAULT_PRESET, TrainConfig, config_differences, config_from_flags
-from .data import DataError, check_window_fits, load_split
+from .config import (ATTENTION_BACKENDS, DEFAULT_PRESET, TrainConfig, check_run_name, config_differences,
+                     config_from_flags)
+from .data import check_window_fits, load_split
 from .evaluate import bpc_table
-from .grid_report import RECORD_KEYS, RESULT_NAME, write_report
+from .grid_report import RECORD_KEYS, RESULT_NAME, read_record, write_report
 from .ngram import reference_bpc
 from .runlock import DirectoryLock
 from .runtime import keep_freed_memory, write_atomically
@@ -50,7 +51,7 @@ EVAL_SPLITS = ("val", "test")
 
 
 def grid_name(given: dict[str, Any]) -> str:
-    return given.get("run_name") or f"grid-{given.get('preset') or DEFAULT_PRESET}"
+    return given["run_name"] if "run_name" in given else f"grid-{given.get('preset') or DEFAULT_PRESET}"
 
 
 def run_configs(given: dict[str, Any], variants: list[str], seeds: list[int]) -> dict[tuple[int, str], TrainConfig]:
@@ -89,18 +90,14 @@ def run_configs(given: dict[str, Any], variants: list[str], seeds: list[int]) ->
 def saved_record(config: TrainConfig, multiples: list[int]) -> dict[str, Any] | None:
     """The run's result.json when it was written for this very configuration (every setting that
     may not change on --resume, and the steps) and holds the asked scores; else None, and the run
-    is resumed from its checkpoint (which checks its configuration itself) and scored again."""
-    try:
-        record = json.loads((config.run.run_dir / RESULT_NAME).read_text())
-    except (OSError, ValueError):
+    is resumed from its checkpoint (which checks its configuration itself) and scored again.  A
+    damaged one is refused (read_record), not taken for a run to train again."""
+    record = read_record(config.run.run_dir / RESULT_NAME)
+    if record is None:
         return None
-    if not isinstance(record, dict) or not set(RECORD_KEYS) <= set(record):
-        return None
-    saved, scores = record["config"], record["scores"]
     wanted = {str(multiple * config.model.seq_len) for multiple in multiples}
-    if not isinstance(saved, dict) or config_differences(saved, config.flat()) or \
-            record["steps"] != config.optim.steps or not isinstance(scores, dict) or any(
-            not isinstance(scores.get(split), dict) or not wanted <= set(scores[split]) for split in EVAL_SPLITS):
+    if config_differences(record["config"], config.flat()) or record["steps"] != config.optim.steps or any(
+            not wanted <= set(record["scores"].get(split, {})) for split in EVAL_SPLITS):
         return None
     return record
 
@@ -160,12 +157,14 @@ def run_grid(configs: dict[tuple[int, str], TrainConfig], grid_dir: Path, resume
     also keeps the `earlier` runs (seeds this invocation does not list) whose records still match."""
     records: dict[tuple[int, str], dict[str, Any]] = {
         key: record for key, config in (earlier or {}).items() if (record := saved_record(config, multiples))}
+    # Read, and a damaged one refused, before anything trains.
+    finished = {key: saved_record(config, multiples) for key, config in configs.items()} if resume else {}
     first = next(iter(configs.values()))
     data_dir = first.run.data_path
     with training.distributed(first.run.device) as ctx:
         reference = {split: reference_bpc(data_dir, split) for split in EVAL_SPLITS} if ctx.is_main else {}
         for number, ((seed, name), config) in enumerate(configs.items(), 1):
-            record = saved_record(config, multiples) if resume else None
+            record = finished.get((seed, name))
             if ctx.is_main:
                 print(f"=== [{number}/{len(configs)}] {name} seed {seed}" + (" (done before)" if record else ""),
                       flush=True)
@@ -196,15 +195,17 @@ def report_finished(configs: dict[tuple[int, str], TrainConfig], grid_dir: Path,
 
 
 def listed(text: str | None, default: list[Any], convert: type, flag: str, what: str) -> list[Any]:
-    """A comma-separated flag's distinct values (default when absent)."""
+    """A comma-separated flag's distinct values (default when absent).  An empty item ('a,,b', 'a,')
+    is refused like an empty list: it is a typo more often than not, and may hide a missing value."""
     if text is None:
         return default
+    items = [item.strip() for item in text.split(",")]
     try:
-        values = [convert(item.strip()) for item in text.split(",") if item.strip()]
+        values = [convert(item) for item in items] if all(items) else []
     except ValueError:
         values = []
     if not values or len(set(values)) != len(values):
-        raise ValueError(f"{flag} must list distinct {what} separated by commas, got {text!r}")
+        raise ValueError(f"{flag} must list distinct {what} separated by commas, with no empty item, got {text!r}")
     return values
 
 
@@ -218,6 +219,7 @@ def parse_grid_flags(given: dict[str, Any], args: Any) -> tuple[dict[tuple[int, 
     if any(seed < 0 for seed in seeds) or any(multiple < 1 for multiple in multiples):
         raise ValueError(f"--seeds must be >= 0 and --eval-multiples >= 1, got {seeds} and {multiples}")
     variants = listed(args.variants, default_variants(), str, "--variants", "variant names")
+    check_run_name(grid_name(given))   # as itself: each run's name holds it, in a message about the run
     configs = run_configs(given, variants, seeds)
     grid_dir = Path(next(iter(configs.values())).run.out_dir) / grid_name(given)
     earlier = run_configs(given, variants, earlier_seeds(grid_dir, variants, seeds)) if args.resume else {}
@@ -275,9 +277,6 @@ def check_eval_windows(configs, multiples: list[int]) -> None:
     """The longest scoring window fits the val and test splits, checked before the first run trains."""
     for data_path, seq_len in {(config.run.data_path, config.model.seq_len) for config in configs}:
         for split in EVAL_SPLITS:
-            length = len(load_split(data_path, split).data)
-            try:
-                check_window_fits(length, max(multiples) * seq_len)
-            except DataError as error:
-                raise DataError(f"--eval-multiples {max(multiples)} x --seq-len {seq_len}: {error} "
-                                f"({split}); choose smaller multiples") from None
+            check_window_fits(len(load_split(data_path, split).data), max(multiples) * seq_len,
+                              asked=f"--eval-multiples {max(multiples)} x --seq-len {seq_len} ({split} split)",
+                              fix="choose smaller multiples")

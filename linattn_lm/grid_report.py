@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import math
+import reprlib
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import matplotlib
 
@@ -23,13 +25,104 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the headless back
 import numpy as np  # noqa: E402
 from scipy import stats  # noqa: E402
 
-from .runtime import write_atomically  # noqa: E402
+from .checkpoint import CheckpointError  # noqa: E402
+from .runtime import write_together  # noqa: E402
 
 RESULT_NAME = "result.json"
 COLUMNS = ["variant", "seed", "final_val_bpc", "best_val_bpc", "tokens_per_s", "peak_memory_mb", "parameters",
            "steps", "wall_time_s", "data"]
 RECORD_KEYS = [*COLUMNS, "val_steps", "val_bpc", "scores", "config"]   # a run's result.json
 Records = dict[tuple[int, str], dict[str, Any]]
+# The fields of a record the report reads, by kind (scores, curves and config are checked apart).
+TEXT_FIELDS = ("variant", "data")
+COUNT_FIELDS = ("seed", "steps", "parameters")
+NUMBER_FIELDS = ("final_val_bpc", "best_val_bpc", "tokens_per_s", "peak_memory_mb", "wall_time_s")   # NaN: none
+CONFIG_FIELDS = {"attention": str, "feature_map": str, "rope": str, "abs_pos": bool, "feature_map_options": dict}
+
+
+def read_record(path: Path) -> dict[str, Any] | None:
+    """A run's result.json, None while there is none (the run is not finished); a file that cannot
+    be read, is not JSON or lacks a field the report reads, or holds one of the wrong type or shape,
+    is refused in one line: the report would fail on it, or silently leave the run out."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as error:
+        raise damaged(path, f"cannot read it ({getattr(error, 'strerror', None) or error})") from None
+    try:
+        record = json.loads(text)
+    except ValueError as error:
+        raise damaged(path, f"not valid JSON ({error})") from None
+    problem = record_problem(record)
+    if problem:
+        raise damaged(path, problem)
+    return record
+
+
+def damaged(path: Path, problem: str) -> CheckpointError:
+    return CheckpointError(f"{path}: {problem}; delete it and run grid.py again with --resume, which scores "
+                           "that run again from its checkpoint")
+
+
+def record_problem(record: Any) -> str | None:
+    """What in a record the report cannot read, or None."""
+    if not isinstance(record, dict):
+        return f"it holds a {type(record).__name__}, not a run's record"
+    missing = [key for key in RECORD_KEYS if key not in record]
+    if missing:
+        return f"no field {', '.join(missing)}"
+    checks = [*((key, isinstance(record[key], str), "text") for key in TEXT_FIELDS),
+              *((key, is_count(record[key]), "a whole number >= 0") for key in COUNT_FIELDS),
+              *((key, is_number(record[key]), "a number") for key in NUMBER_FIELDS),
+              ("val_steps", is_list_of(record["val_steps"], is_count), "a list of whole numbers >= 0"),
+              ("val_bpc", is_list_of(record["val_bpc"], is_number), "a list of numbers"),
+              ("config", isinstance(record["config"], dict), "a dict of settings")]
+    for key, ok, expected in checks:
+        if not ok:
+            return wrong(key, record[key], expected)
+    if len(record["val_bpc"]) != len(record["val_steps"]):
+        return f"val_bpc has {len(record['val_bpc'])} values for {len(record['val_steps'])} val_steps"
+    return scores_problem(record["scores"]) or config_problem(record["config"])
+
+
+def wrong(key: str, value: Any, expected: str) -> str:
+    return f"{key} is {reprlib.repr(value)}, not {expected}"
+
+
+def scores_problem(scores: Any) -> str | None:
+    """Scores are split -> window length (a positive whole number, as text) -> bpc."""
+    if not isinstance(scores, dict):
+        return wrong("scores", scores, "a dict of splits")
+    for split, by_length in scores.items():
+        if not isinstance(by_length, dict):
+            return wrong(f"scores.{split}", by_length, "a dict of window lengths")
+        for length, bpc in by_length.items():
+            if not (length.isascii() and length.isdigit() and int(length) > 0):
+                return f"scores.{split} has window length {length!r}, not a positive whole number"
+            if not is_number(bpc):
+                return wrong(f"scores.{split}.{length}", bpc, "a number")
+    return None
+
+
+def config_problem(config: dict[str, Any]) -> str | None:
+    """The settings the report pairs variants by (normalization: absent in records from before it)."""
+    for key, kind in [*CONFIG_FIELDS.items(), *([("normalization", str)] if "normalization" in config else [])]:
+        if not isinstance(config.get(key), kind):
+            return wrong(f"config.{key}", config.get(key), kind.__name__)
+    return None
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def is_list_of(value: Any, check: Callable[[Any], bool]) -> bool:
+    return isinstance(value, list) and all(map(check, value))
 
 
 def score_columns(records: Records) -> list[str]:
@@ -179,15 +272,25 @@ def extrapolation_table(variants: dict[str, list[dict[str, Any]]], seq_len: int)
 
 
 def write_report(grid_dir: Path, records: Records, config: Any, reference: dict[str, dict[int, float]]) -> None:
-    """results.csv, results.md and val_bpc.png, each replaced atomically; `reference`: the n-gram
-    lines, split -> order -> bpc."""
-    seq_len, variants = config.model.seq_len, by_variant(records)
+    """results.csv, results.md and val_bpc.png, all built before any replaces the one there (a
+    failure leaves the earlier three, never a mix); `reference`: the n-gram lines, split -> order -> bpc."""
+    table, markdown = results_csv(records), results_markdown(grid_dir, records, config, reference)
+    variants = by_variant(records)
+    write_together({grid_dir / "results.csv": lambda path: path.write_text(table),
+                    grid_dir / "results.md": lambda path: path.write_text(markdown),
+                    grid_dir / "val_bpc.png": lambda path: plot_curves(path, grid_dir.name, variants, reference)})
+
+
+def results_csv(records: Records) -> str:
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=COLUMNS + score_columns(records))
     writer.writeheader()
     writer.writerows(row(record) for record in records.values())
-    write_atomically(grid_dir / "results.csv", lambda path: path.write_text(buffer.getvalue()))
+    return buffer.getvalue()
 
+
+def results_markdown(grid_dir: Path, records: Records, config: Any, reference: dict[str, dict[int, float]]) -> str:
+    seq_len, variants = config.model.seq_len, by_variant(records)
     seeds = sorted({seed for seed, _ in records})
     data = next(iter(records.values()))["data"]
     markdown = [f"# Grid {grid_dir.name}", "",
@@ -215,8 +318,7 @@ def write_report(grid_dir: Path, records: Records, config: Any, reference: dict[
     extrapolation = extrapolation_table(variants, seq_len)
     if extrapolation:
         markdown += ["", "## Length extrapolation (whole val split, bpc by window length)", "", *extrapolation]
-    write_atomically(grid_dir / "results.md", lambda path: path.write_text("\n".join(markdown) + "\n"))
-    write_atomically(grid_dir / "val_bpc.png", lambda path: plot_curves(path, grid_dir.name, variants, reference))
+    return "\n".join(markdown) + "\n"
 
 
 def plot_curves(path: Path, title: str, variants: dict[str, list[dict[str, Any]]],

@@ -5,6 +5,8 @@ The lock is an OS lock (`fcntl.flock`) on the file `.lock` in the directory: the
 when the holder exits, however it exits (kill -9 included), so no stale lock is ever left behind.
 The holder writes its pid into the file, for the message that refuses a second run.  The file
 itself stays: deleting it on release would let a waiting process lock a file that is already gone.
+Only a run that failed to start in a directory it created, before writing anything there, removes it
+with the directory (`discard`): nothing is left of it, and no earlier run's directory is touched.
 
 Where fcntl does not exist (Windows), runs are not locked; a warning says so once.
 """
@@ -28,11 +30,25 @@ class DirectoryBusy(UsageError):
     """Another process holds the directory's lock (reported as `error: ...`, exit status 2)."""
 
 
-class DirectoryLock:
-    """Held from construction until release() (or the end of a `with` block, or the process)."""
+def missing_directories(directory: Path) -> list[Path]:
+    """`directory` and those of its parents that do not exist yet, deepest first: what
+    mkdir(parents=True) is about to create."""
+    missing = []
+    for path in (directory, *directory.parents):
+        if os.path.lexists(path):
+            break
+        missing.append(path)
+    return missing
 
-    def __init__(self, directory: Path | str):
+
+class DirectoryLock:
+    """Held from construction until release() or discard() (or the end of a `with` block, which
+    discards on an error, or the process).  `created`: the directories the caller made for this
+    run, when it made them before locking (by default, those this lock makes)."""
+
+    def __init__(self, directory: Path | str, *, created: list[Path] | None = None):
         self.directory = Path(directory)
+        self.created = missing_directories(self.directory) if created is None else created
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._fd = None if fcntl is None else self._acquire()
@@ -64,8 +80,24 @@ class DirectoryLock:
             os.close(self._fd)   # closing the last descriptor releases the lock
             self._fd = None
 
+    def discard(self) -> None:
+        """Release, then remove what a start that failed before writing anything leaves: the
+        directories it created, deepest first, the locked one only while it holds just the lock file,
+        each parent only while it is empty (rmdir refuses one that is not, and the removal stops)."""
+        self.release()
+        try:
+            if self.created and [path.name for path in self.directory.iterdir()] == [LOCK_NAME]:
+                (self.directory / LOCK_NAME).unlink()
+            for directory in self.created:
+                directory.rmdir()
+        except OSError:
+            pass   # something else is there: it stays, and so do the directories that hold it
+
     def __enter__(self) -> "DirectoryLock":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+    def __exit__(self, error_type: type | None, *exc: object) -> None:
+        if error_type is None:
+            self.release()
+        else:
+            self.discard()

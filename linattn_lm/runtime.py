@@ -183,6 +183,22 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
         raise
 
 
+def write_together(writes: dict[Path, Callable[[Path], None]]) -> None:
+    """Several files from one source (a report's tables and plot): every one is written under a
+    temporary name (write_staged) before any takes its name, so a failure while building them
+    leaves the files already there as they were, never a mix of old and new."""
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for path, write in writes.items():
+            staged.append((write_staged(path, write), path))
+    except BaseException:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+        raise
+    for tmp, path in staged:
+        os.replace(tmp, path)
+
+
 class WriteFailed(OSError):
     """An output could not be written (disk full, no permission); what was there is kept.  An
     OSError, so that code which tolerates a failed write (a cache) or reports one (prepare.py)

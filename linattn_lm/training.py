@@ -33,7 +33,7 @@ from .cli import (EXIT_ERROR, EXIT_USAGE, Parser, UsageError, add_config_flags, 
 from .config import TrainConfig, config_differences, config_from_flags
 from .data import DataError, RandomWindows, load_split
 from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss
-from .runlock import DirectoryLock
+from .runlock import DirectoryLock, missing_directories
 from .runtime import (WriteFailed, autocast, decode_bytes, first_line, gradient_scaler, keep_freed_memory,
                       peak_memory_mb, precision_key, precision_name, release_free_memory, reset_peak_memory,
                       resolve_device, summed_loss)
@@ -354,14 +354,15 @@ class Trainer:
             self._open_logs(checkpoint)
         except BaseException:
             if self.lock:
-                self.lock.release()
+                self.lock.discard()   # a failed start leaves no directory of its own (--resume of no run)
             raise
 
     def _lock_run_dir(self) -> DirectoryLock:
         """Held until close(): a second run of this directory is refused before it reads or writes
         anything there (the checkpoint's existence included)."""
+        created = missing_directories(self.run_dir)
         prepare_run_dir(self.run_dir)
-        return DirectoryLock(self.run_dir)
+        return DirectoryLock(self.run_dir, created=created)
 
     def _load_data(self) -> None:
         config, ctx = self.config, self.ctx

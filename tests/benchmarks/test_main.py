@@ -43,6 +43,22 @@ def test_bad_input_to_the_command_is_one_line_and_exit_2(tmp_path):
     assert "Traceback" not in run.stderr and "--lengths" in run.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.parametrize("sections", ["attention", "decode"])
+def test_overwrite_removes_the_earlier_runs_plot_when_this_run_draws_none(sections, tmp_path, monkeypatch):
+    """Every attention config skipped, or no attention section: the new JSON and report must not sit
+    beside a plot of the earlier run's measurements."""
+    skipped = {"method": "sdpa", "mask": "causal", "dtype": "fp32", "label": "sdpa causal fp32", "linear": False,
+               "n": 128, "skipped": "over budget"}
+    monkeypatch.setattr("benchmarks.__main__.run_attention", lambda *args: {"records": [skipped]})
+    monkeypatch.setattr("benchmarks.__main__.run_decode", lambda *args: [])
+    out = tmp_path / "bench"
+    for suffix in (".json", ".md", ".png"):
+        out.with_suffix(suffix).write_text("earlier")
+    main(["--sections", sections, "--device", "cpu", "--lengths", "128", "--out", str(out), "--overwrite"])
+    assert not out.with_suffix(".png").exists()
+    assert json.loads(out.with_suffix(".json").read_text())["settings"]["sections"] == [sections]
+
+
 @pytest.mark.gpu
 def test_cuda_path_measures_with_events_and_max_memory_allocated(tmp_path, fla_autotuned):
     out = tmp_path / "bench-gpu"

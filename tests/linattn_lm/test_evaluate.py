@@ -218,3 +218,18 @@ def test_repeated_seq_len_flags_add_up(data_dir: Path, tmp_path: Path, run_main,
     assert code == 0 and list(table(out)) == [8, 16, 32], err
     code, _, err = run_main(evaluate.main, [str(ckpt), "--seq-len", "16", "--seq-len", "8", "16"])
     assert code == 2 and "--seq-len lists 16 more than once; list each length once" in err, err
+
+
+def test_every_length_is_checked_against_the_data_before_any_is_scored(data_dir: Path, tmp_path: Path, run_main,
+                                                                      make_model) -> None:
+    """No row for 8, then an error for 512: the whole table or one line that says how to fix it."""
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", make_model(), data_dir)
+    code, out, err = run_main(evaluate.main, [str(ckpt), "--max-bytes", "300", "--seq-len", "8", "512"])
+    assert code == 2 and table(out) == {} and "bpc" not in out, out
+    assert err == ("error: --seq-len 512: seq_len 512 needs windows of 513 bytes (inputs plus the shifted target), "
+                   "but the split has only 300 bytes; pass a smaller --seq-len or a larger --max-bytes\n"), err
+    # Lengths past learned positions score nothing (n/a), so they need no data.
+    ckpt = write_checkpoint(tmp_path / "abs.pt", make_model(abs_pos=True, seq_len=16), data_dir)
+    code, out, err = run_main(evaluate.main, [str(ckpt), "--max-bytes", "300", "--seq-len", "16", "512"])
+    assert code == 0 and list(table(out)) == [16, 512] and table(out)[512] == "n/a", err
+

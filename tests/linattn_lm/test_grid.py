@@ -203,7 +203,8 @@ def test_results_written_before_normalization_existed_are_reused(data_dir: Path,
     config = grid.run_configs(given, ["linear-favor-post"], [0])[0, "linear-favor-post"]
     old = config.flat()
     del old["normalization"]
-    record = {key: None for key in grid.RECORD_KEYS} | {
+    record = {key: 0 for key in grid.RECORD_KEYS} | {
+        "variant": "linear-favor-post", "data": "sample", "val_steps": [], "val_bpc": [],
         "config": old, "steps": 4, "scores": {split: {"64": 3.0} for split in grid.EVAL_SPLITS}}
     config.run.run_dir.mkdir(parents=True)
     (config.run.run_dir / grid.RESULT_NAME).write_text(json.dumps(record))
@@ -246,6 +247,24 @@ def test_config_differences_take_an_absent_setting_as_its_default() -> None:
 def test_grid_rejects_bad_flags(argv: list[str], message: str, run_main) -> None:
     code, _, err = run_main(grid.main, argv)
     assert code == 2 and message in err, err
+
+
+@pytest.mark.parametrize("text", ["softmax-rope,,linear-elu-post", "softmax-rope,", ",softmax-rope", " , "])
+def test_a_list_flag_with_an_empty_item_is_refused(text: str) -> None:
+    """As an empty list is, not read as 'a,b'; called directly: through grid.main, an accepted list trains."""
+    with pytest.raises(ValueError, match=f"--variants must list distinct variant names separated by commas, "
+                                         f"with no empty item, got '{text}'"):
+        grid.listed(text, [], str, "--variants", "variant names")
+
+
+@pytest.mark.parametrize("name", ["", ".", " ", "g/./h"])
+def test_a_grid_name_that_names_no_directory_of_its_own_is_refused(name: str, data_dir: Path, tiny: list[str],
+                                                                    tmp_path: Path, run_main) -> None:
+    """'' fell back to grid-<preset>, '.' reported on --out-dir itself."""
+    argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", name, "--report-only"]
+    code, _, err = run_main(grid.main, argv)
+    assert code == 2 and "run_name must be a relative name inside --out-dir" in err and f"got {name!r}" in err, err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_default_variants_cover_every_registered_map() -> None:
@@ -315,6 +334,60 @@ def test_report_only_tabulates_the_finished_runs_and_trains_nothing(data_dir: Pa
     assert "| linear-elu-post | linear-elu-none | rope | -0.500 (s0), -0.300 (s1) | -0.400 |" in report
     assert not any((tmp_path / "g").glob("*/seed-*/ckpt.pt"))   # nothing trained
     assert not (tmp_path / "g" / "softmax-rope").exists()
+
+
+def damage(path: Path, change) -> None:
+    record = json.loads(path.read_text())
+    change(record)
+    path.write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("spoil, message", [
+    (lambda path: damage(path, lambda r: r.update(final_val_bpc="oops")), "final_val_bpc is 'oops', not a number"),
+    (lambda path: damage(path, lambda r: r["scores"]["val"].update({"64": None})), "scores.val.64 is None, not a number"),
+    (lambda path: damage(path, lambda r: r.update(val_bpc=[3.0, 3.1])), "val_bpc has 2 values for 1 val_steps"),
+    (lambda path: damage(path, lambda r: r["config"].pop("rope")), "config.rope is None, not str"),
+    (lambda path: path.write_text(path.read_text()[:40]), "not valid JSON"),
+])
+def test_report_only_refuses_a_damaged_result_and_keeps_the_report_it_had(spoil, message: str, data_dir: Path,
+                                                                          tiny: list[str], tmp_path: Path,
+                                                                          run_main) -> None:
+    """Not a traceback, not a run silently left out, and no results.csv of one state beside a
+    results.md of another: one line naming the file and the field, and the earlier report kept."""
+    given = dict(preset="tiny", data_dir=str(data_dir), out_dir=str(tmp_path), run_name="g")
+    for variant, val in (("linear-elu-post", 3.0), ("linear-elu-none", 3.5)):
+        write_finished_run(given, variant, 0, val)
+    argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "g", "--report-only",
+            "--variants", "linear-elu-post,linear-elu-none"]
+    assert run_main(grid.main, argv)[0] == 0
+    report = {path.name: path.read_bytes() for path in (tmp_path / "g").glob("*.*")}
+    result = tmp_path / "g" / "linear-elu-post" / "seed-0" / grid.RESULT_NAME
+    spoil(result)
+    code, _, err = run_main(grid.main, argv)
+    assert code == 2 and err.startswith(f"error: {result}: ") and message in err, err
+    assert "delete it and run grid.py again with --resume" in err and len(err.strip().splitlines()) == 1
+    assert {path.name: path.read_bytes() for path in (tmp_path / "g").glob("*.*")} == report
+
+
+def test_the_report_is_built_whole_before_any_file_is_replaced(tmp_path: Path, monkeypatch) -> None:
+    """A failure while plotting leaves the earlier results.csv, results.md and val_bpc.png, not a new
+    csv beside the old plot."""
+    from linattn_lm import grid_report
+    configs = grid.run_configs({"preset": "tiny", "out_dir": str(tmp_path)}, ["linear-elu-post"], [0])
+    config = configs[0, "linear-elu-post"]
+    record = {key: 0 for key in grid.RECORD_KEYS} | {
+        "variant": "linear-elu-post", "data": "sample", "val_steps": [1], "val_bpc": [3.0],
+        "scores": {split: {"64": 3.0} for split in grid.EVAL_SPLITS}, "config": config.flat()}
+    for name in ("results.csv", "results.md", "val_bpc.png"):
+        (tmp_path / name).write_text("earlier")
+
+    def fail(*args) -> None:
+        raise RuntimeError("plot failed")
+    monkeypatch.setattr(grid_report, "plot_curves", fail)
+    with pytest.raises(RuntimeError, match="plot failed"):
+        grid_report.write_report(tmp_path, {(0, "linear-elu-post"): record}, config, {"val": {0: 8.0}})
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["results.csv", "results.md", "val_bpc.png"]
+    assert all(path.read_text() == "earlier" for path in tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -82,3 +82,30 @@ def test_a_run_lets_go_of_its_directory_when_it_stops_on_an_error(data_dir: Path
     assert code == 2 and "checkpoint not found" in err
     with DirectoryLock(tmp_path / "r"):   # would raise DirectoryBusy if the failed run still held it
         pass
+
+
+def test_a_run_that_fails_to_start_removes_the_directories_it_created_and_no_other(data_dir: Path, tiny: list[str],
+                                                                                   tmp_path: Path, run_main) -> None:
+    out = tmp_path / "out"
+    argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(out), "--resume"]
+    for name in ("never", "study/x/seed-0"):
+        code, _, err = run_main(training.main, [*argv, "--run-name", name])
+        assert code == 2 and "checkpoint not found" in err, err
+    assert not out.exists()   # --out-dir too: this run created it, and wrote nothing
+    (out / "study" / "other").mkdir(parents=True)   # another run's
+    (out / "there-before").mkdir()
+    for name in ("study/x/seed-0", "there-before"):
+        code, _, err = run_main(training.main, [*argv, "--run-name", name])
+        assert code == 2 and "checkpoint not found" in err, err
+    assert sorted(path.relative_to(out).as_posix() for path in out.rglob("*")) == [
+        "study", "study/other", "there-before", f"there-before/{LOCK_NAME}"]
+
+
+def test_a_lock_whose_block_fails_removes_its_new_directory_unless_something_was_written(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError), DirectoryLock(tmp_path / "grid" / "sub"):
+        raise RuntimeError("failed before writing")
+    assert not (tmp_path / "grid").exists()
+    with pytest.raises(RuntimeError), DirectoryLock(tmp_path / "grid" / "sub"):
+        (tmp_path / "grid" / "sub" / "results.md").write_text("")
+        raise RuntimeError("failed after writing")
+    assert (tmp_path / "grid" / "sub" / "results.md").exists()

@@ -74,6 +74,17 @@ def test_resume_continues_exactly(data_dir: Path, tiny: list[str], tmp_path: Pat
         assert torch.equal(tensor, b["model"][key]) if isinstance(tensor, torch.Tensor) else tensor == b["model"][key], key
 
 
+@pytest.mark.parametrize("name", ["", " ", ".", "./run", "a/./b", "a//b", "a/", " run", "run ", "study/ x"])
+def test_run_names_that_name_no_directory_of_their_own_are_refused(name: str, tmp_path: Path) -> None:
+    """'.' wrote ckpt.pt straight into --out-dir, ' ' made a directory named by a space; nested names
+    (grid.py's <grid>/<variant>/seed-<s>) stay."""
+    with pytest.raises(ValueError) as refused:
+        config_from_flags({"preset": "tiny", "out_dir": str(tmp_path), "run_name": name})
+    assert str(refused.value).startswith("run_name must be a relative name inside --out-dir") and \
+        str(refused.value).endswith(f"got {name!r}")
+    assert config_from_flags({"preset": "tiny", "run_name": "study/x/seed-0"}).run.run_dir == Path("runs/study/x/seed-0")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--attention", "softmax", "--feature-map", "elu"], "--feature-map applies to linear attention only"),
     (["--attention", "softmax", "--feature-map-option", "num_features=64"], "--feature-map-option applies to linear"),
