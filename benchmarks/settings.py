@@ -16,7 +16,7 @@ from linattn_lm.runtime import resolve_device
 import torch
 
 from linattn_lm import PRESETS as TRAINING_PRESETS
-from linattn_lm.cli import Parser
+from linattn_lm.cli import Parser, comma_items
 
 from .block import SOFTMAX_BLOCKS, block_names, build_block
 from .kernels import KERNEL_METHODS
@@ -56,16 +56,10 @@ def seconds(text: str) -> float:
     return _number(text, float, lambda value: math.isfinite(value) and value > 0, "a positive number of seconds")
 
 
-def items(text: str) -> list[str]:
-    """The comma-separated items, or none when one is empty ('64,,128' is a typo, as grid.py's lists)."""
-    found = [item.strip() for item in text.split(",")]
-    return found if all(found) else []
-
-
 def int_list(text: str) -> tuple[int, ...]:
     """'1024,256,1024' -> (256, 1024): sweeps run small to large, which the budget relies on."""
     try:
-        values = tuple(sorted({positive_int(item) for item in items(text)}))
+        values = tuple(sorted({positive_int(item) for item in comma_items(text)}))
     except ValueError:
         values = ()
     if not values:
@@ -76,7 +70,7 @@ def int_list(text: str) -> tuple[int, ...]:
 def names(choices: tuple[str, ...] | None = None) -> Callable[[str], tuple[str, ...]]:
     """A parser of comma-separated names, each one of `choices` when given."""
     def parse(text: str) -> tuple[str, ...]:
-        given = tuple(dict.fromkeys(items(text)))
+        given = tuple(dict.fromkeys(comma_items(text)))
         unknown = [item for item in given if choices and item not in choices]
         if not given or unknown:
             among = f" from {','.join(choices)}" if choices else ""

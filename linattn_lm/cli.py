@@ -59,6 +59,14 @@ def integer(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
 
 
+def comma_items(text: str) -> list[str]:
+    """The items of a comma-separated flag, stripped; none at all when one is empty ('a,,b', 'a,'):
+    an empty item is a typo more often than not, and may hide a missing value, so the callers refuse
+    it as they refuse an empty list."""
+    items = [item.strip() for item in text.split(",")]
+    return items if all(items) else []
+
+
 def option(text: str) -> tuple[str, Any]:
     """KEY=VALUE; VALUE is a Python literal (64, 0.5, True, None, 'text') or else a string."""
     key, sep, raw = text.partition("=")

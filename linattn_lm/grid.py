@@ -35,7 +35,7 @@ import linattn
 
 from . import training
 from .checkpoint import CHECKPOINT_NAME, CheckpointError
-from .cli import variant_skip
+from .cli import comma_items, variant_skip
 from .config import (ATTENTION_BACKENDS, DEFAULT_PRESET, TrainConfig, check_run_name, config_differences,
                      config_from_flags)
 from .data import check_window_fits, load_split
@@ -195,13 +195,12 @@ def report_finished(configs: dict[tuple[int, str], TrainConfig], grid_dir: Path,
 
 
 def listed(text: str | None, default: list[Any], convert: type, flag: str, what: str) -> list[Any]:
-    """A comma-separated flag's distinct values (default when absent).  An empty item ('a,,b', 'a,')
-    is refused like an empty list: it is a typo more often than not, and may hide a missing value."""
+    """A comma-separated flag's distinct values (default when absent); an empty item is refused
+    (comma_items)."""
     if text is None:
         return default
-    items = [item.strip() for item in text.split(",")]
     try:
-        values = [convert(item) for item in items] if all(items) else []
+        values = [convert(item) for item in comma_items(text)]
     except ValueError:
         values = []
     if not values or len(set(values)) != len(values):
