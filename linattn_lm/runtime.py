@@ -183,10 +183,13 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
         raise
 
 
-def write_together(writes: dict[Path, Callable[[Path], None]]) -> None:
-    """Several files from one source (a report's tables and plot): every one is written under a
-    temporary name (write_staged) before any takes its name, so a failure while building them
-    leaves the files already there as they were, never a mix of old and new."""
+def write_together(writes: dict[Path, Callable[[Path], None]], *,
+                   before_renames: Callable[[], None] | None = None) -> None:
+    """Several files from one source (a report's tables and plot, a dataset's splits and meta): every
+    one is written under a temporary name (write_staged) before any takes its name, so a failure
+    while building them leaves the files already there as they were, never a mix of old and new.
+    The renames follow in `writes`' order, after `before_renames` (prepare.py removes its meta.json
+    there, so that a stop among the renames leaves a directory that reads as unprepared)."""
     staged: list[tuple[Path, Path]] = []
     try:
         for path, write in writes.items():
@@ -195,6 +198,8 @@ def write_together(writes: dict[Path, Callable[[Path], None]]) -> None:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
         raise
+    if before_renames is not None:
+        before_renames()
     for tmp, path in staged:
         os.replace(tmp, path)
 

@@ -32,7 +32,7 @@ from linattn_lm.checkpoint import remove_stale_temporaries
 from linattn_lm.cli import EXIT_USAGE, Parser
 from linattn_lm.data import (META_FORMAT_VERSION, META_NAME, SPLITS, VOCAB_SIZE, DataError, DataNotFoundError,
                              load_meta, load_split, shown)
-from linattn_lm.runtime import write_staged
+from linattn_lm.runtime import write_together
 
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent
 SPLIT_END_PERCENTS = (90, 95, 100)
@@ -227,21 +227,12 @@ def write_prepared(out_dir: Path, data: bytes, meta: dict[str, Any]) -> None:
     until all are on disk. Then the old meta.json goes, the splits take their names and meta.json
     comes last, so even a run stopped among the renames leaves a directory that reads as
     unprepared, never a mix of old and new splits."""
-    staged: list[tuple[Path, Path]] = []
-    try:
-        for split in SPLITS:
-            part = memoryview(data)[meta["splits"][split]["start"]:meta["splits"][split]["end"]]
-            path = out_dir / f"{split}.bin"
-            staged.append((write_staged(path, lambda tmp, part=part: tmp.write_bytes(part)), path))
-        path = out_dir / META_NAME
-        staged.append((write_staged(path, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n")), path))
-    except BaseException:
-        for tmp, _ in staged:
-            tmp.unlink(missing_ok=True)
-        raise
-    (out_dir / META_NAME).unlink(missing_ok=True)
-    for tmp, path in staged:
-        os.replace(tmp, path)
+    writes: dict[Path, Callable[[Path], Any]] = {}
+    for split in SPLITS:
+        part = memoryview(data)[meta["splits"][split]["start"]:meta["splits"][split]["end"]]
+        writes[out_dir / f"{split}.bin"] = lambda tmp, part=part: tmp.write_bytes(part)
+    writes[out_dir / META_NAME] = lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    write_together(writes, before_renames=lambda: (out_dir / META_NAME).unlink(missing_ok=True))
 
 
 def usable_out_dir(out_dir: Path) -> Path:
