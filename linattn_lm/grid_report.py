@@ -274,8 +274,8 @@ def extrapolation_table(variants: dict[str, list[dict[str, Any]]], seq_len: int)
 def write_report(grid_dir: Path, records: Records, config: Any, reference: dict[str, dict[int, float]]) -> None:
     """results.csv, results.md and val_bpc.png, all built before any replaces the one there (a
     failure leaves the earlier three, never a mix); `reference`: the n-gram lines, split -> order -> bpc."""
-    table, markdown = results_csv(records), results_markdown(grid_dir, records, config, reference)
     variants = by_variant(records)
+    table, markdown = results_csv(records), results_markdown(grid_dir, records, variants, config, reference)
     write_together({grid_dir / "results.csv": lambda path: path.write_text(table),
                     grid_dir / "results.md": lambda path: path.write_text(markdown),
                     grid_dir / "val_bpc.png": lambda path: plot_curves(path, grid_dir.name, variants, reference)})
@@ -289,8 +289,9 @@ def results_csv(records: Records) -> str:
     return buffer.getvalue()
 
 
-def results_markdown(grid_dir: Path, records: Records, config: Any, reference: dict[str, dict[int, float]]) -> str:
-    seq_len, variants = config.model.seq_len, by_variant(records)
+def results_markdown(grid_dir: Path, records: Records, variants: dict[str, list[dict[str, Any]]], config: Any,
+                     reference: dict[str, dict[int, float]]) -> str:
+    seq_len = config.model.seq_len
     seeds = sorted({seed for seed, _ in records})
     data = next(iter(records.values()))["data"]
     markdown = [f"# Grid {grid_dir.name}", "",
