@@ -87,14 +87,23 @@ def run_configs(given: dict[str, Any], variants: list[str], seeds: list[int]) ->
     return configs
 
 
-def saved_record(config: TrainConfig, multiples: list[int]) -> dict[str, Any] | None:
+def saved_record(key: tuple[int, str], config: TrainConfig, multiples: list[int]) -> dict[str, Any] | None:
     """The run's result.json when it was written for this very configuration (every setting that
     may not change on --resume, and the steps) and holds the asked scores; else None, and the run
     is resumed from its checkpoint (which checks its configuration itself) and scored again.  A
-    damaged one is refused (read_record), not taken for a run to train again."""
-    record = read_record(config.run.run_dir / RESULT_NAME)
+    damaged one is refused (read_record), and so is one that names another run than its directory's
+    (`key`, the seed and variant): a copy put in the wrong place would be reported, or trained over,
+    as the wrong run."""
+    path = config.run.run_dir / RESULT_NAME
+    record = read_record(path)
     if record is None:
         return None
+    seed, name = key
+    if (record["seed"], record["variant"]) != (seed, name):
+        raise CheckpointError(
+            f"{path}: it records {record['variant']} seed {record['seed']}, but its directory is {name} seed {seed} "
+            f"(copied to the wrong place?); move it to <grid>/{record['variant']}/seed-{record['seed']}/, or delete "
+            "it and run grid.py again with --resume")
     wanted = {str(multiple * config.model.seq_len) for multiple in multiples}
     if config_differences(record["config"], config.flat()) or record["steps"] != config.optim.steps or any(
             not wanted <= set(record["scores"].get(split, {})) for split in EVAL_SPLITS):
@@ -156,9 +165,9 @@ def run_grid(configs: dict[tuple[int, str], TrainConfig], grid_dir: Path, resume
     rewriting the report after each; stop on Ctrl-C with the run's checkpoint saved.  The report
     also keeps the `earlier` runs (seeds this invocation does not list) whose records still match."""
     records: dict[tuple[int, str], dict[str, Any]] = {
-        key: record for key, config in (earlier or {}).items() if (record := saved_record(config, multiples))}
+        key: record for key, config in (earlier or {}).items() if (record := saved_record(key, config, multiples))}
     # Read, and a damaged one refused, before anything trains.
-    finished = {key: saved_record(config, multiples) for key, config in configs.items()} if resume else {}
+    finished = {key: saved_record(key, config, multiples) for key, config in configs.items()} if resume else {}
     first = next(iter(configs.values()))
     data_dir = first.run.data_path
     with training.distributed(first.run.device) as ctx:
@@ -183,7 +192,7 @@ def run_grid(configs: dict[tuple[int, str], TrainConfig], grid_dir: Path, resume
 def report_finished(configs: dict[tuple[int, str], TrainConfig], grid_dir: Path, multiples: list[int]) -> int:
     """Rewrite the report from the runs whose result.json is complete, training nothing: the tables of
     a grid that is stopped or still under way elsewhere (a copy of its run directories, say)."""
-    records = {key: record for key, config in configs.items() if (record := saved_record(config, multiples))}
+    records = {key: record for key, config in configs.items() if (record := saved_record(key, config, multiples))}
     if not records:
         raise CheckpointError(f"{grid_dir} has no finished run of these variants and seeds (a run is finished "
                               "once its result.json holds the asked --eval-multiples): nothing to report")

@@ -208,9 +208,9 @@ def test_results_written_before_normalization_existed_are_reused(data_dir: Path,
         "config": old, "steps": 4, "scores": {split: {"64": 3.0} for split in grid.EVAL_SPLITS}}
     config.run.run_dir.mkdir(parents=True)
     (config.run.run_dir / grid.RESULT_NAME).write_text(json.dumps(record))
-    assert grid.saved_record(config, [1]) == record
+    assert grid.saved_record((0, "linear-favor-post"), config, [1]) == record
     config.model.normalization = "rmsnorm"
-    assert grid.saved_record(config, [1]) is None
+    assert grid.saved_record((0, "linear-favor-post"), config, [1]) is None
 
 
 def test_config_differences_take_an_absent_setting_as_its_default() -> None:
@@ -348,6 +348,9 @@ def damage(path: Path, change) -> None:
     (lambda path: damage(path, lambda r: r.update(val_bpc=[3.0, 3.1])), "val_bpc has 2 values for 1 val_steps"),
     (lambda path: damage(path, lambda r: r["config"].pop("rope")), "config.rope is None, not str"),
     (lambda path: path.write_text(path.read_text()[:40]), "not valid JSON"),
+    (lambda path: damage(path, lambda r: r.update(variant="linear-elu-none")),   # another run's, copied here
+     "it records linear-elu-none seed 0, but its directory is linear-elu-post seed 0"),
+    (lambda path: damage(path, lambda r: r.update(seed=1)), "it records linear-elu-post seed 1, but its directory"),
 ])
 def test_report_only_refuses_a_damaged_result_and_keeps_the_report_it_had(spoil, message: str, data_dir: Path,
                                                                           tiny: list[str], tmp_path: Path,
