@@ -157,16 +157,32 @@ class LinearAttention(_Projections):
         """The attention between the projections: (B, H, N, head_dim) queries, keys and values ->
         (B, H, N, head_dim), with this block's map, placement and backend (what forward runs)."""
         self._check_heads(q, k, v)
-        phi_q, phi_k, values = self._op_inputs(*self._features(q, k, offset, projected=self.causal), v)
-        result = linear_attention(phi_q, phi_k, values, causal=self.causal, rotary=self.rope == "post",
-                                  offset=offset, chunk_size=self.chunk_size, rope_base=self.rope_base,
-                                  return_state=return_state, backend=self.backend,
-                                  log_space=self.feature_map.log_space,
-                                  nonnegative_features=self.feature_map.nonnegative_features)
+        result = self._weighted_values(q, k, v, offset, return_state)
         # Rounded to v's dtype before the norm, as the op rounds its output under autocast.
         if return_state:
             return self._normalize(result[0].to(v.dtype)), result[1]
         return self._normalize(result.to(v.dtype))
+
+    def weight_sums(self, x: torch.Tensor, *, offset: int = 0) -> torch.Tensor:
+        """How much weight each query puts on the values in all, sum_n w_mn: (B, N, dim) -> (B, H, N),
+        float32 (float64 for a float64 block).  The op's output for values that are all 1, before
+        any RMSNorm.  With `pre` and `none` it is 1 up to rounding (the output is a weighted mean of
+        values).  Eq. 19 (`post`) rotates the numerator's features but not the denominator's, so
+        w_mn = (R_m phi(q_m))^T (R_n phi(k_n)) / sum_n' phi(q_m)^T phi(k_n'), and the sum is 1 only at
+        the first position: a diagnostic of why `post` trains worse (docs/results/study.md)."""
+        q, k, v = self._qkv(x, 3)
+        with torch.no_grad():
+            ones = torch.ones_like(v[..., :1], dtype=torch.float64 if v.dtype == torch.float64 else torch.float32)
+            return self._weighted_values(q, k, ones, offset, False)[..., 0]
+
+    def _weighted_values(self, q, k, v, offset: int, return_state: bool):
+        """The op on this block's features: sum_n w_mn v_n (and the state), before the RMSNorm."""
+        phi_q, phi_k, values = self._op_inputs(*self._features(q, k, offset, projected=self.causal), v)
+        return linear_attention(phi_q, phi_k, values, causal=self.causal, rotary=self.rope == "post",
+                                offset=offset, chunk_size=self.chunk_size, rope_base=self.rope_base,
+                                return_state=return_state, backend=self.backend,
+                                log_space=self.feature_map.log_space,
+                                nonnegative_features=self.feature_map.nonnegative_features)
 
     def _op_inputs(self, phi_q, phi_k, v: torch.Tensor):
         """Features and values in a form the op takes.  Maps compute in float32 (float64 stays), while

@@ -4,6 +4,7 @@ or text samples.
     python eval.py runs/linear-favor-post-M64                        # val bpc at the training seq_len
     python eval.py runs/linear-favor-post-M64 --split test --seq-len 256 512 1024 2048 --max-bytes 100000
     python eval.py runs/linear-favor-post-M64 --generate "The " --max-new-tokens 200 --top-k 40
+    python eval.py runs/linear-favor-post-M64 --weight-sums --max-bytes 100000   # sum of attention weights
 
 bpc uses non-overlapping windows of seq_len bytes: window k reads bytes [kL, kL + L) and predicts
 bytes [kL + 1, kL + L], each from the bytes before it in the same window only.  Every byte but the
@@ -32,6 +33,7 @@ from .lm import ByteLM, bits_per_byte
 from .ngram import format_reference, reference_bpc
 from .runtime import (DTYPES, autocast, decode_bytes, encode_text, keep_freed_memory, resolve_device,
                       resolve_dtype, summed_loss)
+from .weight_sums import format_rows, linear_blocks, weight_sum_rows
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, mps")
     p.add_argument("--threads", type=integer, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--dtype", choices=DTYPES, help="compute precision, as train.py's --dtype (default: the run's)")
+    p.add_argument("--weight-sums", action="store_true",
+                   help="instead of bpc, the sum of each query's attention weights in every linear layer (1 for "
+                        "pre and none; how far Eq. 19's post drifts from it), over the same windows")
     sample = p.add_argument_group("sampling (instead of bpc)")
     sample.add_argument("--generate", metavar="PROMPT", help="sample a continuation of PROMPT")
     sample.add_argument("--max-new-tokens", type=integer, default=256, help="bytes to sample")
@@ -86,6 +91,8 @@ def check_mode_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, 
     if args.generate is None and sampling:
         parser.error(f"{', '.join(sorted(sampling))} apply only with --generate PROMPT (sampling); "
                      "without it eval.py scores bits per byte")
+    if args.generate is not None and args.weight_sums:
+        parser.error("--generate samples text and --weight-sums measures attention weights: pass one of them")
     if args.generate is not None and scoring:
         parser.error(f"{', '.join(sorted(scoring))} apply to scoring bits per byte, not to --generate; "
                      "drop them, or drop --generate")
@@ -213,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.generate is not None:
             print(sample_text(model, args, device))
             return 0
+        if args.weight_sums:
+            linear_blocks(model)   # a softmax run is refused before any data is read
         data_dir = args.data_dir or recorded_data_dir(checkpoint) or str(default_data_dir())
         split = load_split(data_dir, args.split)
         data = split.data[:args.max_bytes] if args.max_bytes else split.data
@@ -220,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(data):,} of {len(split):,} bytes")
         seq_lens = args.seq_len or [config.seq_len]
         check_windows_fit(model, seq_lens, len(data), flag=bool(args.seq_len), cut=len(data) < len(split))
+        if args.weight_sums:
+            for seq_len in seq_lens:
+                print(format_rows(weight_sum_rows(model, data, seq_len, args.batch_size, device, args.dtype), seq_len))
+            return 0
         rows = bpc_table(model, data, seq_lens, args.batch_size, device, args.dtype)
         non_finite = non_finite_scores(model, rows)
         if non_finite:

@@ -163,6 +163,40 @@ def test_rmsnorm_normalises_the_numerator_alone(fm, rope, causal):
     assert (unnormalised.attend(q, k, v) - block.attend(q, k, v)).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("normalization", ["denominator", "rmsnorm"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("fm,rope", LINEAR_VARIANTS)
+def test_weight_sums_are_the_explicit_weights_summed(fm, rope, causal, normalization):
+    """weight_sums == sum_n w_mn from explicit N x N weights (the reference's output for values of
+    1), before any RMSNorm: 1 for pre and none, and for post 1 at the first position only (causal)."""
+    torch.manual_seed(0)
+    block = linear_block(fm, rope, causal=causal, normalization=normalization)
+    x = torch.randn(2, 19, 32, dtype=torch.float64)
+    q, k, v = heads_of(block, x)
+    phi_q, phi_k = reference_features(block, q, k)
+    ones = torch.ones_like(v[..., :1])
+    expected = linear_attention_reference(phi_q, phi_k, ones, causal=causal, rotary=rope == "post",
+                                          nonnegative_features=block.feature_map.nonnegative_features)[..., 0]
+    sums = block.weight_sums(x)
+    assert sums.shape == (2, 4, 19) and sums.dtype == torch.float64 and not sums.requires_grad
+    torch.testing.assert_close(sums, expected, rtol=1e-9, atol=1e-10)
+    if rope == "post":
+        assert (sums - 1).abs().max() > 1e-2
+        if causal:
+            torch.testing.assert_close(sums[..., 0], torch.ones(2, 4, dtype=torch.float64))
+    else:
+        torch.testing.assert_close(sums, torch.ones_like(sums))
+
+
+def test_weight_sums_of_a_float32_block_are_float32_at_any_offset():
+    block = LinearAttention(32, 4, feature_map="elu", rope="post")
+    x = torch.randn(1, 10, 32)
+    sums = block.weight_sums(x, offset=5)
+    assert sums.dtype == torch.float32
+    # Eq. 19 weighs by relative position only: the offset changes nothing
+    torch.testing.assert_close(sums, block.weight_sums(x))
+
+
 def test_rmsnorm_has_one_gain_shared_by_the_heads_and_merges_after_it():
     block = LinearAttention(32, 4, normalization="rmsnorm")
     assert dict(block.norm.named_parameters())["weight"].shape == (8,)

@@ -233,3 +233,45 @@ def test_every_length_is_checked_against_the_data_before_any_is_scored(data_dir:
     code, out, err = run_main(evaluate.main, [str(ckpt), "--max-bytes", "300", "--seq-len", "16", "512"])
     assert code == 0 and list(table(out)) == [16, 512] and table(out)[512] == "n/a", err
 
+
+
+def layer0_weight_sums(model: ByteLM, data: np.ndarray, seq_len: int) -> torch.Tensor:
+    """By hand: layer 0's attention input is the LayerNormed byte embedding of each window's inputs
+    (bytes [kL, kL + L), the split's last byte being a target only)."""
+    sums = []
+    for start in range(0, len(data) - 1, seq_len):
+        window = torch.from_numpy(data[start:min(start + seq_len, len(data) - 1)].astype(np.int64))[None]
+        block = model.blocks[0]
+        with torch.no_grad():
+            sums.append(block.attn.weight_sums(block.ln_attn(model.token_embedding(window))).flatten())
+    return torch.cat(sums)
+
+
+@pytest.mark.parametrize("rope", ["post", "pre", "none"])
+def test_weight_sums_table(rope: str, data_dir: Path, tmp_path: Path, run_main, make_model) -> None:
+    """One row per linear layer; 1 everywhere for pre and none; for post, layer 0's mean matches a hand
+    computation over the same windows (the last one shorter), and the first position's sum is 1."""
+    model = make_model(rope=rope)
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", model, data_dir)
+    code, out, err = run_main(evaluate.main, [str(ckpt), "--weight-sums", "--max-bytes", "300", "--seq-len", "16"])
+    assert code == 0, err
+    header, *rows = out.split("sum of attention weights per query at seq_len 16")[1].strip().splitlines()[1:]
+    assert header.split() == ["layer", "mean", "std", "p1", "p99", "off>10%", "0", "1-15"] and len(rows) == 2
+    cells = [row.split() for row in rows]
+    if rope == "post":
+        expected = layer0_weight_sums(model, load_split(data_dir, "val").data[:300], 16).mean().item()
+        assert float(cells[0][1]) == pytest.approx(expected, abs=1e-4) and abs(expected - 1) > 1e-3
+        assert all(float(row[6]) == pytest.approx(1.0, abs=1e-4) for row in cells)
+    else:
+        assert all(row[1:6] == ["1.0000", "0.0000", "1.0000", "1.0000", "0.0%"] for row in cells), out
+
+
+def test_weight_sums_refuses_softmax_attention_and_sampling(data_dir: Path, tmp_path: Path, run_main,
+                                                            make_model) -> None:
+    ckpt = write_checkpoint(tmp_path / "softmax.pt", make_model(attention="softmax", rope="post"), data_dir)
+    code, out, err = run_main(evaluate.main, [str(ckpt), "--weight-sums"])
+    assert code == 2 and "has no linear-attention layer" in err and len(err.strip().splitlines()) == 1, err
+    assert "data:" not in out   # refused before any data is read
+    ckpt = write_checkpoint(tmp_path / "linear.pt", make_model(), data_dir)
+    code, _, err = run_main(evaluate.main, [str(ckpt), "--weight-sums", "--generate", "The "])
+    assert code == 2 and "pass one of them" in err and len(err.strip().splitlines()) == 1, err
