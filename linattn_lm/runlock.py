@@ -6,7 +6,9 @@ when the holder exits, however it exits (kill -9 included), so no stale lock is 
 The holder writes its pid into the file, for the message that refuses a second run.  The file
 itself stays: deleting it on release would let a waiting process lock a file that is already gone.
 Only a run that failed to start in a directory it created, before writing anything there, removes it
-with the directory (`discard`): nothing is left of it, and no earlier run's directory is touched.
+with the directory (`discard`): nothing is left of it, and no earlier run's directory is touched.  A
+second start may have opened that file just before it went; so a lock counts only once the locked
+file is still the one at the path, and is taken again otherwise.
 
 Where fcntl does not exist (Windows), runs are not locked; a warning says so once.
 """
@@ -51,13 +53,30 @@ class DirectoryLock:
         self.created = missing_directories(self.directory) if created is None else created
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._fd = None if fcntl is None else self._acquire()
+            self._fd = None if fcntl is None else self._acquire_live()
         except OSError as error:   # not BlockingIOError: _acquire turns that into DirectoryBusy
             raise UsageError(f"cannot lock the directory {self.directory} ({error.strerror or error}); "
                              "choose a writable --out-dir") from None
         if fcntl is None:
             warnings.warn("fcntl is not available on this platform: run directories are not locked, so "
                           "make sure no two runs use the same --out-dir/--run-name", stacklevel=2)
+
+    def _acquire_live(self) -> int:
+        """A lock on the lock file that is at the path now: a failed start beside this one may have
+        removed the file (and its directory) between our open and our lock, leaving us the lock of a
+        file nobody else can see, so take it again on the file that is there."""
+        while True:
+            fd = self._acquire()
+            try:
+                if os.path.samestat(os.fstat(fd), os.stat(self.directory / LOCK_NAME)):
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+            self.directory.mkdir(parents=True, exist_ok=True)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        return fd
 
     def _acquire(self) -> int:
         fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666)
@@ -71,8 +90,6 @@ class DirectoryLock:
         except BaseException:
             os.close(fd)
             raise
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
         return fd
 
     def release(self) -> None:
@@ -83,8 +100,9 @@ class DirectoryLock:
     def discard(self) -> None:
         """Release, then remove what a start that failed before writing anything leaves: the
         directories it created, deepest first, the locked one only while it holds just the lock file,
-        each parent only while it is empty (rmdir refuses one that is not, and the removal stops)."""
-        self.release()
+        each parent only while it is empty (rmdir refuses one that is not, and the removal stops).
+        The lock is released last: a start beside this one that already opened the file then finds
+        it held, or, once released, gone from the path (and locks the one it makes)."""
         try:
             if self.created and [path.name for path in self.directory.iterdir()] == [LOCK_NAME]:
                 (self.directory / LOCK_NAME).unlink()
@@ -92,6 +110,8 @@ class DirectoryLock:
                 directory.rmdir()
         except OSError:
             pass   # something else is there: it stays, and so do the directories that hold it
+        finally:
+            self.release()
 
     def __enter__(self) -> "DirectoryLock":
         return self

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from linattn_lm import grid, training
+from linattn_lm import grid, runlock, training
 from linattn_lm.runlock import LOCK_NAME, DirectoryBusy, DirectoryLock
 
 HOLD = "import sys, time; from linattn_lm.runlock import DirectoryLock; lock = DirectoryLock(sys.argv[1]); " \
@@ -109,3 +109,27 @@ def test_a_lock_whose_block_fails_removes_its_new_directory_unless_something_was
         (tmp_path / "grid" / "sub" / "results.md").write_text("")
         raise RuntimeError("failed after writing")
     assert (tmp_path / "grid" / "sub" / "results.md").exists()
+
+
+@pytest.mark.skipif(runlock.fcntl is None, reason="runs are not locked without fcntl")
+def test_a_failed_start_beside_a_second_one_leaves_the_second_a_lock_others_see(tmp_path: Path,
+                                                                                  monkeypatch) -> None:
+    """The first start fails and removes the directory it made just as a second start, which has
+    already opened the lock file, locks it: the second must end up holding the lock file at the path
+    (a third start is refused), not a removed file that nobody else can see."""
+    run = tmp_path / "new" / "run"
+    first = DirectoryLock(run)
+    flock = runlock.fcntl.flock
+
+    def first_fails_now(fd: int, operation: int) -> None:
+        monkeypatch.setattr(runlock.fcntl, "flock", flock)
+        first.discard()
+        assert not run.exists()
+        flock(fd, operation)
+
+    monkeypatch.setattr(runlock.fcntl, "flock", first_fails_now)
+    second = DirectoryLock(run)
+    assert (run / LOCK_NAME).read_text().strip() == str(os.getpid())
+    with pytest.raises(DirectoryBusy):
+        DirectoryLock(run)
+    second.release()
