@@ -165,15 +165,21 @@ class LinearAttention(_Projections):
 
     def weight_sums(self, x: torch.Tensor, *, offset: int = 0) -> torch.Tensor:
         """How much weight each query puts on the values in all, sum_n w_mn: (B, N, dim) -> (B, H, N),
-        float32 (float64 for a float64 block).  The op's output for values that are all 1, before
-        any RMSNorm.  With `pre` and `none` it is 1 up to rounding (the output is a weighted mean of
-        values).  Eq. 19 (`post`) rotates the numerator's features but not the denominator's, so
-        w_mn = (R_m phi(q_m))^T (R_n phi(k_n)) / sum_n' phi(q_m)^T phi(k_n'), and the sum is 1 only at
-        the first position: a diagnostic of why `post` trains worse (docs/results/study.md)."""
-        q, k, v = self._qkv(x, 3)
-        with torch.no_grad():
-            ones = torch.ones_like(v[..., :1], dtype=torch.float64 if v.dtype == torch.float64 else torch.float32)
-            return self._weighted_values(q, k, ones, offset, False)[..., 0]
+        float32 (float64 for a float64 block), without gradients.  The op's output for values that
+        are all 1 (in the dtype forward's values have, so the same route runs), before any RMSNorm.
+        With `pre` and `none` it is 1 up to rounding (the output is a weighted mean of values).
+        Eq. 19 (`post`) rotates the numerator's features but not the denominator's, so
+        w_mn = (R_m phi(q_m))^T (R_n phi(k_n)) / sum_n' phi(q_m)^T phi(k_n'): causal, the sum is 1 at
+        the first position only.  A diagnostic of why `post` trains worse (docs/results/study.md)."""
+        was_training = self.training
+        self.eval()   # a map that redraws counts training-mode calls: measuring must not move its schedule
+        try:
+            with torch.no_grad():
+                q, k, v = self._qkv(x, 3)
+                sums = self._weighted_values(q, k, torch.ones_like(v), offset, False)[..., 0]
+        finally:
+            self.train(was_training)
+        return sums.to(torch.float64 if sums.dtype == torch.float64 else torch.float32)
 
     def _weighted_values(self, q, k, v, offset: int, return_state: bool):
         """The op on this block's features: sum_n w_mn v_n (and the state), before the RMSNorm."""

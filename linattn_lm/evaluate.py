@@ -90,7 +90,8 @@ def check_mode_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, 
     sampling, scoring = given.intersection(SAMPLING_FLAGS), given.intersection(SCORING_FLAGS)
     if args.generate is None and sampling:
         parser.error(f"{', '.join(sorted(sampling))} apply only with --generate PROMPT (sampling); "
-                     "without it eval.py scores bits per byte")
+                     "without it eval.py scores bits per byte" + (" or, here, measures attention weights"
+                                                                  if args.weight_sums else ""))
     if args.generate is not None and args.weight_sums:
         parser.error("--generate samples text and --weight-sums measures attention weights: pass one of them")
     if args.generate is not None and scoring:
@@ -231,7 +232,11 @@ def main(argv: list[str] | None = None) -> int:
         check_windows_fit(model, seq_lens, len(data), flag=bool(args.seq_len), cut=len(data) < len(split))
         if args.weight_sums:
             for seq_len in seq_lens:
-                print(format_rows(weight_sum_rows(model, data, seq_len, args.batch_size, device, args.dtype), seq_len))
+                if beyond_learned_positions(model, seq_len):
+                    print(f"seq_len {seq_len}: n/a, learned absolute positions cover {config.seq_len} bytes only")
+                    continue
+                rows = weight_sum_rows(model, data, seq_len, args.batch_size, device, args.dtype)
+                print(format_rows(rows, seq_len, config.normalization))
             return 0
         rows = bpc_table(model, data, seq_lens, args.batch_size, device, args.dtype)
         non_finite = non_finite_scores(model, rows)

@@ -26,6 +26,7 @@ except ImportError:   # Windows
     fcntl = None
 
 LOCK_NAME = ".lock"
+LOCK_ATTEMPTS = 100   # each retry needs another start to fail and remove the directory meanwhile
 
 
 class DirectoryBusy(UsageError):
@@ -62,21 +63,33 @@ class DirectoryLock:
                           "make sure no two runs use the same --out-dir/--run-name", stacklevel=2)
 
     def _acquire_live(self) -> int:
-        """A lock on the lock file that is at the path now: a failed start beside this one may have
-        removed the file (and its directory) between our open and our lock, leaving us the lock of a
-        file nobody else can see, so take it again on the file that is there."""
-        while True:
-            fd = self._acquire()
+        """A lock on the lock file that is at the path now: a failed start beside this one may remove
+        the file and its directory between our mkdir and our open (the open fails), or between our
+        open and our lock (we would hold the lock of a file nobody else can see); either way, make
+        the directory again and lock the file that is there."""
+        for _ in range(LOCK_ATTEMPTS):
             try:
-                if os.path.samestat(os.fstat(fd), os.stat(self.directory / LOCK_NAME)):
-                    break
+                fd = self._acquire()
             except FileNotFoundError:
-                pass
+                self.directory.mkdir(parents=True, exist_ok=True)
+                continue
+            try:
+                if self._is_at_path(fd):
+                    os.ftruncate(fd, 0)
+                    os.write(fd, f"{os.getpid()}\n".encode())
+                    return fd
+            except BaseException:
+                os.close(fd)   # not left open: an open descriptor would keep the directory locked
+                raise
             os.close(fd)
             self.directory.mkdir(parents=True, exist_ok=True)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        return fd
+        raise OSError(f"its lock file kept vanishing ({LOCK_ATTEMPTS} tries): other processes keep removing it")
+
+    def _is_at_path(self, fd: int) -> bool:
+        try:
+            return os.path.samestat(os.fstat(fd), os.stat(self.directory / LOCK_NAME))
+        except FileNotFoundError:
+            return False
 
     def _acquire(self) -> int:
         fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666)
@@ -98,7 +111,7 @@ class DirectoryLock:
             self._fd = None
 
     def discard(self) -> None:
-        """Release, then remove what a start that failed before writing anything leaves: the
+        """Remove what a start that failed before writing anything leaves, then release: the
         directories it created, deepest first, the locked one only while it holds just the lock file,
         each parent only while it is empty (rmdir refuses one that is not, and the removal stops).
         The lock is released last: a start beside this one that already opened the file then finds

@@ -33,7 +33,7 @@ from .cli import (EXIT_ERROR, EXIT_USAGE, Parser, UsageError, add_config_flags, 
 from .config import TrainConfig, config_differences, config_from_flags
 from .data import DataError, RandomWindows, load_split
 from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss
-from .runlock import DirectoryLock, missing_directories
+from .runlock import DirectoryLock
 from .runtime import (WriteFailed, autocast, decode_bytes, first_line, gradient_scaler, keep_freed_memory,
                       peak_memory_mb, precision_key, precision_name, release_free_memory, reset_peak_memory,
                       resolve_device, summed_loss)
@@ -314,10 +314,10 @@ def text_sample(model: ByteLM, prompt: torch.Tensor, new_bytes: int, seed: int, 
     return f"prompt:\n\n{indent(decode_bytes(prompt))}\n\nsample:\n\n{indent(decode_bytes(new))}"
 
 
-def prepare_run_dir(run_dir: Path) -> None:
-    """Create the run directory now, so an unusable --out-dir fails before any work."""
+def check_writable(run_dir: Path) -> None:
+    """An unusable --out-dir fails before any work (a lock file can open in a directory that takes
+    no new files)."""
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".write-test-{os.getpid()}.tmp"
         probe.write_bytes(b"")
         probe.unlink()
@@ -360,9 +360,15 @@ class Trainer:
     def _lock_run_dir(self) -> DirectoryLock:
         """Held until close(): a second run of this directory is refused before it reads or writes
         anything there (the checkpoint's existence included)."""
-        created = missing_directories(self.run_dir)
-        prepare_run_dir(self.run_dir)
-        return DirectoryLock(self.run_dir, created=created)
+        # The lock makes the directory (and makes it again should a failing start beside this one
+        # remove it), so the write test runs inside it.
+        lock = DirectoryLock(self.run_dir)
+        try:
+            check_writable(self.run_dir)
+        except BaseException:
+            lock.discard()
+            raise
+        return lock
 
     def _load_data(self) -> None:
         config, ctx = self.config, self.ctx

@@ -55,11 +55,15 @@ def weight_sum_rows(model: ByteLM, data: np.ndarray, seq_len: int, batch_size: i
     """Per layer: mean, std, 1st and 99th percentile of sum_n w_mn over every query of every head in
     the windows of `data`, the share off by more than OFF_BY, and the mean per position bucket."""
     blocks = linear_blocks(model)
+    was_training = model.training
     model.eval()
-    with torch.no_grad(), recorded_sums(blocks) as sums:
-        for x, _ in SequentialWindows(data, batch_size, seq_len):
-            with autocast(device, dtype):
-                model(x.to(device))
+    try:
+        with torch.no_grad(), recorded_sums(blocks) as sums:
+            for x, _ in SequentialWindows(data, batch_size, seq_len):
+                with autocast(device, dtype):
+                    model(x.to(device))
+    finally:
+        model.train(was_training)
     return [layer_row(calls, seq_len) for calls in sums]
 
 
@@ -90,12 +94,16 @@ def bucket_name(low: int, high: int) -> str:
     return f"{low}" if high == low + 1 else f"{low}-{high - 1}"
 
 
-def format_rows(rows: list[dict[str, float]], seq_len: int) -> str:
+def format_rows(rows: list[dict[str, float]], seq_len: int, normalization: str) -> str:
     buckets = [bucket_name(low, high) for low, high in position_buckets(seq_len)]
     header = f"{'layer':>5}  {'mean':>7}  {'std':>7}  {'p1':>7}  {'p99':>7}  {'off>10%':>7}  " \
              + "  ".join(f"{name:>8}" for name in buckets)
     lines = [f"sum of attention weights per query at seq_len {seq_len} (1 for pre and none); mean by query position "
              "on the right", header]
+    if normalization == "rmsnorm":
+        lines.insert(1, "(this run has normalization=rmsnorm: it rescales each output to unit RMS instead of "
+                        "dividing by the denominator, so these are the weights the denominator would give, "
+                        "not ones it applies)")
     for layer, row in enumerate(rows):
         lines.append(f"{layer:>5}  {row['mean']:>7.4f}  {row['std']:>7.4f}  {row['p1']:>7.4f}  {row['p99']:>7.4f}  "
                      f"{row['off']:>7.1%}  " + "  ".join(f"{row[name]:>8.4f}" for name in buckets))

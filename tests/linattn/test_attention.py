@@ -188,13 +188,27 @@ def test_weight_sums_are_the_explicit_weights_summed(fm, rope, causal, normaliza
         torch.testing.assert_close(sums, torch.ones_like(sums))
 
 
-def test_weight_sums_of_a_float32_block_are_float32_at_any_offset():
-    block = LinearAttention(32, 4, feature_map="elu", rope="post")
-    x = torch.randn(1, 10, 32)
+@pytest.mark.parametrize("fm", MAPS)
+def test_weight_sums_of_a_float32_block_are_float32_at_any_offset(fm):
+    """The float32 route (the cpp kernel for the log-space maps on CPU) against the float64 block."""
+    torch.manual_seed(0)
+    block = LinearAttention(32, 4, feature_map=fm, rope="post", feature_map_options=OPTIONS.get(fm, {}), chunk_size=8)
+    x = torch.randn(1, 21, 32)
     sums = block.weight_sums(x, offset=5)
     assert sums.dtype == torch.float32
+    torch.testing.assert_close(sums.double(), block.double().weight_sums(x.double()), rtol=1e-4, atol=1e-5)
     # Eq. 19 weighs by relative position only: the offset changes nothing
-    torch.testing.assert_close(sums, block.weight_sums(x))
+    torch.testing.assert_close(sums, block.float().weight_sums(x), rtol=1e-5, atol=1e-6)
+
+
+def test_weight_sums_leave_a_training_blocks_mode_and_redraw_schedule_alone():
+    block = LinearAttention(32, 4, feature_map="favor", feature_map_options={"redraw_interval": 2}).train()
+    projection = block.feature_map.projection.clone()
+    x = torch.randn(1, 9, 32, requires_grad=True)
+    for _ in range(3):
+        sums = block.weight_sums(x)
+    assert block.training and block.feature_map.training_calls == 0 and not sums.requires_grad
+    assert torch.equal(block.feature_map.projection, projection)
 
 
 def test_rmsnorm_has_one_gain_shared_by_the_heads_and_merges_after_it():

@@ -275,3 +275,16 @@ def test_weight_sums_refuses_softmax_attention_and_sampling(data_dir: Path, tmp_
     ckpt = write_checkpoint(tmp_path / "linear.pt", make_model(), data_dir)
     code, _, err = run_main(evaluate.main, [str(ckpt), "--weight-sums", "--generate", "The "])
     assert code == 2 and "pass one of them" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_weight_sums_mark_lengths_past_learned_positions_and_name_rmsnorm(data_dir: Path, tmp_path: Path, run_main,
+                                                                          make_model) -> None:
+    """As the bpc table does: a length past learned positions is n/a, not an error after the first
+    table; an rmsnorm run is told that its norm, not these weights' sum, scales its outputs."""
+    ckpt = write_checkpoint(tmp_path / "abs.pt", make_model(rope="none", abs_pos=True), data_dir)
+    code, out, err = run_main(evaluate.main, [str(ckpt), "--weight-sums", "--max-bytes", "300", "--seq-len", "8", "32"])
+    assert code == 0, err
+    assert "at seq_len 8" in out and "seq_len 32: n/a, learned absolute positions cover 16 bytes only" in out
+    ckpt = write_checkpoint(tmp_path / "rms.pt", make_model(rope="pre", normalization="rmsnorm"), data_dir)
+    code, out, err = run_main(evaluate.main, [str(ckpt), "--weight-sums", "--max-bytes", "300"])
+    assert code == 0 and "this run has normalization=rmsnorm" in out, err

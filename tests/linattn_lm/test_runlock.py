@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from linattn_lm import grid, runlock, training
+from linattn_lm.cli import UsageError
 from linattn_lm.runlock import LOCK_NAME, DirectoryBusy, DirectoryLock
 
 HOLD = "import sys, time; from linattn_lm.runlock import DirectoryLock; lock = DirectoryLock(sys.argv[1]); " \
@@ -112,24 +113,45 @@ def test_a_lock_whose_block_fails_removes_its_new_directory_unless_something_was
 
 
 @pytest.mark.skipif(runlock.fcntl is None, reason="runs are not locked without fcntl")
-def test_a_failed_start_beside_a_second_one_leaves_the_second_a_lock_others_see(tmp_path: Path,
+@pytest.mark.parametrize("moment", ["open", "flock"])
+def test_a_failed_start_beside_a_second_one_leaves_the_second_a_lock_others_see(moment: str, tmp_path: Path,
                                                                                   monkeypatch) -> None:
-    """The first start fails and removes the directory it made just as a second start, which has
-    already opened the lock file, locks it: the second must end up holding the lock file at the path
-    (a third start is refused), not a removed file that nobody else can see."""
+    """The first start fails and removes the directory it made just as a second start opens the lock
+    file (the open finds no directory) or locks the file it opened: the second must end up holding
+    the lock file at the path (a third start is refused), not fail nor hold a removed file."""
     run = tmp_path / "new" / "run"
     first = DirectoryLock(run)
-    flock = runlock.fcntl.flock
+    module, name = (os, "open") if moment == "open" else (runlock.fcntl, "flock")
+    real = getattr(module, name)
 
-    def first_fails_now(fd: int, operation: int) -> None:
-        monkeypatch.setattr(runlock.fcntl, "flock", flock)
+    def first_fails_now(*args, **kwargs):
+        monkeypatch.setattr(module, name, real)
         first.discard()
         assert not run.exists()
-        flock(fd, operation)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(runlock.fcntl, "flock", first_fails_now)
+    monkeypatch.setattr(module, name, first_fails_now)
     second = DirectoryLock(run)
     assert (run / LOCK_NAME).read_text().strip() == str(os.getpid())
     with pytest.raises(DirectoryBusy):
         DirectoryLock(run)
     second.release()
+
+
+@pytest.mark.skipif(runlock.fcntl is None, reason="runs are not locked without fcntl")
+def test_a_lock_that_fails_after_locking_lets_go_of_the_file(tmp_path: Path, monkeypatch) -> None:
+    """An error between the lock and its pid (here the check that the file is still at the path)
+    is a one-line usage error and closes the descriptor: the same process can lock it next."""
+    run = tmp_path / "run"
+    real_stat = os.stat
+
+    def stat_fails_on_the_lock(path, *args, **kwargs):
+        if str(path).endswith(LOCK_NAME):
+            raise PermissionError(13, "Permission denied")
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat_fails_on_the_lock)
+    with pytest.raises(UsageError, match="cannot lock the directory .*Permission denied"):
+        DirectoryLock(run)
+    monkeypatch.setattr(os, "stat", real_stat)
+    DirectoryLock(run).release()
