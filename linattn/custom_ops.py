@@ -51,13 +51,13 @@ def _join(inputs, weight, shift, shift_value, square_scale):
 
 def _compute(q, q_weight, q_shift, q_shift_value, q_square, k, k_weight, k_shift, k_shift_value, k_square, v,
              causal, rotary, offset, chunk_size, rope_base, return_state, backend, log_space,
-             nonnegative_features=False):
+             nonnegative_features=False, check_range=True):
     from . import functional   # functional imports this module
     return functional.compute_linear_attention(
         _join(q, q_weight, q_shift, q_shift_value, q_square), _join(k, k_weight, k_shift, k_shift_value, k_square),
         v, causal=causal, rotary=rotary, offset=offset, chunk_size=chunk_size, rope_base=rope_base,
         return_state=return_state, backend=backend, log_space=log_space,
-        nonnegative_features=nonnegative_features)
+        nonnegative_features=nonnegative_features, check_range=check_range)
 
 
 @torch.library.custom_op("linattn::linear_attention", mutates_args=())
@@ -115,9 +115,10 @@ def linear_attention_backward_op(grad: torch.Tensor, q: torch.Tensor, q_weight: 
     wanted = [t for t, need in zip(leaves, needs) if need]
 
     def gradients():
-        with torch.enable_grad():   # the forward already checked the features' signs
+        with torch.enable_grad():   # the forward already checked the features' signs and log range
             out = _compute(lq, lqw, lqs, q_shift_value, q_square, lk, lkw, lks, k_shift_value, k_square, lv,
-                           causal, rotary, offset, chunk_size, rope_base, False, backend, log_space)
+                           causal, rotary, offset, chunk_size, rope_base, False, backend, log_space,
+                           check_range=False)
             return torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ()
 
     grads = iter(_with_autograd(gradients, grad.device))

@@ -87,13 +87,15 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
 
 def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rotary: bool, offset: int,
                              chunk_size: int, rope_base: float, return_state: bool, backend: str, log_space: bool,
-                             nonnegative_features: bool = True):
+                             nonnegative_features: bool = True, check_range: bool = True):
     """`linear_attention` after its argument checks: the checks that read the data, then the
     implementation that dispatch.py's table holds for the call.  What the custom op
     `linattn::linear_attention` runs under torch.compile (the range check reads the data, so it is
-    here, inside the op)."""
+    here, inside the op).  `check_range=False`: the caller's forward checked these very features
+    already (the compiled backward, which runs the computation again under autograd)."""
     if log_space:   # the bound first: -inf (a feature that is exactly 0) is raised to a floor below it
-        check_log_feature_range(phi_q, phi_k, compute_dtype(*feature_tensors(phi_q, phi_k), v))
+        if check_range:
+            check_log_feature_range(phi_q, phi_k, compute_dtype(*feature_tensors(phi_q, phi_k), v))
         phi_q, phi_k = finite_log_features(phi_q), finite_log_features(phi_k)
     float64 = compute_dtype(*feature_tensors(phi_q, phi_k), v) == torch.float64
     resolved = dispatch.resolve(backend, v.device, float64=float64, log_space=log_space, causal=causal)

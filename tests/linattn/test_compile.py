@@ -194,3 +194,18 @@ def test_compiled_state_carries_no_gradient_as_in_eager(feature_map: str) -> Non
     for run in (lambda x: block(x, return_state=True), compiled):
         out, state = run(x)
         assert out.requires_grad and not state.kv.requires_grad and not state.k_sum.requires_grad
+
+
+def test_the_compiled_backward_does_not_check_the_log_range_again(monkeypatch) -> None:
+    """The forward op checks the log-features' range (a read of the data and a sync); the backward
+    op runs the computation again on the same features and skips it."""
+    from linattn import functional
+    calls = []
+    check = functional.check_log_feature_range
+    monkeypatch.setattr(functional, "check_log_feature_range", lambda *args: (calls.append(1), check(*args))[1])
+    block = torch.compile(_block("favor", "post", "torch"), fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 9, 16, requires_grad=True)
+    out = block(x)
+    assert len(calls) == 1
+    out.square().sum().backward()
+    assert len(calls) == 1 and x.grad.abs().sum() > 0
