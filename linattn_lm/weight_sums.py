@@ -3,8 +3,8 @@
 
 With the denominator, a query's output is sum_n w_mn v_n.  With `pre` and `none` the weights sum to
 1 (a weighted mean of values); Eq. 19 (`post`) rotates the numerator's features and not the
-denominator's, so the sum drifts from 1 as keys further back contribute.  The study's explanation of
-why `post` trains worse is that drift: this measures it, per layer and by query position, on the
+denominator's, so the sum drifts from 1 as keys further back contribute.  The study tests whether
+that drift is why `post` trains worse: this measures it, per layer and by query position, on the
 windows eval.py scores (LinearAttention.weight_sums on each block's input).
 """
 from __future__ import annotations
