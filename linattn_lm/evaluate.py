@@ -114,16 +114,21 @@ def bpc_table(model: ByteLM, data: np.ndarray, seq_lens: list[int], batch_size: 
               device: torch.device, dtype: str = "auto") -> list[tuple[int, float, float]]:
     """Print and return (seq_len, bpc, tokens/s) rows; nan where learned positions cannot reach."""
     print(f"{'seq_len':>8}  {'bpc':>8}  {'tokens/s':>10}", flush=True)
-    rows, trained = [], model.config.seq_len
+    rows = []
     for seq_len in seq_lens:
         if beyond_learned_positions(model, seq_len):
-            print(f"{seq_len:>8}  {'n/a':>8}  learned absolute positions cover {trained} bytes only")
+            print(f"{seq_len:>8}  {'n/a':>8}  {learned_positions_note(model)}")
             rows.append((seq_len, float("nan"), float("nan")))
             continue
         bpc, rate = evaluate_bpc(model, data, seq_len, batch_size, device, dtype)
         print(f"{seq_len:>8}  {bpc:>8.4f}  {rate:>10,.0f}", flush=True)
         rows.append((seq_len, bpc, rate))
     return rows
+
+
+def learned_positions_note(model: ByteLM) -> str:
+    """Why a length past learned positions is n/a (the bpc table and --weight-sums say it alike)."""
+    return f"learned absolute positions cover {model.config.seq_len} bytes only"
 
 
 def beyond_learned_positions(model: ByteLM, seq_len: int) -> bool:
@@ -233,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.weight_sums:
             for seq_len in seq_lens:
                 if beyond_learned_positions(model, seq_len):
-                    print(f"seq_len {seq_len}: n/a, learned absolute positions cover {config.seq_len} bytes only")
+                    print(f"seq_len {seq_len}: n/a, {learned_positions_note(model)}")
                     continue
                 rows = weight_sum_rows(model, data, seq_len, args.batch_size, device, args.dtype)
                 print(format_rows(rows, seq_len, config.normalization))

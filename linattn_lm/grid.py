@@ -40,7 +40,7 @@ from .config import (ATTENTION_BACKENDS, DEFAULT_PRESET, TrainConfig, check_run_
                      config_from_flags)
 from .data import check_window_fits, load_split
 from .evaluate import bpc_table
-from .grid_report import RECORD_KEYS, RESULT_NAME, read_record, write_report
+from .grid_report import RECORD_KEYS, RESULT_NAME, damaged, read_record, write_report
 from .ngram import reference_bpc
 from .runlock import DirectoryLock
 from .runtime import keep_freed_memory, write_atomically
@@ -100,10 +100,9 @@ def saved_record(key: tuple[int, str], config: TrainConfig, multiples: list[int]
         return None
     seed, name = key
     if (record["seed"], record["variant"]) != (seed, name):
-        raise CheckpointError(
-            f"{path}: it records {record['variant']} seed {record['seed']}, but its directory is {name} seed {seed} "
-            f"(copied to the wrong place?); move it to <grid>/{record['variant']}/seed-{record['seed']}/, or delete "
-            "it and run grid.py again with --resume")
+        raise damaged(path, f"it records {record['variant']} seed {record['seed']}, but its directory is {name} "
+                            f"seed {seed} (copied to the wrong place? it belongs in "
+                            f"<grid>/{record['variant']}/seed-{record['seed']}/)")
     wanted = {str(multiple * config.model.seq_len) for multiple in multiples}
     if config_differences(record["config"], config.flat()) or record["steps"] != config.optim.steps or any(
             not wanted <= set(record["scores"].get(split, {})) for split in EVAL_SPLITS):
