@@ -27,21 +27,35 @@ MEMORY_LIMIT, MEMORY_FROM_N = 2.0, 4096
 JUDGED = "favor-post"
 
 
+LINEAR_BACKENDS = tuple(b for b in linattn.functional.BACKENDS if b != "auto")   # named as a suffix
+
+
 def block_names() -> tuple[str, ...]:
-    """Every block this section can build: the softmax ones and `<map>-<rope>` for each registered map."""
-    linear = tuple(f"{name}-{rope}" for name in linattn.available_feature_maps() for rope in ROPES)
+    """Every block this section can build: the softmax ones, `<map>-<rope>` for each registered map
+    (backend auto), and `<map>-<rope>-<backend>` for the others (e.g. favor-post-fla)."""
+    linear = tuple(f"{name}-{rope}{suffix}" for name in linattn.available_feature_maps() for rope in ROPES
+                   for suffix in ("", *(f"-{backend}" for backend in LINEAR_BACKENDS)))
     return tuple(SOFTMAX_BLOCKS) + linear
+
+
+def linear_parts(name: str) -> tuple[str, str, str]:
+    """(feature map, rope, backend) of a linear block's or LM's name `<map>-<rope>[-<backend>]`."""
+    head, last = name.rsplit("-", 1)
+    if last in LINEAR_BACKENDS:
+        feature_map, rope = head.rsplit("-", 1)
+        return feature_map, rope, last
+    return head, last, "auto"
 
 
 def build_block(name: str, dim: int, heads: int, num_features: int) -> torch.nn.Module:
     """A block as a user builds it: softmax attention with RoPE, or LinearAttention with the map's
-    M = num_features where the map has that option."""
+    M = num_features where the map has that option, on the backend its name gives."""
     if name in SOFTMAX_BLOCKS:
         return linattn.SoftmaxAttention(dim, heads, rope=True, causal=True, backend=SOFTMAX_BLOCKS[name])
-    feature_map, rope = name.rsplit("-", 1)
+    feature_map, rope, backend = linear_parts(name)
     options = {"num_features": num_features} if "num_features" in linattn.feature_map_options(feature_map) else {}
     return linattn.LinearAttention(dim, heads, feature_map=feature_map, feature_map_options=options,
-                                   rope=rope, causal=True)
+                                   rope=rope, causal=True, backend=backend)
 
 
 def block_task(task: dict) -> dict:

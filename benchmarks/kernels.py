@@ -4,6 +4,8 @@ kernels on the same shapes, forward + backward, warm.
   linattn-log    linear_attention(log_space=True): float32 log-features b, a (as the FAVOR+ block
                  hands them) and values in the run's dtype; numerator and denominator, rotation fused
   linattn-plain  linear_attention on plain features, everything in the run's dtype
+  linattn-fla-log, linattn-fla-plain
+                 the same calls with backend="fla": fla's kernels below Eq. 19's mapping (fla_chunk.py)
   fla-gla        fla's chunk_gla (q, k, v and a per-feature gate g): the peer of the log-space path,
                  whose running maxima are a per-feature decay
   fla-linear     fla's chunk_linear_attn(normalize=False): the peer of the plain path (one numerator,
@@ -30,9 +32,11 @@ from .timing import MB, ChildRunner, child_timeout, median_time, one_call_peak, 
 if TYPE_CHECKING:   # settings.py imports this module
     from .settings import Settings
 
-OURS = {"linattn-log": "fla-gla", "linattn-plain": "fla-linear"}          # ours -> its fla peer
-TARGETS = {"linattn-log": 1.5, "linattn-plain": 1.2}                       # issue 21: our time / fla's, at most
-FLA_METHODS = tuple(OURS.values())
+OURS = {"linattn-log": "fla-gla", "linattn-plain": "fla-linear",           # ours -> its fla peer (auto backend)
+        "linattn-fla-log": "fla-gla", "linattn-fla-plain": "fla-linear"}   # backend="fla"
+TARGETS = {method: 1.5 if method.endswith("-log") else 1.2 for method in OURS}   # issue 21: ours / fla's, at most
+FLA_METHODS = ("fla-gla", "fla-linear")
+NEEDS_FLA = FLA_METHODS + ("linattn-fla-log", "linattn-fla-plain")
 KERNEL_METHODS = tuple(OURS) + FLA_METHODS
 # HBM bandwidth in bytes/s by device name, for the share of the physical limit.
 PEAK_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H200": 4.8e12,
@@ -40,7 +44,7 @@ PEAK_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.
 
 
 def unavailable(method: str, device: torch.device) -> str | None:
-    if method in FLA_METHODS:
+    if method in NEEDS_FLA:
         if importlib.util.find_spec("fla") is None:
             return "needs the fla package (pip install 'linattn[fla]')"
         if device.type != "cuda":
@@ -59,9 +63,9 @@ def make_inputs(method: str, shape: tuple[int, int, int, int, int], device: torc
 
     log_q, log_k = normal(batch, heads, n, m, scale=0.5), normal(batch, heads, n, m, scale=0.5)
     v = normal(batch, heads, n, dv).to(dtype)
-    if method == "linattn-log":
+    if method in OURS and method.endswith("-log"):
         inputs = [log_q, log_k, v]
-    elif method == "linattn-plain":
+    elif method in OURS:
         inputs = [log_q.exp().to(dtype), log_k.exp().to(dtype), v]
     else:
         inputs = [t.transpose(1, 2).contiguous() for t in (log_q.exp().to(dtype), log_k.exp().to(dtype), v)]
@@ -73,8 +77,9 @@ def make_inputs(method: str, shape: tuple[int, int, int, int, int], device: torc
 def attend(method: str):
     """The call of `method` on its inputs, returning the output."""
     if method in OURS:
-        log_space = method == "linattn-log"
-        return lambda q, k, v: linattn.linear_attention(q, k, v, causal=True, rotary=True, log_space=log_space)
+        log_space, backend = method.endswith("-log"), "fla" if method.startswith("linattn-fla") else "auto"
+        return lambda q, k, v: linattn.linear_attention(q, k, v, causal=True, rotary=True, log_space=log_space,
+                                                        backend=backend)
     if method == "fla-gla":
         from fla.ops.gla import chunk_gla
         return lambda q, k, v, g: chunk_gla(q, k, v, g, scale=1.0)[0]

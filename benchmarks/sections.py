@@ -22,6 +22,7 @@ from linattn_lm.lm import ByteLM, lm_loss
 from linattn_lm.runtime import autocast
 
 from . import report as tables
+from .block import linear_parts
 from .methods import (DTYPES, MASKS, Method, Shape, build_attention, drop_grads, forward_call, make_inputs,
                       method_table, runs_with, train_call, unavailable)
 from .report import Report, fmt, markdown_table, measured
@@ -311,15 +312,15 @@ def model_size(size: str) -> dict:
 
 
 def lm_config(kind: str, context: int, num_features: int, size: str = "small") -> ModelConfig:
-    """The same LM with softmax attention + RoPE or linear attention `<map>-<rope>` (M = num_features
-    where the map has that option)."""
+    """The same LM with softmax attention + RoPE or linear attention `<map>-<rope>[-<backend>]` (M =
+    num_features where the map has that option)."""
     if kind == "softmax":
         return ModelConfig(**model_size(size), seq_len=context, attention="softmax", feature_map="",
                            feature_map_options={}, rope="post")
-    feature_map, rope = kind.rsplit("-", 1)
+    feature_map, rope, backend = linear_parts(kind)
     options = {"num_features": num_features} if "num_features" in linattn.feature_map_options(feature_map) else {}
     return ModelConfig(**model_size(size), seq_len=context, attention="linear", feature_map=feature_map,
-                       feature_map_options=options, rope=rope)
+                       feature_map_options=options, rope=rope, backend=backend)
 
 
 def model_task(task: dict) -> dict:

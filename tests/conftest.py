@@ -1,5 +1,6 @@
 """Fixtures for every test folder: seeds and threads, the gpu marker, and a small prepared slice
 of enwik8 (`data_dir`) for the LM harness and command tests."""
+import contextlib
 import gzip
 import importlib.util
 import os
@@ -71,7 +72,12 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def say(config: pytest.Config, line: str) -> None:
     """A line on the terminal now, whatever pytest captures (progress of long GPU tests)."""
     reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None:
+        return
+    # Inside a test's setup or a fixture, pytest captures stdout: the line would wait for the report
+    # (on an H200 it was never seen in 200 s).  Capture is lifted for the write.
+    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
         reporter.ensure_newline()
         reporter.write_line(line, flush=True)
 

@@ -16,8 +16,9 @@ def test_every_block_name_builds_the_block_a_user_would(name):
     if name == "softmax":
         assert isinstance(built, linattn.SoftmaxAttention) and built.rope is not None
         return
-    feature_map, rope = name.rsplit("-", 1)
-    assert isinstance(built, linattn.LinearAttention) and built.rope == rope
+    feature_map, rope, backend = block.linear_parts(name)
+    assert name == f"{feature_map}-{rope}" + ("" if backend == "auto" else f"-{backend}")
+    assert isinstance(built, linattn.LinearAttention) and built.rope == rope and built.backend == backend
     assert type(built.feature_map) is linattn.feature_map_class(feature_map)
     if "num_features" in linattn.feature_map_options(feature_map):
         assert built.feature_map.num_features == 16
@@ -50,7 +51,7 @@ def test_judging_leaves_lengths_without_a_target_unjudged():
     assert judged[0]["speed_met"] is None and judged[0]["memory_met"] is None
 
 
-@pytest.mark.parametrize("method", list(kernels.OURS))
+@pytest.mark.parametrize("method", [m for m in kernels.OURS if kernels.unavailable(m, torch.device("cpu")) is None])
 def test_a_kernel_task_runs_every_length_of_our_op_in_one_process(method):
     task = {**TINY, "method": method, "m": 16, "dtype": "fp32", "lengths": (64, 128), "batch": 1, "dv": 8,
             "budget_s": 60.0}
@@ -70,7 +71,7 @@ def test_a_kernel_task_stops_at_the_length_predicted_over_budget():
 
 
 def test_fla_kernels_say_why_they_cannot_run_on_cpu():
-    for method in kernels.FLA_METHODS:
+    for method in kernels.NEEDS_FLA:
         assert kernels.unavailable(method, torch.device("cpu")) is not None
     assert kernels.unavailable("linattn-log", torch.device("cpu")) is None
 
@@ -121,3 +122,17 @@ def test_a_kernel_task_that_fails_at_a_length_keeps_the_lengths_measured_before(
     assert "train_s" in rows[0]
     assert rows[1] == {"n": 128, "error": "RuntimeError: CUDA out of memory (pretend)"}
     assert rows[2] == {"n": 256, "skipped": "skipped: failed at N=128"}
+
+
+def test_fla_backend_kernels_take_our_inputs_and_call_the_fla_backend(monkeypatch):
+    """linattn-fla-*: linattn's public call with backend="fla" on linattn's (B, H, N, M) inputs."""
+    log_inputs = kernels.make_inputs("linattn-fla-log", (1, 2, 32, 16, 8), torch.device("cpu"), torch.bfloat16)
+    assert [t.dtype for t in log_inputs] == [torch.float32, torch.float32, torch.bfloat16]
+    plain_inputs = kernels.make_inputs("linattn-fla-plain", (1, 2, 32, 16, 8), torch.device("cpu"), torch.bfloat16)
+    assert [tuple(t.shape) for t in plain_inputs] == [(1, 2, 32, 16), (1, 2, 32, 16), (1, 2, 32, 8)]
+    calls = []
+    monkeypatch.setattr(kernels.linattn, "linear_attention", lambda *t, **options: calls.append(options))
+    kernels.attend("linattn-fla-log")(*log_inputs)
+    kernels.attend("linattn-plain")(*plain_inputs)
+    assert [(c["backend"], c["log_space"]) for c in calls] == [("fla", True), ("auto", False)]
+    assert kernels.TARGETS["linattn-fla-log"] == 1.5 and kernels.TARGETS["linattn-fla-plain"] == 1.2

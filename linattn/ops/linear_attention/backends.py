@@ -1,5 +1,5 @@
 """What hardware this machine offers linear attention: whether triton is installed (and runs in its
-CPU interpreter), and whether the C++ kernel builds here.  dispatch.py chooses from these."""
+CPU interpreter), whether flash-linear-attention is, and whether the C++ kernel builds here.  dispatch.py chooses from these."""
 from __future__ import annotations
 
 import importlib.util
@@ -13,6 +13,11 @@ from . import cpp
 
 def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+def fla_installed() -> bool:
+    """flash-linear-attention (fla-core), whose chunk kernels the fla backend calls (CUDA only)."""
+    return importlib.util.find_spec("fla") is not None
 
 
 def interpreting() -> bool:

@@ -4,7 +4,10 @@
 * backend: "torch" (chunk.py's algorithms, any device), "triton" (chunk_parallel.py for plain
   features, log_chunk_parallel.py for log-features: CUDA, or CPU under TRITON_INTERPRET=1) or "cpp" (cpp.py's
   C++ kernel: CPU); `resolve` turns "auto" into one of them and says why one asked for cannot run;
-* causal: the C++ kernel has a causal log-space pass only; elsewhere the cpp backend runs torch's.
+  or "fla" (fla_chunk.py: flash-linear-attention's chunk kernels, CUDA; chosen by name only until it has
+  been measured against "triton" on a GPU through the block);
+* causal: the C++ kernel has a causal log-space pass only, fla's kernels causal passes only; elsewhere
+  those backends run torch's.
 
 Every entry takes one call shape and returns the output, or (output, LinearState) with return_state:
 
@@ -18,10 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from . import chunk, cpp
-from .backends import cpp_runs_here, cpp_unavailable, interpreting, triton_installed
+from . import chunk, cpp, fla_chunk
+from .backends import cpp_runs_here, cpp_unavailable, fla_installed, interpreting, triton_installed
 
-BACKENDS = ("auto", "torch", "triton", "cpp")
+BACKENDS = ("auto", "torch", "triton", "cpp", "fla")
 
 
 def triton_linear_attention(phi_q, phi_k, v, *, chunk_size: int, **call):
@@ -49,6 +52,10 @@ IMPLEMENTATIONS = {   # (numerics, backend, causal): implementation
     ("log", "triton", False): triton_log_linear_attention,
     ("log", "cpp", True): cpp.log_linear_attention,
     ("log", "cpp", False): chunk.log_linear_attention,       # the C++ kernel is causal only
+    ("plain", "fla", True): fla_chunk.linear_attention,
+    ("plain", "fla", False): chunk.linear_attention,         # fla's kernels are causal only
+    ("log", "fla", True): fla_chunk.log_linear_attention,
+    ("log", "fla", False): chunk.log_linear_attention,
 }
 
 
@@ -87,6 +94,15 @@ def resolve(backend: str, device: torch.device, float64: bool = False, *, log_sp
                              "(triton on CUDA) or 'torch'")
         if (reason := cpp_unavailable()) is not None:
             raise ValueError(reason)
+    if backend == "fla":
+        if not fla_installed():
+            raise ValueError("backend='fla' needs flash-linear-attention: pip install 'linattn[fla]' (CUDA only; "
+                             "or use backend='auto')")
+        if device.type != "cuda":
+            raise ValueError(f"backend='fla' runs on CUDA tensors, got tensors on {device}; move them to a GPU "
+                             "or use backend='auto'")
+        if float64:
+            raise ValueError("backend='fla' computes in float32 at most; for float64 use backend='torch'")
     if backend == "triton":
         if not triton_installed():
             raise ValueError("backend='triton' needs the triton package: pip install 'linattn[triton]' "

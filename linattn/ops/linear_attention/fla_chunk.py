@@ -1,0 +1,109 @@
+"""Eq. 19 on flash-linear-attention's chunk kernels: the `fla` backend (CUDA; `pip install 'linattn[fla]'`).
+
+Why a library's kernels: on one H200, bf16 forward + backward, b=1, h=8, M=Dv=64, N=65,536
+(docs/results/bench-gpu-h200/kernels-partial.txt), fla's `chunk_gla` took 5.5 ms where
+log_chunk_parallel.py's kernels took 106 ms, and `chunk_linear_attn` 1.7 ms where chunk_parallel.py's
+took 18.6 ms.  fla's kernels are chunk-parallel with `tl.dot` on tiles in the input dtype (tensor
+cores), and Eq. 19 maps onto them exactly.  fla computes gated linear attention,
+
+    o_m = sum_{n<=m} (q_m * e^{G_m - G_n})^T k_n v_n,   G_m = sum_{t<=m} g_t  (per feature, g <= 0),
+
+and forms only factors e^{G_m - G_n} <= 1 (n <= m) inside its chunks, so nothing it computes overflows.
+
+* Numerator, plain features: q = R_m phi(q_m), k = R_n phi(k_n), no decay (`chunk_linear_attn`).
+* Numerator, log-features b = log phi(q), a = log phi(k) (stable.py's numerics and names): with the
+  running maxima P (per rotation pair, so that the scale commutes with R) and the row scale Q,
+      k_n = R_n e^{a_n - P_n} (<= 1),   g_n = P_{n-1} - P_n (<= 0, g_1 = 0),
+      q_m = R_m min(e^{b_m + P_m - Q_m}, e^NUMERATOR_CAP),
+  so q_m e^{G_m - G_n} k_n = R_m e^{b_m} R_n e^{a_n} e^{-Q_m}: Eq. 19's terms scaled by e^{-Q_m}, the
+  same capped factors as every log-space backend (`chunk_gla`).
+* Denominator, never rotated, in float32 by torch: plain, phi(q_m) . cumsum(phi(k))_m; log-features,
+  e^{logsumexp_j(b_mj + L_mj) - Q_m} with L = logcumsumexp of a over positions (>= 1: the term that
+  reaches Q_m is 1, so no row is zero).
+* Output: numerator / denominator, in v's dtype.  The numerator's dots run in v's dtype (bf16 under
+  autocast), the scales and the denominator in float32.
+* Gradients: fla's backward and autograd through these torch ops.  The scales P and Q are constants
+  to autograd: out does not depend on them (they cancel exactly), so only the factors carry gradient.
+* State (`return_state`): fla's final state is sum_n R_n e^{a_n - P_N} v_n, the kv of `LinearState`
+  at the last token's scales (log_scale F_N, the max of a over every key); k_sum is the cumsum's last
+  row (e^{L_N - F_N} for log-features).
+
+fla's kernels are causal; a non-causal call takes the torch backend's entry, as the table says
+(dispatch.py).  fla computes in float32 at most, so float64 inputs are refused (`resolve`)."""
+from __future__ import annotations
+
+import torch
+
+from ...rotary import apply_rotary
+from .common import LogProjection, compute_dtype, divide, feature_tensors, finite_log_features, numerator_features
+from .recurrent import LinearState
+from .stable import NUMERATOR_CAP, numerator_scale
+
+
+def gated_linear_attention(q, k, v, g, *, return_state: bool):
+    """fla's `chunk_gla` on (B, H, N, K) tensors, scale 1: (o, final state or None).  The one place
+    that calls fla for log-features (tests substitute a reference with the same contract)."""
+    from fla.ops.gla import chunk_gla   # here: fla is an optional GPU dependency
+    o, state = chunk_gla(*(t.transpose(1, 2) for t in (q, k, v, g)), scale=1.0, output_final_state=return_state)
+    return o.transpose(1, 2), state
+
+
+def plain_linear_attention(q, k, v, *, return_state: bool):
+    """fla's `chunk_linear_attn` (normalize=False, scale 1) on (B, H, N, K) tensors: (o, final state)."""
+    from fla.ops.linear_attn import chunk_linear_attn
+    o, state = chunk_linear_attn(*(t.transpose(1, 2) for t in (q, k, v)), scale=1.0, output_final_state=return_state,
+                                 normalize=False)
+    return o.transpose(1, 2), state
+
+
+def dtypes(v: torch.Tensor, *features) -> tuple[torch.dtype, torch.dtype]:
+    """(scales and denominator, fla's dots): float32 (float64 stays float64, for the reference tests:
+    `resolve` gives fla no float64 call), and the values' dtype where it is a half type (bf16 under
+    autocast), else the first."""
+    work = compute_dtype(*feature_tensors(*features), v)
+    return work, (v.dtype if v.dtype in (torch.bfloat16, torch.float16) else work)
+
+
+def linear_attention(phi_q, phi_k, v, *, causal: bool, rotary: bool, offset: int, rope_base: float,
+                     chunk_size: int, return_state: bool):
+    """Plain features (dispatch.py's call shape; causal, N >= 1: the table routes the rest)."""
+    del causal, chunk_size   # causal by the table; fla picks its own chunks
+    n, (work, dot) = v.shape[-2], dtypes(v, phi_q, phi_k)
+    with torch.autocast(v.device.type, enabled=False):
+        phi_q, phi_k = phi_q.to(work), phi_k.to(work)
+        q_num, k_num = numerator_features(phi_q, phi_k, rotary=rotary, offset=offset, base=rope_base)
+        numerator, kv = plain_linear_attention(q_num.to(dot), k_num.to(dot), v.to(dot), return_state=return_state)
+        key_sums = phi_k.cumsum(-2)
+        denominator = (phi_q * key_sums).sum(-1)
+        out = divide(numerator.to(work), denominator).to(v.dtype)
+    if not return_state:
+        return out
+    return out, LinearState(kv.to(work), key_sums[..., -1, :].clone(), int(offset) + n)
+
+
+def log_linear_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope_base: float,
+                         chunk_size: int, return_state: bool):
+    """Log-features b, a (tensors or `LogProjection`s, materialised); see the module docstring."""
+    del causal, chunk_size
+    n, (work, dot) = v.shape[-2], dtypes(v, b, a)
+    with torch.autocast(v.device.type, enabled=False):
+        b, a = (finite_log_features(x.materialize() if isinstance(x, LogProjection) else x).to(work) for x in (b, a))
+        with torch.no_grad():   # the scales cancel exactly: constants to autograd
+            feature_scale = a.cummax(-2).values                       # F
+            pair_scale = numerator_scale(feature_scale, rotary)       # P
+            row_scale = (b + feature_scale).amax(-1, keepdim=True)    # Q
+            decay = torch.cat([torch.zeros_like(pair_scale[..., :1, :]), pair_scale.diff(dim=-2).neg()], dim=-2)
+        q_num = torch.exp((b + pair_scale - row_scale).clamp_max(NUMERATOR_CAP))
+        k_num = torch.exp(a - pair_scale)
+        if rotary:
+            q_num, k_num = (apply_rotary(x, offset=offset, base=rope_base) for x in (q_num, k_num))
+        numerator, kv = gated_linear_attention(q_num.to(dot), k_num.to(dot), v.to(dot), decay,
+                                               return_state=return_state)
+        key_sums = a.logcumsumexp(-2)                                 # L
+        denominator = torch.exp((b + key_sums).logsumexp(-1) - row_scale.squeeze(-1))
+        out = divide(numerator.to(work), denominator).to(v.dtype)
+    if not return_state:
+        return out
+    last_scale = feature_scale[..., -1, :].clone()
+    k_sum = torch.exp(key_sums[..., -1, :].detach() - last_scale)
+    return out, LinearState(kv.to(work), k_sum, int(offset) + n, last_scale)

@@ -1,0 +1,219 @@
+"""The fla backend (fla_chunk.py): Eq. 19 mapped onto flash-linear-attention's chunk kernels.
+
+fla's kernels run on CUDA only (not in Triton's interpreter, whose program ids lack the methods they
+call), so on CPU the mapping is tested with `recurrent_gla` in their place: the recurrence fla
+documents for chunk_gla (fla.ops.gla.naive.naive_recurrent_gla), in float64 against the torch
+backend, for outputs, gradients and states.  On a GPU (`gpu` marker) fla's kernels run, and the
+recurrence is checked against them too."""
+import pytest
+import torch
+
+from linattn import LinearAttention
+from linattn.functional import linear_attention, linear_attention_step
+from linattn.ops.linear_attention import chunk, dispatch, fla_chunk
+from linattn.ops.linear_attention.stable import NUMERATOR_CAP, pair_max
+
+B, H = 2, 2
+CUDA = torch.cuda.is_available()
+
+
+def recurrent_gla(q, k, v, g, *, return_state):
+    """S_n = diag(e^{g_n}) S_{n-1} + k_n v_n^T, o_n = q_n^T S_n, on (B, H, N, .) tensors."""
+    state, outs = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1]), []
+    for n in range(q.shape[-2]):
+        state = state * g[..., n, :].exp().unsqueeze(-1) + k[..., n, :, None] * v[..., n, None, :]
+        outs.append((q[..., n, :, None] * state).sum(-2))
+    return torch.stack(outs, -2), (state if return_state else None)
+
+
+def recurrent_linear(q, k, v, *, return_state):
+    return recurrent_gla(q, k, v, torch.zeros_like(q), return_state=return_state)
+
+
+@pytest.fixture
+def fla_reference(monkeypatch):
+    """fla_chunk with the recurrence in place of fla's kernels."""
+    monkeypatch.setattr(fla_chunk, "gated_linear_attention", recurrent_gla)
+    monkeypatch.setattr(fla_chunk, "plain_linear_attention", recurrent_linear)
+
+
+def features(n, m, dv, *, log_space, scale=1.0, seed=0, dtype=torch.float64, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    b, a = (torch.randn(B, H, n, m, generator=gen, dtype=torch.float64) * scale for _ in range(2))
+    v = torch.randn(B, H, n, dv, generator=gen, dtype=torch.float64)
+    q, k = (b, a) if log_space else (b.exp(), a.exp())
+    return [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+
+
+def call(module, log_space, tensors, **options):
+    attend = module.log_linear_attention if log_space else module.linear_attention
+    options = dict(causal=True, rotary=True, offset=0, rope_base=10000.0, chunk_size=8, return_state=False) | options
+    return attend(*tensors, **options)
+
+
+def outputs_and_grads(module, log_space, tensors, weights, **options):
+    out = call(module, log_space, tensors, **options)
+    return [out, *torch.autograd.grad((out * weights).sum(), tensors)]
+
+
+@pytest.mark.parametrize("log_space", [True, False], ids=["log", "plain"])
+@pytest.mark.parametrize("rotary", [True, False], ids=["post", "unrotated"])
+@pytest.mark.parametrize("n", [1, 9, 40])
+@pytest.mark.parametrize("offset", [0, 7])
+def test_mapping_matches_torch_backend(fla_reference, log_space, rotary, n, offset):
+    tensors = features(n, 8, 4, log_space=log_space)
+    weights = torch.randn(B, H, n, 4, dtype=torch.float64)
+    got = outputs_and_grads(fla_chunk, log_space, tensors, weights, rotary=rotary, offset=offset)
+    want = outputs_and_grads(chunk, log_space, tensors, weights, rotary=rotary, offset=offset)
+    for name, g, w in zip(("out", "d q", "d k", "dv"), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("log_space", [True, False], ids=["log", "plain"])
+def test_state_equals_torch_backends_and_decoding_continues_from_it(fla_reference, log_space):
+    tensors = [t.detach() for t in features(24, 8, 4, log_space=log_space)]
+    prefix = [t[..., :20, :] for t in tensors]
+    out, state = call(fla_chunk, log_space, prefix, offset=3, return_state=True)
+    _, want = call(chunk, log_space, prefix, offset=3, return_state=True)
+    assert state.position == want.position == 23
+    for name in ("kv", "k_sum", "log_scale"):
+        got_part, want_part = getattr(state, name), getattr(want, name)
+        assert (got_part is None) == (want_part is None), name
+        if want_part is not None:
+            torch.testing.assert_close(got_part, want_part, rtol=1e-10, atol=1e-12, msg=name)
+    whole = call(chunk, log_space, tensors, offset=3)
+    for n in range(20, 24):
+        step, state = linear_attention_step(*(t[..., n, :] for t in tensors), state, rotary=True, log_space=log_space)
+        torch.testing.assert_close(step, whole[..., n, :], rtol=1e-10, atol=1e-12)
+
+
+def favor_like(n, m, scale, seed=0):
+    """FAVOR+'s log-features w.x - |x|^2/2 of inputs x with |x| about `scale`."""
+    gen = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(2, B, H, n, 16, generator=gen, dtype=torch.float64), torch.randn(m, 16, generator=gen)
+    x = x * scale / x.norm(dim=-1, keepdim=True)
+    b, a = (x @ w.double().T - x.square().sum(-1, keepdim=True) / 2)
+    return b, a
+
+
+@pytest.mark.parametrize("scale", [1.0, 30.0, 100.0])
+def test_inputs_up_to_norm_100_give_finite_outputs_and_gradients_and_no_zero_row(fla_reference, scale):
+    b, a = (t.float().requires_grad_() for t in favor_like(40, 16, scale))
+    v = torch.randn(B, H, 40, 4, requires_grad=True)
+    out = call(fla_chunk, True, [b, a, v])
+    assert torch.isfinite(out).all() and (out.abs().amax(-1) > 0).all()
+    grads = torch.autograd.grad(out.sum(), (b, a, v))
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_outputs_below_the_numerator_cap_are_exact_at_norm_100(fla_reference):
+    """Rows whose query factors e^(b + P - Q) stay below e^NUMERATOR_CAP are exact (in float64, as the
+    torch backend's); beyond the cap both saturate (finite), each its own way."""
+    b, a = favor_like(40, 16, 100.0)
+    v = torch.randn(B, H, 40, 4, dtype=torch.float64)
+    got, want = (call(module, True, [b, a, v]) for module in (fla_chunk, chunk))
+    feature_scale = a.cummax(-2).values
+    row_scale = (b + feature_scale).amax(-1, keepdim=True)
+    exact = (b + pair_max(feature_scale) - row_scale).amax(-1) <= NUMERATOR_CAP
+    assert exact.sum() > 10
+    torch.testing.assert_close(got[exact], want[exact], rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("log_space", [True, False], ids=["log", "plain"])
+def test_past_outputs_are_bitwise_unchanged_when_future_tokens_change(fla_reference, log_space):
+    tensors = [t.detach() for t in features(30, 8, 4, log_space=log_space, scale=3.0)]
+    changed = [t.clone() for t in tensors]
+    for t in changed:
+        t[..., 20:, :] = t[..., 20:, :] * 50 + 7
+    before, after = (call(fla_chunk, log_space, ts) for ts in (tensors, changed))
+    assert torch.equal(before[..., :20, :], after[..., :20, :])
+
+
+def test_non_causal_calls_take_the_torch_entry():
+    for log_space in (True, False):
+        assert (dispatch.implementation(log_space, "fla", False, 5)
+                is dispatch.implementation(log_space, "torch", False, 5))
+        assert dispatch.has_own_kernel(log_space, "fla", True)
+
+
+@pytest.mark.parametrize("installed,device,float64,message", [
+    (False, "cuda", False, "pip install 'linattn[fla]'"),
+    (True, "cpu", False, "runs on CUDA tensors, got tensors on cpu"),
+    (True, "cuda", True, "for float64 use backend='torch'"),
+])
+def test_resolve_says_what_the_fla_backend_needs(monkeypatch, installed, device, float64, message):
+    monkeypatch.setattr(dispatch, "fla_installed", lambda: installed)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        dispatch.resolve("fla", torch.device(device), float64, log_space=True, causal=True)
+
+
+def test_the_public_call_refuses_cpu_tensors(monkeypatch):
+    monkeypatch.setattr(dispatch, "fla_installed", lambda: True)
+    q, k, v = (t.float() for t in features(4, 8, 4, log_space=False))
+    with pytest.raises(ValueError, match="backend='fla' runs on CUDA tensors"):
+        linear_attention(q, k, v, causal=True, rotary=True, backend="fla")
+
+
+# ---- on a GPU: fla's kernels ----------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_gpu_recurrence_is_fla_chunk_gla_on_this_mapping_with_large_decays():
+    """The CPU tests' stand-in against the kernel it stands for, on the decays FAVOR+ gives at |x| = 30."""
+    pytest.importorskip("fla")
+    b, a = (t.float().cuda() for t in favor_like(300, 32, 30.0))
+    v = torch.randn(B, H, 300, 16, device="cuda")
+    with torch.no_grad():
+        got = call(fla_chunk, True, [b, a, v], return_state=True)
+        original = fla_chunk.gated_linear_attention
+        try:
+            fla_chunk.gated_linear_attention = recurrent_gla
+            want = call(fla_chunk, True, [b, a, v], return_state=True)
+        finally:
+            fla_chunk.gated_linear_attention = original
+    torch.testing.assert_close(got[0], want[0], rtol=1e-3, atol=1e-3 * want[0].abs().max().item())
+    torch.testing.assert_close(got[1].kv, want[1].kv, rtol=1e-3, atol=1e-3 * want[1].kv.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("log_space", [True, False], ids=["log", "plain"])
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+def test_gpu_fla_backend_matches_torch_backend(log_space, dtype, tolerance):
+    pytest.importorskip("fla")
+    q, k, v = features(2048, 64, 64, log_space=log_space, dtype=torch.float32, device="cuda")
+    v_in = v.detach().to(dtype).requires_grad_()
+    weights = torch.randn_like(v, dtype=torch.float32)
+    runs = []
+    for backend in ("torch", "fla"):
+        tensors = [q, k, v_in if backend == "fla" else v]
+        out = linear_attention(*tensors, causal=True, rotary=True, backend=backend, log_space=log_space)
+        runs.append([out.float(), *torch.autograd.grad((out.float() * weights).sum(), tensors)])
+    for name, want, got in zip(("out", "d q", "d k", "dv"), *runs):
+        torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance * want.abs().max().item(),
+                                   msg=name)
+
+
+@pytest.mark.gpu
+def test_gpu_fla_backend_keeps_the_past_bitwise_and_is_finite_at_norm_100():
+    pytest.importorskip("fla")
+    b, a = (t.float().cuda() for t in favor_like(1000, 64, 100.0))
+    v = torch.randn(B, H, 1000, 64, device="cuda")
+    out = linear_attention(b, a, v, causal=True, rotary=True, backend="fla", log_space=True)
+    assert torch.isfinite(out).all() and (out.abs().amax(-1) > 0).all()
+    changed = [t.clone() for t in (b, a, v)]
+    for t in changed:
+        t[..., 700:, :] = t[..., 700:, :] * 3 - 5
+    again = linear_attention(*changed, causal=True, rotary=True, backend="fla", log_space=True)
+    assert torch.equal(out[..., :700, :], again[..., :700, :])
+
+
+@pytest.mark.gpu
+def test_gpu_favor_block_with_fla_backend_under_bf16_autocast_matches_triton():
+    pytest.importorskip("fla")
+    torch.manual_seed(0)
+    blocks = [LinearAttention(256, 4, feature_map="favor", feature_map_options={"num_features": 128},
+                              rope="post", backend=backend).cuda() for backend in ("triton", "fla")]
+    blocks[1].load_state_dict(blocks[0].state_dict())
+    x = torch.randn(2, 1024, 256, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want, got = (block(x).float() for block in blocks)
+    torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
