@@ -24,6 +24,10 @@ and forms only factors e^{G_m - G_n} <= 1 (n <= m) inside its chunks, so nothing
   autocast), the scales and the denominator in float32.
 * Gradients: fla's backward and autograd through these torch ops.  The scales P and Q are constants
   to autograd: out does not depend on them (they cancel exactly), so only the factors carry gradient.
+  The factors and the denominator are recomputed in backward (torch.utils.checkpoint) instead of
+  kept: what a layer holds until its backward is then the features, fla's inputs and the values
+  (with a stand-in for fla that keeps its inputs, 4.4 (B, H, N, M) float32 tensors' worth for
+  log-features, against 8.5 when autograd kept everything).
 * State (`return_state`): fla's final state is sum_n R_n e^{a_n - P_N} v_n, the kv of `LinearState`
   at the last token's scales (log_scale F_N, the max of a over every key); k_sum is the cumsum's last
   row (e^{L_N - F_N} for log-features).
@@ -33,6 +37,7 @@ fla's kernels are causal; a non-causal call takes the torch backend's entry, as 
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from ...rotary import apply_rotary
 from .common import LogProjection, compute_dtype, divide, feature_tensors, finite_log_features, numerator_features
@@ -70,15 +75,25 @@ def linear_attention(phi_q, phi_k, v, *, causal: bool, rotary: bool, offset: int
     del causal, chunk_size   # causal by the table; fla picks its own chunks
     n, (work, dot) = v.shape[-2], dtypes(v, phi_q, phi_k)
     with torch.autocast(v.device.type, enabled=False):
-        phi_q, phi_k = phi_q.to(work), phi_k.to(work)
-        q_num, k_num = numerator_features(phi_q, phi_k, rotary=rotary, offset=offset, base=rope_base)
-        numerator, kv = plain_linear_attention(q_num.to(dot), k_num.to(dot), v.to(dot), return_state=return_state)
-        key_sums = phi_k.cumsum(-2)
-        denominator = (phi_q * key_sums).sum(-1)
+        # recomputed in backward, as log_linear_attention's factors (the float32 copies and sums)
+        q_num, k_num, denominator, last_key_sum = checkpoint(
+            plain_factors, phi_q, phi_k, rotary=rotary, offset=offset, rope_base=rope_base, work=work, dot=dot,
+            use_reentrant=False)
+        numerator, kv = plain_linear_attention(q_num, k_num, v.to(dot), return_state=return_state)
         out = divide(numerator.to(work), denominator).to(v.dtype)
     if not return_state:
         return out
-    return out, LinearState(kv.to(work), key_sums[..., -1, :].clone(), int(offset) + n)
+    return out, LinearState(kv.to(work), last_key_sum, int(offset) + n)
+
+
+def plain_factors(phi_q, phi_k, *, rotary: bool, offset: int, rope_base: float, work: torch.dtype,
+                  dot: torch.dtype):
+    """fla's inputs (rotated features in `dot`), the denominator and the state's k_sum."""
+    phi_q, phi_k = phi_q.to(work), phi_k.to(work)
+    q_num, k_num = numerator_features(phi_q, phi_k, rotary=rotary, offset=offset, base=rope_base)
+    key_sums = phi_k.cumsum(-2)
+    denominator = (phi_q * key_sums).sum(-1)
+    return q_num.to(dot), k_num.to(dot), denominator, key_sums[..., -1, :].detach().clone()
 
 
 def log_linear_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope_base: float,
@@ -88,22 +103,33 @@ def log_linear_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, ro
     n, (work, dot) = v.shape[-2], dtypes(v, b, a)
     with torch.autocast(v.device.type, enabled=False):
         b, a = (finite_log_features(x.materialize() if isinstance(x, LogProjection) else x).to(work) for x in (b, a))
-        with torch.no_grad():   # the scales cancel exactly: constants to autograd
-            feature_scale = a.cummax(-2).values                       # F
-            pair_scale = numerator_scale(feature_scale, rotary)       # P
-            row_scale = (b + feature_scale).amax(-1, keepdim=True)    # Q
-            decay = torch.cat([torch.zeros_like(pair_scale[..., :1, :]), pair_scale.diff(dim=-2).neg()], dim=-2)
-        q_num = torch.exp((b + pair_scale - row_scale).clamp_max(NUMERATOR_CAP))
-        k_num = torch.exp(a - pair_scale)
-        if rotary:
-            q_num, k_num = (apply_rotary(x, offset=offset, base=rope_base) for x in (q_num, k_num))
-        numerator, kv = gated_linear_attention(q_num.to(dot), k_num.to(dot), v.to(dot), decay,
-                                               return_state=return_state)
-        key_sums = a.logcumsumexp(-2)                                 # L
-        denominator = torch.exp((b + key_sums).logsumexp(-1) - row_scale.squeeze(-1))
+        # Recomputed in backward rather than kept: kept, the factors, L and b + L hold about five
+        # (B, H, N, M) float32 tensors per layer until backward reaches it (about 2.7 GB per layer at
+        # N = 65,536, h = 8, M = 256); recomputing them is elementwise work beside fla's.
+        factors = checkpoint(log_factors, b, a, rotary=rotary, offset=offset, rope_base=rope_base, dot=dot,
+                             use_reentrant=False)
+        q_num, k_num, decay, denominator, last_scale, last_key_sum = factors
+        numerator, kv = gated_linear_attention(q_num, k_num, v.to(dot), decay, return_state=return_state)
         out = divide(numerator.to(work), denominator).to(v.dtype)
     if not return_state:
         return out
+    return out, LinearState(kv.to(work), last_key_sum, int(offset) + n, last_scale)
+
+
+def log_factors(b, a, *, rotary: bool, offset: int, rope_base: float, dot: torch.dtype):
+    """fla's inputs and the denominator from log-features: (q, k in `dot`, the decay g, the denominator
+    scaled by e^{-Q}, and the state's F_N and e^{L_N - F_N})."""
+    with torch.no_grad():   # the scales cancel exactly: constants to autograd
+        feature_scale = a.cummax(-2).values                       # F
+        pair_scale = numerator_scale(feature_scale, rotary)       # P
+        row_scale = (b + feature_scale).amax(-1, keepdim=True)    # Q
+        decay = torch.cat([torch.zeros_like(pair_scale[..., :1, :]), pair_scale.diff(dim=-2).neg()], dim=-2)
+    q_num = torch.exp((b + pair_scale - row_scale).clamp_max(NUMERATOR_CAP))
+    k_num = torch.exp(a - pair_scale)
+    if rotary:
+        q_num, k_num = (apply_rotary(x, offset=offset, base=rope_base) for x in (q_num, k_num))
+    key_sums = a.logcumsumexp(-2)                                 # L
+    denominator = torch.exp((b + key_sums).logsumexp(-1) - row_scale.squeeze(-1))
     last_scale = feature_scale[..., -1, :].clone()
-    k_sum = torch.exp(key_sums[..., -1, :].detach() - last_scale)
-    return out, LinearState(kv.to(work), k_sum, int(offset) + n, last_scale)
+    last_key_sum = torch.exp(key_sums[..., -1, :].detach() - last_scale)
+    return q_num.to(dot), k_num.to(dot), decay, denominator, last_scale, last_key_sum

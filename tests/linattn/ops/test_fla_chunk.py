@@ -129,6 +129,42 @@ def test_past_outputs_are_bitwise_unchanged_when_future_tokens_change(fla_refere
     assert torch.equal(before[..., :20, :], after[..., :20, :])
 
 
+class KeepsItsInputs(torch.autograd.Function):
+    """A stand-in for fla's kernels that keeps what they keep for backward: their inputs."""
+    @staticmethod
+    def forward(ctx, *inputs):
+        ctx.save_for_backward(*inputs)
+        return inputs[2].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, None, grad) + (None,) * (len(ctx.saved_tensors) - 3)
+
+
+@pytest.mark.parametrize("log_space,most", [(True, 5.6), (False, 3.6)], ids=["log", "plain"])
+def test_a_layer_keeps_its_inputs_and_flas_but_not_the_factors_for_backward(monkeypatch, log_space, most):
+    """In units of one (B, H, N, M) float32 tensor, at M = Dv: log-features 5.5 (b, a, fla's q, k in
+    bf16 and its float32 decay, the values, the numerator and the denominator), plain bf16 features
+    3.5; autograd keeping the factors made it 9.8 and 4.8."""
+    monkeypatch.setattr(fla_chunk, "gated_linear_attention",
+                        lambda q, k, v, g, return_state: (KeepsItsInputs.apply(q, k, v, g), None))
+    monkeypatch.setattr(fla_chunk, "plain_linear_attention",
+                        lambda q, k, v, return_state: (KeepsItsInputs.apply(q, k, v), None))
+    n, m = 512, 64
+    q, k, v = features(n, m, m, log_space=log_space, dtype=torch.float32)
+    if not log_space:
+        q, k = (t.detach().bfloat16().requires_grad_() for t in (q, k))
+    v = v.detach().bfloat16().requires_grad_()
+    kept = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        call(fla_chunk, log_space, [q, k, v])
+    assert sum(kept.values()) / (B * H * n * m * 4) <= most
+
+
 def test_non_causal_calls_take_the_torch_entry():
     for log_space in (True, False):
         assert (dispatch.implementation(log_space, "fla", False, 5)
@@ -155,48 +191,60 @@ def test_the_public_call_refuses_cpu_tensors(monkeypatch):
 
 
 # ---- on a GPU: fla's kernels ----------------------------------------------------------------------
+# One shape family, the benchmark's (b=1, h=8, Dv=64, bf16): each new (K, V, H, dtype) makes fla autotune
+# for about a minute, and its disk cache then serves `python -m benchmarks` on the same machine.
+
+def gpu_inputs(n, m, *, log_space, scale=1.0):
+    gen = torch.Generator().manual_seed(0)
+    b, a = (torch.randn(1, 8, n, m, generator=gen) * scale for _ in range(2))
+    v = torch.randn(1, 8, n, 64, generator=gen)
+    q, k = (b, a) if log_space else (b.exp(), a.exp())
+    return [t.cuda() for t in (q, k, v)]
+
+
+def eight_heads(t):
+    """(B=2, H=2, N, M) -> (1, 8, N, M) float32 on the GPU."""
+    return t.reshape(1, 4, *t.shape[-2:]).repeat(1, 2, 1, 1).float().cuda()
+
 
 @pytest.mark.gpu
 def test_gpu_recurrence_is_fla_chunk_gla_on_this_mapping_with_large_decays():
     """The CPU tests' stand-in against the kernel it stands for, on the decays FAVOR+ gives at |x| = 30."""
     pytest.importorskip("fla")
-    b, a = (t.float().cuda() for t in favor_like(300, 32, 30.0))
-    v = torch.randn(B, H, 300, 16, device="cuda")
+    b, a = (eight_heads(t) for t in favor_like(512, 64, 30.0))
+    v = torch.randn(1, 8, 512, 64, device="cuda").bfloat16()
     with torch.no_grad():
         got = call(fla_chunk, True, [b, a, v], return_state=True)
         original = fla_chunk.gated_linear_attention
         try:
             fla_chunk.gated_linear_attention = recurrent_gla
-            want = call(fla_chunk, True, [b, a, v], return_state=True)
+            want = call(fla_chunk, True, [b, a, v.float()], return_state=True)
         finally:
             fla_chunk.gated_linear_attention = original
-    torch.testing.assert_close(got[0], want[0], rtol=1e-3, atol=1e-3 * want[0].abs().max().item())
-    torch.testing.assert_close(got[1].kv, want[1].kv, rtol=1e-3, atol=1e-3 * want[1].kv.abs().max().item())
+    torch.testing.assert_close(got[0].float(), want[0], rtol=3e-2, atol=3e-2 * want[0].abs().max().item())
+    torch.testing.assert_close(got[1].kv, want[1].kv, rtol=3e-2, atol=3e-2 * want[1].kv.abs().max().item())
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("log_space", [True, False], ids=["log", "plain"])
-@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
-def test_gpu_fla_backend_matches_torch_backend(log_space, dtype, tolerance):
+def test_gpu_fla_backend_in_bf16_matches_the_torch_backend_in_float32(log_space):
     pytest.importorskip("fla")
-    q, k, v = features(2048, 64, 64, log_space=log_space, dtype=torch.float32, device="cuda")
-    v_in = v.detach().to(dtype).requires_grad_()
-    weights = torch.randn_like(v, dtype=torch.float32)
+    q, k, v = (t.requires_grad_() for t in gpu_inputs(2048, 64, log_space=log_space))
+    v_half = v.detach().bfloat16().requires_grad_()
+    weights = torch.randn_like(v)
     runs = []
-    for backend in ("torch", "fla"):
-        tensors = [q, k, v_in if backend == "fla" else v]
-        out = linear_attention(*tensors, causal=True, rotary=True, backend=backend, log_space=log_space)
-        runs.append([out.float(), *torch.autograd.grad((out.float() * weights).sum(), tensors)])
+    for backend, values in (("torch", v), ("fla", v_half)):
+        out = linear_attention(q, k, values, causal=True, rotary=True, backend=backend, log_space=log_space)
+        runs.append([out.float(), *torch.autograd.grad((out.float() * weights).sum(), (q, k, values))])
     for name, want, got in zip(("out", "d q", "d k", "dv"), *runs):
-        torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance * want.abs().max().item(),
-                                   msg=name)
+        torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2 * want.abs().max().item(), msg=name)
 
 
 @pytest.mark.gpu
 def test_gpu_fla_backend_keeps_the_past_bitwise_and_is_finite_at_norm_100():
     pytest.importorskip("fla")
-    b, a = (t.float().cuda() for t in favor_like(1000, 64, 100.0))
-    v = torch.randn(B, H, 1000, 64, device="cuda")
+    b, a = (eight_heads(t) for t in favor_like(1000, 64, 100.0))
+    v = torch.randn(1, 8, 1000, 64, device="cuda").bfloat16()
     out = linear_attention(b, a, v, causal=True, rotary=True, backend="fla", log_space=True)
     assert torch.isfinite(out).all() and (out.abs().amax(-1) > 0).all()
     changed = [t.clone() for t in (b, a, v)]
@@ -207,13 +255,16 @@ def test_gpu_fla_backend_keeps_the_past_bitwise_and_is_finite_at_norm_100():
 
 
 @pytest.mark.gpu
-def test_gpu_favor_block_with_fla_backend_under_bf16_autocast_matches_triton():
+@pytest.mark.parametrize("feature_map,num_features", [("favor", 256), ("elu", None)])
+def test_gpu_block_with_fla_backend_under_bf16_autocast_matches_triton(feature_map, num_features):
+    """The benchmark's blocks (512 wide, 8 heads; FAVOR+ with M=256, elu with M=64)."""
     pytest.importorskip("fla")
     torch.manual_seed(0)
-    blocks = [LinearAttention(256, 4, feature_map="favor", feature_map_options={"num_features": 128},
-                              rope="post", backend=backend).cuda() for backend in ("triton", "fla")]
+    options = {"num_features": num_features} if num_features else {}
+    blocks = [LinearAttention(512, 8, feature_map=feature_map, feature_map_options=options, rope="post",
+                              backend=backend).cuda() for backend in ("triton", "fla")]
     blocks[1].load_state_dict(blocks[0].state_dict())
-    x = torch.randn(2, 1024, 256, device="cuda")
+    x = torch.randn(1, 2048, 512, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         want, got = (block(x).float() for block in blocks)
     torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
