@@ -197,10 +197,10 @@ class LinearAttention(_Projections):
         * Log-features go as they are, with v in its own dtype: the op takes float32 log-features with
           half values (bf16 would round the exponents), and multiplies the values in their dtype (on
           tensor cores on the triton backend).
-        * Plain features on the triton route go to v's bf16/fp16: the kernels multiply on tensor cores
-          (float32 sums) only when every input is in that dtype, as flash-linear-attention's layers
-          run.  The route is backend "triton", or "auto" on CUDA, decided from the names (which
-          torch.compile traces; resolving would ask the machine).
+        * Plain features on the triton and fla routes go to v's bf16/fp16: the kernels multiply on
+          tensor cores (float32 sums) only when every input is in that dtype, as flash-linear-attention's
+          layers run.  The route is backend "triton" or "fla", or "auto" on CUDA, decided from the names
+          (which torch.compile traces; resolving would ask the machine).
         * Otherwise v goes to the features' dtype: the torch and cpp backends sum in float32 anyway
           (under autocast the op casts v there itself; doing it here lets a bf16/fp16 block run
           without autocast, with the same numbers).
@@ -209,8 +209,8 @@ class LinearAttention(_Projections):
         if v.dtype == dtype or self.feature_map.log_space:
             return phi_q, phi_k, v
         device = v.device.type
-        triton_route = self.backend == "triton" or (self.backend == "auto" and device == "cuda")
-        if triton_route and v.dtype in (torch.bfloat16, torch.float16):
+        kernel_route = self.backend in ("triton", "fla") or (self.backend == "auto" and device == "cuda")
+        if kernel_route and v.dtype in (torch.bfloat16, torch.float16):
             return phi_q.to(v.dtype), phi_k.to(v.dtype), v
         return phi_q, phi_k, v.to(dtype)
 

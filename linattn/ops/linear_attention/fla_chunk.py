@@ -21,7 +21,8 @@ and forms only factors e^{G_m - G_n} <= 1 (n <= m) inside its chunks, so nothing
   e^{logsumexp_j(b_mj + L_mj) - Q_m} with L = logcumsumexp of a over positions (>= 1: the term that
   reaches Q_m is 1, so no row is zero).
 * Output: numerator / denominator, in v's dtype.  The numerator's dots run in v's dtype (bf16 under
-  autocast), the scales and the denominator in float32.
+  autocast; fp16 for plain features only, since the capped query factors exceed fp16's range), the
+  scales and the denominator in float32.  The decays are floored at DECAY_FLOOR (why: below).
 * Gradients: fla's backward and autograd through these torch ops.  The scales P and Q are constants
   to autograd: out does not depend on them (they cancel exactly), so only the factors carry gradient.
   The factors and the denominator are recomputed in backward (torch.utils.checkpoint) instead of
@@ -44,6 +45,13 @@ from .common import LogProjection, compute_dtype, divide, feature_tensors, finit
 from .recurrent import LinearState
 from .stable import NUMERATOR_CAP, numerator_scale
 
+# The log decays g are bounded below.  A key feature of exactly 0 (log -inf, raised to a floor near
+# -8.5e37: a masked or left-padded key) before that feature's first real key makes one step's decay
+# about -8.5e37, and fla's chunk-local float32 cumsum of g then absorbs every later step of the chunk
+# (seen in an emulation of chunk_gla: outputs 19x off).  A term carried through a step of e^-100 is
+# below e^(30 - 100) of its row's denominator (>= 1), so the floor changes no float32 result.
+DECAY_FLOOR = -100.0
+
 
 def gated_linear_attention(q, k, v, g, *, return_state: bool):
     """fla's `chunk_gla` on (B, H, N, K) tensors, scale 1: (o, final state or None).  The one place
@@ -61,12 +69,12 @@ def plain_linear_attention(q, k, v, *, return_state: bool):
     return o.transpose(1, 2), state
 
 
-def dtypes(v: torch.Tensor, *features) -> tuple[torch.dtype, torch.dtype]:
+def dtypes(v: torch.Tensor, *features, halves=(torch.bfloat16, torch.float16)) -> tuple[torch.dtype, torch.dtype]:
     """(scales and denominator, fla's dots): float32 (float64 stays float64, for the reference tests:
-    `resolve` gives fla no float64 call), and the values' dtype where it is a half type (bf16 under
+    `resolve` gives fla no float64 call), and the values' dtype where it is one of `halves` (bf16 under
     autocast), else the first."""
     work = compute_dtype(*feature_tensors(*features), v)
-    return work, (v.dtype if v.dtype in (torch.bfloat16, torch.float16) else work)
+    return work, (v.dtype if v.dtype in halves else work)
 
 
 def linear_attention(phi_q, phi_k, v, *, causal: bool, rotary: bool, offset: int, rope_base: float,
@@ -83,7 +91,7 @@ def linear_attention(phi_q, phi_k, v, *, causal: bool, rotary: bool, offset: int
         out = divide(numerator.to(work), denominator).to(v.dtype)
     if not return_state:
         return out
-    return out, LinearState(kv.to(work), last_key_sum, int(offset) + n)
+    return out, LinearState(kv.detach().to(work), last_key_sum, int(offset) + n)
 
 
 def plain_factors(phi_q, phi_k, *, rotary: bool, offset: int, rope_base: float, work: torch.dtype,
@@ -100,7 +108,8 @@ def log_linear_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, ro
                          chunk_size: int, return_state: bool):
     """Log-features b, a (tensors or `LogProjection`s, materialised); see the module docstring."""
     del causal, chunk_size
-    n, (work, dot) = v.shape[-2], dtypes(v, b, a)
+    # fp16 would overflow: query factors reach e^NUMERATOR_CAP = e^30 (fp16's largest is e^11)
+    n, (work, dot) = v.shape[-2], dtypes(v, b, a, halves=(torch.bfloat16,))
     with torch.autocast(v.device.type, enabled=False):
         b, a = (finite_log_features(x.materialize() if isinstance(x, LogProjection) else x).to(work) for x in (b, a))
         # Recomputed in backward rather than kept: kept, the factors, L and b + L hold about five
@@ -113,7 +122,7 @@ def log_linear_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, ro
         out = divide(numerator.to(work), denominator).to(v.dtype)
     if not return_state:
         return out
-    return out, LinearState(kv.to(work), last_key_sum, int(offset) + n, last_scale)
+    return out, LinearState(kv.detach().to(work), last_key_sum, int(offset) + n, last_scale)
 
 
 def log_factors(b, a, *, rotary: bool, offset: int, rope_base: float, dot: torch.dtype):
@@ -123,7 +132,8 @@ def log_factors(b, a, *, rotary: bool, offset: int, rope_base: float, dot: torch
         feature_scale = a.cummax(-2).values                       # F
         pair_scale = numerator_scale(feature_scale, rotary)       # P
         row_scale = (b + feature_scale).amax(-1, keepdim=True)    # Q
-        decay = torch.cat([torch.zeros_like(pair_scale[..., :1, :]), pair_scale.diff(dim=-2).neg()], dim=-2)
+        steps = pair_scale.diff(dim=-2).neg().clamp_min(DECAY_FLOOR)
+        decay = torch.cat([torch.zeros_like(pair_scale[..., :1, :]), steps], dim=-2)
     q_num = torch.exp((b + pair_scale - row_scale).clamp_max(NUMERATOR_CAP))
     k_num = torch.exp(a - pair_scale)
     if rotary:

@@ -1,10 +1,14 @@
 """The fla backend (fla_chunk.py): Eq. 19 mapped onto flash-linear-attention's chunk kernels.
 
 fla's kernels run on CUDA only (not in Triton's interpreter, whose program ids lack the methods they
-call), so on CPU the mapping is tested with `recurrent_gla` in their place: the recurrence fla
-documents for chunk_gla (fla.ops.gla.naive.naive_recurrent_gla), in float64 against the torch
-backend, for outputs, gradients and states.  On a GPU (`gpu` marker) fla's kernels run, and the
-recurrence is checked against them too."""
+call), so on CPU a stand-in `fla` package takes their place (`fake_fla`): fla 0.6.0's `chunk_gla` and
+`chunk_linear_attn` with their signatures and (B, T, H, K) layout, computing the recurrence fla
+documents (fla.ops.gla.naive.naive_recurrent_gla), optionally with the decays as fla's kernels see
+them (a chunk-local float32 cumsum).  Tested in float64 against the torch backend: outputs, gradients
+and states.  On a GPU (`gpu` marker) fla's kernels run, and the recurrence is checked against them."""
+import sys
+import types
+
 import pytest
 import torch
 
@@ -17,24 +21,46 @@ B, H = 2, 2
 CUDA = torch.cuda.is_available()
 
 
-def recurrent_gla(q, k, v, g, *, return_state):
-    """S_n = diag(e^{g_n}) S_{n-1} + k_n v_n^T, o_n = q_n^T S_n, on (B, H, N, .) tensors."""
+def recurrent_gla(q, k, v, g, *, return_state, scale=1.0, chunk_cumsum=False):
+    """S_n = diag(e^{g_n}) S_{n-1} + k_n v_n^T, o_n = scale q_n^T S_n, on (B, H, N, .) tensors.
+    `chunk_cumsum`: the decays as fla's kernels see them, differences of a chunk-local (64 tokens)
+    float32 cumsum of g, whose rounding absorbs small steps after a huge one."""
+    if chunk_cumsum:
+        sums = [c.float().cumsum(-2) for c in g.split(64, -2)]
+        g = torch.cat([c.diff(dim=-2, prepend=torch.zeros_like(c[..., :1, :])) for c in sums], -2).to(g.dtype)
     state, outs = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1]), []
     for n in range(q.shape[-2]):
         state = state * g[..., n, :].exp().unsqueeze(-1) + k[..., n, :, None] * v[..., n, None, :]
-        outs.append((q[..., n, :, None] * state).sum(-2))
+        outs.append(scale * (q[..., n, :, None] * state).sum(-2))
     return torch.stack(outs, -2), (state if return_state else None)
 
 
-def recurrent_linear(q, k, v, *, return_state):
-    return recurrent_gla(q, k, v, torch.zeros_like(q), return_state=return_state)
+def fake_fla(monkeypatch, chunk_cumsum=False):
+    """A stand-in `fla` package: chunk_gla and chunk_linear_attn as fla 0.6.0 declares them."""
+    def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, state_v_first=False,
+                  cu_seqlens=None, cu_seqlens_cpu=None):
+        assert initial_state is None and not state_v_first and cu_seqlens is None
+        heads_second = (t.transpose(1, 2) for t in (q, k, v, g))   # fla: [B, T, H, K]
+        o, state = recurrent_gla(*heads_second, return_state=output_final_state,
+                                 scale=q.shape[-1] ** -0.5 if scale is None else scale, chunk_cumsum=chunk_cumsum)
+        return o.transpose(1, 2), state
+
+    def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True,
+                          cu_seqlens=None):
+        assert not normalize, "the stand-in covers normalize=False, the call fla_chunk makes"
+        return chunk_gla(q, k, v, torch.zeros_like(q), scale, initial_state, output_final_state)
+
+    modules = {name: types.ModuleType(name) for name in ("fla", "fla.ops", "fla.ops.gla", "fla.ops.linear_attn")}
+    modules["fla.ops.gla"].chunk_gla = chunk_gla
+    modules["fla.ops.linear_attn"].chunk_linear_attn = chunk_linear_attn
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
 
 
 @pytest.fixture
 def fla_reference(monkeypatch):
-    """fla_chunk with the recurrence in place of fla's kernels."""
-    monkeypatch.setattr(fla_chunk, "gated_linear_attention", recurrent_gla)
-    monkeypatch.setattr(fla_chunk, "plain_linear_attention", recurrent_linear)
+    """fla_chunk calling the stand-in fla package."""
+    fake_fla(monkeypatch)
 
 
 def features(n, m, dv, *, log_space, scale=1.0, seed=0, dtype=torch.float64, device="cpu"):
@@ -119,6 +145,20 @@ def test_outputs_below_the_numerator_cap_are_exact_at_norm_100(fla_reference):
     torch.testing.assert_close(got[exact], want[exact], rtol=1e-5, atol=1e-8)
 
 
+def test_keys_of_exactly_zero_before_a_features_first_real_key_leave_the_decays_usable(monkeypatch):
+    """Left padding: the first keys' features are exactly 0 (log -inf), so the first real key's
+    running-max step is about -8.5e37 unless floored; fla's float32 chunk-local cumsum would then
+    absorb every later step of the chunk (the stand-in does what its kernels do here).  Rows before
+    the first real key are 0/0 in exact terms; each backend gives its own finite value there."""
+    fake_fla(monkeypatch, chunk_cumsum=True)
+    b, a, v = (t.detach() for t in features(150, 8, 4, log_space=True))
+    a[..., :3, :] = float("-inf")
+    got = call(fla_chunk, True, [b, a, v])
+    want = linear_attention(b, a, v, causal=True, rotary=True, backend="torch", log_space=True, chunk_size=8)
+    assert torch.isfinite(got[..., :3, :]).all()   # rows with no real key yet: 0/0 in exact terms
+    torch.testing.assert_close(got[..., 3:, :], want[..., 3:, :], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("log_space", [True, False], ids=["log", "plain"])
 def test_past_outputs_are_bitwise_unchanged_when_future_tokens_change(fla_reference, log_space):
     tensors = [t.detach() for t in features(30, 8, 4, log_space=log_space, scale=3.0)]
@@ -147,9 +187,9 @@ def test_a_layer_keeps_its_inputs_and_flas_but_not_the_factors_for_backward(monk
     bf16 and its float32 decay, the values, the numerator and the denominator), plain bf16 features
     3.5; autograd keeping the factors made it 9.8 and 4.8."""
     monkeypatch.setattr(fla_chunk, "gated_linear_attention",
-                        lambda q, k, v, g, return_state: (KeepsItsInputs.apply(q, k, v, g), None))
+                        lambda q, k, v, g, *, return_state: (KeepsItsInputs.apply(q, k, v, g), None))
     monkeypatch.setattr(fla_chunk, "plain_linear_attention",
-                        lambda q, k, v, return_state: (KeepsItsInputs.apply(q, k, v), None))
+                        lambda q, k, v, *, return_state: (KeepsItsInputs.apply(q, k, v), None))
     n, m = 512, 64
     q, k, v = features(n, m, m, log_space=log_space, dtype=torch.float32)
     if not log_space:
@@ -163,6 +203,22 @@ def test_a_layer_keeps_its_inputs_and_flas_but_not_the_factors_for_backward(monk
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         call(fla_chunk, log_space, [q, k, v])
     assert sum(kept.values()) / (B * H * n * m * 4) <= most
+
+
+@pytest.mark.parametrize("log_space,values,dots", [
+    (True, torch.bfloat16, torch.bfloat16), (True, torch.float16, torch.float32),   # e^30 > fp16's range
+    (True, torch.float32, torch.float32), (False, torch.float16, torch.float16), (False, torch.bfloat16, torch.bfloat16)])
+def test_fla_multiplies_in_the_values_half_dtype_where_the_factors_fit_it(monkeypatch, log_space, values, dots):
+    seen = []
+    monkeypatch.setattr(fla_chunk, "gated_linear_attention",
+                        lambda q, k, v, g, *, return_state: (seen.append((q.dtype, k.dtype, v.dtype)) or v, None))
+    monkeypatch.setattr(fla_chunk, "plain_linear_attention",
+                        lambda q, k, v, *, return_state: (seen.append((q.dtype, k.dtype, v.dtype)) or v, None))
+    q, k, v = (t.detach() for t in features(8, 8, 4, log_space=log_space, dtype=torch.float32))
+    if not log_space:
+        q, k = q.to(values), k.to(values)
+    out = call(fla_chunk, log_space, [q, k, v.to(values)])
+    assert seen == [(dots, dots, dots)] and out.dtype == values
 
 
 def test_non_causal_calls_take_the_torch_entry():
@@ -208,19 +264,15 @@ def eight_heads(t):
 
 
 @pytest.mark.gpu
-def test_gpu_recurrence_is_fla_chunk_gla_on_this_mapping_with_large_decays():
+def test_gpu_recurrence_is_fla_chunk_gla_on_this_mapping_with_large_decays(monkeypatch):
     """The CPU tests' stand-in against the kernel it stands for, on the decays FAVOR+ gives at |x| = 30."""
     pytest.importorskip("fla")
     b, a = (eight_heads(t) for t in favor_like(512, 64, 30.0))
     v = torch.randn(1, 8, 512, 64, device="cuda").bfloat16()
     with torch.no_grad():
         got = call(fla_chunk, True, [b, a, v], return_state=True)
-        original = fla_chunk.gated_linear_attention
-        try:
-            fla_chunk.gated_linear_attention = recurrent_gla
-            want = call(fla_chunk, True, [b, a, v.float()], return_state=True)
-        finally:
-            fla_chunk.gated_linear_attention = original
+        monkeypatch.setattr(fla_chunk, "gated_linear_attention", recurrent_gla)
+        want = call(fla_chunk, True, [b, a, v.float()], return_state=True)
     torch.testing.assert_close(got[0].float(), want[0], rtol=3e-2, atol=3e-2 * want[0].abs().max().item())
     torch.testing.assert_close(got[1].kv, want[1].kv, rtol=3e-2, atol=3e-2 * want[1].kv.abs().max().item())
 
@@ -229,13 +281,15 @@ def test_gpu_recurrence_is_fla_chunk_gla_on_this_mapping_with_large_decays():
 @pytest.mark.parametrize("log_space", [True, False], ids=["log", "plain"])
 def test_gpu_fla_backend_in_bf16_matches_the_torch_backend_in_float32(log_space):
     pytest.importorskip("fla")
+    """Log-features stay float32 beside bf16 values (as the FAVOR+ block hands them); plain features
+    go to bf16 with the values (as the elu block does under autocast)."""
     q, k, v = (t.requires_grad_() for t in gpu_inputs(2048, 64, log_space=log_space))
-    v_half = v.detach().bfloat16().requires_grad_()
+    halves = [t if log_space and t is not v else t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
     weights = torch.randn_like(v)
     runs = []
-    for backend, values in (("torch", v), ("fla", v_half)):
-        out = linear_attention(q, k, values, causal=True, rotary=True, backend=backend, log_space=log_space)
-        runs.append([out.float(), *torch.autograd.grad((out.float() * weights).sum(), (q, k, values))])
+    for backend, tensors in (("torch", (q, k, v)), ("fla", halves)):
+        out = linear_attention(*tensors, causal=True, rotary=True, backend=backend, log_space=log_space)
+        runs.append([out.float(), *torch.autograd.grad((out.float() * weights).sum(), tensors)])
     for name, want, got in zip(("out", "d q", "d k", "dv"), *runs):
         torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2 * want.abs().max().item(), msg=name)
 
