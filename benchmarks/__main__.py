@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import platform
+from importlib import metadata
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -25,15 +26,23 @@ def machine_info(device: torch.device) -> dict:
     else:
         name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                      if line.startswith("model name")), platform.processor())
-    return {"device": str(device), "name": name, "torch": torch.__version__, "python": platform.python_version(),
-            "cpus_allowed": len(os.sched_getaffinity(0)), "torch_default_threads": torch.get_num_threads()}
+    versions = {}
+    for key, distribution in (("triton", "triton"), ("fla", "fla-core")):   # read without importing them
+        try:
+            versions[key] = metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            pass
+    return {"device": str(device), "name": name, "torch": torch.__version__, **versions,
+            "python": platform.python_version(), "cpus_allowed": len(os.sched_getaffinity(0)), "torch_default_threads": torch.get_num_threads()}
 
 
 def header(settings: Settings, machine: dict) -> str:
     threads = settings.threads or f"torch's default, {machine['torch_default_threads']}"
     return "\n".join([
         f"# linattn benchmark ({time.strftime('%Y-%m-%d %H:%M')})\n",
-        f"device: {machine['device']} ({machine['name']}), torch {machine['torch']}, threads: {threads} "
+        f"device: {machine['device']} ({machine['name']}), torch {machine['torch']}"
+        + "".join(f", {package} {machine[package]}" for package in ("triton", "fla") if package in machine)
+        + f", threads: {threads} "
         f"(of {machine['cpus_allowed']} CPUs allowed); as imported: no allocator or other process-wide setting",
         f"attention: b={settings.batch}, h={settings.heads}, D={settings.head_dim}, M={settings.num_features}, "
         f"causal chunk C={settings.chunk_size}, dtypes {','.join(settings.dtypes)}, "

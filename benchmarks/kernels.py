@@ -138,7 +138,7 @@ def kernel_sweep(settings: Settings, device: torch.device, runner: ChildRunner, 
                 reason = unavailable(method, device)
                 if reason:
                     records.append({"method": method, "m": m, "dtype": dtype, "skipped": f"skipped: {reason}"})
-                    report.progress(f"  {method:<14} M={m:<4} {dtype}  skipped: {reason}")
+                    report.progress(f"  {method:<17} M={m:<4} {dtype}  skipped: {reason}")
                     continue
                 task = {"device": str(device), "threads": settings.threads, "method": method, "m": m,
                         "dtype": dtype, "lengths": settings.lengths, "batch": settings.batch,
@@ -147,7 +147,7 @@ def kernel_sweep(settings: Settings, device: torch.device, runner: ChildRunner, 
                 result = runner.run(kernel_task, task, child_timeout(settings.budget_s) * len(settings.lengths))
                 for row in result.get("rows", [{"n": n, "error": result.get("error", "?")} for n in settings.lengths]):
                     record = {"method": method, "m": m, "dtype": dtype, **row}
-                    report.progress(f"  {method:<14} M={m:<4} {dtype} N={record['n']:>6}  " + timed_line(record))
+                    report.progress(f"  {method:<17} M={m:<4} {dtype} N={record['n']:>6}  " + timed_line(record))
                     records.append(record)
     return records
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable
 
+import linattn
 from linattn.functional import BACKENDS as LINATTN_BACKENDS
 from linattn_lm.runtime import resolve_device
 
@@ -18,7 +19,7 @@ import torch
 from linattn_lm import PRESETS as TRAINING_PRESETS
 from linattn_lm.cli import Parser, comma_items
 
-from .block import SOFTMAX_BLOCKS, block_names, build_block
+from .block import LINEAR_BACKENDS, ROPES, SOFTMAX_BLOCKS, block_names, build_block
 from .kernels import KERNEL_METHODS
 from .methods import DTYPES, MASKS, Method, Shape, build_attention, method_table, unavailable
 
@@ -79,6 +80,18 @@ def names(choices: tuple[str, ...] | None = None) -> Callable[[str], tuple[str, 
     return parse
 
 
+def block_name_list(text: str) -> tuple[str, ...]:
+    """Block or LM names; an unknown one is named with the pattern, not the 77 names it could be."""
+    try:
+        return names(block_names())(text)
+    except ValueError:
+        known = set(block_names())
+        unknown = [item for item in comma_items(text) if item not in known] or [text]
+        raise ValueError(f"unknown name(s) {','.join(unknown)}: expected {', '.join(SOFTMAX_BLOCKS)} or "
+                         f"<map>-<rope>[-<backend>] with map one of {', '.join(linattn.available_feature_maps())}, "
+                         f"rope one of {', '.join(ROPES)}, backend one of {', '.join(LINEAR_BACKENDS)}") from None
+
+
 def one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text not in choices:
@@ -119,11 +132,11 @@ class Settings:
     model_tokens: int = option(4096, "LM tokens per training batch, the same at every context", positive_int)
     model_steps: int = option(3, "timed LM optimizer steps", positive_int)
     model_methods: tuple[str, ...] = option(("softmax", "favor-post"), "LMs of the model section: softmax "
-                                            "(+ RoPE) or <map>-<rope>", names(block_names()))
+                                            "(+ RoPE) or <map>-<rope>[-<backend>]", block_name_list)
     model_size: str = option("small", "the model section's LM: small (4 x 256, 4 heads) or a training preset's "
                              "layers, width and heads", one_of(MODEL_SIZES))
     block_methods: tuple[str, ...] = option(("softmax", "favor-post", "elu-post"), "blocks of the block section: "
-                                            "softmax, softmax-xformers or <map>-<rope>", names(block_names()))
+                                            "softmax, softmax-xformers or <map>-<rope>[-<backend>]", block_name_list)
     kernel_methods: tuple[str, ...] = option(KERNEL_METHODS, "ops of the kernels section", names(KERNEL_METHODS))
     kernel_features: tuple[int, ...] = option((64, 256), "feature counts M of the kernels section", int_list)
     out: str = option("bench_results/bench", "output prefix: writes OUT.json, OUT.md and OUT.png", str)
@@ -266,8 +279,9 @@ def check_methods_build(settings: Settings, device: torch.device) -> None:
         for name in chosen if section in settings.sections else ():
             if name in SOFTMAX_BLOCKS:
                 continue
-            try:
-                build_block(name, settings.head_dim, 1, settings.num_features)
+            try:   # the block, and its backend on this device (backend='fla' on CPU, say)
+                block = build_block(name, settings.head_dim, 1, settings.num_features)
+                linattn.resolve_backend(block.backend, device, log_space=block.feature_map.log_space)
             except (ValueError, TypeError) as error:
                 raise BadSetting(f"{flag_name} {name} cannot run with these settings: {error}") from None
     odd = [m for m in settings.kernel_features if m % 2]

@@ -209,7 +209,9 @@ class LinearAttention(_Projections):
         if v.dtype == dtype or self.feature_map.log_space:
             return phi_q, phi_k, v
         device = v.device.type
-        kernel_route = self.backend in ("triton", "fla") or (self.backend == "auto" and device == "cuda")
+        # fla's kernels are causal only: a non-causal call takes torch's entry, which sums in float32
+        kernel_route = (self.backend == "triton" or (self.backend == "fla" and self.causal)
+                        or (self.backend == "auto" and device == "cuda"))
         if kernel_route and v.dtype in (torch.bfloat16, torch.float16):
             return phi_q.to(v.dtype), phi_k.to(v.dtype), v
         return phi_q, phi_k, v.to(dtype)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import pickle
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -153,14 +154,20 @@ def remove_stale_temporaries(path: Path) -> None:
         stale.unlink(missing_ok=True)
 
 
-def model_from_checkpoint(checkpoint: dict[str, Any], path: Path | str = "checkpoint") -> ByteLM:
-    """Rebuild the model from the checkpoint's config and load its weights (and feature-map state)."""
+def model_from_checkpoint(checkpoint: dict[str, Any], path: Path | str = "checkpoint",
+                          backend: str | None = None) -> ByteLM:
+    """Rebuild the model from the checkpoint's config and load its weights (and feature-map state).
+    `backend`: the attention kernels to run it with instead of the run's (speed only: a run trained
+    with backend='fla' on a GPU, evaluated on a CPU)."""
     checkpoint_entries(checkpoint, path, ("config", "step", "model", "data"))
     check_finite_weights(checkpoint["model"], path)
     try:
         config = TrainConfig.saved_section(checkpoint["config"], "model")
     except ValueError as error:
         raise CheckpointError(f"{path}: its saved configuration is not valid ({first_line(error)})") from None
+    if backend is not None:
+        config = replace(config, backend=backend)
+        config.validate()   # a backend this attention has not: a usage error, not a damaged checkpoint
     try:
         config.validate()
     except ValueError as error:

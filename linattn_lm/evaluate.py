@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, mps")
     p.add_argument("--threads", type=integer, default=0, help="torch CPU threads (0 = torch default)")
     p.add_argument("--dtype", choices=DTYPES, help="compute precision, as train.py's --dtype (default: the run's)")
+    p.add_argument("--backend", help="attention kernels, as train.py's --backend (speed only; default: the run's, "
+                                     "e.g. --backend auto for a run trained with fla on a GPU)")
     p.add_argument("--weight-sums", action="store_true",
                    help="instead of bpc, the sum of each query's attention weights in every linear layer (1 for "
                         "pre and none; how far Eq. 19's post drifts from it), over the same windows")
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         path = checkpoint_path(args.checkpoint)
         checkpoint = load_checkpoint(path, map_location="cpu")
         import_recorded(checkpoint, path)
-        model = model_from_checkpoint(checkpoint, path).to(device).eval()
+        model = model_from_checkpoint(checkpoint, path, backend=args.backend).to(device).eval()
         config = model.config
         args.dtype = args.dtype or recorded_dtype(checkpoint, path)
         resolve_dtype(args.dtype, device)

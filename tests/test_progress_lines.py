@@ -8,7 +8,7 @@ from pathlib import Path
 CONFTEST = Path(__file__).with_name("conftest.py")
 
 
-def test_a_line_said_in_setup_is_shown_before_the_test_ends_and_with_capture_on(tmp_path):
+def test_a_line_said_in_setup_reaches_the_terminal_while_the_test_output_stays_captured(tmp_path):
     (tmp_path / "conftest.py").write_text(textwrap.dedent(f"""
         import importlib.util
         spec = importlib.util.spec_from_file_location("repo_conftest", {str(CONFTEST)!r})

@@ -133,6 +133,7 @@ def test_fla_backend_kernels_take_our_inputs_and_call_the_fla_backend(monkeypatc
     calls = []
     monkeypatch.setattr(kernels.linattn, "linear_attention", lambda *t, **options: calls.append(options))
     kernels.attend("linattn-fla-log")(*log_inputs)
+    kernels.attend("linattn-fla-plain")(*plain_inputs)
     kernels.attend("linattn-plain")(*plain_inputs)
-    assert [(c["backend"], c["log_space"]) for c in calls] == [("fla", True), ("auto", False)]
+    assert [(c["backend"], c["log_space"]) for c in calls] == [("fla", True), ("fla", False), ("auto", False)]
     assert kernels.TARGETS["linattn-fla-log"] == 1.5 and kernels.TARGETS["linattn-fla-plain"] == 1.2

@@ -35,7 +35,10 @@ def test_lengths_default_to_the_device_and_run_small_to_large(tmp_path):
     (["--sections", "decode", "--methods", "sdpa", "--num-features", "255"], "method favor-post (causal) cannot run"),
     (["--sections", "model", "--model-contexts", "96,128", "--model-tokens", "128"],
      "--model-tokens 128 is not a whole number of sequences at context(s) 96"),
-    (["--sections", "block", "--block-methods", "softmax,favor-sideways"], "--block-methods"),
+    (["--sections", "block", "--block-methods", "softmax,favor-sideways"],
+     "unknown name(s) favor-sideways: expected softmax, softmax-xformers or <map>-<rope>[-<backend>]"),
+    (["--sections", "model", "--device", "cpu", "--model-methods", "favor-post-fla"],
+     "--model-methods favor-post-fla cannot run with these settings: backend='fla' needs"),
     (["--sections", "block", "--block-methods", "favor-post", "--num-features", "7"], "--block-methods favor-post cannot run"),
     (["--sections", "model", "--model-methods", "elu-post", "--head-dim", "5"], "--model-methods elu-post cannot run"),
     (["--sections", "kernels", "--kernel-features", "64,7"], "--kernel-features 7: the kernels section"),
@@ -78,3 +81,9 @@ def test_the_gpu_targets_preset_is_the_flags_it_stands_for(tmp_path, monkeypatch
                                "1024,8192", "--model-tokens", "32768", "--model-methods", "softmax,favor-post,elu-post",
                                "--budget-s", "60"] + out)
     assert parse_settings(["--preset", "gpu-targets"] + out) == explicit
+
+
+def test_an_unknown_block_name_is_answered_with_the_pattern_not_every_name(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        parse_settings(["--block-methods", "favor-sideways", "--out", str(tmp_path / "bench")])
+    assert len(capsys.readouterr().err) < 400   # the 77 names took 1,317 characters

@@ -202,15 +202,16 @@ def test_a_bf16_block_compiles_fullgraph(feature_map):
     torch.testing.assert_close(torch.compile(half, fullgraph=True, backend="eager")(x), half(x))
 
 
-def test_plain_features_go_to_the_autocast_dtype_for_the_fla_backend(monkeypatch):
+@pytest.mark.parametrize("causal,dtypes", [(True, (torch.bfloat16,) * 3), (False, (torch.float32,) * 3)])
+def test_plain_features_go_to_the_autocast_dtype_for_the_fla_backend_when_causal(monkeypatch, causal, dtypes):
     """fla's kernels, like triton's, multiply on tensor cores only when every input is bf16: the block
-    casts plain features for backend='fla' by its name (the call itself is recorded, not run: fla is
-    CUDA-only)."""
+    casts plain features for backend='fla' by its name; a non-causal call takes torch's entry, which
+    sums in float32, so its features are not rounded (the call is recorded, not run: fla is CUDA-only)."""
     import linattn.attention as attention
     seen = []
     monkeypatch.setattr(attention, "linear_attention",
                         lambda phi_q, phi_k, v, **kw: seen.append((phi_q.dtype, phi_k.dtype, v.dtype)) or v)
-    block = LinearAttention(32, heads=2, feature_map="elu", rope="post", backend="fla")
+    block = LinearAttention(32, heads=2, feature_map="elu", rope="post", backend="fla", causal=causal)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         block(torch.randn(1, 16, 32))
-    assert seen == [(torch.bfloat16,) * 3]
+    assert seen == [dtypes]

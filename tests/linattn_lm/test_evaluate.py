@@ -288,3 +288,17 @@ def test_weight_sums_mark_lengths_past_learned_positions_and_name_rmsnorm(data_d
     ckpt = write_checkpoint(tmp_path / "rms.pt", make_model(rope="pre", normalization="rmsnorm"), data_dir)
     code, out, err = run_main(evaluate.main, [str(ckpt), "--weight-sums", "--max-bytes", "300"])
     assert code == 0 and "this run has normalization=rmsnorm" in out, err
+
+
+def test_a_run_trained_with_a_gpu_backend_is_evaluated_here_with_backend_override(data_dir: Path, tmp_path: Path,
+                                                                                   run_main, make_model) -> None:
+    """--backend replaces the run's kernels (speed only): a run trained with fla on a GPU is scored on
+    a CPU with --backend auto; without it, or with a backend the attention has not, one line says why."""
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", make_model(seq_len=16, backend="fla"), data_dir)
+    argv = [str(ckpt), "--max-bytes", "200", "--device", "cpu"]
+    code, _, err = run_main(evaluate.main, argv)
+    assert code == 2 and "backend='fla'" in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = run_main(evaluate.main, argv + ["--backend", "sdpa"])
+    assert code == 2 and "linear attention's backend must be one of" in err and len(err.strip().splitlines()) == 1, err
+    code, out, _ = run_main(evaluate.main, argv + ["--backend", "auto"])
+    assert code == 0 and float(table(out)[16]) > 0

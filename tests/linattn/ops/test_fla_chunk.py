@@ -280,9 +280,9 @@ def test_gpu_recurrence_is_fla_chunk_gla_on_this_mapping_with_large_decays(monke
 @pytest.mark.gpu
 @pytest.mark.parametrize("log_space", [True, False], ids=["log", "plain"])
 def test_gpu_fla_backend_in_bf16_matches_the_torch_backend_in_float32(log_space):
-    pytest.importorskip("fla")
     """Log-features stay float32 beside bf16 values (as the FAVOR+ block hands them); plain features
     go to bf16 with the values (as the elu block does under autocast)."""
+    pytest.importorskip("fla")
     q, k, v = (t.requires_grad_() for t in gpu_inputs(2048, 64, log_space=log_space))
     halves = [t if log_space and t is not v else t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
     weights = torch.randn_like(v)
