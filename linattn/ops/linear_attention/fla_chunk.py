@@ -57,16 +57,28 @@ def gated_linear_attention(q, k, v, g, *, return_state: bool):
     """fla's `chunk_gla` on (B, H, N, K) tensors, scale 1: (o, final state or None).  The one place
     that calls fla for log-features (tests substitute a reference with the same contract)."""
     from fla.ops.gla import chunk_gla   # here: fla is an optional GPU dependency
-    o, state = chunk_gla(*(t.transpose(1, 2) for t in (q, k, v, g)), scale=1.0, output_final_state=return_state)
-    return o.transpose(1, 2), state
+    return _padded(lambda q, k, v, g: chunk_gla(q, k, v, g, scale=1.0, output_final_state=return_state),
+                   q, k, v, g)
 
 
 def plain_linear_attention(q, k, v, *, return_state: bool):
     """fla's `chunk_linear_attn` (normalize=False, scale 1) on (B, H, N, K) tensors: (o, final state)."""
     from fla.ops.linear_attn import chunk_linear_attn
-    o, state = chunk_linear_attn(*(t.transpose(1, 2) for t in (q, k, v)), scale=1.0, output_final_state=return_state,
-                                 normalize=False)
-    return o.transpose(1, 2), state
+    return _padded(lambda q, k, v: chunk_linear_attn(q, k, v, scale=1.0, output_final_state=return_state,
+                                                     normalize=False), q, k, v)
+
+
+def _padded(kernel, q, k, v, *gates, multiple: int = 16):
+    """`kernel` on fla's (B, T, H, .) layout with K and V padded with zeros to multiples of 16: tl.dot
+    takes tiles of at least 16, and fla's bf16 backward asserts even K and V (chunk_bwd_dv).  A zero
+    feature adds nothing to any product (its decay, 0, is a factor of 1 on nothing) and a zero value
+    column gives a zero output column, so slicing the padding off leaves the result exact."""
+    def pad(x):   # a copy only where needed (M = 64 or 256 and Dv = 64 need none)
+        short = -x.shape[-1] % multiple
+        return torch.nn.functional.pad(x, (0, short)) if short else x
+    o, state = kernel(*(pad(t).transpose(1, 2) for t in (q, k, v, *gates)))
+    m, dv = q.shape[-1], v.shape[-1]
+    return o.transpose(1, 2)[..., :dv], (state[..., :m, :dv] if state is not None else None)
 
 
 def dtypes(v: torch.Tensor, *features, halves=(torch.bfloat16, torch.float16)) -> tuple[torch.dtype, torch.dtype]:

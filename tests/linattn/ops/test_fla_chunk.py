@@ -40,6 +40,7 @@ def fake_fla(monkeypatch, chunk_cumsum=False):
     def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, state_v_first=False,
                   cu_seqlens=None, cu_seqlens_cpu=None):
         assert initial_state is None and not state_v_first and cu_seqlens is None
+        assert q.shape[-1] % 16 == 0 and v.shape[-1] % 16 == 0, "fla_chunk pads K and V to fla's tiles"
         heads_second = (t.transpose(1, 2) for t in (q, k, v, g))   # fla: [B, T, H, K]
         o, state = recurrent_gla(*heads_second, return_state=output_final_state,
                                  scale=q.shape[-1] ** -0.5 if scale is None else scale, chunk_cumsum=chunk_cumsum)
