@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import os
 import platform
-from importlib import metadata
 import time
+from importlib import metadata
 from dataclasses import asdict
 from pathlib import Path
 
@@ -33,7 +33,8 @@ def machine_info(device: torch.device) -> dict:
         except metadata.PackageNotFoundError:
             pass
     return {"device": str(device), "name": name, "torch": torch.__version__, **versions,
-            "python": platform.python_version(), "cpus_allowed": len(os.sched_getaffinity(0)), "torch_default_threads": torch.get_num_threads()}
+            "python": platform.python_version(), "cpus_allowed": len(os.sched_getaffinity(0)),
+            "torch_default_threads": torch.get_num_threads()}
 
 
 def header(settings: Settings, machine: dict) -> str:

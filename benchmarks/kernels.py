@@ -36,7 +36,7 @@ OURS = {"linattn-log": "fla-gla", "linattn-plain": "fla-linear",           # our
         "linattn-fla-log": "fla-gla", "linattn-fla-plain": "fla-linear"}   # backend="fla"
 TARGETS = {method: 1.5 if method.endswith("-log") else 1.2 for method in OURS}   # issue 21: ours / fla's, at most
 FLA_METHODS = ("fla-gla", "fla-linear")
-NEEDS_FLA = FLA_METHODS + ("linattn-fla-log", "linattn-fla-plain")
+NEEDS_FLA = FLA_METHODS + tuple(method for method in OURS if method.startswith("linattn-fla-"))
 KERNEL_METHODS = tuple(OURS) + FLA_METHODS
 # HBM bandwidth in bytes/s by device name, for the share of the physical limit.
 PEAK_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H200": 4.8e12,
@@ -77,7 +77,7 @@ def make_inputs(method: str, shape: tuple[int, int, int, int, int], device: torc
 def attend(method: str):
     """The call of `method` on its inputs, returning the output."""
     if method in OURS:
-        log_space, backend = method.endswith("-log"), "fla" if method.startswith("linattn-fla") else "auto"
+        log_space, backend = method.endswith("-log"), "fla" if method in NEEDS_FLA else "auto"
         return lambda q, k, v: linattn.linear_attention(q, k, v, causal=True, rotary=True, log_space=log_space,
                                                         backend=backend)
     if method == "fla-gla":

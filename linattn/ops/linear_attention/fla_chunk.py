@@ -40,10 +40,9 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ...rotary import apply_rotary
 from .common import LogProjection, compute_dtype, divide, feature_tensors, finite_log_features, numerator_features
 from .recurrent import LinearState
-from .stable import NUMERATOR_CAP, numerator_scale
+from .stable import numerator_query, numerator_scale
 
 # The log decays g are bounded below.  A key feature of exactly 0 (log -inf, raised to a floor near
 # -8.5e37: a masked or left-padded key) before that feature's first real key makes one step's decay
@@ -144,12 +143,9 @@ def log_factors(b, a, *, rotary: bool, offset: int, rope_base: float, dot: torch
         feature_scale = a.cummax(-2).values                       # F
         pair_scale = numerator_scale(feature_scale, rotary)       # P
         row_scale = (b + feature_scale).amax(-1, keepdim=True)    # Q
-        steps = pair_scale.diff(dim=-2).neg().clamp_min(DECAY_FLOOR)
-        decay = torch.cat([torch.zeros_like(pair_scale[..., :1, :]), steps], dim=-2)
-    q_num = torch.exp((b + pair_scale - row_scale).clamp_max(NUMERATOR_CAP))
-    k_num = torch.exp(a - pair_scale)
-    if rotary:
-        q_num, k_num = (apply_rotary(x, offset=offset, base=rope_base) for x in (q_num, k_num))
+        decay = pair_scale.diff(dim=-2, prepend=pair_scale[..., :1, :]).neg().clamp_min(DECAY_FLOOR)   # g_1 = 0
+    q_num, k_num = numerator_features(numerator_query(b + pair_scale - row_scale), torch.exp(a - pair_scale),
+                                      rotary=rotary, offset=offset, base=rope_base)
     key_sums = a.logcumsumexp(-2)                                 # L
     denominator = torch.exp((b + key_sums).logsumexp(-1) - row_scale.squeeze(-1))
     last_scale = feature_scale[..., -1, :].clone()
