@@ -165,13 +165,13 @@ def model_from_checkpoint(checkpoint: dict[str, Any], path: Path | str = "checkp
         config = TrainConfig.saved_section(checkpoint["config"], "model")
     except ValueError as error:
         raise CheckpointError(f"{path}: its saved configuration is not valid ({first_line(error)})") from None
-    if backend is not None:
-        config = replace(config, backend=backend)
-        config.validate()   # a backend this attention has not: a usage error, not a damaged checkpoint
     try:
         config.validate()
     except ValueError as error:
         raise CheckpointError(f"{path}: its model settings are not usable ({first_line(error)})") from None
+    if backend is not None:
+        config = replace(config, backend=backend)
+        config.validate()   # a backend this attention has not: a usage error, not a damaged checkpoint
     model = ByteLM(config)
     load_weights(model, checkpoint["model"], path)
     return model
