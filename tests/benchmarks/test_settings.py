@@ -38,7 +38,7 @@ def test_lengths_default_to_the_device_and_run_small_to_large(tmp_path):
     (["--sections", "block", "--block-methods", "softmax,favor-sideways"],
      "unknown name(s) favor-sideways: expected softmax, softmax-xformers or <map>-<rope>[-<backend>]"),
     (["--sections", "model", "--device", "cpu", "--model-methods", "favor-post-fla"],
-     "--model-methods favor-post-fla cannot run with these settings: backend='fla' needs"),
+     "--model-methods favor-post-fla cannot run with these settings: backend='fla' "),   # needs fla, or runs on CUDA only
     (["--sections", "block", "--block-methods", "favor-post", "--num-features", "7"], "--block-methods favor-post cannot run"),
     (["--sections", "model", "--model-methods", "elu-post", "--head-dim", "5"], "--model-methods elu-post cannot run"),
     (["--sections", "kernels", "--kernel-features", "64,7"], "--kernel-features 7: the kernels section"),

@@ -1,11 +1,13 @@
 """The fla backend (fla_chunk.py): Eq. 19 mapped onto flash-linear-attention's chunk kernels.
 
-fla's kernels run on CUDA only (not in Triton's interpreter, whose program ids lack the methods they
-call), so on CPU a stand-in `fla` package takes their place (`fake_fla`): fla 0.6.0's `chunk_gla` and
+Most tests call a stand-in `fla` package (`fake_fla`): fla 0.6.0's `chunk_gla` and
 `chunk_linear_attn` with their signatures and (B, T, H, K) layout, computing the recurrence fla
 documents (fla.ops.gla.naive.naive_recurrent_gla), optionally with the decays as fla's kernels see
 them (a chunk-local float32 cumsum).  Tested in float64 against the torch backend: outputs, gradients
-and states.  On a GPU (`gpu` marker) fla's kernels run, and the recurrence is checked against them."""
+and states.  fla's own kernels run too: on CPU in Triton's interpreter (`fla_in_the_interpreter`, with
+fla-core installed, as the dev extra does), and on a GPU (`gpu` marker), where the recurrence is
+checked against them."""
+import ast
 import sys
 import types
 
@@ -15,6 +17,7 @@ import torch
 from linattn import LinearAttention
 from linattn.functional import linear_attention, linear_attention_step
 from linattn.ops.linear_attention import chunk, dispatch, fla_chunk
+from linattn.ops.linear_attention.backends import interpreting
 from linattn.ops.linear_attention.stable import NUMERATOR_CAP, pair_max
 
 B, H = 2, 2
@@ -245,6 +248,54 @@ def test_the_public_call_refuses_cpu_tensors(monkeypatch):
     q, k, v = (t.float() for t in features(4, 8, 4, log_space=False))
     with pytest.raises(ValueError, match="backend='fla' runs on CUDA tensors"):
         linear_attention(q, k, v, causal=True, rotary=True, backend="fla")
+
+
+# ---- on CPU: fla's own kernels in Triton's interpreter ---------------------------------------------
+
+@pytest.fixture
+def fla_in_the_interpreter(monkeypatch):
+    """fla's real chunk kernels, run by Triton's interpreter.  Two things the interpreter lacks are
+    supplied for the test: it makes assigned values tensors but leaves loop indices Python ints, on
+    which fla calls .to(tl.int64) (compiled Triton's loop indices are tensors), so loop indices become
+    tensors too; and with no driver to time configs, the autotuner keeps each kernel's first."""
+    pytest.importorskip("fla", reason="fla's kernels: pip install fla-core (the dev extra does)")
+    if CUDA or not interpreting():
+        pytest.skip("runs fla in Triton's interpreter (CPU); on a GPU the gpu tests run its kernels")
+    from triton.runtime import autotuner, interpreter
+
+    class LoopIndicesAsTensors(interpreter.ASTTransformer):
+        def visit_For(self, node):
+            self.generic_visit(node)
+            if isinstance(node.target, ast.Name):   # `i = i` first in the body: visit_Assign makes it a tensor
+                index = ast.Assign(targets=[ast.Name(node.target.id, ast.Store())],
+                                   value=ast.Name(node.target.id, ast.Load()))
+                node.body.insert(0, self.visit_Assign(index))
+            return node
+    monkeypatch.setattr(interpreter.FunctionRewriter, "ast_transformer", LoopIndicesAsTensors())
+    monkeypatch.setattr(interpreter.InterpretedFunction, "rewritten_fn", {})   # fla's kernels rewritten here only
+    monkeypatch.setattr(autotuner.Autotuner, "_bench", lambda self, *args, config, **kwargs: [0.0, 0.0, 0.0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("log_space,m,scale", [(True, 32, 8.0), (False, 16, 0.5)], ids=["log", "plain"])
+def test_flas_own_kernels_give_the_torch_backends_outputs_gradients_and_state(fla_in_the_interpreter, log_space,
+                                                                              m, scale):
+    """Two of fla's 64-token chunks, the values padded to fla's tiles (Dv = 24 -> 32), offset 3: fla's
+    kernels in float32 against the torch backend in float64."""
+    n, dv = 70, 24
+    tensors = [t.detach()[:1].float().requires_grad_() for t in features(n, m, dv, log_space=log_space, scale=scale)]
+    doubles = [t.detach().double().requires_grad_() for t in tensors]
+    weights = torch.randn(1, H, n, dv, generator=torch.Generator().manual_seed(1))
+    runs = []
+    for module, inputs in ((fla_chunk, tensors), (chunk, doubles)):
+        out, state = call(module, log_space, inputs, offset=3, return_state=True)
+        runs.append([out, *torch.autograd.grad((out * weights.to(out.dtype)).sum(), inputs), state.kv, state.k_sum,
+                     *([state.log_scale] if log_space else [])])
+        assert state.position == n + 3 and (state.log_scale is None) != log_space
+    names = ("out", "d q", "d k", "dv", "kv", "k_sum", "log_scale")[:len(runs[1])]
+    for name, got, want in zip(names, *runs, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5 * max(want.abs().max().item(), 1.0),
+                                   msg=name)
 
 
 # ---- on a GPU: fla's kernels ----------------------------------------------------------------------
