@@ -26,9 +26,13 @@ and forms only factors e^{G_m - G_n} <= 1 (n <= m) inside its chunks, so nothing
 * Gradients: fla's backward and autograd through these torch ops.  The scales P and Q are constants
   to autograd: out does not depend on them (they cancel exactly), so only the factors carry gradient.
   The factors and the denominator are recomputed in backward (torch.utils.checkpoint) instead of
-  kept: what a layer holds until its backward is then the features, fla's inputs and the values
-  (with a stand-in for fla that keeps its inputs, at M = Dv: 5.5 (B, H, N, M) float32 tensors' worth
-  for log-features against 9.8 when autograd kept everything, 3.5 against 4.8 for plain bf16 features).
+  kept, and so are log-features given as a `LogProjection` (FAVOR+'s block): what a layer holds until
+  its backward is then the features (for a projection its (B, H, N, D) inputs), what fla keeps, the
+  values and fla's half-precision output for the division.  In (B, H, N, M) float32 tensors' worth, at
+  M = Dv with a stand-in for fla that keeps its inputs: 5.0 for log-features and 3.0 for plain bf16
+  features, against 9.8 and 4.8 when autograd kept everything; 3.0 for a projection with M = 4D
+  (7.5 materialised outside).  fla's own kernels (in Triton's interpreter, M = 4D = 4Dv) keep their
+  float32 decays and its cumsum beside their inputs: 3.3 for a projection, 5.9 before.
 * State (`return_state`): fla's final state is sum_n R_n e^{a_n - P_N} v_n, the kv of `LinearState`
   at the last token's scales (log_scale F_N, the max of a over every key); k_sum is the cumsum's last
   row (e^{L_N - F_N} for log-features).
@@ -99,7 +103,7 @@ def linear_attention(phi_q, phi_k, v, *, causal: bool, rotary: bool, offset: int
             plain_factors, phi_q, phi_k, rotary=rotary, offset=offset, rope_base=rope_base, work=work, dot=dot,
             use_reentrant=False)
         numerator, kv = plain_linear_attention(q_num, k_num, v.to(dot), return_state=return_state)
-        out = divide(numerator.to(work), denominator).to(v.dtype)
+        out = divide(numerator, denominator).to(v.dtype)   # in float32 by promotion; keeps the half numerator
     if not return_state:
         return out
     return out, LinearState(kv.detach().to(work), last_key_sum, int(offset) + n)
@@ -122,23 +126,25 @@ def log_linear_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, ro
     # fp16 would overflow: query factors reach e^NUMERATOR_CAP = e^30 (fp16's largest is e^11)
     n, (work, dot) = v.shape[-2], dtypes(v, b, a, halves=(torch.bfloat16,))
     with torch.autocast(v.device.type, enabled=False):
-        b, a = (finite_log_features(x.materialize() if isinstance(x, LogProjection) else x).to(work) for x in (b, a))
         # Recomputed in backward rather than kept: kept, the factors, L and b + L hold about five
         # (B, H, N, M) float32 tensors per layer until backward reaches it (about 2.7 GB per layer at
-        # N = 65,536, h = 8, M = 256); recomputing them is elementwise work beside fla's.
-        factors = checkpoint(log_factors, b, a, rotary=rotary, offset=offset, rope_base=rope_base, dot=dot,
-                             use_reentrant=False)
+        # N = 65,536, h = 8, M = 256); recomputing them is elementwise work beside fla's.  A
+        # `LogProjection` (FAVOR+'s block) is materialised inside too, so that what is kept is its
+        # (B, H, N, D) inputs, not b and a (M = 4D in the benchmark's FAVOR+ block).
+        factors = checkpoint(log_factors, b, a, rotary=rotary, offset=offset, rope_base=rope_base, work=work,
+                             dot=dot, use_reentrant=False)
         q_num, k_num, decay, denominator, last_scale, last_key_sum = factors
         numerator, kv = gated_linear_attention(q_num, k_num, v.to(dot), decay, return_state=return_state)
-        out = divide(numerator.to(work), denominator).to(v.dtype)
+        out = divide(numerator, denominator).to(v.dtype)
     if not return_state:
         return out
     return out, LinearState(kv.detach().to(work), last_key_sum, int(offset) + n, last_scale)
 
 
-def log_factors(b, a, *, rotary: bool, offset: int, rope_base: float, dot: torch.dtype):
-    """fla's inputs and the denominator from log-features: (q, k in `dot`, the decay g, the denominator
-    scaled by e^{-Q}, and the state's F_N and e^{L_N - F_N})."""
+def log_factors(b, a, *, rotary: bool, offset: int, rope_base: float, work: torch.dtype, dot: torch.dtype):
+    """fla's inputs and the denominator from log-features (tensors or `LogProjection`s): (q, k in
+    `dot`, the decay g, the denominator scaled by e^{-Q}, and the state's F_N and e^{L_N - F_N})."""
+    b, a = (finite_log_features(x.materialize() if isinstance(x, LogProjection) else x).to(work) for x in (b, a))
     with torch.no_grad():   # the scales cancel exactly: constants to autograd
         feature_scale = a.cummax(-2).values                       # F
         pair_scale = numerator_scale(feature_scale, rotary)       # P
