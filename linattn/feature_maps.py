@@ -328,7 +328,12 @@ class FavorFeatureMap(FeatureMap):
         return {"seed": self.seed, "draws": self.draws, "training_calls": self.training_calls}
 
     def set_extra_state(self, state):
-        self.seed, self.draws, self.training_calls = state["seed"], state["draws"], state["training_calls"]
+        keys = ("seed", "draws", "training_calls")
+        if (not isinstance(state, dict) or set(state) != set(keys)
+                or not all(is_integer(state[key]) and state[key] >= 0 for key in keys)):
+            raise ValueError(f"the FAVOR+ map's saved redraw state should be non-negative integers {', '.join(keys)}, "
+                             f"got {state!r}")
+        self.seed, self.draws, self.training_calls = (int(state[key]) for key in keys)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, redraw_interval={self.redraw_interval}, seed={self.seed}"

@@ -294,6 +294,7 @@ def layer_seed(run_seed: int, layer: int) -> int:
 
 
 MAX_STEPS = 2**63   # steps are logged as int64, like the seeds' range [0, 2**63)
+MAX_EVAL_ITERS = 10_000   # batches per val estimate, scored inside a training step (a whole split: eval.py)
 
 
 @dataclass
@@ -348,6 +349,9 @@ class LogConfig:
         for name in ("eval_interval", "eval_iters", "log_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.eval_iters > MAX_EVAL_ITERS:   # each estimate scores them all, in the training step
+            raise ValueError(f"eval_iters must be at most {MAX_EVAL_ITERS:,} batches per estimate, got "
+                             f"{self.eval_iters:,}; eval.py scores a whole split")
         for name in ("ckpt_interval", "sample_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

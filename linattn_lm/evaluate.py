@@ -156,7 +156,11 @@ def non_finite_scores(model: ByteLM, rows: list[tuple[int, float, float]]) -> li
 
 
 def sample_text(model: ByteLM, args: argparse.Namespace, device: torch.device) -> str:
-    prompt = encode_text(args.generate)
+    try:
+        prompt = encode_text(args.generate)
+    except UnicodeEncodeError as error:   # undecodable bytes in the shell's argument
+        raise ValueError(f"--generate: the prompt is not UTF-8 text ({error.reason} at character {error.start}); "
+                         "give the prompt as UTF-8") from None
     if len(prompt) == 0:
         raise ValueError("--generate needs a non-empty prompt")
     generator = torch.Generator(device).manual_seed(args.seed)

@@ -227,6 +227,16 @@ def test_favor_redraw_schedule_survives_state_dict_round_trip(tmp_path):
     assert restored.feature_map.get_extra_state() == block.feature_map.get_extra_state()
 
 
+@pytest.mark.parametrize("state", [{"bogus": 1}, {"seed": 0, "draws": -1, "training_calls": 2},
+                                   {"seed": 0, "draws": 1, "training_calls": 2.5}, [0, 1, 2]])
+def test_a_damaged_redraw_state_is_refused_by_name(state):
+    block = LinearAttention(16, 2, feature_map_options={"num_features": 8})
+    saved = block.state_dict()
+    saved["feature_map._extra_state"] = state
+    with pytest.raises(ValueError, match="the FAVOR\\+ map's saved redraw state should be non-negative integers"):
+        block.load_state_dict(saved)
+
+
 @pytest.mark.parametrize("name", ["elu", "favor", "softmax"])
 @pytest.mark.parametrize("rope", ["post", "pre", "none"])
 @pytest.mark.parametrize("autocast", [False, True])

@@ -140,6 +140,7 @@ def test_a_saved_config_is_read_as_resume_reads_it(damage, message: str, data_di
     (["--device", "cuda:abc"], "not a device name"),
     (["--seed", "18446744073709551616"], "--seed must be in"),
     (["--batch-size", "0"], "--batch-size must be positive"),
+    (["--generate", "\udcff\udcfe"], "--generate: the prompt is not UTF-8 text"),   # bytes 0xff 0xfe from a shell
 ])
 def test_bad_flags_are_clear(argv: list[str], message: str, data_dir: Path, tmp_path: Path, run_main,
                              make_model) -> None:

@@ -124,6 +124,7 @@ def test_run_names_that_name_no_directory_of_their_own_are_refused(name: str, tm
     (["--out-dir", ""], "out_dir must name a directory, got ''"),
     (["--threads", "-1"], "threads must be in"),
     (["--import", "no_such_module_here"], "--import no_such_module_here: cannot import it"),
+    (["--eval-iters", "100000000"], "eval_iters must be at most 10,000 batches per estimate"),
 ])
 def test_bad_flags_are_usage_errors(argv: list[str], message: str, run_main) -> None:
     code, _, err = run_main(training.main, argv)
