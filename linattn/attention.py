@@ -59,6 +59,9 @@ class _Projections(nn.Module):
             raise ValueError(f"{type(self).__name__} expects input of shape {shape} with "
                              f"dim={self.dim}, got {got}")
         weight = self.to_qkv.weight
+        if x.device != weight.device or x.device.type == "meta":   # torch's own errors come from deep inside
+            raise ValueError(f"{type(self).__name__}'s parameters are on {weight.device} and the input on {x.device}; "
+                             f"put both on one device that computes (block.to(device), x.to(device)), not meta")
         if x.dtype != weight.dtype and not (x.is_floating_point() and torch.is_autocast_enabled(x.device.type)):
             raise ValueError(f"{type(self).__name__}'s parameters are {weight.dtype} but the input is {x.dtype}; "
                              f"convert one to the other (block.to(dtype) or x.to(dtype)), or use autocast")

@@ -1,5 +1,6 @@
 """The attention blocks: softmax baseline against a naive reference, strict causality, recurrent
 decoding against the parallel forward, relative positions, and bad input."""
+import copy
 import importlib
 import warnings
 
@@ -345,6 +346,18 @@ def test_an_input_of_another_dtype_than_the_block_is_refused_clearly(block):
         block(torch.randn(1, 3, 32, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"but the input is torch.int64"):
         block(torch.ones(1, 3, 32, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("block", [LinearAttention(32, 4), SoftmaxAttention(32, 4, rope=True)], ids=["linear", "softmax"])
+def test_an_input_on_another_device_or_on_meta_is_refused_clearly(block):
+    """torch's own errors here came from inside autocast and meta registrations."""
+    x = torch.randn(1, 3, 32, device="meta")
+    with pytest.raises(ValueError, match=r"parameters are on cpu and the input on meta; put both on one device"):
+        block(x)
+    with pytest.raises(ValueError, match=r"parameters are on cpu and the input on meta"):
+        block.step(x[:, 0])
+    with pytest.raises(ValueError, match=r"parameters are on meta and the input on meta"):
+        copy.deepcopy(block).to("meta")(x)
 
 
 def test_attend_refuses_tensors_that_are_not_this_blocks_heads():
