@@ -251,9 +251,13 @@ def output_gradients(grad: torch.Tensor, out: torch.Tensor, denominator: torch.T
 
 
 def numerator_features(phi_q, phi_k, *, rotary: bool, offset: int, base: float):
-    if not rotary:
-        return phi_q, phi_k
-    return apply_rotary(phi_q, offset=offset, base=base), apply_rotary(phi_k, offset=offset, base=base)
+    return (numerator_feature(phi_q, rotary=rotary, offset=offset, base=base),
+            numerator_feature(phi_k, rotary=rotary, offset=offset, base=base))
+
+
+def numerator_feature(phi, *, rotary: bool, offset: int, base: float):
+    """Eq. 19's R_n phi_n (phi itself when unrotated): one side of `numerator_features`."""
+    return apply_rotary(phi, offset=offset, base=base) if rotary else phi
 
 
 def without_autocast(backward):
