@@ -16,14 +16,16 @@ from linattn.ops.linear_attention import chunk_parallel
 from linattn.ops.linear_attention.triton_common import launch_fitting
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-B, H = 1, 2
+# One row of programs: the interpreter's time grows with them.  Batches and heads each getting
+# their own rows is tested once, below.
+B, H = 1, 1
 H100_SHARED_MEMORY = 232_448   # bytes per block an H100 (sm_90) can give one kernel
 
 
-def inputs(n, m, dv, *, seed=0, dtype=torch.float32):
+def inputs(n, m, dv, *, seed=0, dtype=torch.float32, batch=B, heads=H):
     gen = torch.Generator().manual_seed(seed)
-    phi_q, phi_k = (torch.rand(B, H, n, m, generator=gen) + 0.05 for _ in range(2))
-    v = torch.randn(B, H, n, dv, generator=gen)
+    phi_q, phi_k = (torch.rand(batch, heads, n, m, generator=gen) + 0.05 for _ in range(2))
+    v = torch.randn(batch, heads, n, dv, generator=gen)
     return [t.to(DEVICE, dtype).requires_grad_() for t in (phi_q, phi_k, v)]
 
 
@@ -32,9 +34,10 @@ def outputs_and_grads(fn, tensors, weights):
     return (out, *torch.autograd.grad((out * weights).sum(), tensors))
 
 
-def assert_matches_reference(n, m, dv, *, rotary, offset, chunk, causal=True, rtol=2e-4, atol=2e-5):
-    tensors = inputs(n, m, dv)
-    weights = torch.randn(B, H, n, dv, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+def assert_matches_reference(n, m, dv, *, rotary, offset, chunk, causal=True, rtol=2e-4, atol=2e-5, batch=B,
+                             heads=H):
+    tensors = inputs(n, m, dv, batch=batch, heads=heads)
+    weights = torch.randn(batch, heads, n, dv, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     got = outputs_and_grads(lambda q, k, v: chunk_parallel.linear_attention(
         q, k, v, causal=causal, rotary=rotary, offset=offset, chunk=chunk), tensors, weights)
     doubles = [t.detach().cpu().double().requires_grad_() for t in tensors]
@@ -63,6 +66,11 @@ def test_several_feature_and_value_tiles_match_reference(rotary, causal, monkeyp
     monkeypatch.setattr(chunk_parallel, "_FITTING_LEVEL", {})
     monkeypatch.setattr(chunk_parallel, "TILE_LEVELS", ((16, 16),))
     assert_matches_reference(45, 48, 40, rotary=rotary, offset=7, chunk=16, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_batches_and_heads_each_read_and_write_their_own_rows(causal):
+    assert_matches_reference(20, 16, 16, rotary=True, offset=3, chunk=16, causal=causal, batch=2, heads=2)
 
 
 @pytest.mark.parametrize("rotary", [True, False], ids=["post", "unrotated"])

@@ -18,17 +18,19 @@ from linattn.ops.linear_attention import log_chunk_parallel
 from linattn.ops.linear_attention.naive import log_linear_attention_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-B, H = 1, 2
+# One row of programs: the interpreter's time grows with them.  Batches and heads each getting
+# their own rows is tested once, below.
+B, H = 1, 1
 H100_SHARED_MEMORY = 232_448   # bytes per block an H100 (sm_90) can give one kernel
 
 
-def log_inputs(n, m, dv, *, key_scale=2.0, query_scale=2.0, seed=0, dtype=torch.float32):
+def log_inputs(n, m, dv, *, key_scale=2.0, query_scale=2.0, seed=0, dtype=torch.float32, batch=B, heads=H):
     """Log-features and values that require grad.  Query pairs (2i, 2i+1) are equal, so the
     numerator cap never acts (stable.py) and float64 Eq. 19 is the exact answer."""
     gen = torch.Generator().manual_seed(seed)
-    b = (torch.randn(B, H, n, m // 2, generator=gen) * query_scale).repeat_interleave(2, dim=-1)
-    a = torch.randn(B, H, n, m, generator=gen) * key_scale
-    v = torch.randn(B, H, n, dv, generator=gen)
+    b = (torch.randn(batch, heads, n, m // 2, generator=gen) * query_scale).repeat_interleave(2, dim=-1)
+    a = torch.randn(batch, heads, n, m, generator=gen) * key_scale
+    v = torch.randn(batch, heads, n, dv, generator=gen)
     return [t.to(DEVICE, dtype).requires_grad_() for t in (b, a, v)]
 
 
@@ -70,6 +72,11 @@ def test_values_and_gradients_match_reference(n, m, dv, offset, rotary, causal):
     """Ragged N: one row; sub-chunks of 16 with a ragged last one; a second chunk of 64 (its state
     read and its gradient carried back)."""
     assert_matches_reference(log_inputs(n, m, dv), causal=causal, rotary=rotary, offset=offset)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_batches_and_heads_each_read_and_write_their_own_rows(causal):
+    assert_matches_reference(log_inputs(20, 16, 16, batch=2, heads=2), causal=causal, rotary=True, offset=3)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])

@@ -18,7 +18,7 @@ from linattn import LinearAttention, SoftmaxAttention
 from linattn.functional import linear_attention, linear_attention_reference, linear_attention_step
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-B, H = 1, 2
+B, H = 1, 1   # one row of programs (the interpreter is slow); several: test_chunk_parallel.py, the block tests
 
 
 def inputs(n, m, dv, *, seed=0, device=DEVICE, dtype=torch.float32):
@@ -56,8 +56,8 @@ def assert_matches_reference(causal, rotary, n, m, dv, offset, rtol=2e-4, atol=2
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("rotary", [True, False], ids=["post", "unrotated"])
-@pytest.mark.parametrize("n,m,dv", [(1, 16, 16), (70, 16, 64), (129, 64, 16), (65, 256, 64)])
-@pytest.mark.parametrize("offset", [0, 100_000])
+@pytest.mark.parametrize("n,m,dv,offset", [(1, 16, 16, 0), (70, 16, 64, 100_000), (129, 64, 16, 0),
+                                            (65, 256, 64, 100_000)])
 def test_values_and_gradients_match_reference(causal, rotary, n, m, dv, offset):
     assert_matches_reference(causal, rotary, n, m, dv, offset)
 
@@ -126,7 +126,7 @@ def test_float64_is_refused_with_a_way_out():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error without the interpreter")
-@pytest.mark.parametrize("interpret", [None, "0", "false", "2"])
+@pytest.mark.parametrize("interpret", [None, "false", "2"])
 def test_cpu_tensors_outside_the_interpreter_get_a_clear_error(interpret):
     """Whatever value triton reads as off ("false", "2") is off for linattn too."""
     code = ("import torch; from linattn.functional import linear_attention\n"
