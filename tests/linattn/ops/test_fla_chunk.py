@@ -292,10 +292,10 @@ def test_flas_own_kernels_give_the_torch_backends_outputs_gradients_and_state(fl
     """Two of fla's 64-token chunks, the values padded to fla's tiles (Dv = 24 -> 32), offset 3: fla's
     kernels in float32 against the torch backend in float64."""
     n, dv = 70, 24
-    tensors = [t.detach()[:1, :1].float().requires_grad_()   # one row of programs: the interpreter is slow
+    tensors = [t.detach()[:1].float().requires_grad_()   # 2 heads: fla's (B, T, H, K) layout is exercised
                for t in features(n, m, dv, log_space=log_space, scale=scale)]
     doubles = [t.detach().double().requires_grad_() for t in tensors]
-    weights = torch.randn(1, 1, n, dv, generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(1, H, n, dv, generator=torch.Generator().manual_seed(1))
     runs = []
     for module, inputs in ((fla_chunk, tensors), (chunk, doubles)):
         out, state = call(module, log_space, inputs, offset=3, return_state=True)
