@@ -38,8 +38,8 @@ DEVICE_HINT = "use auto, cpu, cuda, cuda:N or mps"
 
 def resolve_device(name: str | None) -> torch.device:
     """'auto' (or None) picks CUDA when available; cpu, cuda[:N] and mps are checked against
-    this machine."""
-    if name in (None, "", "auto"):
+    this machine.  An empty name is refused: it is a mistake (an unset shell variable), not a choice."""
+    if name in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)

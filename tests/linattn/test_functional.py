@@ -136,6 +136,8 @@ def test_post_numerator_rotated_denominator_not():
     (dict(phi_q=torch.rand(2, 8, 4)), "must have 4 dimensions"),
     (dict(v=torch.rand(1, 2, 9, 3)), "disagree"),
     (dict(phi_k=torch.rand(1, 2, 8, 6)), "same shape"),
+    (dict(phi_q=torch.rand(1, 2, 8, 0), phi_k=torch.rand(1, 2, 8, 0)), r"at least one feature.*\(M = 0\)"),
+    (dict(phi_q=torch.rand(1, 2, 8, 0), phi_k=torch.rand(1, 2, 8, 0), rotary=False), "at least one feature"),
     (dict(phi_q=torch.rand(1, 2, 8, 5), phi_k=torch.rand(1, 2, 8, 5)), "must be even"),
     (dict(chunk_size=0), "chunk_size"),
     (dict(chunk_size=2.5), "positive integer"),
@@ -217,6 +219,7 @@ def test_log_features_of_exactly_zero_features_give_the_plain_result(causal, rot
     (dict(log_space=None), "log_space must be True or False, got None"),
     (dict(v=torch.rand(1, 2, 3, device="meta")), "must be on one device"),
     (dict(phi_q=torch.rand(1, 2, 4, dtype=torch.complex64)), "phi_q must be a real floating-point tensor"),
+    (dict(phi_q=torch.rand(1, 2, 0), phi_k=torch.rand(1, 2, 0), rotary=False), "at least one feature"),
 ])
 def test_step_bad_arguments_raise_clear_value_errors(bad, message):
     args = dict(phi_q=torch.rand(1, 2, 4), phi_k=torch.rand(1, 2, 4), v=torch.rand(1, 2, 3), state=None,

@@ -138,6 +138,7 @@ def test_a_saved_config_is_read_as_resume_reads_it(damage, message: str, data_di
     (["--temperature", "-1"], "--temperature must be >= 0"),
     (["--device", "tpu"], "not a device name"),
     (["--device", "cuda:abc"], "not a device name"),
+    (["--device", ""], "not a device name"),
     (["--seed", "18446744073709551616"], "--seed must be in"),
     (["--batch-size", "0"], "--batch-size must be positive"),
     (["--generate", "\udcff\udcfe"], "--generate: the prompt is not UTF-8 text"),   # bytes 0xff 0xfe from a shell

@@ -120,6 +120,7 @@ def test_run_names_that_name_no_directory_of_their_own_are_refused(name: str, tm
     (["--device", "tpu"], "device 'tpu' is not a device name"),
     (["--device", "gpu"], "device 'gpu' is not a device name"),
     (["--device", "cuda:abc"], "device 'cuda:abc' is not a device name"),
+    (["--device", ""], "device '' is not a device name"),
     (["--run-name", "../elsewhere"], "run_name must be a relative name"),
     (["--out-dir", ""], "out_dir must name a directory, got ''"),
     (["--threads", "-1"], "threads must be in"),

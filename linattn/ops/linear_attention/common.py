@@ -71,6 +71,8 @@ def check_features(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *,
     if phi_q.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"features {tuple(phi_q.shape)} and values {tuple(v.shape)} disagree before "
                          f"the last dimension; expected {names}")
+    if phi_q.shape[-1] == 0:   # no features: every denominator is 0, so no weighting of the values exists
+        raise ValueError(f"features need at least one feature, got shape {tuple(phi_q.shape)} (M = 0)")
 
 
 def check_log_features(phi_q, phi_k, v: torch.Tensor) -> None:
@@ -79,8 +81,6 @@ def check_log_features(phi_q, phi_k, v: torch.Tensor) -> None:
     map gives some features, and a projection reads some inputs)."""
     if not any(isinstance(x, LogProjection) for x in (phi_q, phi_k)):
         check_features(phi_q, phi_k, v, rank=4)
-        if phi_q.shape[-1] == 0:
-            raise ValueError(f"log-features need at least one feature, got shape {tuple(phi_q.shape)} (M = 0)")
         return
     shapes = []
     for name, x in (("phi_q", phi_q), ("phi_k", phi_k)):
