@@ -89,11 +89,7 @@ def check_log_features(phi_q, phi_k, v: torch.Tensor) -> None:
             shapes.append(tuple(x.shape))
             continue
         inputs, weight, shift, square_scale = x
-        if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in (inputs, weight)) \
-                or not (isinstance(shift, torch.Tensor) and shift.is_floating_point() or is_real(shift)) \
-                or not is_real(square_scale):
-            raise ValueError(f"{name}: a LogProjection holds floating tensors (inputs, weight), a shift that is a "
-                             f"floating tensor or a finite number, and a finite number square_scale")
+        check_projection_parts(name, inputs, weight, shift, square_scale)
         shift_shape = tuple(shift.shape) if isinstance(shift, torch.Tensor) else (*inputs.shape[:-1], 1)
         if inputs.dim() != 4 or weight.dim() != 2 or weight.shape[-1] != inputs.shape[-1] \
                 or shift_shape != (*inputs.shape[:-1], 1):
@@ -110,6 +106,20 @@ def check_log_features(phi_q, phi_k, v: torch.Tensor) -> None:
     if shapes[0] != shapes[1]:
         raise ValueError(f"phi_q and phi_k give log-features of shapes {shapes[0]} and {shapes[1]}; map "
                          f"queries and keys with the same feature map")
+
+
+def check_projection_parts(name: str, inputs, weight, shift, square_scale) -> None:
+    """Each part of a LogProjection has its type; the error names the part that has not."""
+    def kind(x):
+        return f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else f"{x!r}"
+    for part, t in (("inputs", inputs), ("weight", weight)):
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+            raise ValueError(f"{name}: a LogProjection's {part} must be a floating-point tensor, got {kind(t)}")
+    if not (isinstance(shift, torch.Tensor) and shift.is_floating_point() or is_real(shift)):
+        raise ValueError(f"{name}: a LogProjection's shift must be a floating-point tensor or a finite number, "
+                         f"got {kind(shift)}")
+    if not is_real(square_scale):
+        raise ValueError(f"{name}: a LogProjection's square_scale must be a finite number, got {kind(square_scale)}")
 
 
 def check_dtypes(phi_q, phi_k, v: torch.Tensor, log_space: bool = False) -> None:
