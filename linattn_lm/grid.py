@@ -40,7 +40,7 @@ from .config import (ATTENTION_BACKENDS, DEFAULT_PRESET, TrainConfig, check_run_
                      config_from_flags)
 from .data import check_window_fits, load_split
 from .evaluate import bpc_table
-from .grid_report import RECORD_KEYS, RESULT_NAME, damaged, read_record, write_report
+from .grid_report import FIT_KEYS, RECORD_KEYS, RESULT_NAME, damaged, read_record, write_report
 from .ngram import reference_bpc
 from .runlock import DirectoryLock
 from .runtime import keep_freed_memory, write_atomically
@@ -129,8 +129,9 @@ def make_record(name: str, result: TrainResult, config: TrainConfig,
               "final_val_bpc": result.final_val_bpc, "best_val_bpc": result.best_val_bpc,
               "tokens_per_s": result.tokens_per_s, "peak_memory_mb": result.peak_memory_mb,
               "parameters": result.parameters, "wall_time_s": result.wall_seconds, "data": result.data,
-              "val_steps": result.val_steps, "val_bpc": result.val_bpc, "scores": scores, "config": config.flat()}
-    assert set(record) == set(RECORD_KEYS)
+              "val_steps": result.val_steps, "val_bpc": result.val_bpc, "scores": scores, "config": config.flat(),
+              "train_bpc": result.train_bpc, "train_bytes": result.train_bytes}
+    assert set(record) == {*RECORD_KEYS, *FIT_KEYS}
     return record
 
 

@@ -32,6 +32,10 @@ RESULT_NAME = "result.json"
 COLUMNS = ["variant", "seed", "final_val_bpc", "best_val_bpc", "tokens_per_s", "peak_memory_mb", "parameters",
            "steps", "wall_time_s", "data"]
 RECORD_KEYS = [*COLUMNS, "val_steps", "val_bpc", "scores", "config"]   # a run's result.json
+# Also in a run's result.json since the train-split estimate was added (absent from older records):
+# train_bpc, the estimate at each val step (None where a run from before it was resumed), and the
+# training split's length in bytes, which gives the passes over it.
+FIT_KEYS = ("train_bpc", "train_bytes")
 Records = dict[tuple[int, str], dict[str, Any]]
 # The fields of a record the report reads, by kind (scores, curves and config are checked apart).
 TEXT_FIELDS = ("variant", "data")
@@ -83,7 +87,23 @@ def record_problem(record: Any) -> str | None:
             return wrong(key, record[key], expected)
     if len(record["val_bpc"]) != len(record["val_steps"]):
         return f"val_bpc has {len(record['val_bpc'])} values for {len(record['val_steps'])} val_steps"
-    return scores_problem(record["scores"]) or config_problem(record["config"])
+    return fit_problem(record) or scores_problem(record["scores"]) or config_problem(record["config"])
+
+
+def fit_problem(record: dict[str, Any]) -> str | None:
+    """The train-split fields, when the record has them (both or neither)."""
+    present = [key for key in FIT_KEYS if key in record]
+    if not present:
+        return None
+    if len(present) < len(FIT_KEYS):
+        return f"{present[0]} without {', '.join(key for key in FIT_KEYS if key not in record)}"
+    if not (is_count(record["train_bytes"]) and record["train_bytes"] > 0):
+        return wrong("train_bytes", record["train_bytes"], "a whole number > 0")
+    if not is_list_of(record["train_bpc"], lambda v: v is None or is_number(v)):
+        return wrong("train_bpc", record["train_bpc"], "a list of numbers (or null)")
+    if len(record["train_bpc"]) != len(record["val_steps"]):
+        return f"train_bpc has {len(record['train_bpc'])} values for {len(record['val_steps'])} val_steps"
+    return None
 
 
 def wrong(key: str, value: Any, expected: str) -> str:
@@ -259,6 +279,34 @@ def signed(value: float) -> str:
     return "n/a" if math.isnan(value) else f"{value:+.3f}"
 
 
+def passes(record: dict[str, Any]) -> float:
+    """Passes over the training split: the bytes of the windows trained on / the split's length."""
+    config = record["config"]
+    return record["steps"] * config["batch_size"] * config["seq_len"] / record["train_bytes"]
+
+
+def last_train_estimate(record: dict[str, Any]) -> float:
+    """The train-split estimate at the last evaluation (nan where there is none)."""
+    values = record.get("train_bpc") or [None]
+    return math.nan if values[-1] is None else values[-1]
+
+
+def fit_table(variants: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Passes over the training split and the gap between val and train estimates at the last
+    evaluation (the same fixed-window measurement on both splits); variants whose records have them."""
+    rows = [(name, runs) for name, runs in variants.items() if all("train_bytes" in r for r in runs)]
+    if not rows:
+        return []
+    lines = ["| variant | seeds | passes over the train split | train bpc (estimate) | val bpc (estimate) | "
+             "val - train |", "|---|---|---|---|---|---|"]
+    for name, runs in rows:
+        gaps = [r["final_val_bpc"] - last_train_estimate(r) for r in runs]
+        lines.append(f"| {name} | {','.join(str(r['seed']) for r in runs)} | {np.mean([passes(r) for r in runs]):.3g} | "
+                     f"{mean_std(map(last_train_estimate, runs))} | {mean_std(r['final_val_bpc'] for r in runs)} | "
+                     f"{mean_std(gaps)} |")
+    return lines
+
+
 def extrapolation_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> list[str]:
     lengths = sorted({int(n) for runs in variants.values() for r in runs for n in r["scores"].get("val", {})})
     if len(lengths) < 2:
@@ -316,6 +364,11 @@ def results_markdown(grid_dir: Path, records: Records, variants: dict[str, list[
     if against_softmax:
         markdown += ["", "## Against softmax attention with RoPE (whole val split, bpc; paired by seed, closest "
                      "first)", "", *against_softmax]
+    fit = fit_table(variants)
+    if fit:
+        markdown += ["", "## Fit: passes over the training split and the train-val gap (last evaluation)", "",
+                     f"Both estimates: {config.log.eval_iters} fixed batches of the split, in eval mode; a gap that "
+                     "grows over training means the model has begun to memorise the training split.", "", *fit]
     extrapolation = extrapolation_table(variants, seq_len)
     if extrapolation:
         markdown += ["", "## Length extrapolation (whole val split, bpc by window length)", "", *extrapolation]
@@ -325,27 +378,53 @@ def results_markdown(grid_dir: Path, records: Records, variants: dict[str, list[
 def plot_curves(path: Path, title: str, variants: dict[str, list[dict[str, Any]]],
                 reference: dict[str, dict[int, float]]) -> None:
     """Mean validation curve per variant over the seeds that reached each step, the seeds' range as
-    a band; the val n-gram lines in grey."""
-    figure, axes = plt.subplots(figsize=(9, 5.5))
-    families: dict[str, str] = {}
+    a band; the val n-gram lines in grey.  Where runs have train-split estimates, a second panel
+    shows the mean val - train gap over training."""
+    with_gap = {name: runs for name, runs in variants.items() if all(gap_curve(r) is not None for r in runs)}
+    figure, panels = plt.subplots(1, 2 if with_gap else 1, figsize=(15 if with_gap else 9, 5.5), squeeze=False)
+    axes, families = panels[0][0], {}
     for name, runs in variants.items():
-        family, levels = factors(runs[0]["config"])
-        options = {key: level for key, level in levels.items() if key not in ("rope", "positions")}
-        color = families.setdefault(f"{family} {options}", f"C{len(families) % 10}")
+        style = curve_style(runs[0]["config"], families)
         steps = runs[0]["val_steps"]
         curves = np.array([r["val_bpc"] for r in runs if r["val_steps"] == steps])
-        style = dict(color=color, linestyle={"post": "-", "pre": "--", "none": ":"}[levels["rope"]],
-                     marker="s" if levels["positions"] == "learned" else "o", markersize=3)
         axes.plot(steps, curves.mean(axis=0), label=f"{name} ({len(curves)} seeds)", **style)
         if len(curves) > 1:
-            axes.fill_between(steps, curves.min(axis=0), curves.max(axis=0), color=color, alpha=0.15)
+            axes.fill_between(steps, curves.min(axis=0), curves.max(axis=0), color=style["color"], alpha=0.15)
+        if name in with_gap:
+            gaps = np.array([gap_curve(r) for r in runs if r["val_steps"] == steps])
+            panels[0][1].plot(steps, gaps.mean(axis=0), label=name, **style)
     for order, bpc in reference.get("val", {}).items():
         axes.axhline(bpc, color="grey", linewidth=0.8, alpha=0.6)
         axes.annotate(f"order-{order} n-gram", (1, bpc), xycoords=("axes fraction", "data"),
                       ha="right", va="bottom", fontsize=7, color="grey")
     axes.set(xlabel="step", ylabel="val bpc (estimate)", title=f"{title}: validation bits per byte, "
              "mean over seeds (band: seed range)")
+    if with_gap:
+        gap_axes = panels[0][1]
+        gap_axes.axhline(0, color="grey", linewidth=0.8)
+        gap_axes.set(xlabel="step", ylabel="val - train bpc (estimates)", title="generalisation gap, mean over seeds")
+        gap_axes.grid(alpha=0.3)
+        gap_axes.legend(fontsize=8)
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
+    figure.tight_layout()
     figure.savefig(path, format="png", dpi=120)
     plt.close(figure)
+
+
+def curve_style(config: dict[str, Any], families: dict[str, str]) -> dict[str, Any]:
+    """One colour per family and options (`families` collects them), the line by RoPE placement,
+    squares for learned positions."""
+    family, levels = factors(config)
+    options = {key: level for key, level in levels.items() if key not in ("rope", "positions")}
+    color = families.setdefault(f"{family} {options}", f"C{len(families) % 10}")
+    return dict(color=color, linestyle={"post": "-", "pre": "--", "none": ":"}[levels["rope"]],
+                marker="s" if levels["positions"] == "learned" else "o", markersize=3)
+
+
+def gap_curve(record: dict[str, Any]) -> list[float] | None:
+    """val - train estimate at each val step, None unless every step has a train estimate."""
+    train = record.get("train_bpc")
+    if not train or any(value is None for value in train):
+        return None
+    return [val - tr for val, tr in zip(record["val_bpc"], train)]

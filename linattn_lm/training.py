@@ -183,20 +183,30 @@ class RunStats:
     peak_memory_mb: float = 0.0     # the largest peak of the run's segments (resumes included)
     val_steps: list[int] = field(default_factory=list)
     val_bpc: list[float] = field(default_factory=list)
+    # bpc on fixed train windows at each val step, measured as val is (eval mode, same precision), so
+    # val_bpc - train_bpc is the generalisation gap; None where a run from before it was resumed.
+    train_bpc: list[float | None] = field(default_factory=list)
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "RunStats":
         """The counters saved in a checkpoint, refused unless each has its type (a ValueError)."""
+        if "train_bpc" not in state and isinstance(state.get("val_steps"), list):   # saved before it was measured
+            state = {**state, "train_bpc": [None] * len(state["val_steps"])}
         stats = cls(**state)
         for spec in fields(cls):
             value = getattr(stats, spec.name)
             if spec.name in ("val_steps", "val_bpc"):
                 if not isinstance(value, list) or not all(map(_is_number, value)):
                     raise ValueError(f"{spec.name} is {value!r}, not a list of numbers")
+            elif spec.name == "train_bpc":
+                if not isinstance(value, list) or not all(v is None or _is_number(v) for v in value):
+                    raise ValueError(f"{spec.name} is {value!r}, not a list of numbers (or None)")
             elif not _is_number(value) or value < 0:
                 raise ValueError(f"{spec.name} is {value!r}, not a number >= 0")
-        if len(stats.val_steps) != len(stats.val_bpc):
-            raise ValueError(f"val_steps and val_bpc differ in length ({len(stats.val_steps)} and {len(stats.val_bpc)})")
+        for name in ("val_bpc", "train_bpc"):
+            if len(stats.val_steps) != len(getattr(stats, name)):
+                raise ValueError(f"val_steps and {name} differ in length ({len(stats.val_steps)} and "
+                                 f"{len(getattr(stats, name))})")
         return stats
 
     @property
@@ -229,6 +239,8 @@ class TrainResult:
     data: str
     val_steps: list[int]
     val_bpc: list[float]
+    train_bpc: list[float | None] = field(default_factory=list)   # at val_steps, on fixed train windows
+    train_bytes: int = 0             # the training split's length: tokens seen / train_bytes = passes over it
     dtype: str = "auto"              # the precision it computed in (fp32, bf16, fp16)
     stop_signal: int = 0             # the signal that stopped the run early, 0 if it finished
     late_signal: int = 0             # a signal that came with the last step (the run finished)
@@ -286,11 +298,18 @@ def load_for_resume(path: Path, config: TrainConfig, data: str) -> dict[str, Any
     return checkpoint
 
 
-def evaluate(model: torch.nn.Module, val: RandomWindows, config: TrainConfig, ctx: Distributed, dtype: str) -> float:
-    """Validation bpc on eval_iters fixed batches in precision `dtype`: the same windows at every
-    evaluation and, with the same seed, for every variant.  Each rank takes its share; the sums are
-    combined."""
-    batches = (val.batch_at(i) for i in range(config.log.eval_iters))
+# The train-split estimate reads batches of the training stream from this index on, which training
+# never reaches: fixed windows, the same at every evaluation and on resume, that no step trained on
+# as a batch (a window can still overlap ones trained on: that is what passes over the split mean).
+TRAIN_ESTIMATE_FIRST_BATCH = 2 ** 40
+
+
+def evaluate(model: torch.nn.Module, windows: RandomWindows, config: TrainConfig, ctx: Distributed, dtype: str,
+             first_batch: int = 0) -> float:
+    """bpc on eval_iters fixed batches (from `first_batch` on) in precision `dtype`: the same windows
+    at every evaluation and, with the same seed, for every variant.  Each rank takes its share; the
+    sums are combined."""
+    batches = (windows.batch_at(first_batch + i) for i in range(config.log.eval_iters))
     nats, count = summed_loss(model, batches, ctx.device, dtype)
     totals = ctx.sum(torch.tensor([nats, count], dtype=torch.float64, device=ctx.device))
     return bits_per_byte((totals[0] / totals[1]).item())
@@ -378,7 +397,7 @@ class Trainer:
                        seed=config.model.seed, rank=ctx.rank, world_size=ctx.world_size)
         self.train_batches = RandomWindows(train_split, **windows)
         self.val_batches = RandomWindows(self.val_split, **windows)
-        self.data = train_split.description
+        self.data, self.train_bytes = train_split.description, len(train_split)
         self.log(f"data: {self.data} from {self.data_dir} "
                  f"(train {len(train_split):,} bytes, val {len(self.val_split):,})")
 
@@ -560,17 +579,29 @@ class Trainer:
         config, step = self.config, self.step
         if step % config.log.eval_interval == 0 or step == config.optim.steps:
             val_bpc = evaluate(self.compiled, self.val_batches, config, self.ctx, self.dtype)
+            train_bpc = evaluate(self.compiled, self.train_batches, config, self.ctx, self.dtype,
+                                 first_batch=TRAIN_ESTIMATE_FIRST_BATCH)
             self.stats.val_steps.append(step)
             self.stats.val_bpc.append(val_bpc)
+            self.stats.train_bpc.append(train_bpc)
             self.scalar("val/loss", val_bpc / BITS_PER_NAT)
             self.scalar("val/bpc", val_bpc)
+            self.scalar("train_windows/bpc", train_bpc)
+            self.scalar("val/gap_to_train_bpc", val_bpc - train_bpc)
+            self.scalar("passes", self.passes)
             speed = self.stats.tokens_per_s   # nan until a step's time is counted (right after the first)
-            self.log(f"step {step}/{config.optim.steps} | val bpc {val_bpc:.4f}"
+            self.log(f"step {step}/{config.optim.steps} | val bpc {val_bpc:.4f} | train bpc {train_bpc:.4f} "
+                     f"| {self.passes:.2f} passes"
                      + (f" | {speed:,.0f} tokens/s" if math.isfinite(speed) else ""))
         if self.writer and config.log.sample_interval and step % config.log.sample_interval == 0:
             sample = text_sample(self.model, self.prompt, self.sample_bytes, config.model.seed, self.device,
                                  self.dtype)
             self.writer.add_text("sample", sample, step)
+
+    @property
+    def passes(self) -> float:
+        """Passes over the training split so far: the bytes of the windows trained on / its length."""
+        return self.step * self.config.optim.batch_size * self.config.model.seq_len / self.train_bytes
 
     def save(self) -> None:
         """Model, optimiser, data position, every rank's RNG, the counters and the open log window."""
@@ -636,7 +667,8 @@ class Trainer:
             parameters=self.model.num_parameters(), steps=self.step,
             wall_seconds=stats.train_seconds + stats.other_seconds, loop_overhead=stats.loop_overhead,
             seed=config.model.seed, data=self.data, val_steps=list(stats.val_steps),
-            val_bpc=list(stats.val_bpc), dtype=self.dtype, stop_signal=stop_signal, model=self.model)
+            val_bpc=list(stats.val_bpc), train_bpc=list(stats.train_bpc), train_bytes=self.train_bytes,
+            dtype=self.dtype, stop_signal=stop_signal, model=self.model)
         self.log(f"loop overhead {100 * result.loop_overhead:.1f}% of step time (data, logging, "
                  f"checkpoints; evaluation and sampling, {stats.other_seconds:.1f}s, not counted)")
         if self.writer:

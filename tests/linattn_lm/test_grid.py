@@ -11,6 +11,7 @@ import linattn
 import pytest
 
 from linattn_lm import grid, load_checkpoint
+from linattn_lm.data import load_split
 from linattn_lm.ngram import reference_bpc
 from linattn_lm.variants import default_variants, variant_flags
 
@@ -56,6 +57,8 @@ def test_grid_trains_every_seed_and_variant_and_reports(grid_argv: list[str], da
     assert load_checkpoint(run)["config"]["model"]["seed"] == 1
     record = json.loads((run / "result.json").read_text())
     assert record["seed"] == 1 and record["scores"]["val"]["64"] == float(rows[-1]["val_bpc@64"])
+    assert len(record["train_bpc"]) == len(record["val_steps"]) == 2 and all(2 < v < 9 for v in record["train_bpc"])
+    assert record["train_bytes"] == len(load_split(data_dir, "train")) and "## Fit" in report
     # same seed, same data order and initial weights across variants: the elu runs start alike
     first = {v: load_checkpoint(grid_dir / v / "seed-0")["config"]["model"]["seed"] for v in VARIANTS.split(",")}
     assert set(first.values()) == {0}
@@ -308,13 +311,16 @@ def test_resume_with_fewer_seeds_keeps_the_finished_ones_in_the_report(grid_argv
     assert "seeds 0,1,2" in (tmp_path / "grid-tiny" / "results.md").read_text()
 
 
-def write_finished_run(given: dict, variant: str, seed: int, val: float) -> None:
-    """A run's result.json as grid.py writes it, for the configuration these flags give."""
+def write_finished_run(given: dict, variant: str, seed: int, val: float, train: float | None = None) -> None:
+    """A run's result.json as grid.py writes it, for the configuration these flags give; without
+    `train` (the train-split estimate), as it wrote it before that was measured."""
     config = grid.run_configs(given, [variant], [seed])[seed, variant]
     scores = {split: {"64": val} for split in grid.EVAL_SPLITS}
     record = {key: 0 for key in grid.RECORD_KEYS} | {
         "variant": variant, "seed": seed, "steps": config.optim.steps, "data": "sample", "val_steps": [1],
         "val_bpc": [val], "final_val_bpc": val, "best_val_bpc": val, "scores": scores, "config": config.flat()}
+    if train is not None:
+        record |= {"train_bpc": [train], "train_bytes": 1000}
     config.run.run_dir.mkdir(parents=True)
     (config.run.run_dir / grid.RESULT_NAME).write_text(json.dumps(record))
 
@@ -334,6 +340,25 @@ def test_report_only_tabulates_the_finished_runs_and_trains_nothing(data_dir: Pa
     assert "| linear-elu-post | linear-elu-none | rope | -0.500 (s0), -0.300 (s1) | -0.400 |" in report
     assert not any((tmp_path / "g").glob("*/seed-*/ckpt.pt"))   # nothing trained
     assert not (tmp_path / "g" / "softmax-rope").exists()
+    assert "## Fit" not in report   # records from before the train-split estimate
+
+
+def test_the_report_gives_passes_and_the_train_val_gap_where_records_have_them(data_dir: Path, tiny: list[str],
+                                                                               tmp_path: Path, run_main) -> None:
+    given = dict(preset="tiny", data_dir=str(data_dir), out_dir=str(tmp_path), run_name="g")
+    for seed, val, train in ((0, 3.0, 2.5), (1, 3.2, 2.9)):
+        write_finished_run(given, "linear-elu-post", seed, val, train)
+        write_finished_run(given, "linear-elu-none", seed, val + 0.5)   # an older record: no estimate
+    argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "g", "--seeds", "0,1",
+            "--variants", "linear-elu-post,linear-elu-none", "--report-only"]
+    code, _, err = run_main(grid.main, argv)
+    assert code == 0, err
+    config = grid.run_configs(given, ["linear-elu-post"], [0])[0, "linear-elu-post"]
+    passes = config.optim.steps * config.optim.batch_size * config.model.seq_len / 1000
+    report = (tmp_path / "g" / "results.md").read_text()
+    assert "## Fit: passes over the training split and the train-val gap" in report
+    assert f"| linear-elu-post | 0,1 | {passes:.3g} | 2.700 ± 0.283 | 3.100 ± 0.141 | 0.400 ± 0.141 |" in report
+    assert "| linear-elu-none | 0,1 | " not in report.split("## Fit")[1]
 
 
 def damage(path: Path, change) -> None:
@@ -346,6 +371,12 @@ def damage(path: Path, change) -> None:
     (lambda path: damage(path, lambda r: r.update(final_val_bpc="oops")), "final_val_bpc is 'oops', not a number"),
     (lambda path: damage(path, lambda r: r["scores"]["val"].update({"64": None})), "scores.val.64 is None, not a number"),
     (lambda path: damage(path, lambda r: r.update(val_bpc=[3.0, 3.1])), "val_bpc has 2 values for 1 val_steps"),
+    (lambda path: damage(path, lambda r: r.update(train_bpc=[2.0, 2.1], train_bytes=10)),
+     "train_bpc has 2 values for 1 val_steps"),
+    (lambda path: damage(path, lambda r: r.update(train_bpc=["a"], train_bytes=10)),
+     "train_bpc is ['a'], not a list of numbers (or null)"),
+    (lambda path: damage(path, lambda r: r.update(train_bpc=[2.0], train_bytes=0)), "train_bytes is 0, not a whole number > 0"),
+    (lambda path: damage(path, lambda r: r.update(train_bpc=[2.0])), "train_bpc without train_bytes"),
     (lambda path: damage(path, lambda r: r["config"].pop("rope")), "config.rope is None, not str"),
     (lambda path: path.write_text(path.read_text()[:40]), "not valid JSON"),
     (lambda path: damage(path, lambda r: r.update(variant="linear-elu-none")),   # another run's, copied here

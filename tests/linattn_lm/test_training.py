@@ -18,6 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from linattn_lm import (ByteLM, ModelConfig, TrainConfig, config_from_flags, load_checkpoint, save_checkpoint,
                         training)
 from linattn_lm.config import PRESETS, RESUMABLE, RunConfig
+from linattn_lm.data import load_split
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def tiny_run(data_dir: Path, tiny: list[str], tmp_path_factory: pytest.TempPathF
     return out_dir / "tiny"
 
 
-def test_tiny_run_learns_and_logs_to_tensorboard(tiny_run: Path, scalars) -> None:
+def test_tiny_run_learns_and_logs_to_tensorboard(tiny_run: Path, data_dir: Path, scalars) -> None:
     losses = [value for _, value in scalars(tiny_run, "train/loss")]
     assert len(losses) == 6 and losses[-1] < losses[0] - 1.0
     bpc = scalars(tiny_run, "val/bpc")
@@ -37,6 +38,14 @@ def test_tiny_run_learns_and_logs_to_tensorboard(tiny_run: Path, scalars) -> Non
     assert val_loss / 0.6931471805599453 == pytest.approx(bpc[-1][1], rel=1e-5)
     for tag in ("lr", "grad_norm", "tokens_per_s", "hparams/final_val_bpc"):
         assert scalars(tiny_run, tag), tag
+    train = scalars(tiny_run, "train_windows/bpc")
+    assert [step for step, _ in train] == [10, 20, 30] and train[-1][1] < train[0][1] < 8
+    gaps = [gap for _, gap in scalars(tiny_run, "val/gap_to_train_bpc")]
+    assert gaps == pytest.approx([v - t for (_, v), (_, t) in zip(bpc, train)], abs=1e-5)
+    config, train_bytes = load_checkpoint(tiny_run)["config"], len(load_split(data_dir, "train"))
+    passes = scalars(tiny_run, "passes")
+    assert passes == [(step, pytest.approx(step * config["optim"]["batch_size"] * config["model"]["seq_len"]
+                                           / train_bytes)) for step in (10, 20, 30)]
     events = EventAccumulator(str(tiny_run))
     events.Reload()
     texts = {tag: events.Tensors(tag)[0].tensor_proto.string_val[0].decode() for tag in events.Tags()["tensors"]}
@@ -221,6 +230,8 @@ def damage_loader_contents(c): c["loader"] = {"seed": 0}
 def damage_window(c): c["log_window"] = {"loss_sums": ["x"], "count": 1}
 def damage_old_window(c): c["log_window"] = {"loss_sum": "x", "count": 1}
 def damage_stats(c): c["stats"]["val_bpc"] = "abc"
+def damage_train_stats(c): c["stats"]["train_bpc"] = ["x", 1.0, None]
+def damage_train_stats_length(c): c["stats"]["train_bpc"] = [1.0]
 def damage_stats_count(c): c["stats"]["tokens"] = -5
 def damage_loader_position(c): c["loader"]["batches_drawn"] = -5
 def damage_weights(c): c["model"]["head.weight"][0, 0] = float("nan")
@@ -246,6 +257,8 @@ def damage_precision(c): c["precision"] = "fp8"
     (damage_window, "'log_window' entry does not fit"), (damage_old_window, "'log_window' entry does not fit"),
     (damage_stats, "'stats' entry does not fit this run (val_bpc is 'abc'"),
     (damage_stats_count, "'stats' entry does not fit this run (tokens is -5"),
+    (damage_train_stats, "'stats' entry does not fit this run (train_bpc is ['x', 1.0, None], not a list of numbers"),
+    (damage_train_stats_length, "'stats' entry does not fit this run (val_steps and train_bpc differ in length (3 and 1)"),
     (damage_loader_position, "saved batches_drawn must be an integer >= 0, got -5"),
     (damage_weights, "holds NaN or inf"),
     (damage_weight_dtype, "is damaged: weight 'head.weight' is torch.int64, the model's is torch.float32"),
@@ -280,6 +293,20 @@ def test_a_setting_older_checkpoints_lack_takes_its_default_on_resume(tiny_run: 
     code, _, err = run_main(training.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path),
                                             "--run-name", "tiny", "--resume", "--steps", "31", "--decay-steps", "30"])
     assert code == 0, err
+
+
+def test_a_checkpoint_from_before_train_estimates_resumes_with_none_for_its_evaluations(
+        tiny_run: Path, data_dir: Path, tiny: list[str], tmp_path: Path, run_main) -> None:
+    checkpoint = load_checkpoint(tiny_run)
+    del checkpoint["stats"]["train_bpc"]
+    save_checkpoint(tmp_path / "tiny" / "ckpt.pt", {k: v for k, v in checkpoint.items()
+                                                    if k not in ("format", "version")})
+    code, _, err = run_main(training.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path),
+                                            "--run-name", "tiny", "--resume", "--steps", "31", "--decay-steps", "30"])
+    assert code == 0, err
+    stats = load_checkpoint(tmp_path / "tiny")["stats"]
+    assert stats["val_steps"] == [10, 20, 30, 31] and stats["train_bpc"][:3] == [None] * 3
+    assert 0 < stats["train_bpc"][3] < 8
 
 
 def test_resume_with_fewer_steps_than_the_checkpoint_says_there_is_nothing_to_train(
