@@ -32,7 +32,9 @@ and forms only factors e^{G_m - G_n} <= 1 (n <= m) inside its chunks, so nothing
   M = Dv with a stand-in for fla that keeps its inputs: 5.0 for log-features and 3.0 for plain bf16
   features, against 9.8 and 4.8 when autograd kept everything; 3.0 for a projection with M = 4D
   (7.5 materialised outside).  fla's own kernels (in Triton's interpreter, M = 4D = 4Dv) keep their
-  float32 decays and its cumsum beside their inputs: 3.3 for a projection, 5.9 before.
+  float32 decays and its cumsum beside their inputs: 3.3 for a projection, 5.9 before.  The factors
+  are made, and recomputed, in blocks of the B x H rows (FACTOR_BLOCK_ELEMENTS), so that making
+  them and their backward hold one block's temporaries, not the whole batch's.
 * State (`return_state`): fla's final state is sum_n R_n e^{a_n - P_N} v_n, the kv of `LinearState`
   at the last token's scales (log_scale F_N, the max of a over every key); k_sum is the cumsum's last
   row (e^{L_N - F_N} for log-features).
@@ -54,6 +56,17 @@ from .stable import numerator_query, numerator_scale
 # (seen in an emulation of chunk_gla: outputs 19x off).  A term carried through a step of e^-100 is
 # below e^(30 - 100) of its row's denominator (>= 1), so the floor changes no float32 result.
 DECAY_FLOOR = -100.0
+
+# The factors are made in blocks of the B x H rows, each block checkpointed on its own, so that the
+# float32 temporaries of making them (the running maxima, L, the exponentials and what autograd
+# keeps of them while their backward runs) are a block's, not the whole batch's: autograd runs the
+# later block's backward whole before the earlier's (its nodes have the higher sequence numbers).
+# A block holds up to this many (B, H, N, M) elements (32 MiB in float32; one row at least); below
+# it a call is one block, so small calls launch no more kernels than before.  Measured on CPU with
+# tests/linattn/ops/fla_factor_memory.py (N = 16,384, H = 8, M = 256, FAVOR+'s projection; 4 blocks): the peak
+# above the inputs went from 5.8 to 3.6 (B, H, N, M) float32 tensors in the forward and from 13.3
+# to 5.4 over forward and backward, of which fla's stand-in keeps 3.
+FACTOR_BLOCK_ELEMENTS = 2 ** 23
 
 
 def gated_linear_attention(q, k, v, g, *, return_state: bool):
@@ -99,14 +112,72 @@ def linear_attention(phi_q, phi_k, v, *, causal: bool, rotary: bool, offset: int
     n, (work, dot) = v.shape[-2], dtypes(v, phi_q, phi_k)
     with torch.autocast(v.device.type, enabled=False):
         # recomputed in backward, as log_linear_attention's factors (the float32 copies and sums)
-        q_num, k_num, denominator, last_key_sum = checkpoint(
-            plain_factors, phi_q, phi_k, rotary=rotary, offset=offset, rope_base=rope_base, work=work, dot=dot,
-            use_reentrant=False)
+        q_num, k_num, denominator, last_key_sum = blocked_factors(
+            plain_factors, phi_q, phi_k, rotary=rotary, offset=offset, rope_base=rope_base, work=work, dot=dot)
         numerator, kv = plain_linear_attention(q_num, k_num, v.to(dot), return_state=return_state)
         out = divide(numerator, denominator).to(v.dtype)   # in float32 by promotion; keeps the half numerator
     if not return_state:
         return out
     return out, LinearState(kv.detach().to(work), last_key_sum, int(offset) + n)
+
+
+def blocked_factors(make, phi_q, phi_k, **options) -> tuple[torch.Tensor, ...]:
+    """make(phi_q, phi_k, **options) (plain_factors or log_factors) on blocks of the B x H rows, each
+    recomputed in backward (torch.utils.checkpoint), its outputs joined again along the heads."""
+    rows = [row_view(x) for x in (phi_q, phi_k)]   # (1, B*H, N, .): blocks are slices of dimension 1
+    batch_heads, total = row_count(phi_q)
+    blocks = row_blocks(total, per_row=feature_count(phi_q) * row_length(phi_q))
+    joined = None
+    for block in blocks:
+        part = checkpoint(make, *(row_slice(x, block) for x in rows), use_reentrant=False, **options)
+        if len(blocks) == 1:
+            joined = part
+            break
+        if joined is None:   # written block by block: a torch.cat of the parts would hold them twice
+            joined = [t.new_empty(t.shape[0], total, *t.shape[2:]) for t in part]
+        for whole, piece in zip(joined, part):
+            whole[:, block] = piece
+        del part
+    return tuple(t.reshape(*batch_heads, *t.shape[2:]) for t in joined)
+
+
+def row_blocks(rows: int, per_row: int, most: int = None) -> list[slice]:
+    """Slices of `rows` rows of `per_row` elements each, every block at most `most` elements
+    (FACTOR_BLOCK_ELEMENTS) and at least one row, the blocks as even as they can be."""
+    most = FACTOR_BLOCK_ELEMENTS if most is None else most
+    per_block = max(1, most // per_row)   # rows
+    count = max(1, -(-rows // per_block))   # one (empty) block for an empty batch
+    bounds = [rows * i // count for i in range(count + 1)]
+    return [slice(start, stop) for start, stop in zip(bounds, bounds[1:])]
+
+
+def row_view(x):
+    """x's (B, H, N, .) tensors as (1, B*H, N, .): a LogProjection's inputs and shift, else x."""
+    if isinstance(x, LogProjection):
+        shift = x.shift.reshape(1, -1, *x.shift.shape[2:]) if isinstance(x.shift, torch.Tensor) else x.shift
+        return x._replace(inputs=x.inputs.reshape(1, -1, *x.inputs.shape[2:]), shift=shift)
+    return x.reshape(1, -1, *x.shape[2:])
+
+
+def row_slice(x, block: slice):
+    if isinstance(x, LogProjection):
+        shift = x.shift[:, block] if isinstance(x.shift, torch.Tensor) else x.shift
+        return x._replace(inputs=x.inputs[:, block], shift=shift)
+    return x[:, block]
+
+
+def row_count(x) -> tuple[tuple[int, int], int]:
+    """((B, H), B * H) of features or a LogProjection."""
+    shape = (x.inputs if isinstance(x, LogProjection) else x).shape
+    return tuple(shape[:2]), shape[0] * shape[1]
+
+
+def row_length(x) -> int:
+    return (x.inputs if isinstance(x, LogProjection) else x).shape[-2]
+
+
+def feature_count(x) -> int:
+    return x.weight.shape[0] if isinstance(x, LogProjection) else x.shape[-1]
 
 
 def plain_factors(phi_q, phi_k, *, rotary: bool, offset: int, rope_base: float, work: torch.dtype,
@@ -136,9 +207,8 @@ def log_linear_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, ro
         # N = 65,536, h = 8, M = 256); recomputing them is elementwise work beside fla's.  A
         # `LogProjection` (FAVOR+'s block) is materialised inside too, so that what is kept is its
         # (B, H, N, D) inputs, not b and a (M = 4D in the benchmark's FAVOR+ block).
-        factors = checkpoint(log_factors, b, a, rotary=rotary, offset=offset, rope_base=rope_base, work=work,
-                             dot=dot, use_reentrant=False)
-        q_num, k_num, decay, denominator, last_scale, last_key_sum = factors
+        q_num, k_num, decay, denominator, last_scale, last_key_sum = blocked_factors(
+            log_factors, b, a, rotary=rotary, offset=offset, rope_base=rope_base, work=work, dot=dot)
         numerator, kv = gated_linear_attention(q_num, k_num, v.to(dot), decay, return_state=return_state)
         out = divide(numerator, denominator).to(v.dtype)
     if not return_state:

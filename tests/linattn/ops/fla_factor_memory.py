@@ -7,11 +7,16 @@ denominator.  The torch ops are the ones a GPU runs, so the counts carry over; t
 may round them up there.
 
     python tests/linattn/ops/fla_factor_memory.py [--n 16384] [--heads 8] [--features 256] [--head-dim 64]
+        [--block-elements N]
 
-Run it alone on an idle machine: resident memory counts the whole process."""
+Run it alone on an idle machine: resident memory counts the whole process.  It runs itself again
+with glibc's mmap threshold fixed at 1 MiB: the default threshold grows to the largest block freed,
+after which freed tensors stay resident and the peak depends on the order of earlier frees."""
 import argparse
 import math
+import os
 import resource
+import sys
 
 import torch
 
@@ -45,8 +50,14 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--features", type=int, default=256)
     parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--block-elements", type=int, default=fla_chunk.FACTOR_BLOCK_ELEMENTS,
+                        help="fla_chunk.FACTOR_BLOCK_ELEMENTS: the most (B, H, N, M) elements a block of rows "
+                             "makes its factors from (default %(default)s)")
     args = parser.parse_args()
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)})
     torch.set_num_threads(1)
+    fla_chunk.FACTOR_BLOCK_ELEMENTS = args.block_elements
     fla_chunk.gated_linear_attention = stand_in
     n, h, m, d = args.n, args.heads, args.features, args.head_dim
     unit = h * n * m * 4
@@ -62,7 +73,8 @@ def main() -> None:
     out.float().sum().backward()
     both = peak_bytes()
     print(f"N={n}, heads={h}, M={m}, head_dim={d}: peak above the inputs {(forward - base) / unit:.1f} units in "
-          f"the forward, {(both - base) / unit:.1f} over forward and backward (1 unit = {unit / 2**20:.0f} MiB)")
+          f"the forward, {(both - base) / unit:.1f} over forward and backward (1 unit = {unit / 2**20:.0f} MiB; "
+          f"factors in blocks of at most {args.block_elements:,} elements)")
 
 
 if __name__ == "__main__":

@@ -118,6 +118,45 @@ def test_state_equals_torch_backends_and_decoding_continues_from_it(fla_referenc
         torch.testing.assert_close(step, whole[..., n, :], rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("inputs", ["log", "plain", "projection", "projection-shift-tensor"])
+@pytest.mark.parametrize("most", [1, 2 * 9 * 8, 3 * 9 * 8 - 1], ids=["row-per-block", "two-rows", "uneven"])
+def test_factors_made_in_row_blocks_give_what_one_block_gives(fla_reference, monkeypatch, inputs, most):
+    """Blocks of the B x H rows (FACTOR_BLOCK_ELEMENTS elements at most, here 9 positions x M = 8
+    per row) give the one-block outputs, gradients (the projection's shared weight's too) and state."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = features(9, 8, 4, log_space=inputs != "plain")
+    leaves = [q, k, v]
+    if inputs.startswith("projection"):
+        weight = torch.randn(8, 3, generator=gen, dtype=torch.float64).requires_grad_()
+        xq, xk = (torch.randn(B, H, 9, 3, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
+        shift = torch.randn(B, H, 9, 1, generator=gen, dtype=torch.float64) if inputs.endswith("tensor") else -1.5
+        q, k = (LogProjection(x, weight, shift, -0.25) for x in (xq, xk))
+        leaves = [xq, xk, v, weight]
+    weights = torch.randn(B, H, 9, 4, generator=gen, dtype=torch.float64)
+
+    def run():
+        out, state = call(fla_chunk, inputs != "plain", [q, k, v], offset=2, return_state=True)
+        return [out, *torch.autograd.grad((out * weights).sum(), leaves), state.kv, state.k_sum, state.log_scale]
+    whole = run()
+    monkeypatch.setattr(fla_chunk, "FACTOR_BLOCK_ELEMENTS", most)
+    assert len(fla_chunk.row_blocks(B * H, 9 * 8)) == {1: 4, 144: 2, 215: 2}[most]
+    for got, want in zip(run(), whole):
+        if want is None:
+            assert got is None
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("rows,per_row,most,sizes", [
+    (4, 10, 1, [1, 1, 1, 1]), (4, 10, 40, [4]), (4, 10, 39, [2, 2]), (5, 10, 20, [1, 2, 2]), (5, 10, 15, [1, 1, 1, 1, 1]),
+    (8, 10, 1000, [8]), (1, 10**9, 10, [1]), (0, 10, 5, [0])])
+def test_row_blocks_cover_every_row_once_in_even_blocks_under_the_bound(rows, per_row, most, sizes):
+    blocks = fla_chunk.row_blocks(rows, per_row, most)
+    assert [b.stop - b.start for b in blocks] == sizes
+    assert blocks[0].start == 0 and blocks[-1].stop == rows
+    assert all(a.stop == b.start for a, b in zip(blocks, blocks[1:]))
+
+
 def favor_like(n, m, scale, seed=0):
     """FAVOR+'s log-features w.x - |x|^2/2 of inputs x with |x| about `scale`."""
     gen = torch.Generator().manual_seed(seed)
