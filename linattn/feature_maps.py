@@ -246,8 +246,8 @@ class FavorFeatureMap(FeatureMap):
             raise ValueError(f"num_features must be a positive integer, got {self.num_features!r}")
         if not is_integer(redraw_interval) or redraw_interval < 0:
             raise ValueError(f"redraw_interval must be an integer >= 0 (0 never redraws), got {redraw_interval!r}")
-        if seed is not None and not is_integer(seed):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
+        if seed is not None and not (is_integer(seed) and 0 <= seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63) (what a checkpoint can restore), got {seed!r}")
         self.redraw_interval = redraw_interval
         # Without an explicit seed, take one from torch's generator: torch.manual_seed then fixes
         # every map, and two maps in one model still differ.
@@ -330,8 +330,8 @@ class FavorFeatureMap(FeatureMap):
     def set_extra_state(self, state):
         keys = ("seed", "draws", "training_calls")
         if (not isinstance(state, dict) or set(state) != set(keys)
-                or not all(is_integer(state[key]) and state[key] >= 0 for key in keys)):
-            raise ValueError(f"the FAVOR+ map's saved redraw state should be non-negative integers {', '.join(keys)}, "
+                or not all(is_integer(state[key]) and 0 <= state[key] < 2**63 for key in keys)):
+            raise ValueError(f"the FAVOR+ map's saved redraw state should be integers in [0, 2**63) {', '.join(keys)}, "
                              f"got {state!r}")
         self.seed, self.draws, self.training_calls = (int(state[key]) for key in keys)
 
