@@ -40,9 +40,9 @@ from .config import (ATTENTION_BACKENDS, DEFAULT_PRESET, TrainConfig, check_run_
                      config_from_flags)
 from .data import check_window_fits, load_split
 from .evaluate import bpc_table
-from .grid_report import FIT_KEYS, RECORD_KEYS, RESULT_NAME, damaged, read_record, write_report
+from .grid_report import FIT_KEYS, RECORD_KEYS, REPORT_TITLE, RESULT_NAME, damaged, read_record, write_report
 from .ngram import reference_bpc
-from .runlock import DirectoryLock
+from .runlock import LOCK_NAME, DirectoryLock
 from .runtime import keep_freed_memory, write_atomically
 from .training import TrainResult
 from .variants import default_variants, variant_flags
@@ -266,19 +266,34 @@ def main(argv: list[str] | None = None) -> int:
             raise CheckpointError(f"{flag} a grid, but there is none at {grid_dir}: give the --out-dir / "
                                   "--run-name it was started with" + ("" if args.report_only else
                                                                       ", or drop --resume to start it"))
+        check_grid_directory(grid_dir, args.resume or args.report_only)
         check_eval_windows(configs.values(), multiples)
         main_process = training.launched_rank() == 0   # the job's other ranks write nothing here
         with DirectoryLock(grid_dir) if main_process else contextlib.nullcontext():   # each run locks its own too
             if args.report_only:
                 return report_finished(configs, grid_dir, multiples)
-            started = [config.run.run_name for config in configs.values()
-                       if (config.run.run_dir / CHECKPOINT_NAME).exists()]
-            if started and not args.resume:
-                raise CheckpointError(f"{grid_dir} already has checkpoints for {', '.join(started[:3])}"
-                                      f"{' ...' if len(started) > 3 else ''}: pass --resume to continue the grid, "
-                                      "or choose another --run-name / --out-dir")
             return run_grid(configs, grid_dir, args.resume, multiples, earlier)
     return training.run_reporting_errors(run)
+
+
+def check_grid_directory(grid_dir: Path, existing: bool) -> None:
+    """A new grid starts in a directory that is absent or empty (its lock file aside), so that its
+    report replaces nobody's files; --resume and --report-only continue a directory that grid.py
+    wrote: not a train.py run's (a ckpt.pt at the top), nor one whose results.md is another's."""
+    if not grid_dir.is_dir():
+        return
+    if not existing:
+        held = sorted(path.name for path in grid_dir.iterdir() if path.name != LOCK_NAME)
+        if held:
+            raise CheckpointError(f"{grid_dir} already holds {', '.join(held[:3])}{' ...' if len(held) > 3 else ''}: "
+                                  "pass --resume to continue the grid there, or choose another --run-name / --out-dir")
+        return
+    report = grid_dir / "results.md"
+    foreign = CHECKPOINT_NAME if (grid_dir / CHECKPOINT_NAME).exists() else "a results.md grid.py did not write" \
+        if report.is_file() and not report.read_text(errors="replace").startswith(REPORT_TITLE) else None
+    if foreign:
+        raise CheckpointError(f"{grid_dir} is not a grid's directory (it holds {foreign}): give the --out-dir / "
+                              "--run-name the grid was started with")
 
 
 def check_eval_windows(configs, multiples: list[int]) -> None:

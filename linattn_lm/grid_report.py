@@ -29,6 +29,7 @@ from .checkpoint import CheckpointError  # noqa: E402
 from .runtime import write_together  # noqa: E402
 
 RESULT_NAME = "result.json"
+REPORT_TITLE = "# Grid "   # results.md's first line begins so: a report grid.py wrote
 COLUMNS = ["variant", "seed", "final_val_bpc", "best_val_bpc", "tokens_per_s", "peak_memory_mb", "parameters",
            "steps", "wall_time_s", "data"]
 RECORD_KEYS = [*COLUMNS, "val_steps", "val_bpc", "scores", "config"]   # a run's result.json
@@ -342,7 +343,7 @@ def results_markdown(grid_dir: Path, records: Records, variants: dict[str, list[
     seq_len = config.model.seq_len
     seeds = sorted({seed for seed, _ in records})
     data = next(iter(records.values()))["data"]
-    markdown = [f"# Grid {grid_dir.name}", "",
+    markdown = [f"{REPORT_TITLE}{grid_dir.name}", "",
                 f"preset {config.run.preset}: {config.model.n_layer} layers x {config.model.d_model}, "
                 f"{config.model.n_head} heads, seq_len {seq_len}, batch {config.optim.batch_size}, "
                 f"{config.optim.steps} steps, lr {config.optim.lr}; seeds {','.join(map(str, seeds))}; data: {data}.",

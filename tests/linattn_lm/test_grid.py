@@ -72,7 +72,7 @@ def test_grid_resumes_and_adds_seeds_without_retraining(data_dir: Path, tiny: li
     assert run_main(grid.main, [*argv, "--seeds", "0"])[0] == 0
     grid_dir = tmp_path / "grid-tiny"
     code, _, err = run_main(grid.main, [*argv, "--seeds", "0"])
-    assert code == 2 and "already has checkpoints" in err and "--resume" in err
+    assert code == 2 and f"{grid_dir} already holds linear-elu-none, linear-elu-post, results.csv ...: pass --resume" in err
 
     (grid_dir / "linear-elu-none" / "seed-0" / "result.json").unlink()   # as if stopped while scoring
     stale = grid_dir / "linear-elu-post" / "seed-0" / "result.json"       # written under other settings
@@ -422,6 +422,25 @@ def test_the_report_is_built_whole_before_any_file_is_replaced(tmp_path: Path, m
         grid_report.write_report(tmp_path, {(0, "linear-elu-post"): record}, config, {"val": {0: 8.0}})
     assert sorted(path.name for path in tmp_path.iterdir()) == ["results.csv", "results.md", "val_bpc.png"]
     assert all(path.read_text() == "earlier" for path in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("existing, resume, message", [
+    ({"results.md": "my notes\n"}, False, "already holds results.md: pass --resume to continue the grid there"),
+    ({"notes.txt": "mine\n"}, False, "already holds notes.txt"),
+    ({"results.md": "my notes\n"}, True, "is not a grid's directory (it holds a results.md grid.py did not write)"),
+    ({"ckpt.pt": "a train.py run's\n"}, True, "is not a grid's directory (it holds ckpt.pt): give the --out-dir"),
+])
+def test_a_grid_writes_only_into_a_new_directory_or_one_grid_py_wrote(existing, resume, message, data_dir: Path,
+                                                                     tiny: list[str], tmp_path: Path, run_main) -> None:
+    grid_dir = tmp_path / "g"
+    grid_dir.mkdir()
+    for name, text in existing.items():
+        (grid_dir / name).write_text(text)
+    argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "g", "--steps", "1",
+            "--variants", "softmax-rope", *(["--resume"] if resume else [])]
+    code, _, err = run_main(grid.main, argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert {path.name: path.read_text() for path in grid_dir.iterdir()} == existing
 
 
 @pytest.mark.parametrize("extra, message", [
