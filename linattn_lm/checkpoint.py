@@ -33,9 +33,10 @@ class CheckpointError(ValueError):
 
 
 def checkpoint_path(path: Path | str) -> Path:
-    """A checkpoint file, or a run directory holding ckpt.pt."""
+    """A checkpoint file, or a run directory holding ckpt.pt (a directory itself named ckpt.pt is
+    neither: load_checkpoint says so)."""
     path = Path(path)
-    return path / CHECKPOINT_NAME if path.is_dir() else path
+    return path / CHECKPOINT_NAME if path.is_dir() and path.name != CHECKPOINT_NAME else path
 
 
 def save_checkpoint(path: Path | str, payload: dict[str, Any]) -> None:
@@ -46,6 +47,8 @@ def save_checkpoint(path: Path | str, payload: dict[str, Any]) -> None:
 
 def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     path = checkpoint_path(path)
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a directory, not a checkpoint file: move it away or give another run")
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
     try:
@@ -97,8 +100,12 @@ def load_state(path: Path | str, name: str, load: Callable[[], Any]) -> None:
 
 
 def check_finite_weights(state: dict[str, Any], path: Path | str) -> None:
-    """A model whose weights hold NaN or inf scores and samples nonsense: refuse it."""
+    """A model whose weights hold NaN or inf scores and samples nonsense: refuse it (and weights in
+    another layout, sparse say, which the check cannot read and the model never writes)."""
     for key, tensor in state.items():
+        if isinstance(tensor, torch.Tensor) and tensor.layout != torch.strided:
+            raise CheckpointError(f"{path} is damaged: weight {key!r} is stored as {tensor.layout}, the model's "
+                                  "weights are dense (torch.strided); use another checkpoint")
         if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise CheckpointError(f"{path}: weight {key!r} holds NaN or inf values; the run diverged before "
                                   "this checkpoint was written, so use an earlier checkpoint")

@@ -402,6 +402,9 @@ class Trainer:
                  f"(train {len(train_split):,} bytes, val {len(self.val_split):,})")
 
     def _no_checkpoint(self) -> None:
+        if self.ckpt_file.is_dir():
+            raise CheckpointError(f"{self.ckpt_file} is a directory, where this run would write its checkpoint: "
+                                  "move it away, or choose another --run-name / --out-dir")
         if self.ckpt_file.exists():
             raise CheckpointError(f"{self.ckpt_file} exists: pass --resume to continue that run, or choose "
                                   "another --run-name / --out-dir (or delete the directory)")

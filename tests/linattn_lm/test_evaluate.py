@@ -98,6 +98,10 @@ def test_generate_is_reproducible(data_dir: Path, tmp_path: Path, run_main, make
 def test_errors_are_clear(data_dir: Path, tmp_path: Path, run_main, make_model) -> None:
     code, _, err = run_main(evaluate.main, [str(tmp_path / "missing.pt")])
     assert code == 2 and "checkpoint not found" in err
+    (tmp_path / "run" / "ckpt.pt").mkdir(parents=True)
+    for given in (tmp_path / "run", tmp_path / "run" / "ckpt.pt"):
+        code, _, err = run_main(evaluate.main, [str(given)])
+        assert code == 2 and "run/ckpt.pt is a directory, not a checkpoint file" in err, err
     (tmp_path / "corrupt.pt").write_bytes(b"\x00not a checkpoint" * 10)
     code, _, err = run_main(evaluate.main, [str(tmp_path / "corrupt.pt")])
     assert code == 2 and "cannot read checkpoint" in err

@@ -219,6 +219,11 @@ def test_checkpoint_refusals(tiny_run: Path, data_dir: Path, tiny: list[str], tm
     assert code == 2 and "corrupt or truncated" in err
     code, _, err = run_main(training.main, [*flags, "--resume", "--run-name", "never-ran"])
     assert code == 2 and "checkpoint not found" in err
+    (tmp_path / "odd" / "ckpt.pt").mkdir(parents=True)   # a directory where the checkpoint goes
+    code, _, err = run_main(training.main, [*flags, "--run-name", "odd"])
+    assert code == 2 and "ckpt.pt is a directory, where this run would write its checkpoint" in err, err
+    code, _, err = run_main(training.main, [*flags, "--run-name", "odd", "--resume"])
+    assert code == 2 and f"{tmp_path / 'odd' / 'ckpt.pt'} is a directory, not a checkpoint file" in err, err
 
 
 def damage_extra_key(c): c["model"]["extra.weight"] = torch.zeros(1)
@@ -245,6 +250,8 @@ def damage_parameter_count(c): c["optimizer"]["param_groups"][1]["params"].pop()
 def damage_config_section(c): c["config"]["extra"] = 5
 def damage_config_key(c): c["config"]["model"]["colour"] = "red"
 def damage_precision(c): c["precision"] = "fp8"
+def damage_sparse_weight(c): c["model"]["head.weight"] = c["model"]["head.weight"].to_sparse()
+def damage_sparse_csr_weight(c): c["model"]["head.weight"] = c["model"]["head.weight"].to_sparse_csr()
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -263,6 +270,9 @@ def damage_precision(c): c["precision"] = "fp8"
     (damage_loader_position, "saved batches_drawn must be an integer >= 0, got -5"),
     (damage_weights, "holds NaN or inf"),
     (damage_weight_dtype, "is damaged: weight 'head.weight' is torch.int64, the model's is torch.float32"),
+    (damage_sparse_weight, "is damaged: weight 'head.weight' is stored as torch.sparse_coo, the model's weights are "
+                           "dense (torch.strided)"),
+    (damage_sparse_csr_weight, "weight 'head.weight' is stored as torch.sparse_csr"),
     (damage_moment_shape, "optimiser state 'exp_avg' of 'token_embedding.weight' is (3,) torch.float32 (or not "
                           "finite), the parameter is (256, 64) torch.float32"),
     (damage_moment_dtype, "optimiser state 'exp_avg_sq' of 'token_embedding.weight' is (256, 64) torch.int64"),
