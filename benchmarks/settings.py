@@ -12,6 +12,7 @@ from typing import Callable
 
 import linattn
 from linattn.functional import BACKENDS as LINATTN_BACKENDS
+from linattn_lm.config import available_memory_bytes
 from linattn_lm.runtime import resolve_device
 
 import torch
@@ -222,6 +223,7 @@ def resolve(settings: Settings) -> Settings:
         device = resolve_device(settings.device)
     except ValueError as error:
         raise BadSetting(f"--device: {error}") from None
+    check_sizes_fit(settings, settings.lengths or DEFAULT_LENGTHS[device.type], device)
     known = [m.name for m in method_table(settings.backends)]
     unmatched = [p for p in settings.methods if not fnmatch.filter(known, p)]
     if unmatched:
@@ -250,6 +252,21 @@ def resolve(settings: Settings) -> Settings:
     return replace(settings, device=str(device), lengths=settings.lengths or DEFAULT_LENGTHS[device.type])
 
 
+def check_sizes_fit(settings: Settings, lengths: tuple[int, ...], device: torch.device) -> None:
+    """The attention sections' inputs at the longest length (q, k of M features and v of D, float32)
+    and the FAVOR+ projection (M x D) fit the device's memory: beyond it every configuration would be
+    an allocation-error row, or the first build a traceback."""
+    if not set(settings.sections) & {"attention", "efficiency", "decode", "block", "kernels"}:
+        return
+    m, d = settings.num_features, settings.head_dim
+    needed = 4 * (settings.batch * settings.heads * max(lengths) * (2 * max(m, d) + d) + m * d)
+    available = available_memory_bytes(device)
+    if needed > available:
+        raise BadSetting(f"--lengths up to {max(lengths):,} with b={settings.batch}, h={settings.heads}, D={d}, "
+                         f"M={m}: the inputs alone need {needed / 2**30:,.1f} GiB, this {device.type} has "
+                         f"{available / 2**30:,.1f} GiB; choose shorter --lengths or smaller sizes")
+
+
 def selected_methods(settings: Settings) -> list[Method]:
     """The methods whose names match a --methods pattern, in table order."""
     return [m for m in method_table(settings.backends)
@@ -272,8 +289,9 @@ def check_methods_build(settings: Settings, device: torch.device) -> None:
         for mask in masks:
             try:
                 build_attention(method, shape, torch.device("cpu"), MASKS[mask], settings.chunk_size)
-            except (ValueError, TypeError) as error:
-                raise BadSetting(f"method {method.name} ({mask}) cannot run with these settings: {error}") from None
+            except (ValueError, TypeError, RuntimeError, MemoryError) as error:   # RuntimeError: an allocation
+                raise BadSetting(f"method {method.name} ({mask}) cannot run with these settings: "
+                                 f"{str(error).splitlines()[0] if str(error) else type(error).__name__}") from None
     for section, flag_name, chosen in (("block", "--block-methods", settings.block_methods),
                                        ("model", "--model-methods", settings.model_methods)):
         for name in chosen if section in settings.sections else ():
@@ -282,8 +300,9 @@ def check_methods_build(settings: Settings, device: torch.device) -> None:
             try:   # the block, and its backend on this device (backend='fla' on CPU, say)
                 block = build_block(name, settings.head_dim, 1, settings.num_features)
                 linattn.resolve_backend(block.backend, device, log_space=block.feature_map.log_space)
-            except (ValueError, TypeError) as error:
-                raise BadSetting(f"{flag_name} {name} cannot run with these settings: {error}") from None
+            except (ValueError, TypeError, RuntimeError, MemoryError) as error:
+                raise BadSetting(f"{flag_name} {name} cannot run with these settings: "
+                                 f"{str(error).splitlines()[0] if str(error) else type(error).__name__}") from None
     odd = [m for m in settings.kernel_features if m % 2]
     if "kernels" in settings.sections and odd:
         raise BadSetting(f"--kernel-features {','.join(map(str, odd))}: the kernels section's op rotates pairs of "

@@ -45,6 +45,8 @@ def test_lengths_default_to_the_device_and_run_small_to_large(tmp_path):
     (["--model-size", "huge"], "--model-size"),
     (["--kernel-methods", "fla-delta"], "--kernel-methods"),
     (["--kernel-features", "0"], "--kernel-features"),
+    (["--lengths", "100000000000"], "--lengths up to 100,000,000,000 with b=1, h=8, D=64, M=256: the inputs alone need"),
+    (["--num-features", "100000000", "--lengths", "32"], "choose shorter --lengths or smaller sizes"),
 ])
 def test_bad_flags_exit_2_with_one_line_that_names_the_flag(flags, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
@@ -52,6 +54,21 @@ def test_bad_flags_exit_2_with_one_line_that_names_the_flag(flags, message, caps
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines   # the one line, without the 22-line usage block
+
+
+def test_a_method_too_large_to_build_is_refused_in_one_line(monkeypatch, capsys, tmp_path):
+    """--head-dim 1000000 made the FAVOR+ projection's QR ask for 4 TB: torch's RuntimeError was a
+    traceback.  (Raised here rather than asked of the allocator: a failed 4 TB request leaves glibc's
+    heap so that test_timing's peak measurement in the same process reads 0.)"""
+    def too_large(*args):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory\nmore")
+    monkeypatch.setattr("benchmarks.settings.build_attention", too_large)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_settings(["--methods", "favor-post", "--head-dim", "1000000", "--lengths", "32",
+                        "--out", str(tmp_path / "bench")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1, lines
+    assert "method favor-post (causal) cannot run with these settings: [enforce fail" in lines[0]
 
 
 def test_an_output_prefix_that_cannot_be_written_is_refused_before_any_run(tmp_path, capsys):
@@ -75,6 +92,7 @@ def test_results_of_an_earlier_run_are_replaced_only_with_overwrite(tmp_path, ca
 
 def test_the_gpu_targets_preset_is_the_flags_it_stands_for(tmp_path, monkeypatch):
     monkeypatch.setattr("benchmarks.settings.resolve_device", lambda name: __import__("torch").device(name))
+    monkeypatch.setattr("benchmarks.settings.available_memory_bytes", lambda device: 80 * 2**30)   # an H100's
     out = ["--out", str(tmp_path / "bench")]
     explicit = parse_settings(["--sections", "block,kernels,model", "--device", "cuda", "--dtypes", "bf16",
                                "--lengths", "4096,16384,65536", "--model-size", "eleuther", "--model-contexts",
