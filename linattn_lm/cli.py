@@ -128,8 +128,13 @@ def import_user_code(names: list[str]) -> list[str]:
     recorded = []
     for name in names:
         path = Path(name).expanduser()
+        if not name.strip():
+            raise UsageError(f"--import takes a module name or a .py file, got {name!r}")
+        if path.is_file() and not name.endswith(".py"):
+            raise UsageError(f"--import {name}: a file to import must be Python source ending in .py; rename it, or "
+                             "pass a module name on the Python path")
         try:
-            if name.endswith(".py") or path.is_file():
+            if name.endswith(".py"):
                 path = path.resolve()
                 if not path.is_file():
                     raise FileNotFoundError(f"no such file {path}")

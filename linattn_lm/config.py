@@ -410,6 +410,9 @@ def check_backend_runs_on(model: ModelConfig, device: torch.device) -> None:
     linattn.resolve_backend(model.block_backend, device, attention=model.attention, log_space=log_space)
 
 
+NAME_MAX = 255   # bytes in one file name (Linux, macOS and Windows file systems)
+
+
 def check_run_name(name: str) -> None:
     """A directory inside --out-dir named by its parts, nested or not (grid.py's runs are
     <grid>/<variant>/seed-<s>).  A part that names no new directory ('', '.': the run would write
@@ -418,6 +421,12 @@ def check_run_name(name: str) -> None:
     if name.startswith("/") or any(part in ("", ".", "..") or part != part.strip() for part in parts):
         raise ValueError(f"run_name must be a relative name inside --out-dir, such as favor or study/favor/seed-0, "
                          f"whose parts are not empty, '.' or '..' and have no spaces around them; got {name!r}")
+    if any(ord(char) < 32 or ord(char) == 127 for char in name):
+        raise ValueError(f"run_name must not hold control characters (a newline, a tab), got {name!r}")
+    long = [part for part in parts if len(part.encode("utf-8", "surrogateescape")) > NAME_MAX]
+    if long:
+        raise ValueError(f"run_name's parts must be at most {NAME_MAX} bytes (a file name's limit), got one of "
+                         f"{len(long[0].encode('utf-8', 'surrogateescape'))}; choose a shorter --run-name")
 
 
 SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "log": LogConfig, "run": RunConfig}
@@ -564,6 +573,9 @@ def config_from_flags(given: dict[str, Any]) -> TrainConfig:
     unknown = sorted(set(given) - set(FIELDS))
     if unknown:
         raise ValueError(f"unknown setting(s) {unknown}")
+    if given.get("data_dir") == "":   # '' is what the default is stored as: given, it is a mistake (an unset variable)
+        raise ValueError("data_dir must name a directory, got ''; leave --data-dir out for the repository's "
+                         "data/enwik8")
     preset_name = given.get("preset", DEFAULT_PRESET)
     if preset_name not in PRESETS:
         raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(PRESETS)}")

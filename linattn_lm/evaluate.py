@@ -68,17 +68,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if any(n < 1 for n in args.seq_len or []) or args.batch_size < 1 or args.threads < 0:
-        parser.error("--seq-len and --batch-size must be positive, --threads >= 0")
+    """Each range, refused with the flag and the value that is out of it."""
+    ranges = [("--seq-len", n, n >= 1, ">= 1") for n in args.seq_len or []] + [
+        ("--batch-size", args.batch_size, args.batch_size >= 1, ">= 1"),
+        ("--threads", args.threads, 0 <= args.threads <= 4096, "in [0, 4096]"),
+        ("--max-bytes", args.max_bytes, args.max_bytes is None or args.max_bytes >= 2,
+         ">= 2 (one input and one target byte)"),
+        ("--max-new-tokens", args.max_new_tokens, 0 <= args.max_new_tokens <= 2**24, "in [0, 16,777,216]"),
+        ("--temperature", args.temperature, args.temperature >= 0, ">= 0"),
+        ("--top-k", args.top_k, args.top_k is None or args.top_k >= 1, ">= 1"),
+        ("--seed", args.seed, 0 <= args.seed < 2**63, "in [0, 2**63)")]
+    for flag, value, ok, expected in ranges:
+        if not ok:
+            parser.error(f"{flag} must be {expected}, got {value}")
     repeated = sorted({n for n in args.seq_len or [] if args.seq_len.count(n) > 1})
     if repeated:
         parser.error(f"--seq-len lists {', '.join(map(str, repeated))} more than once; list each length once")
-    if args.max_bytes is not None and args.max_bytes < 2:
-        parser.error("--max-bytes must be at least 2 (one input and one target byte)")
-    if args.max_new_tokens < 0 or args.temperature < 0 or (args.top_k is not None and args.top_k < 1):
-        parser.error("--max-new-tokens and --temperature must be >= 0, --top-k >= 1")
-    if not 0 <= args.seed < 2**63 or args.threads > 4096 or args.max_new_tokens > 2**24:
-        parser.error("--seed must be in [0, 2**63), --threads <= 4096, --max-new-tokens <= 16,777,216")
+    if args.data_dir == "":
+        parser.error("--data-dir must name a directory, got ''; leave it out for the one the run trained on")
 
 
 SAMPLING_FLAGS = ("--max-new-tokens", "--temperature", "--top-k", "--seed")

@@ -14,6 +14,7 @@ Where fcntl does not exist (Windows), runs are not locked; a warning says so onc
 """
 from __future__ import annotations
 
+import errno
 import os
 import warnings
 from pathlib import Path
@@ -27,6 +28,16 @@ except ImportError:   # Windows
 
 LOCK_NAME = ".lock"
 LOCK_ATTEMPTS = 100   # each retry needs another start to fail and remove the directory meanwhile
+
+
+def directory_advice(error: OSError) -> str:
+    """What to change when a run directory cannot be made: a file in its place is not a permission
+    problem of --out-dir."""
+    if error.errno in (errno.EEXIST, errno.ENOTDIR):
+        return "a file stands where a directory of that path would go; choose another --run-name or --out-dir"
+    if error.errno == errno.ENAMETOOLONG:
+        return "choose a shorter --run-name or --out-dir"
+    return "choose a writable --out-dir"
 
 
 class DirectoryBusy(UsageError):
@@ -57,7 +68,7 @@ class DirectoryLock:
             self._fd = None if fcntl is None else self._acquire_live()
         except OSError as error:   # not BlockingIOError: _acquire turns that into DirectoryBusy
             raise UsageError(f"cannot lock the directory {self.directory} ({error.strerror or error}); "
-                             "choose a writable --out-dir") from None
+                             f"{directory_advice(error)}") from None
         if fcntl is None:
             warnings.warn("fcntl is not available on this platform: run directories are not locked, so "
                           "make sure no two runs use the same --out-dir/--run-name", stacklevel=2)

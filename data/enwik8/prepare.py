@@ -12,6 +12,7 @@ script's directory). The bundled sample was made with `head -c 4154064 enwik8 | 
 """
 from __future__ import annotations
 
+import argparse
 import gzip
 import hashlib
 import json
@@ -324,13 +325,20 @@ def verify(out_dir: Path | str, log: Log = print) -> dict[str, Any]:
     return meta
 
 
+def nonempty_path(text: str) -> Path:
+    """A path flag's value; '' (an unset shell variable) would be Path('.'), the current directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a path, got {text!r} (for the current directory, pass .)")
+    return Path(text)
+
+
 def build_parser() -> Parser:
     parser = Parser(description="Download and verify enwik8 (the bundled sample when that fails) and write "
                                 "byte-level train/val/test splits (90%/5%/5%) plus meta.json.")
-    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR,
+    parser.add_argument("--out-dir", type=nonempty_path, default=DEFAULT_OUT_DIR,
                         help="directory for the splits, meta.json and the download cache (default: %(default)s)")
     sources = parser.add_mutually_exclusive_group()
-    sources.add_argument("--source", type=Path, metavar="PATH",
+    sources.add_argument("--source", type=nonempty_path, metavar="PATH",
                          help="a local enwik8 instead of the download: a .zip (member 'enwik8'), a .gz or the raw file")
     sources.add_argument("--sample", action="store_true",
                          help=f"the bundled sample {SAMPLE.name} (the first {SAMPLE_DIGEST.size:,} bytes of enwik8), "

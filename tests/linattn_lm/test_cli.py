@@ -24,3 +24,18 @@ def test_an_import_file_that_exits_is_a_usage_error_not_a_silent_exit(tmp_path, 
         assert code == 2 and out == "", err
         assert err == (f"error: --import {exits}: cannot import it (SystemExit: 0); fix that code: importing it "
                        "must only define and register things\n")
+
+
+@pytest.mark.parametrize("name, message", [
+    ("", "--import takes a module name or a .py file, got ''"),
+    (" ", "--import takes a module name or a .py file, got ' '"),
+    ("afile", "--import {path}: a file to import must be Python source ending in .py; rename it, or pass a module "
+              "name on the Python path"),
+])
+def test_an_import_name_that_names_no_module_is_refused_for_the_name(name, message, tmp_path, run_main,
+                                                                    monkeypatch):
+    """Before: 'cannot import it (ValueError: Empty module name); fix that code', blaming code never read."""
+    (tmp_path / "afile").write_text("x = 1\n")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_main(training.main, ["--import", name])
+    assert code == 2 and err == f"error: {message.format(path=name)}\n", err

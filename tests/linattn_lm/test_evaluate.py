@@ -143,8 +143,11 @@ def test_a_saved_config_is_read_as_resume_reads_it(damage, message: str, data_di
     (["--device", "tpu"], "not a device name"),
     (["--device", "cuda:abc"], "not a device name"),
     (["--device", ""], "not a device name"),
-    (["--seed", "18446744073709551616"], "--seed must be in"),
-    (["--batch-size", "0"], "--batch-size must be positive"),
+    (["--seed", "18446744073709551616"], "--seed must be in [0, 2**63), got 18446744073709551616"),
+    (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["--threads", "-3"], "--threads must be in [0, 4096], got -3"),
+    (["--max-new-tokens", "100000000000"], "--max-new-tokens must be in [0, 16,777,216], got 100000000000"),
+    (["--top-k", "0"], "--top-k must be >= 1, got 0"),
     (["--generate", "\udcff\udcfe"], "--generate: the prompt is not UTF-8 text"),   # bytes 0xff 0xfe from a shell
 ])
 def test_bad_flags_are_clear(argv: list[str], message: str, data_dir: Path, tmp_path: Path, run_main,
@@ -152,6 +155,13 @@ def test_bad_flags_are_clear(argv: list[str], message: str, data_dir: Path, tmp_
     ckpt = write_checkpoint(tmp_path / "ckpt.pt", make_model(), data_dir)
     code, _, err = run_main(evaluate.main, [str(ckpt), "--generate", "The ", *argv])
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_an_empty_data_dir_is_refused_not_taken_as_the_default(data_dir: Path, tmp_path: Path, run_main,
+                                                                make_model) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", make_model(), data_dir)
+    code, _, err = run_main(evaluate.main, [str(ckpt), "--data-dir", ""])
+    assert code == 2 and "--data-dir must name a directory, got ''" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_nan_weights_are_refused(data_dir: Path, tmp_path: Path, run_main, make_model) -> None:

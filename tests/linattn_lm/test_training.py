@@ -131,6 +131,7 @@ def test_run_names_that_name_no_directory_of_their_own_are_refused(name: str, tm
     (["--device", "gpu"], "device 'gpu' is not a device name"),
     (["--device", "cuda:abc"], "device 'cuda:abc' is not a device name"),
     (["--device", ""], "device '' is not a device name"),
+    (["--data-dir", ""], "data_dir must name a directory, got ''; leave --data-dir out"),
     (["--run-name", "../elsewhere"], "run_name must be a relative name"),
     (["--out-dir", ""], "out_dir must name a directory, got ''"),
     (["--threads", "-1"], "threads must be in"),
@@ -154,8 +155,15 @@ def test_unusable_out_dir_is_refused(data_dir: Path, tiny: list[str], tmp_path: 
     regular_file = tmp_path / "file"
     regular_file.write_text("")
     code, _, err = run_main(training.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(regular_file)])
-    assert code == 2 and "cannot lock the directory" in err and "choose a writable --out-dir" in err, err
+    assert code == 2 and "cannot lock the directory" in err and "(Not a directory); a file stands where a " \
+        "directory of that path would go; choose another --run-name or --out-dir" in err, err
     assert len(err.strip().splitlines()) == 1
+    for run_name, message in ((regular_file.name, "(File exists); a file stands where"),
+                              ("a" * 300, "run_name's parts must be at most 255 bytes"),
+                              ("a\nb", "run_name must not hold control characters (a newline, a tab), got 'a\\nb'")):
+        code, _, err = run_main(training.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path),
+                                                "--run-name", run_name])
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_non_finite_loss_after_a_resume_says_the_checkpoint_may_be_damaged(data_dir: Path, tiny: list[str],
