@@ -26,6 +26,7 @@ import torch
 
 import linattn
 from .data import SPLITS, DataError, SequentialWindows, check_window_fits, default_data_dir, load_split
+from .config import check_backend_runs_on
 from .checkpoint import CheckpointError, checkpoint_path, load_checkpoint, model_from_checkpoint, saved_precision
 from .cli import (EXIT_ERROR, EXIT_USAGE, DefaultsFormatter, Parser, UsageError, finite_float, import_user_code, integer,
                   pre_parse_imports)
@@ -232,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         import_recorded(checkpoint, path)
         model = model_from_checkpoint(checkpoint, path, backend=args.backend).to(device).eval()
         config = model.config
+        check_backend_runs_on(config, device)   # before any output: --backend triton on CPU, say
         args.dtype = args.dtype or recorded_dtype(checkpoint, path)
         resolve_dtype(args.dtype, device)
         print(f"checkpoint: {path} (step {checkpoint['step']}, {config.variant}, "

@@ -312,8 +312,9 @@ def test_a_run_trained_with_a_gpu_backend_is_evaluated_here_with_backend_overrid
     a CPU with --backend auto; without it, or with a backend the attention has not, one line says why."""
     ckpt = write_checkpoint(tmp_path / "ckpt.pt", make_model(seq_len=16, backend="fla"), data_dir)
     argv = [str(ckpt), "--max-bytes", "200", "--device", "cpu"]
-    code, _, err = run_main(evaluate.main, argv)
+    code, out, err = run_main(evaluate.main, argv)
     assert code == 2 and "backend='fla'" in err and len(err.strip().splitlines()) == 1, err
+    assert out == ""   # refused before the checkpoint or data lines: nothing is read that the refusal wastes
     code, _, err = run_main(evaluate.main, argv + ["--backend", "sdpa"])
     assert code == 2 and "linear attention's backend must be one of" in err and len(err.strip().splitlines()) == 1, err
     code, out, _ = run_main(evaluate.main, argv + ["--backend", "auto"])
