@@ -76,7 +76,7 @@ def checkpoint_entries(checkpoint: dict[str, Any], path: Path | str, names=tuple
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             found = "missing" if name not in checkpoint else f"a {type(value).__name__}"
             raise CheckpointError(f"{path} is damaged: its {name!r} entry should be a {expected.__name__}, "
-                                  f"found {found}; resume from another checkpoint or start a new run")
+                                  f"found {found}; use another checkpoint (or, for --resume, start a new run)")
     if checkpoint["step"] < 0:
         raise CheckpointError(f"{path} is damaged: step {checkpoint['step']} is negative")
 
@@ -87,7 +87,7 @@ def saved_precision(checkpoint: dict[str, Any], path: Path | str) -> str | None:
     precision = checkpoint.get("precision")
     if precision is not None and (not isinstance(precision, str) or precision not in PRECISIONS):
         raise CheckpointError(f"{path} is damaged: its 'precision' entry is {precision!r}, not one of "
-                              f"{', '.join(PRECISIONS)}; resume from another checkpoint or start a new run")
+                              f"{', '.join(PRECISIONS)}; use another checkpoint (or, for --resume, start a new run)")
     return precision
 
 
