@@ -135,6 +135,10 @@ def check_optimizer_state(saved: dict[str, Any], optimizer: torch.optim.Optimize
     if len(saved_ids) != len(params):
         raise CheckpointError(f"{path}: its 'optimizer' entry holds {len(saved_ids)} parameters, the model has "
                               f"{len(params)}; it belongs to another model")
+    for number, group in enumerate(groups):
+        problem = hyperparameter_problem(group)
+        if problem:
+            raise CheckpointError(f"{path} is damaged: its optimiser's param group {number} has {problem}")
     names = {id(param): name for name, param in model.named_parameters()}
     for index, param in zip(saved_ids, params):
         entry = state.get(index, {})
@@ -144,6 +148,21 @@ def check_optimizer_state(saved: dict[str, Any], optimizer: torch.optim.Optimize
                          else type(value).__name__)
                 raise CheckpointError(f"{path} is damaged: its optimiser state {key!r} of {names[id(param)]!r} is "
                                       f"{found} (or not finite), the parameter is {tuple(param.shape)} {param.dtype}")
+
+
+def hyperparameter_problem(group: dict[str, Any]) -> str | None:
+    """AdamW's settings in a saved param group, which load_state_dict takes as they are (the learning
+    rate is set by the schedule every step): betas in [0, 1), eps > 0, weight decay >= 0, finite."""
+    def real(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    betas, eps, decay = group.get("betas"), group.get("eps"), group.get("weight_decay")
+    if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(real(b) and 0 <= b < 1 for b in betas)):
+        return f"betas {betas!r}, not two numbers in [0, 1)"
+    if not (real(eps) and eps > 0):
+        return f"eps {eps!r}, not a finite number > 0"
+    if not (real(decay) and decay >= 0):
+        return f"weight_decay {decay!r}, not a finite number >= 0"
+    return None
 
 
 def fits_parameter(key: str, value: Any, param: torch.Tensor) -> bool:

@@ -258,6 +258,8 @@ def damage_parameter_count(c): c["optimizer"]["param_groups"][1]["params"].pop()
 def damage_config_section(c): c["config"]["extra"] = 5
 def damage_config_key(c): c["config"]["model"]["colour"] = "red"
 def damage_precision(c): c["precision"] = "fp8"
+def damage_betas(c): c["optimizer"]["param_groups"][0]["betas"] = (2.0, -1.0)
+def damage_eps(c): c["optimizer"]["param_groups"][1]["eps"] = 0.0
 def damage_sparse_weight(c): c["model"]["head.weight"] = c["model"]["head.weight"].to_sparse()
 def damage_sparse_csr_weight(c): c["model"]["head.weight"] = c["model"]["head.weight"].to_sparse_csr()
 
@@ -278,6 +280,8 @@ def damage_sparse_csr_weight(c): c["model"]["head.weight"] = c["model"]["head.we
     (damage_loader_position, "saved batches_drawn must be an integer >= 0, got -5"),
     (damage_weights, "holds NaN or inf"),
     (damage_weight_dtype, "is damaged: weight 'head.weight' is torch.int64, the model's is torch.float32"),
+    (damage_betas, "is damaged: its optimiser's param group 0 has betas (2.0, -1.0), not two numbers in [0, 1)"),
+    (damage_eps, "its optimiser's param group 1 has eps 0.0, not a finite number > 0"),
     (damage_sparse_weight, "is damaged: weight 'head.weight' is stored as torch.sparse_coo, the model's weights are "
                            "dense (torch.strided)"),
     (damage_sparse_csr_weight, "weight 'head.weight' is stored as torch.sparse_csr"),
