@@ -356,6 +356,16 @@ def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)  # unwinds through write_staged, which removes its temporary
 
 
+def remove_empty_directories(created: list[Path]) -> None:
+    """The directories a failed run made, deepest first, while they are empty (a download cache it
+    wrote keeps its directory)."""
+    for path in created:
+        try:
+            path.rmdir()
+        except OSError:
+            return
+
+
 def main(argv: list[str] | None = None, *, download: Download = ENWIK8) -> int:
     """The command; `download` is for tests only and deliberately not a flag."""
     parser = build_parser()
@@ -366,6 +376,7 @@ def main(argv: list[str] | None = None, *, download: Download = ENWIK8) -> int:
         parser.error("--allow-noncanonical applies to a --source file (the download is checked against enwik8's "
                      "hash, and the bundled sample is always accepted): add --source PATH or drop it")
     previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    created = [path for path in (args.out_dir, *args.out_dir.parents) if not path.exists()]   # deepest first
     try:
         if args.verify:
             verify(args.out_dir)
@@ -373,9 +384,11 @@ def main(argv: list[str] | None = None, *, download: Download = ENWIK8) -> int:
             prepare(args.out_dir, source=SAMPLE if args.sample else args.source,
                     allow_noncanonical=args.allow_noncanonical, force=args.force, download=download)
     except (DataError, OSError) as error:  # OSError: a write failed (WriteFailed: disk full, read-only)
+        remove_empty_directories(created)
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
+        remove_empty_directories(created)
         print("interrupted: no partial split was left behind", file=sys.stderr)
         return 130
     finally:

@@ -449,3 +449,14 @@ def test_the_command_runs_from_any_directory(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "enwik8-sample.gz (NON-CANONICAL, 4,154,064 bytes)" in result.stdout
     assert prep.verify(tmp_path, log=lambda message: None)["source"]["sha256"] == prep.SAMPLE_DIGEST.sha256
+
+
+def test_a_failed_run_leaves_no_directory_it_made_and_keeps_those_it_found(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    source = tmp_path / "rand.bin"
+    source.write_bytes(bytes(range(256)) * 40)   # not enwik8: refused without --allow-noncanonical
+    assert prep.main(["--source", str(source), "--out-dir", str(tmp_path / "new" / "data")]) == 2
+    assert "error:" in capsys.readouterr().err and not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()
+    assert prep.main(["--source", str(source), "--out-dir", str(tmp_path / "mine")]) == 2
+    assert (tmp_path / "mine").is_dir()
