@@ -327,7 +327,7 @@ def verify(out_dir: Path | str, log: Log = print) -> dict[str, Any]:
 
 def nonempty_path(text: str) -> Path:
     """A path flag's value; '' (an unset shell variable) would be Path('.'), the current directory."""
-    if not text.strip():
+    if not text:
         raise argparse.ArgumentTypeError(f"expected a path, got {text!r} (for the current directory, pass .)")
     return Path(text)
 
@@ -391,6 +391,9 @@ def main(argv: list[str] | None = None, *, download: Download = ENWIK8) -> int:
         remove_empty_directories(created)
         print("interrupted: no partial split was left behind", file=sys.stderr)
         return 130
+    except SystemExit:   # SIGTERM (_exit_on_sigterm)
+        remove_empty_directories(created)
+        raise
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
     return 0

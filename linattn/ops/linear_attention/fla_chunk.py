@@ -123,61 +123,77 @@ def linear_attention(phi_q, phi_k, v, *, causal: bool, rotary: bool, offset: int
 
 def blocked_factors(make, phi_q, phi_k, **options) -> tuple[torch.Tensor, ...]:
     """make(phi_q, phi_k, **options) (plain_factors or log_factors) on blocks of the B x H rows, each
-    recomputed in backward (torch.utils.checkpoint), its outputs joined again along the heads."""
-    rows = [row_view(x) for x in (phi_q, phi_k)]   # (1, B*H, N, .): blocks are slices of dimension 1
-    batch_heads, total = row_count(phi_q)
-    blocks = row_blocks(total, per_row=feature_count(phi_q) * row_length(phi_q))
+    recomputed in backward (torch.utils.checkpoint; the factors draw no random numbers), the outputs
+    written block by block into (B, H, ...) tensors (a torch.cat of the parts would hold them twice).
+    A block is a range of batch entries with every head, or of one entry's heads: slices of the
+    (B, H, N, .) tensors as they come, views whatever their strides (q and k are views of the
+    layer's fused projection), so nothing is copied."""
+    batch, heads, length, features = shape_of(phi_q)
+    blocks = row_blocks(batch, heads, per_row=features * length)
     joined = None
     for block in blocks:
-        part = checkpoint(make, *(row_slice(x, block) for x in rows), use_reentrant=False, **options)
+        part = checkpoint(make, *(row_slice(x, block) for x in (phi_q, phi_k)), use_reentrant=False,
+                          preserve_rng_state=False, **options)
         if len(blocks) == 1:
-            joined = part
-            break
-        if joined is None:   # written block by block: a torch.cat of the parts would hold them twice
-            joined = [t.new_empty(t.shape[0], total, *t.shape[2:]) for t in part]
-        for whole, piece in zip(joined, part):
-            whole[:, block] = piece
+            return part
+        if joined is None:
+            joined = [t.new_empty(batch, heads, *t.shape[2:]) for t in part]
+        joined = [WriteBlock.apply(whole, piece, block) for whole, piece in zip(joined, part)]
         del part
-    return tuple(t.reshape(*batch_heads, *t.shape[2:]) for t in joined)
+    return tuple(joined)
 
 
-def row_blocks(rows: int, per_row: int, most: int = None) -> list[slice]:
-    """Slices of `rows` rows of `per_row` elements each, every block at most `most` elements
-    (FACTOR_BLOCK_ELEMENTS) and at least one row, the blocks as even as they can be."""
+class WriteBlock(torch.autograd.Function):
+    """whole[block] = piece, in place.  Backward hands whole's gradient on as it is and its block to
+    the piece: the blocks do not overlap and `whole` starts as new_empty (no gradient), so the part
+    of the gradient an earlier version of `whole` receives for this block reaches nothing.  (Slice
+    assignment's own backward copies and zeroes the whole gradient once per block.)"""
+
+    @staticmethod
+    def forward(ctx, whole, piece, block):
+        whole[block] = piece
+        ctx.mark_dirty(whole)
+        ctx.block = block
+        return whole
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad[ctx.block], None
+
+
+def row_blocks(batch: int, heads: int, per_row: int, most: int = None) -> list[tuple[slice, slice]]:
+    """(batch slice, head slice) blocks covering B x H rows of `per_row` elements each, every block
+    at most `most` elements (FACTOR_BLOCK_ELEMENTS) and at least one row: whole batch entries while
+    one entry fits, else ranges of one entry's heads; the blocks as even as they can be."""
     most = FACTOR_BLOCK_ELEMENTS if most is None else most
-    per_block = max(1, most // per_row)   # rows
-    count = max(1, -(-rows // per_block))   # one (empty) block for an empty batch
-    bounds = [rows * i // count for i in range(count + 1)]
+    rows_per_block = max(1, most // per_row)
+    if rows_per_block >= heads or batch == 0:   # whole entries: ranges of the batch (one empty one for B = 0)
+        return [(entries, slice(None)) for entries in even_ranges(batch, max(1, rows_per_block // heads))]
+    return [(slice(entry, entry + 1), head_range) for entry in range(batch)
+            for head_range in even_ranges(heads, rows_per_block)]
+
+
+def even_ranges(count: int, most: int) -> list[slice]:
+    """count items in as few ranges of at most `most` as can hold them, of near-equal length (one
+    empty range when count is 0)."""
+    pieces = max(1, -(-count // most))
+    bounds = [count * i // pieces for i in range(pieces + 1)]
     return [slice(start, stop) for start, stop in zip(bounds, bounds[1:])]
 
 
-def row_view(x):
-    """x's (B, H, N, .) tensors as (1, B*H, N, .): a LogProjection's inputs and shift, else x."""
+def row_slice(x, block: tuple[slice, slice]):
+    """The block's rows of features or of a LogProjection (its inputs and shift; the weight is shared)."""
     if isinstance(x, LogProjection):
-        shift = x.shift.reshape(1, -1, *x.shift.shape[2:]) if isinstance(x.shift, torch.Tensor) else x.shift
-        return x._replace(inputs=x.inputs.reshape(1, -1, *x.inputs.shape[2:]), shift=shift)
-    return x.reshape(1, -1, *x.shape[2:])
+        shift = x.shift[block] if isinstance(x.shift, torch.Tensor) else x.shift
+        return x._replace(inputs=x.inputs[block], shift=shift)
+    return x[block]
 
 
-def row_slice(x, block: slice):
+def shape_of(x) -> tuple[int, int, int, int]:
+    """(B, H, N, M) of features or of a LogProjection's log-features."""
     if isinstance(x, LogProjection):
-        shift = x.shift[:, block] if isinstance(x.shift, torch.Tensor) else x.shift
-        return x._replace(inputs=x.inputs[:, block], shift=shift)
-    return x[:, block]
-
-
-def row_count(x) -> tuple[tuple[int, int], int]:
-    """((B, H), B * H) of features or a LogProjection."""
-    shape = (x.inputs if isinstance(x, LogProjection) else x).shape
-    return tuple(shape[:2]), shape[0] * shape[1]
-
-
-def row_length(x) -> int:
-    return (x.inputs if isinstance(x, LogProjection) else x).shape[-2]
-
-
-def feature_count(x) -> int:
-    return x.weight.shape[0] if isinstance(x, LogProjection) else x.shape[-1]
+        return (*x.inputs.shape[:3], x.weight.shape[0])
+    return tuple(x.shape)
 
 
 def plain_factors(phi_q, phi_k, *, rotary: bool, offset: int, rope_base: float, work: torch.dtype,

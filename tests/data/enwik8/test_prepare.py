@@ -377,7 +377,7 @@ def test_unusable_sources_are_one_line_errors(kind: str, message: str, tmp_path:
     (["--allow-noncanonical"], "--allow-noncanonical applies to a --source file"),
     (["--sample", "--allow-noncanonical"], "--allow-noncanonical applies to a --source file"),
     (["--sample", "--out-dir", ""], "argument --out-dir: expected a path, got '' (for the current directory, pass .)"),
-    (["--source", " "], "argument --source: expected a path, got ' '"),
+    (["--source", ""], "argument --source: expected a path, got ''"),
 ])
 def test_bad_flags_are_one_line_usage_errors(argv: list[str], message: str, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:

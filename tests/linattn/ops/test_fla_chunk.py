@@ -139,7 +139,7 @@ def test_factors_made_in_row_blocks_give_what_one_block_gives(fla_reference, mon
         return [out, *torch.autograd.grad((out * weights).sum(), leaves), state.kv, state.k_sum, state.log_scale]
     whole = run()
     monkeypatch.setattr(fla_chunk, "FACTOR_BLOCK_ELEMENTS", most)
-    assert len(fla_chunk.row_blocks(B * H, 9 * 8)) == {1: 4, 144: 2, 215: 2}[most]
+    assert len(fla_chunk.row_blocks(B, H, 9 * 8)) == {1: 4, 144: 2, 215: 2}[most]
     for got, want in zip(run(), whole):
         if want is None:
             assert got is None
@@ -147,14 +147,37 @@ def test_factors_made_in_row_blocks_give_what_one_block_gives(fla_reference, mon
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("rows,per_row,most,sizes", [
-    (4, 10, 1, [1, 1, 1, 1]), (4, 10, 40, [4]), (4, 10, 39, [2, 2]), (5, 10, 20, [1, 2, 2]), (5, 10, 15, [1, 1, 1, 1, 1]),
-    (8, 10, 1000, [8]), (1, 10**9, 10, [1]), (0, 10, 5, [0])])
-def test_row_blocks_cover_every_row_once_in_even_blocks_under_the_bound(rows, per_row, most, sizes):
-    blocks = fla_chunk.row_blocks(rows, per_row, most)
-    assert [b.stop - b.start for b in blocks] == sizes
-    assert blocks[0].start == 0 and blocks[-1].stop == rows
-    assert all(a.stop == b.start for a, b in zip(blocks, blocks[1:]))
+@pytest.mark.parametrize("batch,heads,per_row,most,blocks", [
+    (2, 2, 10, 1, [(0, 0, 1), (0, 1, 2), (1, 0, 1), (1, 1, 2)]),        # a row each
+    (2, 2, 10, 40, [(0, None, None)]),                                   # whole entries: one block
+    (4, 2, 10, 39, [(0, None, None), (1, None, None), (2, None, None), (3, None, None)]),   # 3 rows: one entry
+    (5, 2, 10, 40, [(0, None, None), (1, None, None), (3, None, None)]),  # 2 entries at most, as even as can be
+    (1, 5, 10, 20, [(0, 0, 1), (0, 1, 3), (0, 3, 5)]),                  # heads of one entry, even
+    (0, 4, 10, 5, [(0, None, None)]),                                   # an empty batch: one empty block
+])
+def test_row_blocks_cover_every_row_once_under_the_bound(batch, heads, per_row, most, blocks):
+    got = fla_chunk.row_blocks(batch, heads, per_row, most)
+    assert [(b.start, h.start, h.stop) for b, h in got] == blocks
+    covered = torch.zeros(batch, heads, dtype=torch.int64)
+    for block in got:
+        covered[block] += 1
+        assert covered[block].numel() * per_row <= max(most, per_row)
+    assert bool((covered == 1).all())
+
+
+def test_blocks_of_a_strided_projection_copy_nothing(fla_reference, monkeypatch):
+    """q and k are views of a layer's fused (B, N, 3 H D) projection: a reshape merging B and H
+    copied them, and the checkpoint kept the copies until backward."""
+    monkeypatch.setattr(fla_chunk, "FACTOR_BLOCK_ELEMENTS", 9 * 8)   # a row per block
+    fused = torch.randn(B, 9, 3 * H * 3, dtype=torch.float64)
+    inputs = fused.unflatten(-1, (3, H, 3))[:, :, 0].transpose(1, 2)   # (B, H, N, D), not mergeable
+    projection = LogProjection(inputs, torch.randn(8, 3, dtype=torch.float64), -1.0, -0.25)
+    seen = []
+    real = fla_chunk.log_factors
+    monkeypatch.setattr(fla_chunk, "log_factors", lambda b, a, **o: seen.append(b.inputs) or real(b, a, **o))
+    call(fla_chunk, True, [projection, projection, torch.randn(B, H, 9, 4, dtype=torch.float64)])
+    assert len(seen) == B * H and all(t.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+                                      for t in seen)
 
 
 def favor_like(n, m, scale, seed=0):
