@@ -258,7 +258,7 @@ def check_sizes_fit(settings: Settings, lengths: tuple[int, ...], device: torch.
     an allocation-error row, or the first build a traceback."""
     if not set(settings.sections) & {"attention", "efficiency", "decode", "block", "kernels"}:
         return
-    m, d = max(settings.num_features, *(settings.kernel_features if "kernels" in settings.sections else ())), \
+    m, d = max((settings.num_features, *(settings.kernel_features if "kernels" in settings.sections else ()))), \
         settings.head_dim
     needed = 4 * (settings.batch * settings.heads * max(lengths) * (2 * max(m, d) + d) + m * d)
     available = available_memory_bytes(device)
