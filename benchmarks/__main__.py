@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 import time
 from importlib import metadata
 from dataclasses import asdict
@@ -94,6 +95,11 @@ def main(argv: list[str] | None = None) -> dict:
     save()
     print(f"\nresults: {out}.json, {out}.md" + (f", {plot}" if plotted(records) else "")
           + f"; total {results['elapsed_s']:.0f} s")
+    errors = [r["error"] for r in records if "error" in r]
+    if errors and not plotted(records):   # nothing measured and something failed: not a success
+        print(f"error: every configuration of the attention sweep failed, the first with: {errors[0]}; "
+              f"the rows are in {out}.md", file=sys.stderr)
+        raise SystemExit(1)
     return results
 
 

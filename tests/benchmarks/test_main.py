@@ -89,3 +89,17 @@ def test_cuda_block_and_kernel_sections_measure_every_method_and_judge_the_targe
     assert timed == (set(KERNEL_METHODS) if fla else {"linattn-log", "linattn-plain"})
     assert len(results["kernels"]["comparisons"]) == (len(OURS) if fla else 0)
     assert all(r["bandwidth_share"] > 0 for r in results["kernels"]["records"] if "train_s" in r)
+
+
+def test_a_sweep_whose_every_configuration_failed_exits_1_after_writing_its_rows(tmp_path, monkeypatch, capsys):
+    failed = {"method": "sdpa", "mask": "causal", "dtype": "fp32", "label": "sdpa causal fp32", "linear": False,
+              "n": 128, "error": "RuntimeError: can't allocate memory"}
+    monkeypatch.setattr("benchmarks.__main__.run_attention", lambda *args: {"records": [failed]})
+    out = tmp_path / "bench"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--sections", "attention", "--device", "cpu", "--lengths", "128", "--out", str(out)])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"error: every configuration of the attention sweep failed, the first with: RuntimeError: "
+                       f"can't allocate memory; the rows are in {out}.md")
+    assert json.loads(out.with_suffix(".json").read_text())["attention"]["records"] == [failed]
