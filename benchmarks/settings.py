@@ -13,7 +13,7 @@ from typing import Callable
 import linattn
 from linattn.functional import BACKENDS as LINATTN_BACKENDS
 from linattn_lm.config import available_memory_bytes
-from linattn_lm.runtime import resolve_device
+from linattn_lm.runtime import first_line, resolve_device
 
 import torch
 
@@ -292,7 +292,7 @@ def check_methods_build(settings: Settings, device: torch.device) -> None:
                 build_attention(method, shape, torch.device("cpu"), MASKS[mask], settings.chunk_size)
             except (ValueError, TypeError, RuntimeError, MemoryError) as error:   # RuntimeError: an allocation
                 raise BadSetting(f"method {method.name} ({mask}) cannot run with these settings: "
-                                 f"{str(error).splitlines()[0] if str(error) else type(error).__name__}") from None
+                                 f"{first_line(error)}") from None
     for section, flag_name, chosen in (("block", "--block-methods", settings.block_methods),
                                        ("model", "--model-methods", settings.model_methods)):
         for name in chosen if section in settings.sections else ():
@@ -302,8 +302,7 @@ def check_methods_build(settings: Settings, device: torch.device) -> None:
                 block = build_block(name, settings.head_dim, 1, settings.num_features)
                 linattn.resolve_backend(block.backend, device, log_space=block.feature_map.log_space)
             except (ValueError, TypeError, RuntimeError, MemoryError) as error:
-                raise BadSetting(f"{flag_name} {name} cannot run with these settings: "
-                                 f"{str(error).splitlines()[0] if str(error) else type(error).__name__}") from None
+                raise BadSetting(f"{flag_name} {name} cannot run with these settings: {first_line(error)}") from None
     odd = [m for m in settings.kernel_features if m % 2]
     if "kernels" in settings.sections and odd:
         raise BadSetting(f"--kernel-features {','.join(map(str, odd))}: the kernels section's op rotates pairs of "

@@ -73,7 +73,7 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     check_rope_base(rope_base)
     offset = int(offset)   # numpy's integers too: the state's position is a plain int
     if rotary:
-        check_rotated_dim(phi_k.weight.shape[0] if isinstance(phi_k, LogProjection) else phi_k.shape[-1])
+        check_rotated_dim(phi_k.shape[-1])
         check_positions(offset, v.shape[-2])
     if return_state and not causal:
         raise ValueError("return_state=True needs causal=True: a non-causal pass has no decoding state")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from linattn.checks import is_real
 
 from .config import TrainConfig
 from .lm import ByteLM
@@ -153,14 +154,12 @@ def check_optimizer_state(saved: dict[str, Any], optimizer: torch.optim.Optimize
 def hyperparameter_problem(group: dict[str, Any]) -> str | None:
     """AdamW's settings in a saved param group, which load_state_dict takes as they are (the learning
     rate is set by the schedule every step): betas in [0, 1), eps > 0, weight decay >= 0, finite."""
-    def real(x):
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
     betas, eps, decay = group.get("betas"), group.get("eps"), group.get("weight_decay")
-    if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(real(b) and 0 <= b < 1 for b in betas)):
+    if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(is_real(b) and 0 <= b < 1 for b in betas)):
         return f"betas {betas!r}, not two numbers in [0, 1)"
-    if not (real(eps) and eps > 0):
+    if not (is_real(eps) and eps > 0):
         return f"eps {eps!r}, not a finite number > 0"
-    if not (real(decay) and decay >= 0):
+    if not (is_real(decay) and decay >= 0):
         return f"weight_decay {decay!r}, not a finite number >= 0"
     return None
 

@@ -289,11 +289,14 @@ def check_grid_directory(grid_dir: Path, existing: bool) -> None:
                                   "pass --resume to continue the grid there, or choose another --run-name / --out-dir")
         return
     report = grid_dir / "results.md"
-    foreign = CHECKPOINT_NAME if (grid_dir / CHECKPOINT_NAME).exists() else "a results.md grid.py did not write" \
-        if report.is_file() and not report.read_text(errors="replace").startswith(REPORT_TITLE) else None
-    if foreign:
-        raise CheckpointError(f"{grid_dir} is not a grid's directory (it holds {foreign}): give the --out-dir / "
-                              "--run-name the grid was started with")
+    if (grid_dir / CHECKPOINT_NAME).exists():
+        foreign = CHECKPOINT_NAME
+    elif report.is_file() and not report.read_text(errors="replace").startswith(REPORT_TITLE):
+        foreign = "a results.md grid.py did not write"
+    else:
+        return
+    raise CheckpointError(f"{grid_dir} is not a grid's directory (it holds {foreign}): give the --out-dir / "
+                          "--run-name the grid was started with")
 
 
 def check_eval_windows(configs, multiples: list[int]) -> None:

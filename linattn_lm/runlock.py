@@ -55,6 +55,16 @@ def missing_directories(directory: Path) -> list[Path]:
     return missing
 
 
+def remove_empty_directories(created: list[Path]) -> None:
+    """`created` (missing_directories' list, deepest first) removed while each is empty: rmdir refuses
+    one that is not, and the removal stops there, so whatever something else put inside stays."""
+    for directory in created:
+        try:
+            directory.rmdir()
+        except OSError:
+            return
+
+
 class DirectoryLock:
     """Held from construction until release() or discard() (or the end of a `with` block, which
     discards on an error, or the process).  `created`: the directories the caller made for this
@@ -130,8 +140,7 @@ class DirectoryLock:
         try:
             if self.created and [path.name for path in self.directory.iterdir()] == [LOCK_NAME]:
                 (self.directory / LOCK_NAME).unlink()
-            for directory in self.created:
-                directory.rmdir()
+            remove_empty_directories(self.created)
         except OSError:
             pass   # something else is there: it stays, and so do the directories that hold it
         finally:

@@ -33,6 +33,7 @@ from linattn_lm.checkpoint import remove_stale_temporaries
 from linattn_lm.cli import EXIT_USAGE, Parser
 from linattn_lm.data import (META_FORMAT_VERSION, META_NAME, SPLITS, VOCAB_SIZE, DataError, DataNotFoundError,
                              load_meta, load_split, shown)
+from linattn_lm.runlock import missing_directories, remove_empty_directories
 from linattn_lm.runtime import write_together
 
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent
@@ -356,16 +357,6 @@ def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)  # unwinds through write_staged, which removes its temporary
 
 
-def remove_empty_directories(created: list[Path]) -> None:
-    """The directories a failed run made, deepest first, while they are empty (a download cache it
-    wrote keeps its directory)."""
-    for path in created:
-        try:
-            path.rmdir()
-        except OSError:
-            return
-
-
 def main(argv: list[str] | None = None, *, download: Download = ENWIK8) -> int:
     """The command; `download` is for tests only and deliberately not a flag."""
     parser = build_parser()
@@ -376,25 +367,23 @@ def main(argv: list[str] | None = None, *, download: Download = ENWIK8) -> int:
         parser.error("--allow-noncanonical applies to a --source file (the download is checked against enwik8's "
                      "hash, and the bundled sample is always accepted): add --source PATH or drop it")
     previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    created = [path for path in (args.out_dir, *args.out_dir.parents) if not path.exists()]   # deepest first
+    created, prepared = missing_directories(args.out_dir), False   # a failed run removes them while empty
     try:
         if args.verify:
             verify(args.out_dir)
         else:
             prepare(args.out_dir, source=SAMPLE if args.sample else args.source,
                     allow_noncanonical=args.allow_noncanonical, force=args.force, download=download)
+        prepared = True
     except (DataError, OSError) as error:  # OSError: a write failed (WriteFailed: disk full, read-only)
-        remove_empty_directories(created)
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        remove_empty_directories(created)
         print("interrupted: no partial split was left behind", file=sys.stderr)
         return 130
-    except SystemExit:   # SIGTERM (_exit_on_sigterm)
-        remove_empty_directories(created)
-        raise
-    finally:
+    finally:   # SIGTERM's SystemExit (_exit_on_sigterm) comes through here too
+        if not prepared:
+            remove_empty_directories(created)
         signal.signal(signal.SIGTERM, previous_sigterm)
     return 0
 

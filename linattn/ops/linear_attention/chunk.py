@@ -259,7 +259,7 @@ def _log_linear_attention(b, a, v, *, causal, rotary, offset, base, chunk_size, 
     n = v.shape[-2]
     if not causal or n == 0:   # no chunk loop: the log-features themselves
         b, a = (x.materialize() if isinstance(x, LogProjection) else x for x in (b, a))
-    m = (a.weight.shape[0] if isinstance(a, LogProjection) else a.shape[-1])
+    m = a.shape[-1]
     if v.shape[:-1].numel() == 0:
         return _nothing_to_attend(v, m, v.dtype, position=offset + n, return_state=return_state, log_space=True)
     if causal:

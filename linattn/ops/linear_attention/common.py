@@ -22,6 +22,11 @@ class LogProjection(NamedTuple):
     shift: torch.Tensor | float = 0.0
     square_scale: float = 0.0
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The log-features' shape, (B, H, N, M), as a tensor of them would have it."""
+        return (*self.inputs.shape[:-1], self.weight.shape[0])
+
     def row_shift(self, inputs: torch.Tensor, shift) -> torch.Tensor | float:
         """square_scale |inputs|^2 + shift for some rows of the inputs (and the shift's rows)."""
         if not self.square_scale:
@@ -102,7 +107,7 @@ def check_log_features(phi_q, phi_k, v: torch.Tensor) -> None:
         if 0 in weight.shape:
             raise ValueError(f"{name}: a LogProjection projects D >= 1 inputs onto M >= 1 features, got a weight "
                              f"of shape {tuple(weight.shape)}")
-        shapes.append((*inputs.shape[:-1], weight.shape[0]))
+        shapes.append(x.shape)
     if shapes[0] != shapes[1]:
         raise ValueError(f"phi_q and phi_k give log-features of shapes {shapes[0]} and {shapes[1]}; map "
                          f"queries and keys with the same feature map")

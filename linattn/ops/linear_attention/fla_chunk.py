@@ -128,7 +128,7 @@ def blocked_factors(make, phi_q, phi_k, **options) -> tuple[torch.Tensor, ...]:
     A block is a range of batch entries with every head, or of one entry's heads: slices of the
     (B, H, N, .) tensors as they come, views whatever their strides (q and k are views of the
     layer's fused projection), so nothing is copied."""
-    batch, heads, length, features = shape_of(phi_q)
+    batch, heads, length, features = phi_q.shape
     blocks = row_blocks(batch, heads, per_row=features * length)
     joined = None
     for block in blocks:
@@ -187,13 +187,6 @@ def row_slice(x, block: tuple[slice, slice]):
         shift = x.shift[block] if isinstance(x.shift, torch.Tensor) else x.shift
         return x._replace(inputs=x.inputs[block], shift=shift)
     return x[block]
-
-
-def shape_of(x) -> tuple[int, int, int, int]:
-    """(B, H, N, M) of features or of a LogProjection's log-features."""
-    if isinstance(x, LogProjection):
-        return (*x.inputs.shape[:3], x.weight.shape[0])
-    return tuple(x.shape)
 
 
 def plain_factors(phi_q, phi_k, *, rotary: bool, offset: int, rope_base: float, work: torch.dtype,
