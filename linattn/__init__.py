@@ -2,7 +2,7 @@
 from . import functional
 from .attention import (NORMALIZATIONS, ROPE_PLACEMENTS, SOFTMAX_BACKENDS, KVCache, LinearAttention, SoftmaxAttention,
                         resolve_backend)
-from .checks import is_integer
+from .checks import is_integer, is_real
 from .feature_maps import (EluFeatureMap, FavorFeatureMap, FeatureMap, HedgehogFeatureMap, SoftmaxFeatureMap,
                            TaylorFeatureMap, available_feature_maps, check_option_names, feature_map_class, feature_map_options,
                            make_feature_map, register_feature_map)
@@ -15,6 +15,6 @@ __all__ = [
     "EluFeatureMap", "FavorFeatureMap", "FeatureMap", "HedgehogFeatureMap", "KVCache", "LinearAttention",
     "LinearState", "NORMALIZATIONS", "ROPE_PLACEMENTS", "SOFTMAX_BACKENDS", "SoftmaxAttention", "SoftmaxFeatureMap",
     "TaylorFeatureMap", "apply_rotary", "available_feature_maps", "check_option_names", "feature_map_class", "feature_map_options",
-    "functional", "is_integer", "linear_attention", "linear_attention_reference", "linear_attention_step",
+    "functional", "is_integer", "is_real", "linear_attention", "linear_attention_reference", "linear_attention_step",
     "make_feature_map", "register_feature_map", "resolve_backend",
 ]

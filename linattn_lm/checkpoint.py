@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from linattn.checks import is_real
+from linattn import is_real
 
 from .config import TrainConfig
 from .lm import ByteLM
