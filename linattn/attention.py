@@ -345,7 +345,10 @@ class SoftmaxAttention(_Projections):
         q, k, v = self._qkv(x, 3)
         q, k = self._rotate(q, k, offset)   # the cache holds rotated keys
         out = self._merge(self._kernel(q, k, v, self.causal))
-        return (out, KVCache(k, v, int(offset) + x.shape[1])) if return_state else out
+        if not return_state:
+            return out
+        # Detached as the linear block's state is: a prefill's cache is for decoding, not training.
+        return out, KVCache(k.detach(), v.detach(), int(offset) + x.shape[1])
 
     def step(self, x_t: torch.Tensor, state: KVCache | None = None):
         """Decode one token (B, dim) against the KV cache; `state=None` starts a sequence."""

@@ -328,6 +328,17 @@ def test_softmax_bad_arguments():
         SoftmaxAttention(32, 4, rope=False)(torch.randn(1, 3, 32), offset=-2)
 
 
+@pytest.mark.parametrize("block", [LinearAttention(32, 4), SoftmaxAttention(32, 4, rope=True)], ids=["linear", "softmax"])
+def test_a_prefill_state_carries_no_gradient_and_a_step_is_differentiable_in_its_input(block):
+    x = torch.randn(1, 5, 32, requires_grad=True)
+    _, state = block(x[:, :4], return_state=True)
+    tensors = [t for t in state if isinstance(t, torch.Tensor)]
+    assert tensors and not any(t.requires_grad for t in tensors)
+    y, _ = block.step(x[:, 4], state)
+    y.sum().backward()
+    assert x.grad[:, 4].abs().sum() > 0 and (x.grad[:, :4] == 0).all()
+
+
 @pytest.mark.parametrize("block", [LinearAttention(32, 4), SoftmaxAttention(32, 4)], ids=["linear", "softmax"])
 def test_decoding_continues_at_the_prefill_offset_of_any_integer_type(block):
     block.eval()
