@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .checks import check_flags, check_positive_integer, check_rope_base, check_state_position, check_state_tensors
+from .checks import (check_flags, check_positive_integer, check_real_floating, check_rope_base, check_state_position,
+                     check_state_tensors)
 from .feature_maps import FeatureMap, make_feature_map
 from .functional import BACKENDS, DEFAULT_CHUNK_SIZE, LinearState, linear_attention, linear_attention_step
 from .ops.linear_attention import dispatch
@@ -58,6 +59,7 @@ class _Projections(nn.Module):
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{type(self).__name__} expects input of shape {shape} with "
                              f"dim={self.dim}, got {got}")
+        check_real_floating("the input", x)
         weight = self.to_qkv.weight
         if x.device != weight.device or x.device.type == "meta":   # torch's own errors come from deep inside
             raise ValueError(f"{type(self).__name__}'s parameters are on {weight.device} and the input on {x.device}; "
@@ -79,6 +81,13 @@ class _Projections(nn.Module):
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"attend takes (batch, heads={self.heads}, seq_len, head_dim={self.head_dim}) "
                                  f"queries, keys and values, got {name} of shape {got}")
+            check_real_floating(name, t)
+        if not q.shape == k.shape == v.shape:
+            raise ValueError(f"attend takes queries, keys and values of one shape (batch, heads, seq_len, head_dim), "
+                             f"got {tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}")
+        if not q.device == k.device == v.device or q.device.type == "meta":
+            raise ValueError(f"attend takes queries, keys and values on one device that computes (not meta), got "
+                             f"{q.device}, {k.device} and {v.device}; move them with .to(device)")
         if not q.dtype == k.dtype == v.dtype:
             raise ValueError(f"attend takes queries, keys and values of one dtype, got {q.dtype}, {k.dtype} and "
                              f"{v.dtype}; convert them with .to(dtype)")
@@ -259,6 +268,7 @@ def resolve_backend(backend: str, device: torch.device | str, *, attention: str 
     describe the calls (a map's `log_space`), since "auto" takes the C++ kernel on CPU only for the
     causal log-space calls it computes."""
     device = as_device(device)
+    check_flags(log_space=log_space, causal=causal)
     if attention == "linear":
         return dispatch.resolve(backend, device, log_space=log_space, causal=causal)
     if attention != "softmax":
@@ -342,6 +352,8 @@ class SoftmaxAttention(_Projections):
     def forward(self, x: torch.Tensor, *, offset: int = 0, return_state: bool = False):
         check_offset(offset)
         check_flags(return_state=return_state)
+        if return_state and not self.causal:   # as the linear block's op says
+            raise ValueError("return_state=True needs causal=True: a non-causal pass has no decoding state")
         q, k, v = self._qkv(x, 3)
         q, k = self._rotate(q, k, offset)   # the cache holds rotated keys
         out = self._merge(self._kernel(q, k, v, self.causal))
@@ -354,7 +366,7 @@ class SoftmaxAttention(_Projections):
         """Decode one token (B, dim) against the KV cache; `state=None` starts a sequence."""
         self._check_decodable()
         q, k, v = self._qkv(x_t, 2)
-        position = 0 if state is None else self._check_state(state, x_t)
+        position = 0 if state is None else self._check_state(state, k)
         q, k = self._rotate(q, k, position)
         if state is not None:
             k, v = torch.cat((state.k, k), dim=-2), torch.cat((state.v, v), dim=-2)
@@ -362,14 +374,20 @@ class SoftmaxAttention(_Projections):
         out = self._merge(self._kernel(q, k, v, causal=False))
         return out[:, 0], KVCache(k, v, position + 1)
 
-    def _check_state(self, state, x_t: torch.Tensor) -> int:
-        """The cache's position, once it is checked to be this block's for x_t's batch."""
+    def _check_state(self, state, k_t: torch.Tensor) -> int:
+        """The cache's position, once it is checked to be this block's for the new token's keys k_t
+        (B, H, 1, D): the same batch, device and dtype (a float64 cache would fail inside SDPA, an
+        fp16 one would be promoted silently)."""
         if not isinstance(state, KVCache):
             raise ValueError(f"state must be the KVCache returned by forward(..., return_state=True) or "
                              f"step(), got {type(state).__name__}")
         cached = state.k.shape[-2] if isinstance(state.k, torch.Tensor) and state.k.dim() == 4 else 0
-        shape = (x_t.shape[0], self.heads, cached, self.head_dim)
-        check_state_tensors(state, x_t.device, {"k": shape, "v": shape})
+        shape = (k_t.shape[0], self.heads, cached, self.head_dim)
+        check_state_tensors(state, k_t.device, {"k": shape, "v": shape})
+        for name in ("k", "v"):
+            if getattr(state, name).dtype != k_t.dtype:
+                raise ValueError(f"state.{name} is {getattr(state, name).dtype} but this step computes in {k_t.dtype}; "
+                                 f"pass the cache returned for the same model and precision (or None to start)")
         return check_state_position(state)
 
     def extra_repr(self) -> str:

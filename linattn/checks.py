@@ -13,8 +13,13 @@ def is_integer(x) -> bool:
 
 
 def is_real(x) -> bool:
-    """A finite real number of any real type, not a bool."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite real number of any real type, not a bool (an int too large for a float is not finite)."""
+    if not isinstance(x, numbers.Real) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def check_flags(**flags) -> None:
@@ -56,7 +61,7 @@ def check_state_tensors(state, device, shapes: dict) -> None:
         t = getattr(state, name)
         got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         if got != shape or not t.is_floating_point() or t.device != device:
-            where = f" on {t.device}" if isinstance(t, torch.Tensor) else ""
+            where = f" {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else ""
             raise ValueError(
                 f"state.{name} must be a floating tensor of shape {shape} on {device} for these inputs, "
                 f"got {got}{where}; pass the state returned for the same model and batch (or None to start)")

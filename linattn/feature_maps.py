@@ -18,6 +18,7 @@ Add a map in a few lines:
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from performer_pytorch.performer_pytorch import gaussian_orthogonal_random_matrix
 from torch import nn
 
-from .checks import check_positive_integer, is_integer
+from .checks import check_flags, check_positive_integer, check_real_floating, is_integer
 from .ops.linear_attention.common import LogProjection
 
 FEATURE_MAPS: dict[str, type["FeatureMap"]] = {}
@@ -63,6 +64,9 @@ def available_feature_maps() -> list[str]:
 
 def feature_map_class(name: str) -> type["FeatureMap"]:
     """The map class registered as `name`, or a ValueError that lists the registered names."""
+    if isinstance(name, type) and issubclass(name, FeatureMap):
+        raise ValueError(f"pass a feature map by its registered name or as an instance ({name.__name__}(head_dim, ...)), "
+                         f"not the class {name.__name__}")
     if not isinstance(name, str) or name not in FEATURE_MAPS:
         raise ValueError(f"unknown feature map {name!r}; registered feature maps: "
                          f"{', '.join(available_feature_maps())} (add one with @register_feature_map)")
@@ -76,7 +80,12 @@ STRUCTURAL_PARAMETERS = ("self", "head_dim", "heads")
 def feature_map_options(feature_map: str | type["FeatureMap"]) -> list[str]:
     """The option names a map takes (its constructor's parameters, the structural ones left out),
     for a registered name or a map class."""
-    cls = feature_map_class(feature_map) if isinstance(feature_map, str) else feature_map
+    if isinstance(feature_map, type) and issubclass(feature_map, FeatureMap):
+        cls = feature_map
+    elif isinstance(feature_map, str):
+        cls = feature_map_class(feature_map)
+    else:
+        raise ValueError(f"feature_map_options takes a registered map name or a FeatureMap subclass, got {feature_map!r}")
     return [p for p in inspect.signature(cls.__init__).parameters if p not in STRUCTURAL_PARAMETERS]
 
 
@@ -88,6 +97,10 @@ def takes_heads(cls: type["FeatureMap"]) -> bool:
 def check_option_names(feature_map: str | FeatureMap, options: dict) -> None:
     """Options never name what the block sets (head_dim, heads).  `make_feature_map` checks this
     itself, once; call it only to ask before building anything."""
+    if isinstance(feature_map, str):
+        feature_map_class(feature_map)   # a name that is not registered is the first mistake to report
+    if not isinstance(options, dict):
+        raise ValueError(f"feature-map options must be a dict of option name to value, got {type(options).__name__}")
     structural = sorted(set(options) & set(STRUCTURAL_PARAMETERS))
     if structural:
         raise ValueError(f"feature map {feature_map!r}: {structural} are set by the attention block (dim / heads), "
@@ -104,6 +117,7 @@ def make_feature_map(feature_map: str | FeatureMap, head_dim: int, *, heads: int
         raise ValueError(f"make_feature_map takes the map's options as a dict: options={misplaced!r} "
                          f"rather than {', '.join(f'{k}=...' for k in misplaced)}")
     head_dim = check_positive_integer("head_dim", head_dim)   # before a map derives its M from it
+    heads = None if heads is None else check_positive_integer("heads", heads)
     options = {} if options is None else options
     if not isinstance(options, dict):
         raise ValueError(f"feature-map options must be a dict of option name to value, got {type(options).__name__}")
@@ -133,6 +147,45 @@ def make_feature_map(feature_map: str | FeatureMap, head_dim: int, *, heads: int
         raise ValueError(f"feature map {feature_map!r} rejected options {options}: {error}") from None
 
 
+MAP_METHODS = ("forward", "log_features", "log_projection")
+
+
+def checked_map_method(method):
+    """`method` (a map's forward, log_features or log_projection) with its input checked (a real
+    floating tensor (..., head_dim) on a device that computes, is_query a bool) and its result's M."""
+    @functools.wraps(method)
+    def checked(self, x, *args, **kwargs):
+        check_map_input(self, x, kwargs.get("is_query", False))
+        result = method(self, x, *args, **kwargs)
+        check_map_result(self, method.__name__, result)
+        return result
+    checked.checks_its_call = True
+    return checked
+
+
+def check_map_input(feature_map: FeatureMap, x, is_query) -> None:
+    name = type(feature_map).__name__
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} maps a tensor (..., head_dim={feature_map.head_dim}), got {type(x).__name__}")
+    check_real_floating("a feature map's input", x)
+    if x.dim() == 0 or x.shape[-1] != feature_map.head_dim or x.device.type == "meta":
+        raise ValueError(f"{name} maps tensors (..., head_dim={feature_map.head_dim}) on a device that computes, "
+                         f"got shape {tuple(x.shape)} on {x.device}")
+    check_flags(is_query=is_query)
+
+
+def check_map_result(feature_map: FeatureMap, method: str, result) -> None:
+    """forward and log_features give (..., M) tensors, log_projection a LogProjection of M or None."""
+    if result is None and method == "log_projection":
+        return
+    kind = LogProjection if method == "log_projection" else torch.Tensor
+    width = result.shape[-1] if isinstance(result, kind) else None
+    if width != feature_map.num_features:
+        got = f"{width} features" if width is not None else type(result).__name__
+        raise ValueError(f"{type(feature_map).__name__}.{method} gave {got} but the map declares num_features="
+                         f"{feature_map.num_features}; set self.num_features in its __init__ to the M it computes")
+
+
 class FeatureMap(nn.Module):
     """Base class.  Subclasses implement `forward(x, *, is_query)` and set `num_features` (M)
     when it differs from the head dimension.
@@ -150,6 +203,16 @@ class FeatureMap(nn.Module):
     log_space = False
     nonnegative_features = True
 
+    def __init_subclass__(cls, **kwargs):
+        """Each map's own forward, log_features and log_projection check their call and their result
+        (`checked_map_method`), so a map called directly answers a wrong input where it is made, and
+        a map whose M is not the `num_features` it declares is caught before the op sizes anything by it."""
+        super().__init_subclass__(**kwargs)
+        for name in MAP_METHODS:
+            method = cls.__dict__.get(name)
+            if callable(method) and not getattr(method, "checks_its_call", False):
+                setattr(cls, name, checked_map_method(method))
+
     def __init__(self, head_dim: int):
         super().__init__()
         self.head_dim = check_positive_integer("head_dim", head_dim)
@@ -162,13 +225,16 @@ class FeatureMap(nn.Module):
         the two agree.  Options the constructor would refuse may give any value."""
         return head_dim
 
+    @checked_map_method
     def forward(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement forward(x, *, is_query)")
 
+    @checked_map_method
     def log_features(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} sets log_space = True, so it must implement "
                                   "log_features(x, *, is_query)")
 
+    @checked_map_method
     def log_projection(self, x: torch.Tensor, *, is_query: bool) -> LogProjection | None:
         """Optionally, the log-features as LogProjection(inputs, weight, shift), log_features =
         inputs @ weight^T + shift: the causal op then projects chunk by chunk and never holds the

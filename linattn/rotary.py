@@ -69,6 +69,7 @@ def rotary_angles(length: int, dim: int, *, offset: int = 0, base: float = DEFAU
     positions p = offset..offset+length-1 (no final fmod: float64's 2 pi would cost more than it saves)."""
     check_rotated_dim(dim)
     check_positions(offset, length)
+    check_rope_base(base)     # before float(): '1e4' or True would convert
     offset = int(offset)
     positions = torch.arange(length, dtype=torch.int64, device=device) + offset
     angles = torch.zeros(length, dim // 2, dtype=torch.float64, device=device)
@@ -81,8 +82,11 @@ def rotary_angles(length: int, dim: int, *, offset: int = 0, base: float = DEFAU
 
 @lru_cache(maxsize=8)   # training repeats a few (offset, length) pairs; decoding misses, at O(dim) each
 def _phases(length: int, dim: int, offset: int, base: float, device: str, complex_dtype: torch.dtype):
-    angles = rotary_angles(length, dim, offset=offset, base=base, device=device)
-    return torch.polar(torch.ones_like(angles), angles).to(complex_dtype)
+    # A normal tensor even when first asked for under inference_mode: autograd may not save an
+    # inference tensor, and the cache hands this one to the training calls that follow.
+    with torch.inference_mode(False):
+        angles = rotary_angles(length, dim, offset=offset, base=base, device=device)
+        return torch.polar(torch.ones_like(angles), angles).to(complex_dtype)
 
 
 def rotary_phases(length: int, dim: int, *, offset: int = 0, base: float = DEFAULT_BASE,
@@ -90,6 +94,7 @@ def rotary_phases(length: int, dim: int, *, offset: int = 0, base: float = DEFAU
     """e^(i p theta_j) of shape (length, dim/2) for positions offset..offset+length-1, complex of
     `dtype`'s precision.  Read-only: the last few are cached."""
     check_rotated_dim(dim)
+    check_rope_base(base)
     complex_dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
     if is_integer(offset):
         offset = int(offset)          # one cache entry per position, whatever integer type gave it
@@ -126,6 +131,8 @@ def check_rotary_input(x) -> None:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"apply_rotary takes a tensor of shape (..., N, dim), got {type(x).__name__}")
     check_real_floating("x", x)
+    if x.device.type == "meta":
+        raise ValueError("apply_rotary computes the rotation, so x must be on a device that computes, not meta")
     if x.dim() < 2:
         raise ValueError(f"apply_rotary takes x of shape (..., N, dim): positions, then the pairs to rotate; "
                          f"got shape {tuple(x.shape)}")

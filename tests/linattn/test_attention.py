@@ -355,7 +355,7 @@ def test_decoding_continues_at_the_prefill_offset_of_any_integer_type(block):
 def test_an_input_of_another_dtype_than_the_block_is_refused_clearly(block):
     with pytest.raises(ValueError, match=r"parameters are torch.float32 but the input is torch.float64; convert"):
         block(torch.randn(1, 3, 32, dtype=torch.float64))
-    with pytest.raises(ValueError, match=r"but the input is torch.int64"):
+    with pytest.raises(ValueError, match=r"input must be floating point, got torch.int64; .*\.float\(\)"):
         block(torch.ones(1, 3, 32, dtype=torch.int64))
 
 
@@ -507,3 +507,48 @@ def test_rmsnorm_under_autocast_normalises_in_float32_without_a_warning() -> Non
             out = block(x)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), block(x), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("block", [LinearAttention(32, 4, feature_map="elu"), SoftmaxAttention(32, 4)],
+                         ids=["linear", "softmax"])
+@pytest.mark.parametrize("change, message", [
+    (lambda t: t.long(), r"q must be floating point, got torch.int64"),
+    (lambda t: t.bool(), r"q must be floating point, got torch.bool"),
+    (lambda t: t.to(torch.complex64), r"q must be a real floating-point tensor"),
+    (lambda t: t[:1], r"one shape \(batch, heads, seq_len, head_dim\), got \(1, 4, 5, 8\), \(2, 4, 5, 8\)"),
+    (lambda t: t[:, :, :3], r"one shape .*got \(2, 4, 3, 8\), \(2, 4, 5, 8\)"),
+    (lambda t: t.to("meta"), r"on one device that computes \(not meta\), got meta, cpu and cpu"),
+])
+def test_attend_refuses_queries_that_do_not_match_the_keys_and_values(block, change, message):
+    """elu's attend returned int64 (truncated) or bool outputs for such inputs, and softmax's broadcast
+    a batch of 1 and masked a shorter query top-left, silently."""
+    q, k, v = torch.randn(3, 2, 4, 5, 8).unbind(0)
+    with pytest.raises(ValueError, match=message):
+        block.attend(change(q), k, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_softmax_step_refuses_a_cache_of_another_precision(dtype):
+    block = SoftmaxAttention(32, 4).eval()
+    _, cache = block(torch.randn(1, 3, 32), return_state=True)
+    cache = cache._replace(k=cache.k.to(dtype))
+    with pytest.raises(ValueError, match=rf"state.k is {dtype} but this step computes in torch.float32"):
+        block.step(torch.randn(1, 32), cache)
+
+
+def test_a_non_causal_softmax_block_refuses_return_state_as_the_linear_one_does():
+    for block in (SoftmaxAttention(32, 4, causal=False), LinearAttention(32, 4, causal=False)):
+        with pytest.raises(ValueError, match=r"return_state=True needs causal=True"):
+            block(torch.randn(1, 3, 32), return_state=True)
+
+
+def test_resolve_backend_refuses_switches_that_are_not_bools():
+    with pytest.raises(ValueError, match=r"causal must be True or False, got None"):
+        linattn.resolve_backend("auto", "cpu", causal=None)
+    with pytest.raises(ValueError, match=r"log_space must be True or False, got 'no'"):
+        linattn.resolve_backend("auto", "cpu", log_space="no")
+
+
+def test_a_rope_base_too_large_for_a_float_is_refused_as_a_value_error():
+    with pytest.raises(ValueError, match=r"rope_base must be a finite number > 0"):
+        LinearAttention(32, 4, rope_base=10 ** 400)

@@ -467,3 +467,53 @@ def test_a_maps_class_knows_its_num_features_before_it_is_built(name: str) -> No
     assert linattn.TaylorFeatureMap.num_features_for(64, {}) == 154
     assert linattn.TaylorFeatureMap.num_features_for(64, {"dim": 4}) == 16
     assert linattn.HedgehogFeatureMap.num_features_for(64, {}) == 128
+
+
+MAP_CALLS = [(name, method) for name in ("elu", "favor", "softmax", "hedgehog", "taylor")
+             for method in ("__call__", "log_features", "log_projection")
+             if method == "__call__" or FEATURE_MAPS[name].log_space]
+
+
+@pytest.mark.parametrize("name, method", MAP_CALLS)
+@pytest.mark.parametrize("x, is_query, message", [
+    (torch.randn(1, 2, 3, 5), True, r"maps tensors \(..., head_dim=4\) on a device that computes, got shape \(1, 2, 3, 5\)"),
+    (torch.randn(1, 2, 3, 4), "no", r"is_query must be True or False, got 'no'"),
+    (torch.randn(1, 2, 3, 4, dtype=torch.complex64), True, r"input must be a real floating-point tensor"),
+    (torch.ones(1, 2, 3, 4, dtype=torch.int64), True, r"input must be floating point, got torch.int64"),
+    (torch.randn(1, 2, 3, 4, device="meta"), True, r"on a device that computes, got shape \(1, 2, 3, 4\) on meta"),
+    ([[1.0] * 4], True, r"maps a tensor \(..., head_dim=4\), got list"),
+])
+def test_a_map_called_directly_refuses_a_bad_input_in_one_line(name, method, x, is_query, message):
+    """Maps called directly did no checks: a wrong head_dim came back as that many features (elu), or
+    failed deep in a matmul; 'no' took the query path; complex inputs lost their imaginary part."""
+    fm = make_feature_map(name, 4, heads=2)
+    call = getattr(fm, method)
+    with pytest.raises(ValueError, match=message):
+        call(x, is_query=is_query)
+
+
+def test_a_map_that_computes_another_m_than_it_declares_is_caught_where_it_runs():
+    class Doubled(FeatureMap):
+        def forward(self, x, *, is_query):
+            return torch.cat([x.relu(), (-x).relu()], -1)   # 2D features; num_features left at D
+
+    block = LinearAttention(16, 2, feature_map=Doubled(8), rope="post")
+    with pytest.raises(ValueError, match=r"Doubled.forward gave 16 features but the map declares num_features=8; "
+                                         r"set self.num_features"):
+        block(torch.randn(1, 3, 16))
+
+
+def test_the_registry_helpers_refuse_what_they_cannot_answer():
+    with pytest.raises(ValueError, match=r"takes a registered map name or a FeatureMap subclass, got 3"):
+        feature_map_options(3)
+    with pytest.raises(ValueError, match=r"a registered map name or a FeatureMap subclass, got EluFeatureMap"):
+        feature_map_options(make_feature_map("elu", 4))
+    with pytest.raises(ValueError, match=r"options must be a dict of option name to value, got NoneType"):
+        linattn.check_option_names("favor", None)
+    with pytest.raises(ValueError, match=r"unknown feature map 'nope'"):
+        linattn.check_option_names("nope", {"seed": 1})
+    with pytest.raises(ValueError, match=r"heads must be a positive integer, got 'x'"):
+        make_feature_map("elu", 4, heads="x")
+    elu = type(make_feature_map("elu", 4))
+    with pytest.raises(ValueError, match=r"by its registered name or as an instance \(EluFeatureMap\(head_dim, ...\)\)"):
+        LinearAttention(8, 2, feature_map=elu)

@@ -256,3 +256,15 @@ def test_reference_refuses_negative_features():
     with pytest.raises(ValueError, match="negative entries"):
         linear_attention_reference(-torch.rand(1, 1, 3, 4), torch.rand(1, 1, 3, 4), torch.rand(1, 1, 3, 2),
                                    causal=True, rotary=False)
+
+
+@pytest.mark.parametrize("sizes, message", [
+    ((-1, 2, 4, 4), r"initial_state's batch must be a non-negative integer, got -1"),
+    ((1, "2", 4, 4), r"initial_state's heads must be a non-negative integer, got '2'"),
+    ((1, 2, 4.0, 4), r"initial_state's num_features must be a non-negative integer, got 4.0"),
+])
+def test_initial_state_refuses_sizes_that_are_not_counts(sizes, message):
+    from linattn.functional import initial_state
+    with pytest.raises(ValueError, match=message):
+        initial_state(*sizes)
+    assert initial_state(0, 2, 4, 3, log_space=True).log_scale.shape == (0, 2, 4)

@@ -59,8 +59,26 @@ def test_bad_offsets_are_refused(offset):
     (torch.randn(1, 4, 4, dtype=torch.complex64), r"x must be a real floating-point tensor, got torch.complex64"),
     (torch.randn(4), r"takes x of shape \(..., N, dim\).*got shape \(4,\)"),
     ([[1.0, 2.0]], r"takes a tensor of shape \(..., N, dim\), got list"),
+    (torch.randn(1, 4, 4, device="meta"), r"on a device that computes, not meta"),
 ])
 def test_inputs_that_are_not_real_floating_tensors_of_positions_are_refused(x, message):
     """An int64 tensor came back rotated and truncated, with no error."""
     with pytest.raises(ValueError, match=message):
         apply_rotary(x)
+
+
+@pytest.mark.parametrize("base", ["1e4", True, 10 ** 400], ids=["string", "bool", "int-past-float"])
+def test_a_base_that_is_not_a_finite_number_is_refused_before_any_conversion(base):
+    """'1e4' and True passed float() and were accepted; 10**400 overflowed inside the check."""
+    with pytest.raises(ValueError, match=r"rope_base must be a finite number > 0"):
+        apply_rotary(torch.randn(3, 4), base=base)
+
+
+def test_phases_first_made_under_inference_mode_serve_a_training_call():
+    """The phase cache kept inference tensors, which autograd refuses to save: an evaluation under
+    inference_mode broke the next training step of the same length."""
+    x = torch.randn(2, 7, 6)
+    with torch.inference_mode():
+        apply_rotary(x, offset=3)
+    y = apply_rotary(x.clone().requires_grad_(), offset=3)
+    y.sum().backward()

@@ -110,8 +110,8 @@ class ShiftedLogs(FeatureMap):
 
 
 @pytest.mark.parametrize("cls, message", [
-    (ExtraFeatures, "forward(x, is_query=True) returned shape (2, 2, 5, 21) for inputs of shape (2, 2, 5, 'D'), "
-                    "but the map declares num_features = 16"),
+    (ExtraFeatures, "ExtraFeatures.forward gave 21 features but the map declares num_features=16; set "
+                    "self.num_features"),
     (Negative, "forward(x, is_query=True) returned negative features"),
     (NotANumber, "forward(x, is_query=True) returned NaN or inf values"),
     (RaisesInForward, "forward(x, is_query=True) raised RuntimeError: boom"),

@@ -6,7 +6,7 @@ from typing import NamedTuple
 import torch
 
 from ...rotary import DEFAULT_BASE, apply_rotary
-from ...checks import check_flags, check_rope_base, check_state_position, check_state_tensors
+from ...checks import check_flags, check_rope_base, check_state_position, check_state_tensors, is_integer
 from .common import (check_device, check_dtypes, check_feature_kind, check_features, check_log_feature_range, check_nonnegative,
                      compute_dtype, divide, finite_log_features)
 from .stable import numerator_query, numerator_scale
@@ -26,6 +26,13 @@ class LinearState(NamedTuple):
 
 def initial_state(batch: int, heads: int, num_features: int, value_dim: int, *,
                   device=None, dtype=torch.float32, log_space: bool = False) -> LinearState:
+    """The state before the first token (what `state=None` starts from), for (B, H, M) features and
+    (B, H, value_dim) values."""
+    sizes = {"batch": batch, "heads": heads, "num_features": num_features, "value_dim": value_dim}
+    for name, size in sizes.items():
+        if not is_integer(size) or size < 0:
+            raise ValueError(f"initial_state's {name} must be a non-negative integer, got {size!r}")
+    check_flags(log_space=log_space)
     zeros = torch.zeros(batch, heads, num_features, value_dim, device=device, dtype=dtype)
     k_sum = zeros.new_zeros(batch, heads, num_features)
     log_scale = torch.full_like(k_sum, float("-inf")) if log_space else None
