@@ -109,4 +109,8 @@ def plotted(records: list[dict]) -> bool:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:   # each finished section was saved as it ended
+        print("\ninterrupted: the sections finished before Ctrl-C are in the --out files", file=sys.stderr)
+        raise SystemExit(130) from None

@@ -244,8 +244,12 @@ def resolve(settings: Settings) -> Settings:
                          "give a writable file prefix such as bench_results/bench") from None
     if out.is_dir():
         raise BadSetting(f"--out {settings.out} is a folder; give a file prefix such as {out / 'bench'}")
-    earlier = [path.name for path in (out.with_name(out.name + suffix) for suffix in (".json", ".md", ".png"))
-               if path.exists()]
+    outputs = [out.with_name(out.name + suffix) for suffix in (".json", ".md", ".png")]
+    folders = [path.name for path in outputs if path.is_dir()]
+    if folders:   # found now, not when the results are written at the end
+        raise BadSetting(f"--out {settings.out}: {', '.join(folders)} is a folder, where the results would be "
+                         "written; give another --out")
+    earlier = [path.name for path in outputs if path.exists()]
     if earlier and not settings.overwrite:
         raise BadSetting(f"--out {settings.out}: {', '.join(earlier)} from an earlier run would be replaced; "
                          "pass --overwrite to replace them, or give another --out")

@@ -107,6 +107,9 @@ def check_finite_weights(state: dict[str, Any], path: Path | str) -> None:
         if isinstance(tensor, torch.Tensor) and tensor.layout != torch.strided:
             raise CheckpointError(f"{path} is damaged: weight {key!r} is stored as {tensor.layout}, the model's "
                                   "weights are dense (torch.strided); use another checkpoint")
+        if isinstance(tensor, torch.Tensor) and tensor.device.type == "meta":
+            raise CheckpointError(f"{path} is damaged: weight {key!r} is a meta tensor, which holds no values; "
+                                  "use another checkpoint")
         if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise CheckpointError(f"{path}: weight {key!r} holds NaN or inf values; the run diverged before "
                                   "this checkpoint was written, so use an earlier checkpoint")
@@ -124,9 +127,11 @@ def load_weights(model: torch.nn.Module, state: dict[str, Any], path: Path | str
 
 
 def check_optimizer_state(saved: dict[str, Any], optimizer: torch.optim.Optimizer, model: torch.nn.Module,
-                          path: Path | str) -> None:
+                          path: Path | str, step: int) -> None:
     """Each parameter's saved optimiser state has its shape and dtype and is finite: load_state_dict
-    compares only how many parameters each group has, and casts what it loads."""
+    compares only how many parameters each group has, and casts what it loads.  After a step
+    (`step` > 0) the state is not empty and is keyed by the saved parameter indices: load_state_dict
+    would otherwise drop it silently and restart AdamW's moments."""
     groups, state = saved.get("param_groups"), saved.get("state")
     if not isinstance(groups, list) or not isinstance(state, dict) or not all(
             isinstance(group, dict) and isinstance(group.get("params"), list) for group in groups):
@@ -136,6 +141,11 @@ def check_optimizer_state(saved: dict[str, Any], optimizer: torch.optim.Optimize
     if len(saved_ids) != len(params):
         raise CheckpointError(f"{path}: its 'optimizer' entry holds {len(saved_ids)} parameters, the model has "
                               f"{len(params)}; it belongs to another model")
+    stray = [key for key in state if key not in saved_ids]
+    if stray or (step > 0 and not state):
+        found = f"entries under keys {stray[:3]!r} that name no parameter" if stray else "no entries"
+        raise CheckpointError(f"{path} is damaged: its optimiser state has {found} after step {step}, so the "
+                              "resume would restart AdamW's moments; use another checkpoint")
     for number, group in enumerate(groups):
         problem = hyperparameter_problem(group)
         if problem:

@@ -8,6 +8,7 @@ import dataclasses
 import importlib
 import importlib.util
 import math
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -16,6 +17,8 @@ from .config import FIELDS, PRESETS, VARIANT
 from .runtime import DTYPES, first_line
 
 EXIT_ERROR, EXIT_USAGE = 1, 2
+EXIT_SIGNAL_BASE = 128   # a run stopped by signal S exits 128 + S, as shells report it
+EXIT_INTERRUPTED = EXIT_SIGNAL_BASE + signal.SIGINT
 
 
 class UsageError(ValueError):

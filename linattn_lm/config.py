@@ -396,6 +396,7 @@ class RunConfig:
             raise ValueError(f"unknown preset {self.preset!r}; choose from {', '.join(PRESETS)}")
         if not self.out_dir:
             raise ValueError("out_dir must name a directory, got ''; pass --out-dir . for the current directory")
+        check_utf8("out_dir", self.out_dir)
         check_run_name(self.run_name)
         if not 0 <= self.threads <= 4096:
             raise ValueError(f"threads must be in [0, 4096], got {self.threads}")
@@ -413,6 +414,15 @@ def check_backend_runs_on(model: ModelConfig, device: torch.device) -> None:
 NAME_MAX = 255   # bytes in one file name (Linux, macOS and Windows file systems)
 
 
+def check_utf8(name: str, path: str) -> None:
+    """A path the logs can name: bytes that are not UTF-8 reach Python as surrogates, which
+    TensorBoard's writer and the JSON records cannot encode."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{name} must be valid UTF-8 text, got {path!r}; rename it") from None
+
+
 def check_run_name(name: str) -> None:
     """A directory inside --out-dir named by its parts, nested or not (grid.py's runs are
     <grid>/<variant>/seed-<s>).  A part that names no new directory ('', '.': the run would write
@@ -423,6 +433,7 @@ def check_run_name(name: str) -> None:
                          f"whose parts are not empty, '.' or '..' and have no spaces around them; got {name!r}")
     if any(ord(char) < 32 or ord(char) == 127 for char in name):
         raise ValueError(f"run_name must not hold control characters (a newline, a tab), got {name!r}")
+    check_utf8("run_name", name)
     long = [part for part in parts if len(part.encode("utf-8", "surrogateescape")) > NAME_MAX]
     if long:
         raise ValueError(f"run_name's parts must be at most {NAME_MAX} bytes (a file name's limit), got one of "

@@ -136,7 +136,7 @@ def load_meta(data_dir: Path | str) -> dict[str, Any]:
         meta = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError) as error:
         raise DataError(f"cannot read {path} ({error}): {prepare_hint(data_dir)}") from None
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:   # RecursionError: nesting deeper than the parser goes
         raise DataError(f"{path} is not valid JSON ({error}; hand-edited?): {prepare_hint(data_dir)}") from None
     problem = meta_problem(meta)
     if problem:

@@ -28,12 +28,12 @@ import linattn
 from .data import SPLITS, DataError, SequentialWindows, check_window_fits, default_data_dir, load_split
 from .config import check_backend_runs_on
 from .checkpoint import CheckpointError, checkpoint_path, load_checkpoint, model_from_checkpoint, saved_precision
-from .cli import (EXIT_ERROR, EXIT_USAGE, DefaultsFormatter, Parser, UsageError, finite_float, import_user_code, integer,
-                  pre_parse_imports)
+from .cli import (EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, DefaultsFormatter, Parser, UsageError, finite_float,
+                  import_user_code, integer, pre_parse_imports)
 from .lm import ByteLM, bits_per_byte
 from .ngram import format_reference, reference_bpc
-from .runtime import (DTYPES, autocast, decode_bytes, encode_text, keep_freed_memory, resolve_device,
-                      resolve_dtype, summed_loss)
+from .runtime import (DTYPES, autocast, decode_bytes, encode_text, is_out_of_memory, keep_freed_memory,
+                      resolve_device, resolve_dtype, summed_loss)
 from .weight_sums import format_rows, linear_blocks, weight_sum_rows
 
 
@@ -186,6 +186,10 @@ def import_recorded(checkpoint: dict[str, Any], path: Path) -> None:
     if not isinstance(model, dict) or model.get("feature_map") in ("", None, *linattn.available_feature_maps()):
         return
     recorded = run.get("imports", []) if isinstance(run, dict) else []
+    if not isinstance(recorded, list):
+        raise CheckpointError(f"{path} is damaged: its recorded imports are {type(recorded).__name__}, not a list; "
+                              "pass --import MODULE_OR_FILE to give feature map "
+                              f"{model['feature_map']!r}'s code")
     try:
         import_user_code([str(name) for name in recorded])
     except UsageError as error:
@@ -268,4 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, DataError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    except (RuntimeError, MemoryError) as error:
+        if not is_out_of_memory(error):
+            raise
+        print("error: out of memory: choose a smaller --batch-size or --seq-len", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0

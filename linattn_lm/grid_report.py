@@ -57,7 +57,7 @@ def read_record(path: Path) -> dict[str, Any] | None:
         raise damaged(path, f"cannot read it ({getattr(error, 'strerror', None) or error})") from None
     try:
         record = json.loads(text)
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:   # RecursionError: nesting deeper than the parser goes
         raise damaged(path, f"not valid JSON ({error})") from None
     problem = record_problem(record)
     if problem:

@@ -94,7 +94,7 @@ def read_cache(path: Path) -> dict:
     """The cache, or {} when absent or unreadable: it is recomputed then."""
     try:
         cache = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):   # RecursionError: nesting deeper than the parser goes
         return {}
     return cache if isinstance(cache, dict) else {}
 

@@ -163,6 +163,13 @@ def _umask() -> int:
     return mask
 
 
+def is_out_of_memory(error: BaseException) -> bool:
+    """A failed allocation: torch raises OutOfMemoryError on CUDA, but on CPU a plain RuntimeError
+    from its allocator ("DefaultCPUAllocator: can't allocate memory"), and Python a MemoryError."""
+    return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
+
+
 def first_line(error: BaseException) -> str:
     """An error's message as one short line, for messages that must not become tracebacks; a first
     line that only introduces what follows ("Error(s) in loading state_dict for ByteLM:") takes the
@@ -175,12 +182,7 @@ def first_line(error: BaseException) -> str:
 def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     """write(tmp) fills a temporary file next to `path`, which then replaces `path` at once: readers
     never see a half-written file, and a failed write leaves the old one in place."""
-    tmp = write_staged(path, write)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink()
-        raise
+    write_together({path: write})
 
 
 def write_together(writes: dict[Path, Callable[[Path], None]], *,
@@ -198,10 +200,24 @@ def write_together(writes: dict[Path, Callable[[Path], None]], *,
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
         raise
-    if before_renames is not None:
-        before_renames()
-    for tmp, path in staged:
-        os.replace(tmp, path)
+    try:
+        in_the_way = [path for _, path in staged if path.is_dir()]
+        if in_the_way:   # found before any rename, so nothing is replaced
+            raise WriteFailed(f"cannot write {in_the_way[0]}: a folder of that name is in the way; move it "
+                              "or choose another output")
+        if before_renames is not None:
+            before_renames()
+        for index, (tmp, path) in enumerate(staged):
+            try:
+                os.replace(tmp, path)
+            except OSError as error:
+                raise WriteFailed(f"cannot write {path} ({error.strerror or error})") from None
+            staged[index] = (path, path)   # renamed: nothing left to clean up
+    except BaseException:
+        for tmp, path in staged:
+            if tmp != path:
+                tmp.unlink(missing_ok=True)
+        raise
 
 
 class WriteFailed(OSError):

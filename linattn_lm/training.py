@@ -28,19 +28,18 @@ from tqdm import tqdm
 from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_finite_weights, check_optimizer_state,
                          checkpoint_entries, load_checkpoint, load_state, load_weights, remove_stale_temporaries,
                          save_checkpoint, saved_precision)
-from .cli import (EXIT_ERROR, EXIT_USAGE, Parser, UsageError, add_config_flags, given_settings, import_user_code,
-                  pre_parse_imports)
+from .cli import (EXIT_ERROR, EXIT_INTERRUPTED, EXIT_SIGNAL_BASE, EXIT_USAGE, Parser, UsageError, add_config_flags,
+                  given_settings, import_user_code, pre_parse_imports)
 from .config import TrainConfig, config_differences, config_from_flags
 from .data import DataError, RandomWindows, load_split
 from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss
 from .runlock import DirectoryLock
-from .runtime import (WriteFailed, autocast, decode_bytes, first_line, gradient_scaler, keep_freed_memory,
-                      peak_memory_mb, precision_key, precision_name, release_free_memory, reset_peak_memory,
-                      resolve_device, summed_loss)
+from .runtime import (WriteFailed, autocast, decode_bytes, first_line, gradient_scaler, is_out_of_memory,
+                      keep_freed_memory, peak_memory_mb, precision_key, precision_name, release_free_memory,
+                      reset_peak_memory, resolve_device, summed_loss)
 
 SAMPLE_PROMPT_BYTES = 128
 SAMPLE_NEW_BYTES = 256
-EXIT_SIGNAL_BASE = 128   # a run stopped by signal S exits 128 + S, as shells report it
 # fp16: the gradient scaler skips a step whose gradients overflowed and halves its scale.  Now and
 # then that is expected; this many skips in a row, or a scale below the floor (the gradients then
 # overflow fp16 even unscaled), means no step will be taken again: training stops.
@@ -429,7 +428,7 @@ class Trainer:
                                       f"there is nothing to train; pass --steps {checkpoint['step']} to score it "
                                       f"again, more to go on, or another --run-name")
             load_weights(self.model, checkpoint["model"], path)
-            check_optimizer_state(checkpoint["optimizer"], self.optimizer, self.model, path)
+            check_optimizer_state(checkpoint["optimizer"], self.optimizer, self.model, path, checkpoint["step"])
             load_state(path, "optimizer", lambda: self.optimizer.load_state_dict(checkpoint["optimizer"]))
             if checkpoint.get("scaler"):   # fp16 runs save their loss scale (checkpoints before --dtype: none)
                 load_state(path, "scaler", lambda: self.scaler.load_state_dict(checkpoint["scaler"]))
@@ -705,13 +704,12 @@ def train(config: TrainConfig, ctx: Distributed, *, resume: bool = False) -> Tra
 
 # ----------------------------------------------------------------------------- entry point
 
-EXIT_INTERRUPTED = EXIT_SIGNAL_BASE + signal.SIGINT
 RUN_ERRORS = (DataError, CheckpointError, UsageError)                    # exit 2: fix the input
 RUN_FAILURES = (TrainingDiverged, WriteFailed, torch.OutOfMemoryError, MemoryError)   # exit 1: the run failed
 
 
 def failure_message(error: BaseException) -> str:
-    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+    if is_out_of_memory(error):
         return "out of memory: choose a smaller --batch-size, --seq-len or model"
     return str(error)
 
@@ -764,7 +762,9 @@ def run_reporting_errors(run: Callable[[], int]) -> int:
     except RUN_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    except RUN_FAILURES as error:
+    except (*RUN_FAILURES, RuntimeError) as error:
+        if not isinstance(error, RUN_FAILURES) and not is_out_of_memory(error):
+            raise
         print(f"error: {failure_message(error)}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:

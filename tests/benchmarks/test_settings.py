@@ -105,3 +105,12 @@ def test_an_unknown_block_name_is_answered_with_the_pattern_not_every_name(capsy
     with pytest.raises(SystemExit):
         parse_settings(["--block-methods", "favor-sideways", "--out", str(tmp_path / "bench")])
     assert len(capsys.readouterr().err) < 400   # the 77 names took 1,317 characters
+
+
+def test_a_folder_where_an_output_goes_is_refused_before_any_measurement(tmp_path, capsys):
+    """It was found only when the results were written, after the whole run, as a traceback."""
+    (tmp_path / "bench.json").mkdir()
+    with pytest.raises(SystemExit):
+        parse_settings(["--out", str(tmp_path / "bench"), "--overwrite"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "bench.json is a folder, where the results would be written" in lines[0], lines

@@ -162,7 +162,8 @@ def test_a_hand_edited_meta_json_is_one_clear_error(path: tuple[str, ...], value
 
 
 @pytest.mark.parametrize("text, problem", [("{ not json", "is not valid JSON"), ("[1, 2]", "meta.json is list"),
-                                           ("\xff\xfe", "cannot read")])
+                                           ("\xff\xfe", "cannot read"),
+                                           ("[" * 200000 + "]" * 200000, "is not valid JSON")])   # a RecursionError
 def test_unreadable_meta_json(text: str, problem: str, data_dir: Path, tmp_path: Path) -> None:
     copy = copy_of(data_dir, tmp_path)
     (copy / "meta.json").write_bytes(text.encode("latin-1"))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from linattn_lm.data import load_split
-from linattn_lm import ByteLM, RunConfig, TrainConfig, evaluate, ngram, save_checkpoint
+from linattn_lm import ByteLM, RunConfig, TrainConfig, evaluate, load_checkpoint, ngram, save_checkpoint
 
 
 @pytest.fixture(autouse=True)
@@ -319,3 +319,31 @@ def test_a_run_trained_with_a_gpu_backend_is_evaluated_here_with_backend_overrid
     assert code == 2 and "linear attention's backend must be one of" in err and len(err.strip().splitlines()) == 1, err
     code, out, _ = run_main(evaluate.main, argv + ["--backend", "auto"])
     assert code == 0 and float(table(out)[16]) > 0
+
+
+@pytest.mark.parametrize("error, code, message", [
+    (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 83072000000 bytes"), 1,
+     "error: out of memory: choose a smaller --batch-size or --seq-len\n"),
+    (KeyboardInterrupt(), 130, "\ninterrupted\n"),
+])
+def test_running_out_of_memory_or_ctrl_c_while_scoring_is_one_line(error: BaseException, code: int, message: str,
+                                                                   data_dir: Path, tmp_path: Path, run_main,
+                                                                   make_model, monkeypatch) -> None:
+    """Both gave tracebacks: torch reports a failed CPU allocation as a plain RuntimeError."""
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", make_model(), data_dir)
+
+    def fail(*args, **kwargs):
+        raise error
+    monkeypatch.setattr(evaluate, "bpc_table", fail)
+    assert run_main(evaluate.main, [str(ckpt), "--max-bytes", "300"])[::2] == (code, message)
+
+
+def test_recorded_imports_that_are_not_a_list_are_a_damaged_checkpoint(data_dir: Path, tmp_path: Path, run_main,
+                                                                       make_model) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt.pt", make_model(), data_dir)
+    checkpoint = load_checkpoint(ckpt)
+    checkpoint["config"]["model"]["feature_map"] = "not-registered"
+    checkpoint["config"]["run"]["imports"] = 5
+    save_checkpoint(ckpt, {k: v for k, v in checkpoint.items() if k not in ("format", "version")})
+    code, _, err = run_main(evaluate.main, [str(ckpt)])
+    assert code == 2 and "its recorded imports are int, not a list; pass --import MODULE_OR_FILE" in err, err

@@ -379,6 +379,7 @@ def damage(path: Path, change) -> None:
     (lambda path: damage(path, lambda r: r.update(train_bpc=[2.0])), "train_bpc without train_bytes"),
     (lambda path: damage(path, lambda r: r["config"].pop("rope")), "config.rope is None, not str"),
     (lambda path: path.write_text(path.read_text()[:40]), "not valid JSON"),
+    (lambda path: path.write_text("[" * 200000 + "]" * 200000), "not valid JSON"),   # a RecursionError
     (lambda path: damage(path, lambda r: r.update(variant="linear-elu-none")),   # another run's, copied here
      "it records linear-elu-none seed 0, but its directory is linear-elu-post seed 0"),
     (lambda path: damage(path, lambda r: r.update(seed=1)), "it records linear-elu-post seed 1, but its directory"),

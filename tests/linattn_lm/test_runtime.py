@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from linattn_lm.runtime import WriteFailed, write_atomically
+from linattn_lm.runtime import WriteFailed, write_atomically, write_together
 from linattn_lm.training import EXIT_ERROR, run_reporting_errors
 
 
@@ -52,6 +52,37 @@ def test_a_bug_while_writing_is_not_taken_for_a_full_disk(tmp_path):
     with pytest.raises(RuntimeError, match="shape mismatch"):
         write_atomically(tmp_path / "ckpt.pt", buggy)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_where_one_of_several_files_goes_replaces_none_of_them_and_leaves_no_temporary(tmp_path):
+    """The renames ran one by one, so a folder in the way of the second left the first replaced, and
+    the rest's temporaries behind, with an IsADirectoryError traceback."""
+    (tmp_path / "results.csv").write_text("old")
+    (tmp_path / "val_bpc.png").mkdir()
+    names = ("results.csv", "results.md", "val_bpc.png")
+    writes = {tmp_path / name: (lambda path: path.write_text("new")) for name in names}
+    with pytest.raises(WriteFailed, match=r"cannot write .*val_bpc.png: a folder of that name is in the way"):
+        write_together(writes)
+    assert (tmp_path / "results.csv").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.csv", "val_bpc.png"]
+
+
+@pytest.mark.parametrize("error", [RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't "
+                                                "allocate memory: you tried to allocate 83072000000 bytes"),
+                                   MemoryError(), torch.OutOfMemoryError("CUDA out of memory")])
+def test_running_out_of_memory_on_any_device_is_one_line(error, capsys):
+    """On CPU torch reports a failed allocation as a plain RuntimeError, which gave a traceback."""
+    def run():
+        raise error
+    assert run_reporting_errors(run) == EXIT_ERROR
+    assert capsys.readouterr().err == "error: out of memory: choose a smaller --batch-size, --seq-len or model\n"
+
+
+def test_other_runtime_errors_keep_their_traceback():
+    def run():
+        raise RuntimeError("shape mismatch")
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        run_reporting_errors(run)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's VmHWM reset")

@@ -161,7 +161,8 @@ def test_unusable_out_dir_is_refused(data_dir: Path, tiny: list[str], tmp_path: 
     assert len(err.strip().splitlines()) == 1
     for run_name, message in ((regular_file.name, "(File exists); a file stands where"),
                               ("a" * 300, "run_name's parts must be at most 255 bytes"),
-                              ("a\nb", "run_name must not hold control characters (a newline, a tab), got 'a\\nb'")):
+                              ("a\nb", "run_name must not hold control characters (a newline, a tab), got 'a\\nb'"),
+                              ("bad\udcff", "run_name must be valid UTF-8 text, got 'bad\\udcff'; rename it")):
         code, _, err = run_main(training.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path),
                                                 "--run-name", run_name])
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
@@ -256,6 +257,9 @@ def damage_moment_dtype(c): c["optimizer"]["state"][0]["exp_avg_sq"] = c["optimi
 def damage_moment_value(c): c["optimizer"]["state"][0]["exp_avg"][0] = float("inf")
 def damage_adam_step(c): c["optimizer"]["state"][0]["step"] = torch.tensor(float("nan"))
 def damage_parameter_count(c): c["optimizer"]["param_groups"][1]["params"].pop()
+def damage_optimizer_emptied(c): c["optimizer"]["state"] = {}
+def damage_optimizer_keys(c): c["optimizer"]["state"] = {str(k): v for k, v in c["optimizer"]["state"].items()}
+def damage_meta_weight(c): c["model"]["head.weight"] = torch.empty(c["model"]["head.weight"].shape, device="meta")
 def damage_config_section(c): c["config"]["extra"] = 5
 def damage_config_key(c): c["config"]["model"]["colour"] = "red"
 def damage_precision(c): c["precision"] = "fp8"
@@ -299,6 +303,10 @@ def damage_sparse_csr_weight(c):
     (damage_config_section, "its saved configuration is not valid (unknown config section(s) ['extra']"),
     (damage_config_key, "its saved configuration is not valid (unknown model setting(s) ['colour']"),
     (damage_precision, "is damaged: its 'precision' entry is 'fp8', not one of fp32, bf16, fp16"),
+    (damage_optimizer_emptied, "its optimiser state has no entries after step 30, so the resume would restart "
+                               "AdamW's moments"),
+    (damage_optimizer_keys, "its optimiser state has entries under keys ['0', '1', '2'] that name no parameter"),
+    (damage_meta_weight, "is damaged: weight 'head.weight' is a meta tensor, which holds no values"),
 ])
 def test_resume_refuses_damaged_checkpoints(damage, message: str, tiny_run: Path, data_dir: Path, tiny: list[str],
                                             tmp_path: Path, run_main) -> None:
