@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 from linattn import is_real
 
-from .config import TrainConfig
+from .config import MAX_STEPS, TrainConfig
 from .lm import ByteLM
 from .runtime import PRECISIONS, first_line, write_atomically
 
@@ -64,7 +64,7 @@ def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu") 
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path} is not a linattn LM checkpoint (written by train.py)")
     if checkpoint.get("version") != CHECKPOINT_VERSION:
-        raise CheckpointError(f"{path} has checkpoint version {checkpoint.get('version')}, "
+        raise CheckpointError(f"{path} has checkpoint version {checkpoint.get('version')!r}, "
                               f"this code reads version {CHECKPOINT_VERSION}")
     return checkpoint
 
@@ -78,8 +78,8 @@ def checkpoint_entries(checkpoint: dict[str, Any], path: Path | str, names=tuple
             found = "missing" if name not in checkpoint else f"a {type(value).__name__}"
             raise CheckpointError(f"{path} is damaged: its {name!r} entry should be a {expected.__name__}, "
                                   f"found {found}; use another checkpoint (or, for --resume, start a new run)")
-    if checkpoint["step"] < 0:
-        raise CheckpointError(f"{path} is damaged: step {checkpoint['step']} is negative")
+    if not 0 <= checkpoint["step"] < MAX_STEPS:
+        raise CheckpointError(f"{path} is damaged: step {checkpoint['step']} is not in [0, 2**63)")
 
 
 def saved_precision(checkpoint: dict[str, Any], path: Path | str) -> str | None:

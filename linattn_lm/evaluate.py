@@ -171,6 +171,11 @@ def sample_text(model: ByteLM, args: argparse.Namespace, device: torch.device) -
                          "give the prompt as UTF-8") from None
     if len(prompt) == 0:
         raise ValueError("--generate needs a non-empty prompt")
+    fed = len(prompt) + args.max_new_tokens - 1   # the last byte drawn is never fed back
+    if beyond_learned_positions(model, fed):   # checked here, where the flags that fix it are known
+        raise ValueError(f"--generate: the prompt ({len(prompt)} bytes) and --max-new-tokens {args.max_new_tokens} "
+                         f"need {fed} positions, and this model's {learned_positions_note(model)}; give a "
+                         "shorter prompt or a smaller --max-new-tokens")
     generator = torch.Generator(device).manual_seed(args.seed)
     with autocast(device, args.dtype):
         new = model.generate(prompt.to(device), args.max_new_tokens, temperature=args.temperature,

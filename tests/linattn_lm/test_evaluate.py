@@ -347,3 +347,14 @@ def test_recorded_imports_that_are_not_a_list_are_a_damaged_checkpoint(data_dir:
     save_checkpoint(ckpt, {k: v for k, v in checkpoint.items() if k not in ("format", "version")})
     code, _, err = run_main(evaluate.main, [str(ckpt)])
     assert code == 2 and "its recorded imports are int, not a list; pass --import MODULE_OR_FILE" in err, err
+
+
+def test_generating_past_learned_positions_says_which_flag_to_shrink(data_dir: Path, tmp_path: Path, run_main,
+                                                                     make_model) -> None:
+    ckpt = write_checkpoint(tmp_path / "abs.pt", make_model(rope="none", abs_pos=True, seq_len=16), data_dir)
+    code, out, err = run_main(evaluate.main, [str(ckpt), "--generate", "The ", "--max-new-tokens", "13"])
+    assert code == 0, err   # feeds positions 0..15: the prompt's 4 and 12 drawn bytes, the 13th never fed back
+    code, _, err = run_main(evaluate.main, [str(ckpt), "--generate", "The ", "--max-new-tokens", "14"])
+    assert code == 2 and err == ("error: --generate: the prompt (4 bytes) and --max-new-tokens 14 need 17 positions, "
+                                 "and this model's learned absolute positions cover 16 bytes only; give a shorter "
+                                 "prompt or a smaller --max-new-tokens\n"), err

@@ -258,6 +258,7 @@ def damage_moment_value(c): c["optimizer"]["state"][0]["exp_avg"][0] = float("in
 def damage_adam_step(c): c["optimizer"]["state"][0]["step"] = torch.tensor(float("nan"))
 def damage_parameter_count(c): c["optimizer"]["param_groups"][1]["params"].pop()
 def damage_optimizer_emptied(c): c["optimizer"]["state"] = {}
+def damage_step_past_int64(c): c["step"] = 2 ** 63
 def damage_optimizer_keys(c): c["optimizer"]["state"] = {str(k): v for k, v in c["optimizer"]["state"].items()}
 def damage_meta_weight(c): c["model"]["head.weight"] = torch.empty(c["model"]["head.weight"].shape, device="meta")
 def damage_config_section(c): c["config"]["extra"] = 5
@@ -307,6 +308,7 @@ def damage_sparse_csr_weight(c):
                                "AdamW's moments"),
     (damage_optimizer_keys, "its optimiser state has entries under keys ['0', '1', '2'] that name no parameter"),
     (damage_meta_weight, "is damaged: weight 'head.weight' is a meta tensor, which holds no values"),
+    (damage_step_past_int64, "is damaged: step 9223372036854775808 is not in [0, 2**63)"),
 ])
 def test_resume_refuses_damaged_checkpoints(damage, message: str, tiny_run: Path, data_dir: Path, tiny: list[str],
                                             tmp_path: Path, run_main) -> None:
