@@ -120,6 +120,16 @@ def test_size_mismatch_with_meta_is_detected(data_dir: Path, tmp_path: Path) -> 
         load_split(copy, "train")
 
 
+def test_a_split_overwritten_at_its_size_is_detected_by_its_hash(data_dir: Path, tmp_path: Path) -> None:
+    """Zeros at the right size trained without a word: only --verify re-hashed the splits."""
+    copy = copy_of(data_dir, tmp_path)
+    (copy / "train.bin").write_bytes(bytes((copy / "train.bin").stat().st_size))
+    with pytest.raises(DataError, match=r"train\.bin does not hash to the sha256 in .*meta\.json \(changed since it "
+                                        r"was prepared\?\): run python .*prepare\.py .*, with --force"):
+        load_split(copy, "train")
+    assert len(load_split(copy, "val")) == (copy / "val.bin").stat().st_size
+
+
 def edited(meta: dict, path: tuple[str, ...], value: object) -> dict:
     """`meta` with the entry at `path` replaced by `value` (or removed, for the REMOVE marker)."""
     meta = json.loads(json.dumps(meta))
