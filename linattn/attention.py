@@ -64,7 +64,7 @@ class _Projections(nn.Module):
         if x.device != weight.device or x.device.type == "meta":   # torch's own errors come from deep inside
             raise ValueError(f"{type(self).__name__}'s parameters are on {weight.device} and the input on {x.device}; "
                              f"put both on one device that computes (block.to(device), x.to(device)), not meta")
-        if x.dtype != weight.dtype and not (x.is_floating_point() and torch.is_autocast_enabled(x.device.type)):
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):   # x is floating (above)
             raise ValueError(f"{type(self).__name__}'s parameters are {weight.dtype} but the input is {x.dtype}; "
                              f"convert one to the other (block.to(dtype) or x.to(dtype)), or use autocast")
         if expected_rank == 2:
@@ -383,11 +383,7 @@ class SoftmaxAttention(_Projections):
                              f"step(), got {type(state).__name__}")
         cached = state.k.shape[-2] if isinstance(state.k, torch.Tensor) and state.k.dim() == 4 else 0
         shape = (k_t.shape[0], self.heads, cached, self.head_dim)
-        check_state_tensors(state, k_t.device, {"k": shape, "v": shape})
-        for name in ("k", "v"):
-            if getattr(state, name).dtype != k_t.dtype:
-                raise ValueError(f"state.{name} is {getattr(state, name).dtype} but this step computes in {k_t.dtype}; "
-                                 f"pass the cache returned for the same model and precision (or None to start)")
+        check_state_tensors(state, k_t.device, {"k": shape, "v": shape}, k_t.dtype)
         return check_state_position(state)
 
     def extra_repr(self) -> str:

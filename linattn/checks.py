@@ -55,8 +55,9 @@ def check_rope_base(base) -> None:
         raise ValueError(f"rope_base must be a finite number > 0 (RoFormer uses 10000), got {base!r}")
 
 
-def check_state_tensors(state, device, shapes: dict) -> None:
-    """Each named field of a decoding state must be a floating tensor of the given shape on `device`."""
+def check_state_tensors(state, device, shapes: dict, dtype: torch.dtype, dtype_note: str = "") -> None:
+    """Each named field of a decoding state must be a floating tensor of the given shape on `device`, in
+    the step's compute `dtype` (`dtype_note` says why that dtype)."""
     for name, shape in shapes.items():
         t = getattr(state, name)
         got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -65,6 +66,9 @@ def check_state_tensors(state, device, shapes: dict) -> None:
             raise ValueError(
                 f"state.{name} must be a floating tensor of shape {shape} on {device} for these inputs, "
                 f"got {got}{where}; pass the state returned for the same model and batch (or None to start)")
+        if t.dtype != dtype:
+            raise ValueError(f"state.{name} is {t.dtype} but this step computes in {dtype}{dtype_note}; continue a "
+                             "sequence in the dtype that started it (or pass None to start)")
 
 
 def check_state_position(state) -> int:

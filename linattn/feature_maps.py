@@ -99,12 +99,16 @@ def check_option_names(feature_map: str | FeatureMap, options: dict) -> None:
     itself, once; call it only to ask before building anything."""
     if isinstance(feature_map, str):
         feature_map_class(feature_map)   # a name that is not registered is the first mistake to report
-    if not isinstance(options, dict):
-        raise ValueError(f"feature-map options must be a dict of option name to value, got {type(options).__name__}")
+    check_options_dict(options)
     structural = sorted(set(options) & set(STRUCTURAL_PARAMETERS))
     if structural:
         raise ValueError(f"feature map {feature_map!r}: {structural} are set by the attention block (dim / heads), "
                          "not given as options; drop them")
+
+
+def check_options_dict(options) -> None:
+    if not isinstance(options, dict):
+        raise ValueError(f"feature-map options must be a dict of option name to value, got {type(options).__name__}")
 
 
 def make_feature_map(feature_map: str | FeatureMap, head_dim: int, *, heads: int | None = None,
@@ -119,8 +123,7 @@ def make_feature_map(feature_map: str | FeatureMap, head_dim: int, *, heads: int
     head_dim = check_positive_integer("head_dim", head_dim)   # before a map derives its M from it
     heads = None if heads is None else check_positive_integer("heads", heads)
     options = {} if options is None else options
-    if not isinstance(options, dict):
-        raise ValueError(f"feature-map options must be a dict of option name to value, got {type(options).__name__}")
+    check_options_dict(options)
     if isinstance(feature_map, FeatureMap):
         if options:
             raise ValueError("feature-map options apply only when the map is given by name, "

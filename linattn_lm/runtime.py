@@ -193,30 +193,25 @@ def write_together(writes: dict[Path, Callable[[Path], None]], *,
     The renames follow in `writes`' order, after `before_renames` (prepare.py removes its meta.json
     there, so that a stop among the renames leaves a directory that reads as unprepared)."""
     staged: list[tuple[Path, Path]] = []
+    renamed = 0   # the staged files before this one have their names: only the rest are cleaned up
     try:
         for path, write in writes.items():
             staged.append((write_staged(path, write), path))
-    except BaseException:
-        for tmp, _ in staged:
-            tmp.unlink(missing_ok=True)
-        raise
-    try:
         in_the_way = [path for _, path in staged if path.is_dir()]
         if in_the_way:   # found before any rename, so nothing is replaced
             raise WriteFailed(f"cannot write {in_the_way[0]}: a folder of that name is in the way; move it "
                               "or choose another output")
         if before_renames is not None:
             before_renames()
-        for index, (tmp, path) in enumerate(staged):
+        for tmp, path in staged:
             try:
                 os.replace(tmp, path)
             except OSError as error:
                 raise WriteFailed(f"cannot write {path} ({error.strerror or error})") from None
-            staged[index] = (path, path)   # renamed: nothing left to clean up
+            renamed += 1
     except BaseException:
-        for tmp, path in staged:
-            if tmp != path:
-                tmp.unlink(missing_ok=True)
+        for tmp, _ in staged[renamed:]:
+            tmp.unlink(missing_ok=True)
         raise
 
 

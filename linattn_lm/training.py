@@ -705,7 +705,7 @@ def train(config: TrainConfig, ctx: Distributed, *, resume: bool = False) -> Tra
 # ----------------------------------------------------------------------------- entry point
 
 RUN_ERRORS = (DataError, CheckpointError, UsageError)                    # exit 2: fix the input
-RUN_FAILURES = (TrainingDiverged, WriteFailed, torch.OutOfMemoryError, MemoryError)   # exit 1: the run failed
+RUN_FAILURES = (TrainingDiverged, WriteFailed)   # exit 1: the run failed (so does running out of memory)
 
 
 def failure_message(error: BaseException) -> str:
@@ -762,8 +762,8 @@ def run_reporting_errors(run: Callable[[], int]) -> int:
     except RUN_ERRORS as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    except (*RUN_FAILURES, RuntimeError) as error:
-        if not isinstance(error, RUN_FAILURES) and not is_out_of_memory(error):
+    except (*RUN_FAILURES, RuntimeError, MemoryError) as error:
+        if not (isinstance(error, RUN_FAILURES) or is_out_of_memory(error)):
             raise
         print(f"error: {failure_message(error)}", file=sys.stderr)
         return EXIT_ERROR

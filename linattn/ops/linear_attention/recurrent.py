@@ -96,12 +96,9 @@ def check_state(state, shape: tuple, device, dtype: torch.dtype, log_space: bool
                          f"features but this step has log_space={log_space}; continue a sequence with "
                          "the kind of features that started it")
     shapes = {"kv": shape, "k_sum": shape[:3]} | ({"log_scale": shape[:3]} if log_space else {})
-    check_state_tensors(state, device, shapes)
+    check_state_tensors(state, device, shapes, dtype, " (its inputs' dtype; float32 for lower precisions)")
     for name in shapes:
         t = getattr(state, name)
-        if t.dtype != dtype:
-            raise ValueError(f"state.{name} is {t.dtype} but this step computes in {dtype} (its inputs' dtype; "
-                             f"float32 for lower precisions); continue a sequence in the dtype that started it")
         finite = (t != float("inf")) & ~t.isnan() if name == "log_scale" else t.isfinite()
         if not bool(finite.all()):
             raise ValueError(f"state.{name} holds NaN or inf; the state is damaged (a non-finite input "
