@@ -6,56 +6,19 @@ reported apart.  Peak memory counts as much as time: the table gives both ratios
 targets are judged for favor-post against softmax."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-import linattn
-from linattn_lm.runtime import autocast
+from linattn_lm.device import autocast
 
+from .methods import SOFTMAX_BLOCKS, build_block
 from .report import Report, fmt, markdown_table, note, timed_line
+from .settings import Settings
 from .timing import MB, ChildRunner, History, median_time, one_call_peak, run_budgeted, time_call
 
-if TYPE_CHECKING:   # settings.py imports this module
-    from .settings import Settings
-
-SOFTMAX_BLOCKS = {"softmax": "sdpa", "softmax-xformers": "xformers"}   # name -> SoftmaxAttention backend
-ROPES = ("post", "pre", "none")
 # Issue 21: softmax's time over favor-post's, at least, per N; favor-post's peak over softmax's, at most.
 SPEEDUP_TARGETS = {4096: 1.0, 16384: 2.0, 65536: 5.0}
 MEMORY_LIMIT, MEMORY_FROM_N = 2.0, 4096
 JUDGED = "favor-post"
-
-
-LINEAR_BACKENDS = tuple(b for b in linattn.functional.BACKENDS if b != "auto")   # named as a suffix
-
-
-def block_names() -> tuple[str, ...]:
-    """Every block this section can build: the softmax ones, `<map>-<rope>` for each registered map
-    (backend auto), and `<map>-<rope>-<backend>` for the others (e.g. favor-post-fla)."""
-    linear = tuple(f"{name}-{rope}{suffix}" for name in linattn.available_feature_maps() for rope in ROPES
-                   for suffix in ("", *(f"-{backend}" for backend in LINEAR_BACKENDS)))
-    return tuple(SOFTMAX_BLOCKS) + linear
-
-
-def linear_parts(name: str) -> tuple[str, str, str]:
-    """(feature map, rope, backend) of a linear block's or LM's name `<map>-<rope>[-<backend>]`."""
-    head, last = name.rsplit("-", 1)
-    if last in LINEAR_BACKENDS:
-        feature_map, rope = head.rsplit("-", 1)
-        return feature_map, rope, last
-    return head, last, "auto"
-
-
-def build_block(name: str, dim: int, heads: int, num_features: int) -> torch.nn.Module:
-    """A block as a user builds it: softmax attention with RoPE, or LinearAttention with the map's
-    M = num_features where the map has that option, on the backend its name gives."""
-    if name in SOFTMAX_BLOCKS:
-        return linattn.SoftmaxAttention(dim, heads, rope=True, causal=True, backend=SOFTMAX_BLOCKS[name])
-    feature_map, rope, backend = linear_parts(name)
-    options = {"num_features": num_features} if "num_features" in linattn.feature_map_options(feature_map) else {}
-    return linattn.LinearAttention(dim, heads, feature_map=feature_map, feature_map_options=options,
-                                   rope=rope, causal=True, backend=backend)
 
 
 def block_task(task: dict) -> dict:

@@ -19,25 +19,17 @@ from __future__ import annotations
 
 import importlib.util
 
-from typing import TYPE_CHECKING
-
 import torch
 
 import linattn
 
-from .methods import DTYPES
+from .methods import DTYPES, FLA_METHODS, OURS
 from .report import Report, fmt, markdown_table, note, timed_line
+from .settings import Settings
 from .timing import MB, ChildRunner, child_timeout, median_time, one_call_peak, time_call
 
-if TYPE_CHECKING:   # settings.py imports this module
-    from .settings import Settings
-
-OURS = {"linattn-log": "fla-gla", "linattn-plain": "fla-linear",           # ours -> its fla peer (auto backend)
-        "linattn-fla-log": "fla-gla", "linattn-fla-plain": "fla-linear"}   # backend="fla"
 TARGETS = {method: 1.5 if method.endswith("-log") else 1.2 for method in OURS}   # issue 21: ours / fla's, at most
-FLA_METHODS = ("fla-gla", "fla-linear")
 NEEDS_FLA = FLA_METHODS + tuple(method for method in OURS if method.startswith("linattn-fla-"))
-KERNEL_METHODS = tuple(OURS) + FLA_METHODS
 # HBM bandwidth in bytes/s by device name, for the share of the physical limit.
 PEAK_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H200": 4.8e12,
                   "A100-SXM4-80GB": 2.04e12, "A100-SXM4-40GB": 1.56e12}

@@ -22,6 +22,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MASKS = {"causal": True, "full": False}
 LINATTN_ROPES = ("post", "none")
 
+# The block and kernels sections' names (settings.py checks --block-methods and --kernel-methods against them).
+SOFTMAX_BLOCKS = {"softmax": "sdpa", "softmax-xformers": "xformers"}   # name -> SoftmaxAttention backend
+ROPES = ("post", "pre", "none")
+LINEAR_BACKENDS = tuple(b for b in linattn.functional.BACKENDS if b != "auto")   # named as a suffix
+OURS = {"linattn-log": "fla-gla", "linattn-plain": "fla-linear",           # ours -> its fla peer (auto backend)
+        "linattn-fla-log": "fla-gla", "linattn-fla-plain": "fla-linear"}   # backend="fla"
+FLA_METHODS = ("fla-gla", "fla-linear")
+KERNEL_METHODS = tuple(OURS) + FLA_METHODS
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -186,3 +195,31 @@ def train_call(attend: Attend, q, k, v, grad) -> Callable[[], None]:
         drop_grads(q, k, v)
         attend(q, k, v).backward(grad)
     return run
+
+
+def block_names() -> tuple[str, ...]:
+    """Every block this section can build: the softmax ones, `<map>-<rope>` for each registered map
+    (backend auto), and `<map>-<rope>-<backend>` for the others (e.g. favor-post-fla)."""
+    linear = tuple(f"{name}-{rope}{suffix}" for name in linattn.available_feature_maps() for rope in ROPES
+                   for suffix in ("", *(f"-{backend}" for backend in LINEAR_BACKENDS)))
+    return tuple(SOFTMAX_BLOCKS) + linear
+
+
+def linear_parts(name: str) -> tuple[str, str, str]:
+    """(feature map, rope, backend) of a linear block's or LM's name `<map>-<rope>[-<backend>]`."""
+    head, last = name.rsplit("-", 1)
+    if last in LINEAR_BACKENDS:
+        feature_map, rope = head.rsplit("-", 1)
+        return feature_map, rope, last
+    return head, last, "auto"
+
+
+def build_block(name: str, dim: int, heads: int, num_features: int) -> torch.nn.Module:
+    """A block as a user builds it: softmax attention with RoPE, or LinearAttention with the map's
+    M = num_features where the map has that option, on the backend its name gives."""
+    if name in SOFTMAX_BLOCKS:
+        return linattn.SoftmaxAttention(dim, heads, rope=True, causal=True, backend=SOFTMAX_BLOCKS[name])
+    feature_map, rope, backend = linear_parts(name)
+    options = {"num_features": num_features} if "num_features" in linattn.feature_map_options(feature_map) else {}
+    return linattn.LinearAttention(dim, heads, feature_map=feature_map, feature_map_options=options,
+                                   rope=rope, causal=True, backend=backend)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from linattn_lm.runtime import write_atomically
+from linattn_lm.files import write_atomically
 
 from .report import labels_in_order, measured, peak_key, time_key
 from .timing import MB

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from linattn_lm.runtime import write_atomically
+from linattn_lm.files import write_atomically
 
 from .timing import MB
 

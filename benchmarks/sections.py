@@ -19,12 +19,11 @@ import linattn
 from linattn_lm import PRESETS as TRAINING_PRESETS
 from linattn_lm.config import ModelConfig
 from linattn_lm.lm import ByteLM, lm_loss
-from linattn_lm.runtime import autocast
+from linattn_lm.device import autocast
 
 from . import report as tables
-from .block import linear_parts
-from .methods import (DTYPES, MASKS, Method, Shape, build_attention, drop_grads, forward_call, make_inputs,
-                      method_table, runs_with, train_call, unavailable)
+from .methods import (DTYPES, MASKS, Method, Shape, build_attention, drop_grads, forward_call, linear_parts,
+                      make_inputs, method_table, runs_with, train_call, unavailable)
 from .report import Report, fmt, markdown_table, measured
 from .settings import PASSES, Settings, selected_methods
 from .timing import (MB, SLOW_RUN_REPEATS, SLOW_RUN_S, ChildRunner, History, PeakMemory, child_timeout,

@@ -13,16 +13,16 @@ from typing import Callable
 import linattn
 from linattn.functional import BACKENDS as LINATTN_BACKENDS
 from linattn_lm.config import available_memory_bytes
-from linattn_lm.runtime import first_line, resolve_device
+from linattn_lm.device import resolve_device
+from linattn_lm.errors import Parser, first_line
 
 import torch
 
 from linattn_lm import PRESETS as TRAINING_PRESETS
-from linattn_lm.cli import Parser, comma_items
+from linattn_lm.cli import comma_items
 
-from .block import LINEAR_BACKENDS, ROPES, SOFTMAX_BLOCKS, block_names, build_block
-from .kernels import KERNEL_METHODS
-from .methods import DTYPES, MASKS, Method, Shape, build_attention, method_table, unavailable
+from .methods import (DTYPES, KERNEL_METHODS, LINEAR_BACKENDS, MASKS, ROPES, SOFTMAX_BLOCKS, Method, Shape,
+                      block_names, build_attention, build_block, method_table, unavailable)
 
 SECTIONS = ("attention", "efficiency", "decode", "model", "block", "kernels")
 DEFAULT_SECTIONS = SECTIONS[:-1]   # kernels, beside fla's, is for GPUs: --sections kernels or --preset gpu-targets

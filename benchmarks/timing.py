@@ -17,7 +17,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from linattn_lm.runtime import peak_memory_mb, release_free_memory, reset_peak_memory
+from linattn_lm.device import peak_memory_mb, release_free_memory, reset_peak_memory
 
 SLOW_RUN_S = 1.0               # runs longer than this are timed at most SLOW_RUN_REPEATS times
 SLOW_RUN_REPEATS = 3

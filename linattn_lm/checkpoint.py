@@ -19,7 +19,9 @@ from linattn import is_real
 
 from .config import MAX_STEPS, TrainConfig
 from .lm import ByteLM
-from .runtime import PRECISIONS, first_line, write_atomically
+from .device import PRECISIONS
+from .errors import first_line
+from .files import write_atomically
 
 CHECKPOINT_NAME = "ckpt.pt"
 CHECKPOINT_FORMAT = "linattn-byte-lm"
@@ -181,12 +183,6 @@ def fits_parameter(key: str, value: Any, param: torch.Tensor) -> bool:
         return isinstance(number, (int, float)) and not isinstance(number, bool) and 0 <= number < math.inf
     return (isinstance(value, torch.Tensor) and value.shape == param.shape and value.dtype == param.dtype
             and bool(value.isfinite().all()))
-
-
-def remove_stale_temporaries(path: Path) -> None:
-    """Temporaries of `path` left by a write that was killed (write_atomically's name pattern)."""
-    for stale in path.parent.glob(f".{path.name}.*.tmp"):
-        stale.unlink(missing_ok=True)
 
 
 def model_from_checkpoint(checkpoint: dict[str, Any], path: Path | str = "checkpoint",

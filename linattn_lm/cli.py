@@ -8,33 +8,13 @@ import dataclasses
 import importlib
 import importlib.util
 import math
-import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 from .config import FIELDS, PRESETS, VARIANT
-from .runtime import DTYPES, first_line
-
-EXIT_ERROR, EXIT_USAGE = 1, 2
-EXIT_SIGNAL_BASE = 128   # a run stopped by signal S exits 128 + S, as shells report it
-EXIT_INTERRUPTED = EXIT_SIGNAL_BASE + signal.SIGINT
-
-
-class UsageError(ValueError):
-    """A run that cannot start as asked (reported as `error: ...`, exit status 2)."""
-
-
-class Parser(argparse.ArgumentParser):
-    """Usage errors in one line (the full usage is long): what was wrong, then where to look.  Flags
-    are never abbreviated: --feature-map must not pass for a prefix of --feature-map-option."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **{"allow_abbrev": False} | kwargs)
-
-    def error(self, message: str):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
-
+from .device import DTYPES
+from .errors import UsageError, first_line
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows a flag's default unless it is None or its help already says what it is."""

@@ -20,7 +20,7 @@ import linattn
 
 from .data import default_data_dir
 from .map_check import checked_feature_map
-from .runtime import resolve_device, resolve_dtype
+from .device import resolve_device, resolve_dtype
 
 ATTENTIONS = ("softmax", "linear")
 SOFTMAX_ROPE = ("post", "none")     # softmax has no feature map: "post" = RoPE on q and k

@@ -28,12 +28,13 @@ import linattn
 from .data import SPLITS, DataError, SequentialWindows, check_window_fits, default_data_dir, load_split
 from .config import check_backend_runs_on
 from .checkpoint import CheckpointError, checkpoint_path, load_checkpoint, model_from_checkpoint, saved_precision
-from .cli import (EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, DefaultsFormatter, Parser, UsageError, finite_float,
-                  import_user_code, integer, pre_parse_imports)
+from .cli import DefaultsFormatter, finite_float, import_user_code, integer, pre_parse_imports
 from .lm import ByteLM, bits_per_byte
 from .ngram import format_reference, reference_bpc
-from .runtime import (DTYPES, autocast, decode_bytes, encode_text, is_out_of_memory, keep_freed_memory,
-                      resolve_device, resolve_dtype, summed_loss)
+from .device import DTYPES, autocast, keep_freed_memory, resolve_device, resolve_dtype
+from .errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, Parser, UsageError, is_out_of_memory
+from .scoring import summed_loss
+from .text import decode_bytes, encode_text
 from .weight_sums import format_rows, linear_blocks, weight_sum_rows
 
 

@@ -43,7 +43,8 @@ from .evaluate import bpc_table
 from .grid_report import FIT_KEYS, RECORD_KEYS, REPORT_TITLE, RESULT_NAME, damaged, read_record, write_report
 from .ngram import reference_bpc
 from .runlock import LOCK_NAME, DirectoryLock
-from .runtime import keep_freed_memory, write_atomically
+from .device import keep_freed_memory
+from .files import write_atomically
 from .training import TrainResult
 from .variants import default_variants, variant_flags
 

@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 from scipy import stats  # noqa: E402
 
 from .checkpoint import CheckpointError  # noqa: E402
-from .runtime import write_together  # noqa: E402
+from .files import write_together  # noqa: E402
 
 RESULT_NAME = "result.json"
 REPORT_TITLE = "# Grid "   # results.md's first line begins so: a report grid.py wrote

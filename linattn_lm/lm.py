@@ -12,7 +12,7 @@ keeps input and output roles separate.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +20,7 @@ from torch import nn
 
 import linattn
 
-if TYPE_CHECKING:   # annotations only: config imports this module's loss (through runtime)
-    from .config import ModelConfig
+from .config import ModelConfig
 
 INIT_STD = 0.02
 

@@ -15,7 +15,7 @@ import torch
 
 import linattn
 
-from .runtime import first_line
+from .errors import first_line
 
 PROBE_SHAPE = (2, 2, 5)        # batch, heads, tokens
 LOG_TOLERANCE = 1e-3           # how far log(forward) - log_features may vary along a row (float32)

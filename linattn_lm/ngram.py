@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from .data import VOCAB_SIZE, load_split
-from .runtime import write_atomically
+from .files import write_atomically
 
 MAX_ORDER = 4
 ALPHAS = (1.0, 0.3, 0.1, 0.03, 0.01, 0.003, 0.001)

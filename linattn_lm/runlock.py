@@ -19,7 +19,8 @@ import os
 import warnings
 from pathlib import Path
 
-from .cli import UsageError
+from .errors import UsageError
+from .files import missing_directories, remove_empty_directories
 
 try:
     import fcntl
@@ -42,27 +43,6 @@ def directory_advice(error: OSError) -> str:
 
 class DirectoryBusy(UsageError):
     """Another process holds the directory's lock (reported as `error: ...`, exit status 2)."""
-
-
-def missing_directories(directory: Path) -> list[Path]:
-    """`directory` and those of its parents that do not exist yet, deepest first: what
-    mkdir(parents=True) is about to create."""
-    missing = []
-    for path in (directory, *directory.parents):
-        if os.path.lexists(path):
-            break
-        missing.append(path)
-    return missing
-
-
-def remove_empty_directories(created: list[Path]) -> None:
-    """`created` (missing_directories' list, deepest first) removed while each is empty: rmdir refuses
-    one that is not, and the removal stops there, so whatever something else put inside stays."""
-    for directory in created:
-        try:
-            directory.rmdir()
-        except OSError:
-            return
 
 
 class DirectoryLock:

@@ -26,17 +26,20 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_finite_weights, check_optimizer_state,
-                         checkpoint_entries, load_checkpoint, load_state, load_weights, remove_stale_temporaries,
-                         save_checkpoint, saved_precision)
-from .cli import (EXIT_ERROR, EXIT_INTERRUPTED, EXIT_SIGNAL_BASE, EXIT_USAGE, Parser, UsageError, add_config_flags,
-                  given_settings, import_user_code, pre_parse_imports)
+                         checkpoint_entries, load_checkpoint, load_state, load_weights, save_checkpoint,
+                         saved_precision)
+from .cli import add_config_flags, given_settings, import_user_code, pre_parse_imports
 from .config import TrainConfig, config_differences, config_from_flags
 from .data import DataError, RandomWindows, load_split
 from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss
 from .runlock import DirectoryLock
-from .runtime import (WriteFailed, autocast, decode_bytes, first_line, gradient_scaler, is_out_of_memory,
-                      keep_freed_memory, peak_memory_mb, precision_key, precision_name, release_free_memory,
-                      reset_peak_memory, resolve_device, summed_loss)
+from .device import (autocast, gradient_scaler, keep_freed_memory, peak_memory_mb, precision_key, precision_name,
+                     release_free_memory, reset_peak_memory, resolve_device)
+from .errors import (EXIT_ERROR, EXIT_INTERRUPTED, EXIT_SIGNAL_BASE, EXIT_USAGE, Parser, UsageError, first_line,
+                     is_out_of_memory)
+from .files import WriteFailed, remove_stale_temporaries
+from .scoring import summed_loss
+from .text import decode_bytes
 
 SAMPLE_PROMPT_BYTES = 128
 SAMPLE_NEW_BYTES = 256

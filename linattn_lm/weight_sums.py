@@ -18,7 +18,7 @@ import torch
 import linattn
 from .data import SequentialWindows
 from .lm import ByteLM
-from .runtime import autocast
+from .device import autocast
 
 OFF_BY = 0.1                                # a query counts as off when |sum - 1| exceeds this
 POSITION_EDGES = (0, 1, 16, 64, 256, 1024, 4096, 16384, 65536)   # buckets of query positions

@@ -29,12 +29,10 @@ from typing import Any, Callable
 import numpy as np
 import pooch
 
-from linattn_lm.checkpoint import remove_stale_temporaries
-from linattn_lm.cli import EXIT_USAGE, Parser
 from linattn_lm.data import (META_FORMAT_VERSION, META_NAME, SPLITS, VOCAB_SIZE, DataError, DataNotFoundError,
                              load_meta, load_split, shown)
-from linattn_lm.runlock import missing_directories, remove_empty_directories
-from linattn_lm.runtime import write_together
+from linattn_lm.errors import EXIT_USAGE, Parser
+from linattn_lm.files import missing_directories, remove_empty_directories, remove_stale_temporaries, write_together
 
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent
 SPLIT_END_PERCENTS = (90, 95, 100)

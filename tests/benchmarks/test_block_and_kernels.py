@@ -4,19 +4,19 @@ import pytest
 import torch
 
 import linattn
-from benchmarks import block, kernels
+from benchmarks import block, kernels, methods
 from benchmarks.sections import lm_config
 
 TINY = {"device": "cpu", "threads": 0, "dim": 32, "heads": 2, "num_features": 16, "repeats": 2, "warmup": 1}
 
 
-@pytest.mark.parametrize("name", [n for n in block.block_names() if n not in block.SOFTMAX_BLOCKS] + ["softmax"])
+@pytest.mark.parametrize("name", [n for n in methods.block_names() if n not in methods.SOFTMAX_BLOCKS] + ["softmax"])
 def test_every_block_name_builds_the_block_a_user_would(name):
-    built = block.build_block(name, 32, 2, 16)
+    built = methods.build_block(name, 32, 2, 16)
     if name == "softmax":
         assert isinstance(built, linattn.SoftmaxAttention) and built.rope is not None
         return
-    feature_map, rope, backend = block.linear_parts(name)
+    feature_map, rope, backend = methods.linear_parts(name)
     assert name == f"{feature_map}-{rope}" + ("" if backend == "auto" else f"-{backend}")
     assert isinstance(built, linattn.LinearAttention) and built.rope == rope and built.backend == backend
     assert type(built.feature_map) is linattn.feature_map_class(feature_map)
@@ -51,7 +51,7 @@ def test_judging_leaves_lengths_without_a_target_unjudged():
     assert judged[0]["speed_met"] is None and judged[0]["memory_met"] is None
 
 
-@pytest.mark.parametrize("method", [m for m in kernels.OURS if kernels.unavailable(m, torch.device("cpu")) is None])
+@pytest.mark.parametrize("method", [m for m in methods.OURS if kernels.unavailable(m, torch.device("cpu")) is None])
 def test_a_kernel_task_runs_every_length_of_our_op_in_one_process(method):
     task = {**TINY, "method": method, "m": 16, "dtype": "fp32", "lengths": (64, 128), "batch": 1, "dv": 8,
             "budget_s": 60.0}

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from benchmarks.__main__ import main
-from benchmarks.kernels import KERNEL_METHODS, OURS
+from benchmarks.methods import KERNEL_METHODS, OURS
 
 QUICK = ["--preset", "quick", "--lengths", "128,256", "--methods", "sdpa,favor-post", "--masks", "causal",
          "--decode-contexts", "128", "--model-contexts", "64", "--threads", "1"]

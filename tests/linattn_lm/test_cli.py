@@ -2,7 +2,7 @@
 import pytest
 
 from linattn_lm import evaluate, grid, training
-from linattn_lm.cli import Parser
+from linattn_lm.errors import Parser
 
 
 def test_a_flag_is_never_taken_for_a_prefix_of_another(capsys):

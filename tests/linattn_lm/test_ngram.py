@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from linattn_lm import ngram
-from linattn_lm.runtime import WriteFailed
+from linattn_lm.files import WriteFailed
 
 
 def test_order_0_equals_the_hand_computation():

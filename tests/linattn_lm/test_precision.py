@@ -11,7 +11,7 @@ import torch
 from linattn_lm import load_checkpoint, training
 from linattn_lm.config import config_differences, config_from_flags
 from linattn_lm.evaluate import recorded_dtype
-from linattn_lm.runtime import autocast, resolve_dtype
+from linattn_lm.device import autocast, resolve_dtype
 
 SHORT = ["--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1", "--sample-interval", "0",
          "--ckpt-interval", "0", "--warmup", "1"]

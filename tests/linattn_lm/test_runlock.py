@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from linattn_lm import grid, runlock, training
-from linattn_lm.cli import UsageError
+from linattn_lm.errors import UsageError
 from linattn_lm.runlock import LOCK_NAME, DirectoryBusy, DirectoryLock
 
 HOLD = "import sys, time; from linattn_lm.runlock import DirectoryLock; lock = DirectoryLock(sys.argv[1]); " \

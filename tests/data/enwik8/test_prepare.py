@@ -20,8 +20,8 @@ from typing import Iterator
 import pytest
 
 from linattn_lm.data import load_split
-from linattn_lm import runtime
-from linattn_lm.runtime import WriteFailed
+from linattn_lm import files
+from linattn_lm.files import WriteFailed
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = REPO_ROOT / "data" / "enwik8" / "prepare.py"
@@ -302,7 +302,7 @@ def test_a_failed_write_is_a_one_line_error_that_keeps_what_was_there(
     def disk_full(path: Path, write) -> Path:
         raise WriteFailed(f"cannot write {path} (No space left on device); the file already there, if any, "
                                "is kept: free some space or choose a writable --out-dir")
-    monkeypatch.setattr(runtime, "write_staged", disk_full)
+    monkeypatch.setattr(files, "write_staged", disk_full)
     assert prep.main(["--out-dir", str(tmp_path / "out"), "--sample"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: cannot write") and "No space left" in err and len(err.strip().splitlines()) == 1
@@ -400,7 +400,7 @@ def test_out_dir_that_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 def interrupt_second_file(monkeypatch: pytest.MonkeyPatch) -> None:
     """The second file prepare.py writes is half written when the user presses Ctrl-C."""
-    real = runtime.write_staged
+    real = files.write_staged
     calls = []
 
     def write_then_interrupt(path: Path, write) -> Path:
@@ -414,7 +414,7 @@ def interrupt_second_file(monkeypatch: pytest.MonkeyPatch) -> None:
 
         return real(path, half_then_interrupt)
 
-    monkeypatch.setattr(runtime, "write_staged", write_then_interrupt)
+    monkeypatch.setattr(files, "write_staged", write_then_interrupt)
 
 
 def test_an_interrupted_run_leaves_the_old_preparation_whole_and_no_temporaries(

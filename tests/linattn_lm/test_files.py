@@ -1,13 +1,12 @@
-"""Runtime helpers shared by training, evaluation, data preparation and benchmarks."""
+"""Files written whole (linattn_lm/files.py), shared by training, evaluation, data preparation and benchmarks."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from linattn_lm.runtime import WriteFailed, write_atomically, write_together
-from linattn_lm.training import EXIT_ERROR, run_reporting_errors
+from linattn_lm.files import WriteFailed, write_atomically, write_together
+from linattn_lm.errors import EXIT_ERROR
+from linattn_lm.training import run_reporting_errors
 
 
 def test_write_atomically_gives_the_permissions_open_would_and_leaves_no_temporary(tmp_path):
@@ -65,40 +64,3 @@ def test_a_folder_where_one_of_several_files_goes_replaces_none_of_them_and_leav
         write_together(writes)
     assert (tmp_path / "results.csv").read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.csv", "val_bpc.png"]
-
-
-@pytest.mark.parametrize("error", [RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't "
-                                                "allocate memory: you tried to allocate 83072000000 bytes"),
-                                   MemoryError(), torch.OutOfMemoryError("CUDA out of memory")])
-def test_running_out_of_memory_on_any_device_is_one_line(error, capsys):
-    """On CPU torch reports a failed allocation as a plain RuntimeError, which gave a traceback."""
-    def run():
-        raise error
-    assert run_reporting_errors(run) == EXIT_ERROR
-    assert capsys.readouterr().err == "error: out of memory: choose a smaller --batch-size, --seq-len or model\n"
-
-
-def test_other_runtime_errors_keep_their_traceback():
-    def run():
-        raise RuntimeError("shape mismatch")
-    with pytest.raises(RuntimeError, match="shape mismatch"):
-        run_reporting_errors(run)
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's VmHWM reset")
-def test_each_run_measures_its_own_peak_after_earlier_ones_freed_memory():
-    """keep_freed_memory() keeps freed heap resident; a grid's next run first hands it back, so
-    its peak is not the earlier runs' (it was 512, 629, 634 MB for three identical runs)."""
-    code = ("import torch\n"
-            "from linattn_lm.runtime import keep_freed_memory, peak_memory_mb, release_free_memory, "
-            "reset_peak_memory\n"
-            "cpu = torch.device('cpu')\n"
-            "keep_freed_memory()\n"
-            "before = peak_memory_mb(cpu)\n"
-            "x = torch.ones(2 ** 26)\n"       # 256 MiB
-            "del x\n"
-            "release_free_memory()\n"
-            "reset_peak_memory(cpu)\n"
-            "print(peak_memory_mb(cpu) - before)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert float(result.stdout) < 64, result.stdout
