@@ -7,14 +7,7 @@ randomness of a map (FAVOR+'s projection) lives inside it, drawn reproducibly fr
 A map with weights of its own per head (hedgehog, taylor) takes a keyword-only `heads` in its
 constructor: `make_feature_map` and LinearAttention pass the block's head count to such maps.  The
 user's options travel as a dict (`options=`), apart from the structural head_dim and heads, so an
-option can never take the place of what the block sets.
-
-Add a map in a few lines:
-
-    @register_feature_map("relu")
-    class ReluFeatureMap(FeatureMap):
-        def forward(self, x, *, is_query):
-            return torch.relu(x)
+option can never take the place of what the block sets.  Writing a map: docs/feature-maps.md.
 """
 from __future__ import annotations
 

@@ -4,13 +4,7 @@ Pair i at position p is rotated by the angle p * theta_i with theta_i = base^(-2
 product of two rotated vectors depends only on their relative position.  This one function is used
 for every placement: on q and k (softmax, `pre`) and on feature maps phi(q), phi(k) (`post`, Eq. 19).
 Each pair is treated as a complex number and multiplied by e^(i p theta): one pass over memory.
-
-Phases are computed for the positions asked for only, so decoding at position p holds O(dim) memory
-whatever p is.  p * theta in float64 is off by up to p * 1e-16 rad (0.1 urad at p = 1e9), so the
-angle is reduced mod 2 pi exactly: p is split into 16-bit digits d_j and p * theta = sum_j d_j c_j
-(mod 2 pi), with c_j = 2^(16 j) theta mod 2 pi taken from mpmath at 50 digits (c_0 = theta).  Each
-d_j c_j < 2^19, so the float64 sum stays within ~1e-10 rad of the exact angle at any position
-below 2^63, and below 2^16 it is the plain float64 product p * theta.
+Angles are reduced mod 2 pi exactly at any position below 2^63 (docs/numerics.md derives it).
 """
 from __future__ import annotations
 
