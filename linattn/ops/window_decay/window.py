@@ -305,8 +305,9 @@ def window_decay_step(q_hat, k_hat, phi_q, phi_k, v, state: WindowState | None, 
             if rate is not None:
                 distance = torch.arange(keys.shape[-2] - 1, -1, -1, device=v.device, dtype=dtype)
                 scores = scores + distance * rate[:, None]
-            unsqueeze = (lambda t: None if t is None else t.unsqueeze(-2))
-            out = combine(scores.unsqueeze(-2), values, unsqueeze(lin_log), unsqueeze(ratio)).squeeze(-2)
+            if lin_log is not None:   # one row of queries
+                lin_log, ratio = lin_log.unsqueeze(-1), ratio.unsqueeze(-2)
+            out = combine(scores.unsqueeze(-2), values, lin_log, ratio).squeeze(-2)
     return out, WindowState(linear, keys, values, features, position + 1, state.origin)
 
 
