@@ -6,13 +6,12 @@ For query m and key n <= m at distance d = m - n (docs/gap-closers.md has the de
             / (sum_{d<W} gamma^d e^(s_mn)     + g sum_{d>=W} gamma^d kappa_mn)
 
 * the window: queries in blocks of L >= W rows against their band of L + W - 1 keys (O(N W D) work);
-* the linear part: linear attention over the keys shifted by W (query m reads the state at m - W), as
-  a ratio r_m (its nu-weighted mean of values) and a log-weight l_m = log(g gamma^W sum kappa gamma^(d-W)):
-  - log-features: `linattn.functional.linear_attention` (any backend's exact log-space pass) on the
-    shifted keys, the decay folded into the log-features (b_m + m log gamma, a_n - n log gamma); the
-    row sums sum kappa come from a log-cumsum-exp of the keys.  Eq. 19 (`post`) rotates the shifted key
-    at its index, W positions late, so the queries go in as R_W e^b, split into two non-negative parts
-    (two calls);
+* the linear part: linear attention of queries W.. against keys ..N-W-1 (query m reads the state at
+  m - W), as a ratio r_m (its nu-weighted mean of values) and a log-weight l_m = log(g gamma^W sum kappa gamma^(d-W)):
+  - log-features: `linattn.functional.linear_attention` (any backend's exact log-space pass), the
+    decay folded into the log-features (b_j + j log gamma, a_n - n log gamma); the row sums of kappa
+    come from a log-cumsum-exp of the keys.  The op rotates query m at its index, m - W, so for Eq. 19
+    (`post`) the queries go in as R_W e^b, split into two non-negative parts (two calls);
   - plain features: the chunked decayed form (`decayed_chunks`: an intra-chunk decay matrix, the state
     decayed per chunk, as RetNet and fla's simple_gla), which keeps numerator and denominator apart;
 * one stabiliser per row, c_m = max(max_window (s + d log gamma), l_m):
@@ -67,13 +66,15 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
         linear_state, lin_log, ratio = None, None, None
         if n == 0:   # no tokens: an empty output (the chunk loops want one)
             return (v.clone(), WindowState(None, k_hat, v, phi_k, offset, offset)) if return_state else v.clone()
-        if window < n:
+        if window < n:   # queries W.. against keys ..N-W-1: query m reads the keys n <= m - W
             part = log_linear_part if log_space else plain_linear_part
-            lin_log, ratio, linear_state = part(phi_q, phi_k, v, window=window, rate=rate, rotary=rotary,
+            lin_log, ratio, linear_state = part(phi_q[..., window:, :], phi_k[..., :n - window, :],
+                                                v[..., :n - window, :], window=window, rate=rate, rotary=rotary,
                                                 offset=offset, rope_base=rope_base, chunk_size=chunk_size,
                                                 backend=backend, return_state=return_state)
             if window:
-                lin_log = lin_log + linear_log_factor(window, rate, log_gain, dtype)
+                lin_log = F.pad(lin_log + linear_log_factor(window, rate, log_gain, dtype), (window, 0), value=FLOOR)
+                ratio = F.pad(ratio, (0, 0, window, 0))
         out = ratio if window == 0 else windowed(q_hat, k_hat, v, window, rate, lin_log, ratio)
     if not return_state:
         return out
@@ -88,11 +89,6 @@ def linear_log_factor(window: int, rate, log_gain, dtype) -> torch.Tensor | floa
     return factor if rate is None else factor + window * rate[:, None]
 
 
-def shift(x: torch.Tensor, window: int, fill: float) -> torch.Tensor:
-    """x (B, H, N, .) moved W positions later along N, the first W rows `fill`."""
-    return F.pad(x, (0, 0, window, 0), value=fill)[..., :x.shape[-2], :]
-
-
 def guarded_log(den: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(log den, den clamped for dividing): FLOOR where den is 0 (a row with no linear key)."""
     guard = torch.finfo(den.dtype).tiny ** 0.5
@@ -104,13 +100,14 @@ def guarded_log(den: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def plain_linear_part(phi_q, phi_k, v, *, window, rate, rotary, offset, rope_base, chunk_size, backend,
                       return_state):
-    """(log sum_{d>=W} gamma^(d-W) kappa, the nu-weighted mean of values over those keys, the state) from
-    plain features.  Sums of plain features are bounded as the op's are: they must fit the dtype."""
+    """(log sum_n gamma^(j-n) kappa_jn, the nu-weighted mean of values, the state) of queries at positions
+    offset + W + j against keys at offset + n, n <= j, from plain features.  Sums of plain features are
+    bounded as the op's are: they must fit the dtype."""
     q_num, k_num = phi_q, phi_k
     if rotary:
-        q_num, k_num = (apply_rotary(t, offset=offset, base=rope_base) for t in (phi_q, phi_k))
-    k_num, k_den, values = (shift(t, window, 0.0) for t in (k_num, phi_k, v))
-    num, den, kv, k_sum = decayed_chunks(q_num, k_num, phi_q, k_den, values, rate, chunk_size)
+        q_num = apply_rotary(phi_q, offset=offset + window, base=rope_base)
+        k_num = apply_rotary(phi_k, offset=offset, base=rope_base)
+    num, den, kv, k_sum = decayed_chunks(q_num, k_num, phi_q, phi_k, v, rate, chunk_size)
     log_den, safe = guarded_log(den)
     state = LinearState(kv.detach(), k_sum.detach(), offset + v.shape[-2]) if return_state else None
     return log_den, num / safe.unsqueeze(-1), state
@@ -152,26 +149,26 @@ def decayed_chunks(q_num, k_num, q_den, k_den, v, rate, chunk: int):
 
 def log_linear_part(b, a, v, *, window, rate, rotary, offset, rope_base, chunk_size, backend, return_state):
     """`plain_linear_part` from log-features b = log phi_q, a = log phi_k, through the op's exact
-    log-space pass.  The decay is folded into the log-features at positions counted from the call's
-    first token (the state's `origin`)."""
-    n = v.shape[-2]
-    a, values = shift(a, window, float("-inf")), shift(v, window, 0.0)
+    log-space pass, which puts query j and key n at positions offset + j and offset + n (W early for
+    the query: `rotated_query_parts` makes up for it in Eq. 19's rotation).  The decay is folded into
+    the log-features, b_j + j log gamma and a_n - n log gamma, j and n counted from the call's first
+    token (the state's `origin`)."""
     if rate is not None:
-        steps = torch.arange(n, device=v.device, dtype=v.dtype)[:, None] * rate[:, None, None]   # (H, N, 1)
-        b, a = b + steps, a - steps
-    log_sums = torch.logcumsumexp(a.clamp_min(FLOOR), dim=-2)    # log sum_{i<=m} e^(a_i), per feature
+        steps = torch.arange(v.shape[-2], device=v.device, dtype=v.dtype)[:, None] * rate[:, None, None]
+        b, a = b + steps, a - steps   # (H, N, 1): as many queries as keys
+    log_sums = torch.logcumsumexp(a, dim=-2)    # log sum_{n<=j} e^(a_n), per feature
     call = dict(causal=True, rotary=rotary, offset=offset, chunk_size=chunk_size, rope_base=rope_base,
                 backend=backend, log_space=True, return_state=return_state)
     if rotary and window:
         (pos_op, pos), (neg_op, neg) = rotated_query_parts(b, window, rope_base)
-        result = linear_attention(pos_op, a, values, **call)
+        result = linear_attention(pos_op, a, v, **call)
         out_pos, state = result if return_state else (result, None)
-        out_neg = linear_attention(neg_op, a, values, **(call | {"return_state": False}))
+        out_neg = linear_attention(neg_op, a, v, **(call | {"return_state": False}))
         log_den = row_log_sums(b, log_sums)
         ratio = (out_pos * torch.exp(row_log_sums(pos, log_sums) - log_den).unsqueeze(-1)
                  - out_neg * torch.exp(row_log_sums(neg, log_sums) - log_den).unsqueeze(-1))
         return log_den, ratio, state
-    result = linear_attention(b, a, values, **call)
+    result = linear_attention(b, a, v, **call)
     ratio, state = result if return_state else (result, None)
     return (row_log_sums(b, log_sums) if window else None), ratio, state
 
@@ -183,8 +180,7 @@ def row_log_sums(b, log_sums) -> torch.Tensor:
 
 def rotated_query_parts(b, window: int, base: float):
     """R_W e^b = P - N with P, N >= 0 per coordinate, as (log P for the op, log P with FLOOR) and the same
-    for N.  Eq. 19's op rotates a key at its index, which for the keys shifted by W is W past its
-    position: (R_m R_W x) . (R_(n+W) y) = (R_m x) . (R_n y).  Per pair, with cos, sin of W theta:
+    for N.  The op rotates query m at m - W, so it is given R_W e^b: (R_(m-W) R_W x) . (R_n y) = (R_m x) . (R_n y).  Per pair, with cos, sin of W theta:
     (R_W x)_1 = cos x_1 - sin x_2, (R_W x)_2 = sin x_1 + cos x_2, each split by the coefficients' signs."""
     phase = rotary_phases(1, b.shape[-1], offset=window, base=base, device=b.device, dtype=b.dtype)[0]
     cos, sin = phase.real, phase.imag
@@ -331,12 +327,12 @@ def plain_linear_step(phi_q, phi_k, v, linear, *, position, origin, window, rate
 
 def log_linear_step(b, a, v, linear, *, position, origin, window, rate, rotary, rope_base):
     """`plain_linear_step` from log-features, through `linear_attention_step` (the op's exact recurrence)."""
-    if rate is not None:
-        steps = (position - origin) * rate[:, None]
+    if rate is not None:   # the leaving key's index (and the query's) from the origin, as in log_linear_part
+        steps = (position - window - origin) * rate[:, None]
         b, a = b + steps, a - steps
-    if linear is None:
+    if linear is None:   # the op's state puts the query and the leaving key at the key's position
         linear = initial_state(*v.shape[:2], a.shape[-1], v.shape[-1], device=v.device, dtype=v.dtype,
-                               log_space=True)._replace(position=position)
+                               log_space=True)._replace(position=position - window)
     call = dict(rotary=rotary, rope_base=rope_base, log_space=True)
     if rotary and window:
         (pos_op, pos), (neg_op, neg) = rotated_query_parts(b, window, rope_base)
