@@ -263,8 +263,8 @@ class LinearAttention(_Projections):
         q_hat, k_hat = self._scored(q, k, offset)
         backend = self.backend if self.backend != "auto" or v.device.type == "cpu" else "torch"
         return window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, **self._window_decay_options(),
-                                      offset=int(offset), rope_base=self.rope_base, chunk_size=self.chunk_size, backend=backend,
-                                      return_state=return_state)
+                                      offset=int(offset), rope_base=self.rope_base, chunk_size=self.chunk_size,
+                                      backend=backend, return_state=return_state)
 
     def _scored(self, q, k, position: int):
         """What the window's scores take: q and k, rotated unless rope='none'."""

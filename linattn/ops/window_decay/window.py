@@ -180,7 +180,8 @@ def row_log_sums(b, log_sums) -> torch.Tensor:
 
 def rotated_query_parts(b, window: int, base: float):
     """R_W e^b = P - N with P, N >= 0 per coordinate, as (log P for the op, log P with FLOOR) and the same
-    for N.  The op rotates query m at m - W, so it is given R_W e^b: (R_(m-W) R_W x) . (R_n y) = (R_m x) . (R_n y).  Per pair, with cos, sin of W theta:
+    for N.  The op rotates query m at m - W, so it is given R_W e^b:
+    (R_(m-W) R_W x) . (R_n y) = (R_m x) . (R_n y).  Per pair, with cos, sin of W theta:
     (R_W x)_1 = cos x_1 - sin x_2, (R_W x)_2 = sin x_1 + cos x_2, each split by the coefficients' signs."""
     phase = rotary_phases(1, b.shape[-1], offset=window, base=base, device=b.device, dtype=b.dtype)[0]
     cos, sin = phase.real, phase.imag
