@@ -164,10 +164,7 @@ def log_linear_part(b, a, v, *, window, rate, rotary, offset, rope_base, chunk_s
         result = linear_attention(pos_op, a, v, **call)
         out_pos, state = result if return_state else (result, None)
         out_neg = linear_attention(neg_op, a, v, **(call | {"return_state": False}))
-        log_den = row_log_sums(b, log_sums)
-        ratio = (out_pos * torch.exp(row_log_sums(pos, log_sums) - log_den).unsqueeze(-1)
-                 - out_neg * torch.exp(row_log_sums(neg, log_sums) - log_den).unsqueeze(-1))
-        return log_den, ratio, state
+        return (*rotated_ratio(b, pos, neg, out_pos, out_neg, log_sums), state)
     result = linear_attention(b, a, v, **call)
     ratio, state = result if return_state else (result, None)
     return (row_log_sums(b, log_sums) if window else None), ratio, state
@@ -176,6 +173,14 @@ def log_linear_part(b, a, v, *, window, rate, rotary, offset, rope_base, chunk_s
 def row_log_sums(b, log_sums) -> torch.Tensor:
     """log sum_j e^(b_mj) K_mj from log K: each query's denominator."""
     return torch.logsumexp(b + log_sums, dim=-1)
+
+
+def rotated_ratio(b, pos, neg, out_pos, out_neg, log_sums):
+    """(log den, ratio) of Eq. 19 from the op's outputs for the parts P and N of R_W e^b: each output is
+    its numerator over its own denominator P . K (N . K), so ratio = (out_P P.K - out_N N.K) / (e^b . K)."""
+    log_den = row_log_sums(b, log_sums)
+    return log_den, (out_pos * torch.exp(row_log_sums(pos, log_sums) - log_den).unsqueeze(-1)
+                     - out_neg * torch.exp(row_log_sums(neg, log_sums) - log_den).unsqueeze(-1))
 
 
 def rotated_query_parts(b, window: int, base: float):
@@ -310,20 +315,31 @@ def window_decay_step(q_hat, k_hat, phi_q, phi_k, v, state: WindowState | None, 
 
 def plain_linear_step(phi_q, phi_k, v, linear, *, position, origin, window, rate, rotary, rope_base):
     """Add the key that left the window (position - W) to the decayed state and read it with the query."""
+    shape = (*v.shape[:2], phi_k.shape[-1], v.shape[-1])
     if linear is None:
-        linear = LinearState(v.new_zeros(*v.shape[:2], phi_k.shape[-1], v.shape[-1]),
-                             v.new_zeros(phi_k.shape), position)
+        linear = LinearState(v.new_zeros(shape), v.new_zeros(shape[:3]), position - window)
+    check_linear_state(linear, shape, v.device, v.dtype)
     q_num, k_num = phi_q, phi_k
     if rotary:
         q_num = apply_rotary(phi_q.unsqueeze(-2), offset=position, base=rope_base).squeeze(-2)
         k_num = apply_rotary(phi_k.unsqueeze(-2), offset=position - window, base=rope_base).squeeze(-2)
-    decay = 1.0 if rate is None else torch.exp(rate)[:, None]
-    kv = decay * linear.kv if rate is None else decay.unsqueeze(-1) * linear.kv
+    kv, k_sum = linear.kv, linear.k_sum
+    if rate is not None:
+        decay = torch.exp(rate)[:, None]   # (H, 1)
+        kv, k_sum = decay.unsqueeze(-1) * kv, decay * k_sum
     kv = kv + k_num.unsqueeze(-1) * v.unsqueeze(-2)
-    k_sum = decay * linear.k_sum + phi_k
+    k_sum = k_sum + phi_k
     num = (q_num.unsqueeze(-2) @ kv).squeeze(-2)
     log_den, safe = guarded_log((phi_q * k_sum).sum(-1))
-    return log_den, num / safe.unsqueeze(-1), LinearState(kv, k_sum, position + 1)
+    return log_den, num / safe.unsqueeze(-1), LinearState(kv, k_sum, position - window + 1)
+
+
+def check_linear_state(linear, shape: tuple, device, dtype) -> None:
+    """The plain maps' linear state: a LinearState of plain sums for (B, H, M, Dv) = `shape`."""
+    if not isinstance(linear, LinearState) or linear.log_scale is not None:
+        raise ValueError(f"state.linear must be a LinearState of plain features, got {type(linear).__name__}; "
+                         "pass the state returned for the same model (or None to start)")
+    check_state_tensors(linear, device, {"kv": shape, "k_sum": shape[:3]}, dtype)
 
 
 def log_linear_step(b, a, v, linear, *, position, origin, window, rate, rotary, rope_base):
@@ -339,11 +355,7 @@ def log_linear_step(b, a, v, linear, *, position, origin, window, rate, rotary, 
         (pos_op, pos), (neg_op, neg) = rotated_query_parts(b, window, rope_base)
         out_pos, new = linear_attention_step(pos_op, a, v, linear, **call)
         out_neg, _ = linear_attention_step(neg_op, a, v, linear, **call)
-        log_sums = state_log_sums(new)
-        log_den = row_log_sums(b, log_sums)
-        ratio = (out_pos * torch.exp(row_log_sums(pos, log_sums) - log_den).unsqueeze(-1)
-                 - out_neg * torch.exp(row_log_sums(neg, log_sums) - log_den).unsqueeze(-1))
-        return log_den, ratio, new
+        return (*rotated_ratio(b, pos, neg, out_pos, out_neg, state_log_sums(new)), new)
     ratio, new = linear_attention_step(b, a, v, linear, **call)
     return row_log_sums(b, state_log_sums(new)), ratio, new
 
