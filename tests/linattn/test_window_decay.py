@@ -143,3 +143,19 @@ def test_step_takes_its_own_state():
     _, state = b(x, return_state=True)
     with pytest.raises(ValueError, match="state.keys"):
         b.step(x[:, 0], state._replace(keys=state.keys[:, :1]))
+
+
+@pytest.mark.parametrize("fm", ["elu", "taylor"])
+def test_plain_maps_read_nothing_back_from_the_tensors(fm, monkeypatch):
+    """No .item() or bool(tensor) in forward, backward or a step (the log-space maps' reads are the op's)."""
+    b = LinearAttention(16, 2, feature_map=fm, rope="post", window=4, decay="retnet",
+                        feature_map_options=OPTIONS.get(fm, {}))
+    x = torch.randn(2, 40, 16)
+    reads = []
+    item, boolean = torch.Tensor.item, torch.Tensor.__bool__
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append("item") or item(t))
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append("bool") or boolean(t))
+    b(x).sum().backward()
+    _, state = b(x, return_state=True)
+    b.step(x[:, 0], state)
+    assert reads == []
