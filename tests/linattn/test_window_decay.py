@@ -46,10 +46,11 @@ def test_matches_explicit_weights(fm, rope, window, decay):
     torch.testing.assert_close(b.attend(q, k, v, offset=3), reference(b, q, k, v, 3), rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("fm, rope", [("favor", "post"), ("elu", "pre")])
-def test_strong_decay_across_long_chunks(fm, rope):
+def test_strong_decay_across_long_chunks(fm, rope, backend):
     """gamma = 0.05 over chunks of 64: the folded log-features jump far within a chunk (the op's exact rows)."""
-    b = block(fm, rope, 8, (0.05, 0.999), chunk_size=64)
+    b = block(fm, rope, 8, (0.05, 0.999), chunk_size=64, backend=backend)
     q, k, v = (torch.randn(1, 2, 80, 8, dtype=torch.float64) for _ in range(3))
     torch.testing.assert_close(b.attend(q, k, v), reference(b, q, k, v, 0), rtol=1e-9, atol=1e-10)
 
