@@ -13,19 +13,22 @@ from einops import rearrange
 from torch import nn
 
 from .checks import (check_flags, check_positive_integer, check_real_floating, check_rope_base, check_state_position,
-                     check_state_tensors)
+                     check_state_tensors, is_integer, is_real)
 from .feature_maps import FeatureMap, make_feature_map
 from .functional import BACKENDS, DEFAULT_CHUNK_SIZE, LinearState, linear_attention, linear_attention_step
 from .ops.linear_attention import dispatch
 from .ops.linear_attention.chunk import check_chunk_size
 from .ops.linear_attention.common import feature_tensors
 from .ops.linear_attention.recurrent import state_position
+from .ops.window_decay import WindowState, retnet_decay, window_decay_attention, window_decay_step
+from .ops.window_decay.window import window_state_position
 from .rotary import DEFAULT_BASE, apply_rotary, check_offset
 
 ROPE_PLACEMENTS = ("post", "pre", "none")
 NORMALIZATIONS = ("denominator", "rmsnorm")
 RMSNORM_EPS = 1e-5   # flash-linear-attention's layers' default norm_eps
 SOFTMAX_BACKENDS = ("sdpa", "xformers")
+WINDOW_DECAY_BACKENDS = ("auto", "torch", "cpp")   # the window runs in torch; the linear op on these
 
 
 class KVCache(NamedTuple):
@@ -121,7 +124,8 @@ class LinearAttention(_Projections):
     def __init__(self, dim: int, heads: int, *, feature_map: str | FeatureMap = "favor",
                  rope: str = "post", causal: bool = True, feature_map_options: dict | None = None,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, rope_base: float = DEFAULT_BASE,
-                 bias: bool = False, backend: str = "auto", normalization: str = "denominator"):
+                 bias: bool = False, backend: str = "auto", normalization: str = "denominator",
+                 window: int = 0, decay: str | tuple | list | None = None):
         super().__init__(dim, heads, bias, causal)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -142,6 +146,27 @@ class LinearAttention(_Projections):
                              f"got {rotated_dim}; pick an even value or rope='none'")
         self.rope, self.causal, self.chunk_size, self.rope_base = rope, causal, chunk_size, rope_base
         self.backend = backend
+        self._init_window_decay(window, decay)
+
+    def _init_window_decay(self, window, decay) -> None:
+        """`window`: the last W keys take exact softmax weights e^s, older ones the linear weights times a
+        learnable per-head gain g_h = e^(window_log_gain_h) (1 at the start; positive, so the normaliser
+        stays positive), one normaliser.  `decay`: None, "retnet" or `heads` values gamma_h in (0, 1]
+        multiply every weight by gamma_h^(m - n).  docs/gap-closers.md has the definitions."""
+        if not is_integer(window) or window < 0:
+            raise ValueError(f"window must be a non-negative integer number of tokens (0: no window), got {window!r}")
+        self.window = int(window)
+        self.decay = check_decay(decay, self.heads)
+        if (self.window or self.decay) and not self.causal:
+            raise ValueError("window and decay are defined for causal attention only: pass causal=True "
+                             "(or window=0, decay=None)")
+        if (self.window or self.decay) and self.backend not in WINDOW_DECAY_BACKENDS:
+            raise ValueError(f"backend={self.backend!r} does not support window or decay; use one of "
+                             f"{WINDOW_DECAY_BACKENDS}")
+        if self.decay:
+            self.register_buffer("log_decay", torch.tensor(self.decay, dtype=torch.float64).log(), persistent=False)
+        if self.window:
+            self.window_log_gain = nn.Parameter(torch.zeros(self.heads))
 
     def _features(self, q, k, offset: int, projected: bool = False):
         """phi(q), phi(k); log-features where the map has them (exact at any input scale), as its
@@ -195,6 +220,8 @@ class LinearAttention(_Projections):
 
     def _weighted_values(self, q, k, v, offset: int, return_state: bool):
         """The op on this block's features: sum_n w_mn v_n (and the state), before the RMSNorm."""
+        if self.window or self.decay:
+            return self._window_decay_values(q, k, v, offset, return_state)
         phi_q, phi_k, values = self._op_inputs(*self._features(q, k, offset, projected=self.causal), v)
         return linear_attention(phi_q, phi_k, values, causal=self.causal, rotary=self.rope == "post",
                                 offset=offset, chunk_size=self.chunk_size, rope_base=self.rope_base,
@@ -228,6 +255,38 @@ class LinearAttention(_Projections):
             return phi_q.to(v.dtype), phi_k.to(v.dtype), v
         return phi_q, phi_k, v.to(dtype)
 
+    def _window_decay_values(self, q, k, v, offset: int, return_state: bool):
+        """`_weighted_values` with a window or a decay (ops/window_decay), in float32 (float64 stays)."""
+        check_offset(offset)
+        check_flags(return_state=return_state)
+        phi_q, phi_k = self._features(q, k, offset)
+        q_hat, k_hat = self._scored(q, k, offset)
+        backend = self.backend if self.backend != "auto" or v.device.type == "cpu" else "torch"
+        return window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, **self._window_decay_options(),
+                                      offset=int(offset), rope_base=self.rope_base, chunk_size=self.chunk_size,
+                                      backend=backend, return_state=return_state)
+
+    def _scored(self, q, k, position: int):
+        """What the window's scores take: q and k, rotated unless rope='none'."""
+        if self.rope == "none":
+            return q, k
+        return (apply_rotary(q, offset=position, base=self.rope_base),
+                apply_rotary(k, offset=position, base=self.rope_base))
+
+    def _window_decay_options(self) -> dict:
+        return dict(window=self.window, log_decay=self.log_decay if self.decay else None,
+                    log_gain=self.window_log_gain if self.window else None, rotary=self.rope == "post",
+                    log_space=self.feature_map.log_space)
+
+    def _window_decay_step(self, x_t: torch.Tensor, state):
+        q, k, v = self._qkv(x_t, 2)
+        position = 0 if state is None else window_state_position(state)
+        phi_q, phi_k = self._features(q, k, position)
+        q_hat, k_hat = self._scored(q, k, position)
+        out, state = window_decay_step(q_hat[:, :, 0], k_hat[:, :, 0], phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0],
+                                       state, **self._window_decay_options(), rope_base=self.rope_base)
+        return self._merge(self._normalize(out.unsqueeze(2).to(v.dtype)))[:, 0], state
+
     def _normalize(self, out: torch.Tensor) -> torch.Tensor:
         """normalization="rmsnorm": RMSNorm over head_dim of the (B, H, N, head_dim) output."""
         if self.norm is None:
@@ -240,9 +299,12 @@ class LinearAttention(_Projections):
             weight = self.norm.weight.to(dtype)
             return F.rms_norm(out.to(dtype), self.norm.normalized_shape, weight, self.norm.eps).to(out.dtype)
 
-    def step(self, x_t: torch.Tensor, state: LinearState | None = None):
-        """Decode one token (B, dim) in O(1) time and memory; `state=None` starts a sequence."""
+    def step(self, x_t: torch.Tensor, state: LinearState | WindowState | None = None):
+        """Decode one token (B, dim) in O(1) time and memory (O(W) with a window); `state=None` starts a
+        sequence.  A block with a window or a decay carries a `WindowState`."""
         self._check_decodable()
+        if self.window or self.decay:
+            return self._window_decay_step(x_t, state)
         q, k, v = self._qkv(x_t, 2)
         # the position is needed before the features; linear_attention_step checks the rest of the state
         position = 0 if state is None else state_position(state)
@@ -257,7 +319,25 @@ class LinearAttention(_Projections):
 
     def extra_repr(self) -> str:
         return (f"heads={self.heads}, rope={self.rope!r}, causal={self.causal}, "
-                f"chunk_size={self.chunk_size}, backend={self.backend!r}, normalization={self.normalization!r}")
+                f"chunk_size={self.chunk_size}, backend={self.backend!r}, normalization={self.normalization!r}"
+                + (f", window={self.window}" if self.window else "") + (f", decay={self.decay}" if self.decay else ""))
+
+
+def check_decay(decay, heads: int) -> tuple[float, ...] | None:
+    """The per-head decay rates gamma_h in (0, 1] as floats, or None."""
+    if decay is None:
+        return None
+    if isinstance(decay, str):
+        if decay != "retnet":
+            raise ValueError(f"decay must be None, 'retnet' or {heads} values in (0, 1] (one per head), got {decay!r}")
+        return retnet_decay(heads)
+    try:
+        rates = tuple(decay)
+    except TypeError:
+        rates = None
+    if rates is None or len(rates) != heads or not all(is_real(r) and 0 < r <= 1 for r in rates):
+        raise ValueError(f"decay must be None, 'retnet' or {heads} values in (0, 1] (one per head), got {decay!r}")
+    return tuple(float(r) for r in rates)
 
 
 def resolve_backend(backend: str, device: torch.device | str, *, attention: str = "linear",

@@ -1,0 +1,7 @@
+"""Gap-closers inside causal linear attention: a sliding window of exact softmax and a per-head decay
+(docs/gap-closers.md).  window.py: the parallel pass and the one-token step; naive.py: the explicit
+N x N definition they are tested against.  The linear part runs through `linattn.functional`."""
+from .naive import window_decay_reference
+from .window import WindowState, retnet_decay, window_decay_attention, window_decay_step
+
+__all__ = ["WindowState", "retnet_decay", "window_decay_attention", "window_decay_reference", "window_decay_step"]

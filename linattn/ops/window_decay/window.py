@@ -1,0 +1,365 @@
+"""A sliding window of exact softmax and a per-head decay inside causal linear attention.
+
+For query m and key n <= m at distance d = m - n (docs/gap-closers.md has the derivation):
+
+    out_m = (sum_{d<W} gamma^d e^(s_mn) v_n + g sum_{d>=W} gamma^d nu_mn v_n)
+            / (sum_{d<W} gamma^d e^(s_mn)     + g sum_{d>=W} gamma^d kappa_mn)
+
+* the window: queries in blocks of L >= W rows against their band of L + W - 1 keys (O(N W D) work);
+* the linear part: linear attention of queries W.. against keys ..N-W-1 (query m reads the state at
+  m - W), as a ratio r_m (its nu-weighted mean of values) and a log-weight l_m = log(g gamma^W sum kappa gamma^(d-W)):
+  - log-features: `linattn.functional.linear_attention` (any backend's exact log-space pass), the
+    decay folded into the log-features (b_j + j log gamma, a_n - n log gamma); the row sums of kappa
+    come from a log-cumsum-exp of the keys.  The op rotates query m at its index, m - W, so for Eq. 19
+    (`post`) the queries go in as R_W e^b, split into two non-negative parts (two calls);
+  - plain features: the chunked decayed form (`decayed_chunks`: an intra-chunk decay matrix, the state
+    decayed per chunk, as RetNet and fla's simple_gla), which keeps numerator and denominator apart;
+* one stabiliser per row, c_m = max(max_window (s + d log gamma), l_m):
+      out_m = (sum_window e^(s + d log gamma - c) v_n + e^(l - c) r_m) / (sum_window e^(... - c) + e^(l - c)),
+  every exponential <= 1 and the largest 1, so nothing overflows and the normaliser is >= 1.
+
+Decoding (`window_decay_step`) carries the last W tokens (rotated keys, values, key features) and the
+linear state of the older ones: O(W (D + M) + M Dv) per token.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ...checks import check_state_position, check_state_tensors
+from ...functional import LinearState, initial_state, linear_attention, linear_attention_step
+from ...rotary import apply_rotary, rotary_phases
+
+FLOOR = -1e30    # a log-weight that is exactly 0 beside any real one, finite so that no inf - inf appears
+MIN_BLOCK = 32   # the window's query blocks have at least this many rows (fewer, larger products)
+
+
+class WindowState(NamedTuple):
+    """Decoding state of a block with a window or a decay, after `position` tokens."""
+    linear: LinearState | None   # the keys older than the window (None before the first such key)
+    keys: torch.Tensor           # (B, H, T, D): the window's keys, as the scores take them, T <= W
+    values: torch.Tensor         # (B, H, T, Dv)
+    features: torch.Tensor       # (B, H, T, M): their key features (log-features for log-space maps)
+    position: int                # the next token's position
+    origin: int = 0              # log-space decay: log-features are shifted by (position - origin) log gamma
+
+
+def retnet_decay(heads: int) -> tuple[float, ...]:
+    """RetNet's per-head decay gamma_h = 1 - 2^(-5-h), h = 0..heads-1."""
+    return tuple(1 - 2.0 ** (-5 - h) for h in range(heads))
+
+
+def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_decay, log_gain, rotary: bool,
+                           log_space: bool, offset: int, rope_base: float, chunk_size: int, backend: str,
+                           return_state: bool):
+    """The parallel pass: (B, H, N, D) score inputs q_hat, k_hat, (B, H, N, M) features (log-features
+    if `log_space`), (B, H, N, Dv) values -> (B, H, N, Dv) in float32 (float64 stays), and the
+    `WindowState` with `return_state`.  log_decay (H,) log gamma or None; log_gain (H,) log g or None
+    (used only with a window); rotary: Eq. 19's numerator; backend: the linear op's."""
+    dtype = torch.float64 if v.dtype == torch.float64 or phi_q.dtype == torch.float64 else torch.float32
+    with torch.autocast(v.device.type, enabled=False):
+        q_hat, k_hat, phi_q, phi_k, v = (t.to(dtype) for t in (q_hat, k_hat, phi_q, phi_k, v))
+        rate = None if log_decay is None else log_decay.to(dtype)
+        n = v.shape[-2]
+        linear_state, lin_log, ratio = None, None, None
+        if n == 0:   # no tokens: an empty output (the chunk loops want one)
+            return (v.clone(), WindowState(None, k_hat, v, phi_k, offset, offset)) if return_state else v.clone()
+        if window < n:   # queries W.. against keys ..N-W-1: query m reads the keys n <= m - W
+            part = log_linear_part if log_space else plain_linear_part
+            lin_log, ratio, linear_state = part(phi_q[..., window:, :], phi_k[..., :n - window, :],
+                                                v[..., :n - window, :], window=window, rate=rate, rotary=rotary,
+                                                offset=offset, rope_base=rope_base, chunk_size=chunk_size,
+                                                backend=backend, return_state=return_state)
+            if window:
+                lin_log = F.pad(lin_log + linear_log_factor(window, rate, log_gain, dtype), (window, 0), value=FLOOR)
+                ratio = F.pad(ratio, (0, 0, window, 0))
+        out = ratio if window == 0 else windowed(q_hat, k_hat, v, window, rate, lin_log, ratio)
+    if not return_state:
+        return out
+    kept = min(window, n)
+    cache = (t[..., n - kept:, :].detach() for t in (k_hat, v, phi_k))
+    return out, WindowState(linear_state, *cache, position=offset + n, origin=offset)
+
+
+def linear_log_factor(window: int, rate, log_gain, dtype) -> torch.Tensor | float:
+    """log(g gamma^W) per head, (H, 1): what every linear weight shares beyond its decay from m - W."""
+    factor = 0.0 if log_gain is None else log_gain.to(dtype)[:, None]
+    return factor if rate is None else factor + window * rate[:, None]
+
+
+def guarded_log(den: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log den, den clamped for dividing): FLOOR where den is 0 (a row with no linear key)."""
+    guard = torch.finfo(den.dtype).tiny ** 0.5
+    safe = den.clamp_min(guard)
+    return torch.where(den > 0, safe.log(), FLOOR), safe
+
+
+# ---- the linear part ---------------------------------------------------------------------------
+
+def plain_linear_part(phi_q, phi_k, v, *, window, rate, rotary, offset, rope_base, chunk_size, backend,
+                      return_state):
+    """(log sum_n gamma^(j-n) kappa_jn, the nu-weighted mean of values, the state) of queries at positions
+    offset + W + j against keys at offset + n, n <= j, from plain features.  Sums of plain features are
+    bounded as the op's are: they must fit the dtype."""
+    q_num, k_num = phi_q, phi_k
+    if rotary:
+        q_num = apply_rotary(phi_q, offset=offset + window, base=rope_base)
+        k_num = apply_rotary(phi_k, offset=offset, base=rope_base)
+    num, den, kv, k_sum = decayed_chunks(q_num, k_num, phi_q, phi_k, v, rate, chunk_size)
+    log_den, safe = guarded_log(den)
+    state = LinearState(kv.detach(), k_sum.detach(), offset + v.shape[-2]) if return_state else None
+    return log_den, num / safe.unsqueeze(-1), state
+
+
+def decayed_chunks(q_num, k_num, q_den, k_den, v, rate, chunk: int):
+    """sum_{n<=m} gamma^(m-n) (q_num_m . k_num_n) v_n and sum_{n<=m} gamma^(m-n) q_den_m . k_den_n, with the
+    states (kv, k_sum) after the last token.  Chunks of L tokens (padded at the front, so that the last
+    chunk ends at the last token): inside a chunk the decay matrix gamma^(r-c) (r >= c), across chunks
+    the state before the chunk read with gamma^(r+1) and carried with gamma^L."""
+    b, h, n, m = q_num.shape
+    chunk = max(1, min(chunk, n))
+    pad = -n % chunk
+    q_num, k_num, q_den, k_den, v = (F.pad(t, (0, 0, pad, 0)).unflatten(-2, (-1, chunk))
+                                     for t in (q_num, k_num, q_den, k_den, v))
+    rate = q_num.new_zeros(h) if rate is None else rate
+    steps = torch.arange(chunk, device=v.device, dtype=v.dtype)
+    distance = steps[:, None] - steps[None, :]
+    inside = torch.exp(distance.clamp_min(0) * rate[:, None, None]) * (distance >= 0)   # (H, L, L)
+    inside = inside[None, :, None]
+    query_decay = torch.exp((steps + 1) * rate[:, None])[None, :, None, :, None]       # (1, H, 1, L, 1)
+    key_decay = torch.exp((chunk - 1 - steps) * rate[:, None])[None, :, None, :, None]
+    chunk_decay = torch.exp(chunk * rate)[None, :, None]                                 # (1, H, 1)
+    num = ((q_num @ k_num.transpose(-1, -2)) * inside) @ v
+    den = ((q_den @ k_den.transpose(-1, -2)) * inside).sum(-1)
+    kv_updates = (k_num * key_decay).transpose(-1, -2) @ v     # (B, H, K, M, Dv)
+    sum_updates = (k_den * key_decay).sum(-2)                  # (B, H, K, M)
+    kv, k_sum = kv_updates.new_zeros(b, h, m, v.shape[-1]), sum_updates.new_zeros(b, h, m)
+    kvs, sums = [], []
+    for c in range(kv_updates.shape[2]):
+        kvs.append(kv)
+        sums.append(k_sum)
+        kv = chunk_decay[..., None] * kv + kv_updates[:, :, c]
+        k_sum = chunk_decay * k_sum + sum_updates[:, :, c]
+    num = num + (q_num * query_decay) @ torch.stack(kvs, 2)
+    den = den + ((q_den * query_decay) * torch.stack(sums, 2).unsqueeze(-2)).sum(-1)
+    return num.flatten(2, 3)[:, :, pad:], den.flatten(2, 3)[:, :, pad:], kv, k_sum
+
+
+def log_linear_part(b, a, v, *, window, rate, rotary, offset, rope_base, chunk_size, backend, return_state):
+    """`plain_linear_part` from log-features b = log phi_q, a = log phi_k, through the op's exact
+    log-space pass, which puts query j and key n at positions offset + j and offset + n (W early for
+    the query: `rotated_query_parts` makes up for it in Eq. 19's rotation).  The decay is folded into
+    the log-features, b_j + j log gamma and a_n - n log gamma, j and n counted from the call's first
+    token (the state's `origin`)."""
+    if rate is not None:
+        steps = torch.arange(v.shape[-2], device=v.device, dtype=v.dtype)[:, None] * rate[:, None, None]
+        b, a = b + steps, a - steps   # (H, N, 1): as many queries as keys
+    log_sums = torch.logcumsumexp(a, dim=-2)    # log sum_{n<=j} e^(a_n), per feature
+    call = dict(causal=True, rotary=rotary, offset=offset, chunk_size=chunk_size, rope_base=rope_base,
+                backend=backend, log_space=True, return_state=return_state)
+    if rotary and window:
+        (pos_op, pos), (neg_op, neg) = rotated_query_parts(b, window, rope_base)
+        result = linear_attention(pos_op, a, v, **call)
+        out_pos, state = result if return_state else (result, None)
+        out_neg = linear_attention(neg_op, a, v, **(call | {"return_state": False}))
+        return (*rotated_ratio(b, pos, neg, out_pos, out_neg, log_sums), state)
+    result = linear_attention(b, a, v, **call)
+    ratio, state = result if return_state else (result, None)
+    return (row_log_sums(b, log_sums) if window else None), ratio, state
+
+
+def row_log_sums(b, log_sums) -> torch.Tensor:
+    """log sum_j e^(b_mj) K_mj from log K: each query's denominator."""
+    return torch.logsumexp(b + log_sums, dim=-1)
+
+
+def rotated_ratio(b, pos, neg, out_pos, out_neg, log_sums):
+    """(log den, ratio) of Eq. 19 from the op's outputs for the parts P and N of R_W e^b: each output is
+    its numerator over its own denominator P . K (N . K), so ratio = (out_P P.K - out_N N.K) / (e^b . K)."""
+    log_den = row_log_sums(b, log_sums)
+    return log_den, (out_pos * torch.exp(row_log_sums(pos, log_sums) - log_den).unsqueeze(-1)
+                     - out_neg * torch.exp(row_log_sums(neg, log_sums) - log_den).unsqueeze(-1))
+
+
+def rotated_query_parts(b, window: int, base: float):
+    """R_W e^b = P - N with P, N >= 0 per coordinate, as (log P for the op, log P with FLOOR) and the same
+    for N.  The op rotates query m at m - W, so it is given R_W e^b:
+    (R_(m-W) R_W x) . (R_n y) = (R_m x) . (R_n y).  Per pair, with cos, sin of W theta:
+    (R_W x)_1 = cos x_1 - sin x_2, (R_W x)_2 = sin x_1 + cos x_2, each split by the coefficients' signs."""
+    phase = rotary_phases(1, b.shape[-1], offset=window, base=base, device=b.device, dtype=b.dtype)[0]
+    cos, sin = phase.real, phase.imag
+    x1, x2 = b.unflatten(-1, (-1, 2)).unbind(-1)
+    plus, minus = (lambda c: c.clamp_min(0)), (lambda c: (-c).clamp_min(0))
+    parts = []
+    for sign, other in ((plus, minus), (minus, plus)):   # P: the positive coefficients; N: the negative ones
+        first = log_combination(x1, x2, sign(cos), other(sin))
+        second = log_combination(x1, x2, sign(sin), sign(cos))
+        zero = torch.stack(((sign(cos) == 0) & (other(sin) == 0), (sign(sin) == 0) & (sign(cos) == 0)), -1)
+        logs = torch.stack((first, second), -1).flatten(-2)
+        parts.append((logs.masked_fill(zero.flatten(-2), float("-inf")), logs))
+    return parts
+
+
+def log_combination(x1, x2, c1, c2) -> torch.Tensor:
+    """log(c1 e^x1 + c2 e^x2) for constant coefficients >= 0; FLOOR where both are 0 (finite gradients)."""
+    zero = (c1 == 0) & (c2 == 0)
+    first = torch.where(zero, 0.0, c1.log() + x1)
+    second = torch.where(zero, 0.0, c2.log() + x2)
+    return torch.where(zero, FLOOR, torch.logaddexp(first, second))
+
+
+# ---- the window and the combination -------------------------------------------------------------
+
+def windowed(q_hat, k_hat, v, window: int, rate, lin_log, ratio) -> torch.Tensor:
+    """The window's exact softmax terms in blocks of queries against their band of keys, combined with the
+    linear part (lin_log, ratio; None when no key is older than the window)."""
+    n, dim = q_hat.shape[-2:]
+    window = min(window, n)
+    block = min(n, max(window, MIN_BLOCK))
+    blocks = -(-n // block)
+    pad = blocks * block - n
+    queries = F.pad(q_hat, (0, 0, 0, pad)).unflatten(-2, (blocks, block))
+    scores = queries @ band(k_hat, window, block).transpose(-1, -2) * dim ** -0.5   # (B, H, K, L, L + W - 1)
+    rows = torch.arange(block, device=v.device)
+    cols = torch.arange(block + window - 1, device=v.device)
+    distance = rows[:, None] - cols[None, :] + window - 1
+    starts = torch.arange(blocks, device=v.device)[:, None, None] * block
+    inside = (distance >= 0) & (distance < window) & (starts + cols >= window - 1)   # key position >= 0
+    if rate is not None:
+        scores = scores + distance.clamp_min(0).to(v.dtype) * rate[:, None, None, None]
+    scores = scores.masked_fill(~inside, float("-inf"))
+    if lin_log is not None:
+        lin_log = F.pad(lin_log, (0, pad)).unflatten(-1, (blocks, block))
+        ratio = F.pad(ratio, (0, 0, 0, pad)).unflatten(-2, (blocks, block))
+    out = combine(scores, band(v, window, block), lin_log, ratio)
+    return out.flatten(2, 3)[:, :, :n]
+
+
+def band(x: torch.Tensor, window: int, block: int) -> torch.Tensor:
+    """(B, H, N, .) -> (B, H, K, L + W - 1, .): for each block of L queries, the keys from W - 1 before
+    its first row to its last (zero rows outside the sequence, masked by the caller)."""
+    blocks = -(-x.shape[-2] // block)
+    x = F.pad(x, (0, 0, window - 1, blocks * block - x.shape[-2]))
+    return x.unfold(-2, block + window - 1, block).transpose(-1, -2)
+
+
+def combine(scores, values, lin_log, ratio) -> torch.Tensor:
+    """(sum_n e^(s_n) v_n + e^lin_log ratio) / (sum_n e^(s_n) + e^lin_log) with one stabiliser per row, the
+    largest log-weight: scores (..., L, K) with -inf outside the window, values (..., K, Dv), lin_log
+    (..., L) and ratio (..., L, Dv) or None."""
+    top = scores.amax(-1)
+    if lin_log is not None:
+        top = torch.maximum(top, lin_log)
+    top = top.detach()   # any constant per row cancels; no gradient needs to flow through it
+    weights = torch.exp(scores - top.unsqueeze(-1))
+    num, den = weights @ values, weights.sum(-1)
+    if lin_log is not None:
+        linear = torch.exp(lin_log - top)
+        num, den = num + linear.unsqueeze(-1) * ratio, den + linear
+    return num / den.unsqueeze(-1)
+
+
+# ---- decoding -------------------------------------------------------------------------------------
+
+def window_state_position(state) -> int:
+    """The position of a WindowState (tokens seen), as a plain int."""
+    if not isinstance(state, WindowState):
+        raise ValueError(f"state must be the WindowState returned by forward(..., return_state=True) or step() "
+                         f"of a block with a window or decay, got {type(state).__name__}")
+    return check_state_position(state)
+
+
+def window_decay_step(q_hat, k_hat, phi_q, phi_k, v, state: WindowState | None, *, window: int, log_decay,
+                      log_gain, rotary: bool, log_space: bool, rope_base: float):
+    """One token: (B, H, D) score inputs, (B, H, M) features, (B, H, Dv) values at `state.position`
+    (state None: position 0) -> ((B, H, Dv) in float32 or float64, the next WindowState).  The token
+    joins the cached window; the token W positions back leaves it for the linear state."""
+    dtype = torch.float64 if v.dtype == torch.float64 or phi_q.dtype == torch.float64 else torch.float32
+    q_hat, k_hat, phi_q, phi_k, v = (t.to(dtype) for t in (q_hat, k_hat, phi_q, phi_k, v))
+    if state is None:
+        empty = v.new_zeros(*v.shape[:2], 0, 1)
+        state = WindowState(None, empty.expand(-1, -1, -1, k_hat.shape[-1]), empty.expand(-1, -1, -1, v.shape[-1]),
+                            empty.expand(-1, -1, -1, phi_k.shape[-1]), 0, 0)
+    position = window_state_position(state)
+    cached = state.keys.shape[-2] if isinstance(state.keys, torch.Tensor) and state.keys.dim() == 4 else -1
+    shapes = {name: (*v.shape[:2], cached, t.shape[-1]) for name, t in
+              (("keys", k_hat), ("values", v), ("features", phi_k))}
+    check_state_tensors(state, v.device, shapes, dtype)
+    keys, values, features = (torch.cat((cache, t.unsqueeze(-2)), -2) for cache, t in
+                              ((state.keys, k_hat), (state.values, v), (state.features, phi_k)))
+    rate = None if log_decay is None else log_decay.to(dtype)
+    linear, lin_log, ratio = state.linear, None, None
+    with torch.autocast(v.device.type, enabled=False):
+        if keys.shape[-2] > window:   # the token W positions back leaves the window
+            leaving = (features[..., 0, :], values[..., 0, :])
+            keys, values, features = keys[..., 1:, :], values[..., 1:, :], features[..., 1:, :]
+            step = log_linear_step if log_space else plain_linear_step
+            lin_log, ratio, linear = step(phi_q, *leaving, linear, position=position, origin=state.origin,
+                                          window=window, rate=rate, rotary=rotary, rope_base=rope_base)
+            if window:
+                lin_log = lin_log + linear_log_factor(window, rate, log_gain, dtype)[:, 0]
+        if window == 0:
+            out = ratio
+        else:
+            scores = (keys @ q_hat.unsqueeze(-1)).squeeze(-1) * q_hat.shape[-1] ** -0.5   # (B, H, T)
+            if rate is not None:
+                distance = torch.arange(keys.shape[-2] - 1, -1, -1, device=v.device, dtype=dtype)
+                scores = scores + distance * rate[:, None]
+            if lin_log is not None:   # one row of queries
+                lin_log, ratio = lin_log.unsqueeze(-1), ratio.unsqueeze(-2)
+            out = combine(scores.unsqueeze(-2), values, lin_log, ratio).squeeze(-2)
+    return out, WindowState(linear, keys, values, features, position + 1, state.origin)
+
+
+def plain_linear_step(phi_q, phi_k, v, linear, *, position, origin, window, rate, rotary, rope_base):
+    """Add the key that left the window (position - W) to the decayed state and read it with the query."""
+    shape = (*v.shape[:2], phi_k.shape[-1], v.shape[-1])
+    if linear is None:
+        linear = LinearState(v.new_zeros(shape), v.new_zeros(shape[:3]), position - window)
+    check_linear_state(linear, shape, v.device, v.dtype)
+    q_num, k_num = phi_q, phi_k
+    if rotary:
+        q_num = apply_rotary(phi_q.unsqueeze(-2), offset=position, base=rope_base).squeeze(-2)
+        k_num = apply_rotary(phi_k.unsqueeze(-2), offset=position - window, base=rope_base).squeeze(-2)
+    kv, k_sum = linear.kv, linear.k_sum
+    if rate is not None:
+        decay = torch.exp(rate)[:, None]   # (H, 1)
+        kv, k_sum = decay.unsqueeze(-1) * kv, decay * k_sum
+    kv = kv + k_num.unsqueeze(-1) * v.unsqueeze(-2)
+    k_sum = k_sum + phi_k
+    num = (q_num.unsqueeze(-2) @ kv).squeeze(-2)
+    log_den, safe = guarded_log((phi_q * k_sum).sum(-1))
+    return log_den, num / safe.unsqueeze(-1), LinearState(kv, k_sum, position - window + 1)
+
+
+def check_linear_state(linear, shape: tuple, device, dtype) -> None:
+    """The plain maps' linear state: a LinearState of plain sums for (B, H, M, Dv) = `shape`."""
+    if not isinstance(linear, LinearState) or linear.log_scale is not None:
+        raise ValueError(f"state.linear must be a LinearState of plain features, got {type(linear).__name__}; "
+                         "pass the state returned for the same model (or None to start)")
+    check_state_tensors(linear, device, {"kv": shape, "k_sum": shape[:3]}, dtype)
+
+
+def log_linear_step(b, a, v, linear, *, position, origin, window, rate, rotary, rope_base):
+    """`plain_linear_step` from log-features, through `linear_attention_step` (the op's exact recurrence)."""
+    if rate is not None:   # the leaving key's index (and the query's) from the origin, as in log_linear_part
+        steps = (position - window - origin) * rate[:, None]
+        b, a = b + steps, a - steps
+    if linear is None:   # the op's state puts the query and the leaving key at the key's position
+        linear = initial_state(*v.shape[:2], a.shape[-1], v.shape[-1], device=v.device, dtype=v.dtype,
+                               log_space=True)._replace(position=position - window)
+    call = dict(rotary=rotary, rope_base=rope_base, log_space=True)
+    if rotary and window:
+        (pos_op, pos), (neg_op, neg) = rotated_query_parts(b, window, rope_base)
+        out_pos, new = linear_attention_step(pos_op, a, v, linear, **call)
+        out_neg, _ = linear_attention_step(neg_op, a, v, linear, **call)
+        return (*rotated_ratio(b, pos, neg, out_pos, out_neg, state_log_sums(new)), new)
+    ratio, new = linear_attention_step(b, a, v, linear, **call)
+    return row_log_sums(b, state_log_sums(new)), ratio, new
+
+
+def state_log_sums(state: LinearState) -> torch.Tensor:
+    """log sum_n e^(a_n) per feature from a log-space LinearState (k_sum is kept scaled by e^-log_scale)."""
+    return guarded_log(state.k_sum)[0] + state.log_scale.clamp_min(FLOOR)
