@@ -91,6 +91,14 @@ class ModelConfig:
     normalization: str = setting("denominator", "linear attention's normalisation: denominator (divide by "
                                                 "sum phi(q).phi(k)) or rmsnorm (a per-head RMSNorm of the "
                                                 "output instead; linear only)", variant=True)
+    window: int = setting(0, "linear: keys fewer than N positions back get the exact softmax weight e^s, older ones "
+                             "the feature map's, under one normaliser (0 = no window)", variant=True)
+    decay: str = setting("", "linear: every attention weight times gamma_h^(distance): retnet (gamma_h = "
+                             "1 - 2^(-5-h)) or one value in (0, 1] per head, separated by commas ('' = none)",
+                         variant=True)
+    softmax_layers: str = setting("", "linear: these layers are softmax + RoPE blocks instead (a hybrid): 0-based "
+                                      "layer indices in increasing order separated by commas, e.g. 1 or 1,3 "
+                                      "('' = none)", variant=True)
     chunk_size: int = setting(64, "causal linear attention block size (speed only; linear only)")
     backend: str = setting("auto", "attention kernels (speed only): linear auto, torch, triton, cpp or fla (auto = "
                                    "triton on CUDA when installed, cpp on CPU where it builds); softmax auto "
@@ -120,6 +128,8 @@ class ModelConfig:
             raise ValueError(f"vocab_size must be at least 256 (one id per byte), got {self.vocab_size}")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.window < 0:
+            raise ValueError(f"window must be >= 0 (0 = no window), got {self.window}")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_head ({self.n_head})")
         if self.mlp_ratio <= 0 or self.mlp_hidden < 1:
@@ -144,6 +154,10 @@ class ModelConfig:
         if self.feature_map or self.feature_map_options:
             raise ValueError("softmax attention takes no feature map: feature_map must be '' and "
                              "feature_map_options empty")
+        for name in BLOCK_OPTIONS:
+            if getattr(self, name) != field_default(name):
+                raise ValueError(f"{name} applies to linear attention only (softmax attends to every key "
+                                 f"exactly), got {getattr(self, name)!r}; leave it {field_default(name)!r}")
         if self.backend not in SOFTMAX_BACKENDS:
             raise ValueError(f"softmax attention's backend must be one of {SOFTMAX_BACKENDS}, "
                              f"got {self.backend!r}")
@@ -164,6 +178,7 @@ class ModelConfig:
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"feature-map option {key} must be finite, got {value}")
         linattn.feature_map_class(self.feature_map)   # an unknown name: the error lists the maps
+        self.decay_option, self.softmax_layer_indices   # each parses its text, or says what is wrong
 
     def _validate_rope_pairs(self, num_features: int) -> None:
         """RoPE rotates coordinate pairs: after the feature map it rotates its M features,
@@ -184,6 +199,43 @@ class ModelConfig:
         if "seed" in linattn.feature_map_options(self.feature_map):
             options.setdefault("seed", layer_seed(self.seed, layer))
         return linattn.make_feature_map(self.feature_map, self.head_dim, heads=self.n_head, options=options)
+
+    @property
+    def decay_option(self) -> str | tuple[float, ...] | None:
+        """LinearAttention's decay: None, "retnet" or one factor per head."""
+        if self.decay in ("", "retnet"):
+            return self.decay or None
+        try:
+            factors = tuple(float(item) for item in self.decay.split(","))
+        except ValueError:
+            factors = ()
+        if len(factors) != self.n_head or not all(0 < factor <= 1 for factor in factors):
+            raise ValueError(f"decay must be retnet or {self.n_head} numbers in (0, 1] separated by commas (one per "
+                             f"head), got {self.decay!r}")
+        return factors
+
+    @property
+    def softmax_layer_indices(self) -> tuple[int, ...]:
+        """The layers that are softmax + RoPE blocks (a linear model's hybrid layers)."""
+        if not self.softmax_layers:
+            return ()
+        try:
+            layers = tuple(int(item) for item in self.softmax_layers.split(","))
+        except ValueError:
+            layers = ()
+        if ",".join(map(str, layers)) != self.softmax_layers or list(layers) != sorted(set(layers)) or not all(
+                0 <= layer < self.n_layer for layer in layers):
+            raise ValueError(f"softmax_layers must list 0-based layer indices below n_layer {self.n_layer} in "
+                             f"increasing order, each once, separated by commas (e.g. 1 or 1,3), got "
+                             f"{self.softmax_layers!r}")
+        return layers
+
+    @property
+    def block_options(self) -> dict[str, Any]:
+        """LinearAttention's window and decay keywords, those that are not the default only (so a
+        default config builds the same block as before the options existed)."""
+        options = {"window": self.window, "decay": self.decay_option}
+        return {key: value for key, value in options.items() if value not in (0, None)}
 
     @property
     def block_backend(self) -> str:
@@ -245,7 +297,7 @@ class ModelConfig:
             name += f"-{self.normalization}"
         if "num_features" in self.feature_map_options:
             name += f"-M{self.feature_map_options['num_features']}"
-        return name + ("-abs" if self.abs_pos else "")
+        return "+".join([name + ("-abs" if self.abs_pos else ""), *block_option_parts(self)])
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -254,6 +306,33 @@ class ModelConfig:
     def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
         """The config of a plain dict, checked; unknown keys are errors (a typo is never ignored)."""
         return from_plain_dict(cls, values, "model")
+
+
+# The block options in a variant name, after '+' and in this order: linear-favor-pre+window=64,
+# linear-favor-post+decay=retnet, linear-favor-pre+softmax_layers=1_3.  A list's commas would split
+# grid.py's --variants, so a name joins its items with '_'.  Built and parsed here only.
+BLOCK_OPTIONS = ("window", "decay", "softmax_layers")
+NAME_LIST_SEPARATOR = "_"
+
+
+def block_option_parts(model: ModelConfig) -> list[str]:
+    """'window=64', 'decay=retnet', 'softmax_layers=1_3': the block options that are not the default."""
+    return [f"{name}={str(getattr(model, name)).replace(',', NAME_LIST_SEPARATOR)}" for name in BLOCK_OPTIONS
+            if getattr(model, name) != field_default(name)]
+
+
+def block_option_from_name(name: str, text: str) -> int | str:
+    """A block option's value from its text in a variant name (block_option_parts' inverse); a
+    default value is refused, since the name without it says the same."""
+    value: int | str = text.replace(NAME_LIST_SEPARATOR, ",")
+    if name == "window":
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"window={text} is not a whole number") from None
+    if value == field_default(name):
+        raise ValueError(f"{name}={text} is the default: leave it out of the name")
+    return value
 
 
 def check_setting_names(cls: type, values: Any, section: str) -> None:
@@ -556,7 +635,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                   sample_interval=5000),
 }
 DEFAULT_PRESET = "cpu"
-LINEAR_ONLY = ("feature_map", "feature_map_options", "chunk_size")
+LINEAR_ONLY = ("feature_map", "feature_map_options", "chunk_size", *BLOCK_OPTIONS)
 
 
 def resolve_variant(given: dict[str, Any], preset: dict[str, Any]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 from scipy import stats  # noqa: E402
 
 from .checkpoint import CheckpointError  # noqa: E402
+from .config import BLOCK_OPTIONS, field_default  # noqa: E402
 from .runtime import write_together  # noqa: E402
 
 RESULT_NAME = "result.json"
@@ -190,6 +191,8 @@ def factors(config: dict[str, Any]) -> tuple[str, dict[str, str]]:
     levels = {"rope": config["rope"], "positions": "learned" if config["abs_pos"] else "-",
               "normalization": config.get("normalization", "denominator")}   # records from before it existed
     levels.update({key: repr(value) for key, value in sorted(config["feature_map_options"].items())})
+    levels.update({key: str(config[key]) for key in BLOCK_OPTIONS   # a level only where set: older records lack them
+                   if config.get(key, field_default(key)) != field_default(key)})
     return family, levels
 
 

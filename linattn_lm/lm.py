@@ -30,9 +30,11 @@ def make_attention(config: ModelConfig, layer: int) -> nn.Module:
     if config.attention == "softmax":
         return linattn.SoftmaxAttention(config.d_model, config.n_head, rope=config.rope == "post",
                                         backend=config.block_backend)
+    if layer in config.softmax_layer_indices:   # a hybrid's softmax + RoPE layer (sdpa runs on every device)
+        return linattn.SoftmaxAttention(config.d_model, config.n_head, rope=True, backend="sdpa")
     return linattn.LinearAttention(config.d_model, config.n_head, feature_map=config.build_feature_map(layer),
                                    rope=config.rope, chunk_size=config.chunk_size, backend=config.block_backend,
-                                   normalization=config.normalization)
+                                   normalization=config.normalization, **config.block_options)
 
 
 class Block(nn.Module):
