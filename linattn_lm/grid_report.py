@@ -38,6 +38,9 @@ RECORD_KEYS = [*COLUMNS, "val_steps", "val_bpc", "scores", "config"]   # a run's
 # train_bpc, the estimate at each val step (None where a run from before it was resumed), and the
 # training split's length in bytes, which gives the passes over it.
 FIT_KEYS = ("train_bpc", "train_bytes")
+# Optional in a run's result.json: eval.py --ar-split adds ar_split.<split>.<seq_len> with these
+# scores (bpc on associative-recall hits and on the other bytes, the hits' share of the bytes).
+AR_SPLIT_KEYS = ("hit_bpc", "rest_bpc", "hit_fraction")
 Records = dict[tuple[int, str], dict[str, Any]]
 # The fields of a record the report reads, by kind (scores, curves and config are checked apart).
 TEXT_FIELDS = ("variant", "data")
@@ -89,7 +92,20 @@ def record_problem(record: Any) -> str | None:
             return wrong(key, record[key], expected)
     if len(record["val_bpc"]) != len(record["val_steps"]):
         return f"val_bpc has {len(record['val_bpc'])} values for {len(record['val_steps'])} val_steps"
-    return fit_problem(record) or scores_problem(record["scores"]) or config_problem(record["config"])
+    return (fit_problem(record) or scores_problem(record["scores"]) or config_problem(record["config"])
+            or ar_split_problem(record.get("ar_split", {})))
+
+
+def ar_split_problem(ar_split: Any) -> str | None:
+    """eval.py --ar-split's scores, where a record has them: split -> window length -> AR_SPLIT_KEYS."""
+    if not isinstance(ar_split, dict):
+        return wrong("ar_split", ar_split, "a dict of splits")
+    for split, by_length in ar_split.items():
+        if not isinstance(by_length, dict) or not all(
+                isinstance(scores, dict) and all(is_number(scores.get(key)) for key in AR_SPLIT_KEYS)
+                for scores in by_length.values()):
+            return wrong(f"ar_split.{split}", by_length, f"a dict of window lengths to {', '.join(AR_SPLIT_KEYS)}")
+    return None
 
 
 def fit_problem(record: dict[str, Any]) -> str | None:
@@ -311,6 +327,19 @@ def fit_table(variants: dict[str, list[dict[str, Any]]]) -> list[str]:
     return lines
 
 
+def ar_split_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> list[str]:
+    """eval.py --ar-split's whole-val-split scores at the training length, for the variants whose
+    every run has them."""
+    scored = {name: [r["ar_split"]["val"][str(seq_len)] for r in runs] for name, runs in variants.items()
+              if all(str(seq_len) in r.get("ar_split", {}).get("val", {}) for r in runs)}
+    lines = ["| variant | seeds | AR-hit bpc | rest bpc | hit share of the bytes |", "|---|---|---|---|---|"]
+    for name, splits in scored.items():
+        lines.append(f"| {name} | {','.join(str(r['seed']) for r in variants[name])} | "
+                     f"{mean_std(s['hit_bpc'] for s in splits)} | {mean_std(s['rest_bpc'] for s in splits)} | "
+                     f"{np.mean([s['hit_fraction'] for s in splits]):.1%} |")
+    return lines if scored else []
+
+
 def extrapolation_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> list[str]:
     lengths = sorted({int(n) for runs in variants.values() for r in runs for n in r["scores"].get("val", {})})
     if len(lengths) < 2:
@@ -373,6 +402,11 @@ def results_markdown(grid_dir: Path, records: Records, variants: dict[str, list[
         markdown += ["", "## Fit: passes over the training split and the train-val gap (last evaluation)", "",
                      f"Both estimates: {config.log.eval_iters} fixed batches of the split, in eval mode; a gap that "
                      "grows over training means the model has begun to memorise the training split.", "", *fit]
+    recall = ar_split_table(variants, seq_len)
+    if recall:
+        markdown += ["", "## Associative recall split (whole val split, bpc; eval.py --ar-split)", "",
+                     "AR hits: bytes that continue a byte bigram seen earlier in their window (Zoology's split).",
+                     "", *recall]
     extrapolation = extrapolation_table(variants, seq_len)
     if extrapolation:
         markdown += ["", "## Length extrapolation (whole val split, bpc by window length)", "", *extrapolation]
