@@ -19,6 +19,7 @@ import torch
 import linattn
 
 from .data import default_data_dir
+from . import mqar
 from .map_check import checked_feature_map
 from .runtime import resolve_device, resolve_dtype
 
@@ -519,7 +520,26 @@ def check_run_name(name: str) -> None:
                          f"{len(long[0].encode('utf-8', 'surrogateescape'))}; choose a shorter --run-name")
 
 
-SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "log": LogConfig, "run": RunConfig}
+TASKS = ("enwik8", "mqar")
+
+
+@dataclass
+class TaskConfig:
+    """What the model learns: enwik8's next byte, or multi-query associative recall (linattn_lm/mqar.py)."""
+
+    task: str = setting("enwik8", "enwik8 (next-byte prediction) or mqar (multi-query associative recall, "
+                                  "Zoology's synthetic task, scored at the query positions; presets mqar and "
+                                  "mqar-tiny, the default preset with --task mqar)")
+    mqar_kv_pairs: int = setting(8, "mqar: key-value pairs per sequence, each queried once; its vocabulary is "
+                                    "--vocab-size, its length --seq-len")
+
+    def validate(self) -> None:
+        check_types(self)
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+
+
+SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "log": LogConfig, "run": RunConfig, "task": TaskConfig}
 
 
 @dataclass
@@ -531,6 +551,7 @@ class TrainConfig:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
 
     def validate(self) -> None:
         """Every section's checks, then the memory a training step needs, estimated before
@@ -538,6 +559,9 @@ class TrainConfig:
         self.optim.validate()
         self.log.validate()
         self.run.validate()
+        self.task.validate()
+        if self.task.task == "mqar":
+            mqar.check_settings(self.model.vocab_size, self.model.seq_len, self.task.mqar_kv_pairs)
         device = resolve_device(self.run.device)
         self.model.check_fields()
         needed = 4 * self.model.parameter_bytes() + self.model.activation_bytes(self.optim.batch_size)
@@ -634,7 +658,21 @@ PRESETS: dict[str, dict[str, Any]] = {
                   eval_interval=2000, eval_iters=50, log_interval=100, ckpt_interval=2000,
                   sample_interval=5000),
 }
+# MQAR-lite (Zoology's recall task, linattn_lm/mqar.py): 2 layers, 64 wide, 2 heads of 32, 128 tokens
+# holding 8 key-value pairs and their 8 queries, vocab 256.
+MQAR_PRESET = dict(n_layer=2, d_model=64, n_head=2, mlp_ratio=4.0, dropout=0.0, seq_len=128, vocab_size=256,
+                   batch_size=32, lr=3e-3, min_lr=3e-4, warmup=50, steps=1500, weight_decay=0.1, grad_clip=1.0,
+                   feature_map="favor", feature_map_options=dict(num_features=64, redraw_interval=0), chunk_size=64,
+                   eval_interval=100, eval_iters=8, log_interval=10, ckpt_interval=500, sample_interval=0,
+                   task="mqar", mqar_kv_pairs=8)
+PRESETS["mqar"] = MQAR_PRESET
+# CI smoke test of the task: seconds on one CPU core.
+PRESETS["mqar-tiny"] = {**MQAR_PRESET, "d_model": 32, "seq_len": 32, "batch_size": 8, "warmup": 5, "steps": 20,
+                        "feature_map_options": dict(num_features=16, redraw_interval=0), "chunk_size": 16,
+                        "eval_interval": 10, "eval_iters": 2, "log_interval": 5, "ckpt_interval": 10,
+                        "mqar_kv_pairs": 4}
 DEFAULT_PRESET = "cpu"
+TASK_PRESETS = {"enwik8": DEFAULT_PRESET, "mqar": "mqar"}   # the preset a task defaults to
 LINEAR_ONLY = ("feature_map", "feature_map_options", "chunk_size", *BLOCK_OPTIONS)
 
 
@@ -666,7 +704,7 @@ def config_from_flags(given: dict[str, Any]) -> TrainConfig:
     if given.get("data_dir") == "":   # '' is what the default is stored as: given, it is a mistake (an unset variable)
         raise ValueError("data_dir must name a directory, got ''; leave --data-dir out for the repository's "
                          "data/enwik8")
-    preset_name = given.get("preset", DEFAULT_PRESET)
+    preset_name = given.get("preset", TASK_PRESETS.get(given.get("task"), DEFAULT_PRESET))
     if preset_name not in PRESETS:
         raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(PRESETS)}")
     preset = copy.deepcopy(PRESETS[preset_name])

@@ -187,6 +187,19 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
 
 
+def state_size(config: ModelConfig) -> str:
+    """The decoding state of each head in each kind of layer, as Zoology reports it beside recall:
+    'M x head_dim' for linear attention (plus the window's keys and values), a KV cache of seq_len
+    keys and values for softmax attention (at the training length: it grows with the sequence)."""
+    head_dim, kinds = config.head_dim, []
+    if config.attention == "linear" and len(config.softmax_layer_indices) < config.n_layer:
+        window = f" + {config.window} x 2 x {head_dim} window" if config.window else ""
+        kinds.append(f"{config.num_features} x {head_dim}{window}")
+    if config.attention == "softmax" or config.softmax_layer_indices:
+        kinds.append(f"{config.seq_len} x 2 x {head_dim} KV cache")
+    return "; ".join(kinds)
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Next-byte cross-entropy in nats (float32 even under autocast)."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction=reduction)
