@@ -93,7 +93,19 @@ def record_problem(record: Any) -> str | None:
     if len(record["val_bpc"]) != len(record["val_steps"]):
         return f"val_bpc has {len(record['val_bpc'])} values for {len(record['val_steps'])} val_steps"
     return (fit_problem(record) or scores_problem(record["scores"]) or config_problem(record["config"])
-            or ar_split_problem(record.get("ar_split", {})))
+            or ar_split_problem(record.get("ar_split", {})) or mqar_problem(record))
+
+
+def mqar_problem(record: dict[str, Any]) -> str | None:
+    """A --task mqar run's recall scores, where a record has them: val and test bits and accuracy, the state."""
+    if "mqar" not in record:
+        return None
+    recall = record["mqar"]
+    if not (isinstance(recall, dict) and isinstance(recall.get("state_size"), str) and all(
+            isinstance(recall.get(split), dict) and is_number(recall[split].get("bits"))
+            and is_number(recall[split].get("accuracy")) for split in ("val", "test"))):
+        return wrong("mqar", recall, "val and test bits and accuracy, and a state_size")
+    return None
 
 
 def ar_split_problem(ar_split: Any) -> str | None:
@@ -340,6 +352,17 @@ def ar_split_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> l
     return lines if scored else []
 
 
+def mqar_table(variants: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """--task mqar's accuracy at the query positions (held-out streams) beside each variant's decoding state."""
+    scored = {name: runs for name, runs in variants.items() if all("mqar" in r for r in runs)}
+    lines = ["| variant | seeds | val accuracy | test accuracy | state per head and layer |", "|---|---|---|---|---|"]
+    for name, runs in scored.items():
+        lines.append(f"| {name} | {','.join(str(r['seed']) for r in runs)} | "
+                     f"{mean_std(r['mqar']['val']['accuracy'] for r in runs)} | "
+                     f"{mean_std(r['mqar']['test']['accuracy'] for r in runs)} | {runs[0]['mqar']['state_size']} |")
+    return lines if scored else []
+
+
 def extrapolation_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> list[str]:
     lengths = sorted({int(n) for runs in variants.values() for r in runs for n in r["scores"].get("val", {})})
     if len(lengths) < 2:
@@ -381,14 +404,15 @@ def results_markdown(grid_dir: Path, records: Records, variants: dict[str, list[
                 f"{config.optim.steps} steps, lr {config.optim.lr}; seeds {','.join(map(str, seeds))}; data: {data}.",
                 "", "Mean ± sample std over seeds. Whole-split scores: every byte of the split, windows of "
                 f"seq_len {seq_len} (eval.py); estimates: {config.log.eval_iters} fixed val batches during training.",
-                "", *summary_table(variants, seq_len), "",
-                "Reference lines: smoothed byte n-gram count models (linattn_lm/ngram.py); a model above the "
-                "order-k line uses less than k bytes of context as well as a count table does.", "",
-                "| n-gram order | " + " | ".join(f"{split} bpc" for split in reference) + " |",
-                "|---|" + "---|" * len(reference)]
-    orders = next(iter(reference.values()), {})
-    markdown += [f"| {order} | " + " | ".join(f"{lines[order]:.4f}" for lines in reference.values()) + " |"
-                 for order in orders]
+                "", *summary_table(variants, seq_len)]
+    if reference:   # enwik8's n-gram lines (a --task mqar grid has none)
+        markdown += ["", "Reference lines: smoothed byte n-gram count models (linattn_lm/ngram.py); a model above "
+                     "the order-k line uses less than k bytes of context as well as a count table does.", "",
+                     "| n-gram order | " + " | ".join(f"{split} bpc" for split in reference) + " |",
+                     "|---|" + "---|" * len(reference)]
+        orders = next(iter(reference.values()), {})
+        markdown += [f"| {order} | " + " | ".join(f"{lines[order]:.4f}" for lines in reference.values()) + " |"
+                     for order in orders]
     paired = paired_table(variants, seq_len)
     if paired:
         markdown += ["", "## Paired differences (whole val split, bpc; negative: A is better)", "",
@@ -402,6 +426,10 @@ def results_markdown(grid_dir: Path, records: Records, variants: dict[str, list[
         markdown += ["", "## Fit: passes over the training split and the train-val gap (last evaluation)", "",
                      f"Both estimates: {config.log.eval_iters} fixed batches of the split, in eval mode; a gap that "
                      "grows over training means the model has begun to memorise the training split.", "", *fit]
+    mqar = mqar_table(variants)
+    if mqar:
+        markdown += ["", "## Multi-query associative recall (train.py --task mqar; accuracy at the query positions)",
+                     "", "Held-out streams of the run's seed; the bpc columns above are bits per query.", "", *mqar]
     recall = ar_split_table(variants, seq_len)
     if recall:
         markdown += ["", "## Associative recall split (whole val split, bpc; eval.py --ar-split)", "",

@@ -121,3 +121,19 @@ def query_scores(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, t
     finally:
         model.train(was_training)
     return nats.item(), int(correct.item()), count
+
+
+HELD_OUT_BATCHES = 64   # batches of each held-out stream a finished run is scored on (grid.py)
+
+
+def held_out_scores(model: torch.nn.Module, vocab_size: int, seq_len: int, kv_pairs: int, batch_size: int,
+                    seed: int, device: torch.device, dtype: str = "auto") -> dict[str, dict[str, float]]:
+    """A finished run's scores on the first HELD_OUT_BATCHES batches of its val and test streams:
+    split -> {bits: per query, accuracy: at the queries}, the whole-split scores of the task."""
+    scores = {}
+    for split in ("val", "test"):
+        stream = MqarBatches(vocab_size, seq_len, kv_pairs, batch_size, seed=seed, stream=split)
+        nats, correct, count = query_scores(model, (stream.batch_at(i) for i in range(HELD_OUT_BATCHES)), device,
+                                            dtype)
+        scores[split] = {"bits": nats / count / np.log(2), "accuracy": correct / count}
+    return scores
