@@ -28,12 +28,13 @@ import torch
 
 import linattn
 from .data import SPLITS, DataError, SequentialWindows, check_window_fits, default_data_dir, load_split
-from .config import check_backend_runs_on
+from .config import TrainConfig, check_backend_runs_on
 from .checkpoint import CheckpointError, checkpoint_path, load_checkpoint, model_from_checkpoint, saved_precision
 from .cli import (EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, DefaultsFormatter, Parser, UsageError, finite_float,
                   import_user_code, integer, pre_parse_imports)
 from .grid_report import AR_SPLIT_KEYS, RESULT_NAME, read_record
-from .lm import ByteLM, bits_per_byte, lm_loss
+from .lm import ByteLM, bits_per_byte, lm_loss, state_size
+from .mqar import held_out_scores
 from .ngram import format_reference, reference_bpc
 from .runtime import (DTYPES, autocast, decode_bytes, encode_text, is_out_of_memory, keep_freed_memory,
                       resolve_device, resolve_dtype, summed_loss, write_atomically)
@@ -209,6 +210,20 @@ def record_ar_split(path: Path, split: str, rows: dict[int, dict[str, float]]) -
     return True
 
 
+def score_mqar_run(model: ByteLM, checkpoint: dict[str, Any], args: argparse.Namespace, device: torch.device) -> str:
+    """A --task mqar run's scores on its held-out val and test streams (grid.py's), as text."""
+    if args.seq_len or args.max_bytes or args.data_dir or args.weight_sums or args.ar_split:
+        raise ValueError("this is a --task mqar run, scored on its seeded held-out streams at its own length: drop "
+                         "--seq-len, --max-bytes, --data-dir, --weight-sums and --ar-split")
+    config, task = model.config, TrainConfig.saved_section(checkpoint["config"], "task")
+    batch_size = TrainConfig.saved_section(checkpoint["config"], "optim").batch_size
+    scores = held_out_scores(model, config.vocab_size, config.seq_len, task.mqar_kv_pairs, batch_size, config.seed,
+                             device, args.dtype)
+    return "\n".join([f"MQAR, {task.mqar_kv_pairs} key-value pairs; decoding state {state_size(config)}"] + [
+        f"{split}: accuracy {score['accuracy']:.1%} at the queries, {score['bits']:.4f} bits per query"
+        for split, score in scores.items()])
+
+
 def learned_positions_note(model: ByteLM) -> str:
     """Why a length past learned positions is n/a (the bpc table and --weight-sums say it alike)."""
     return f"learned absolute positions cover {model.config.seq_len} bytes only"
@@ -322,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{model.num_parameters():,} parameters, trained at seq_len {config.seq_len})")
         if args.generate is not None:
             print(sample_text(model, args, device))
+            return 0
+        if TrainConfig.saved_section(checkpoint["config"], "task").task == "mqar":
+            print(score_mqar_run(model, checkpoint, args, device))
             return 0
         if args.weight_sums:
             linear_blocks(model)   # a softmax run is refused before any data is read

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from linattn_lm import config_from_flags, grid, load_checkpoint, training
+from linattn_lm import config_from_flags, evaluate, grid, load_checkpoint, training
 from linattn_lm.mqar import IGNORED, MqarBatches, check_settings, draw_batch, query_scores
 
 VOCAB, SEQ_LEN, PAIRS = 256, 64, 6
@@ -111,6 +111,10 @@ def test_a_run_logs_accuracy_and_resumes_exactly(tmp_path: Path, run_main, scala
     for key, value in a["model"].items():   # tensors, and the feature maps' extra state
         assert torch.equal(value, b["model"][key]) if isinstance(value, torch.Tensor) else value == b["model"][key]
     assert scalars(tmp_path / "whole", "val/accuracy")[-1] == scalars(tmp_path / "split", "val/accuracy")[-1]
+    code, out, _ = run_main(evaluate.main, [str(tmp_path / "whole"), "--threads", "1"])
+    assert code == 0 and "test: accuracy" in out and "decoding state 16 x 16" in out
+    code, _, err = run_main(evaluate.main, [str(tmp_path / "whole"), "--threads", "1", "--ar-split"])
+    assert code == 2 and "mqar run" in err
 
 
 def test_a_grid_of_the_task_reports_recall_beside_the_state(tmp_path: Path, run_main) -> None:
