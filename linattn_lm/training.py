@@ -34,7 +34,6 @@ from .config import TrainConfig, config_differences, config_from_flags
 from .data import DataError, RandomWindows, load_split
 from . import mqar
 from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss, state_size
-from .mqar import MqarBatches, query_scores
 from .runlock import DirectoryLock
 from .runtime import (WriteFailed, autocast, decode_bytes, first_line, gradient_scaler, is_out_of_memory,
                       keep_freed_memory, peak_memory_mb, precision_key, precision_name, release_free_memory,
@@ -321,11 +320,11 @@ def evaluate(model: torch.nn.Module, windows: RandomWindows, config: TrainConfig
     return bits_per_byte((totals[0] / totals[1]).item())
 
 
-def evaluate_queries(model: torch.nn.Module, batches: MqarBatches, config: TrainConfig, ctx: Distributed,
+def evaluate_queries(model: torch.nn.Module, batches: mqar.MqarBatches, config: TrainConfig, ctx: Distributed,
                      dtype: str, first_batch: int = 0) -> tuple[float, float]:
     """--task mqar's estimate, as `evaluate`'s: (bits per query, accuracy) at the query positions."""
     stream = (batches.batch_at(first_batch + i) for i in range(config.log.eval_iters))
-    totals = ctx.sum(torch.tensor(query_scores(model, stream, ctx.device, dtype), dtype=torch.float64,
+    totals = ctx.sum(torch.tensor(mqar.query_scores(model, stream, ctx.device, dtype), dtype=torch.float64,
                                   device=ctx.device))
     nats, correct, count = totals.tolist()
     return bits_per_byte(nats / count), correct / count
@@ -412,8 +411,8 @@ class Trainer:
             streams = dict(batch_size=config.optim.batch_size // ctx.world_size, seed=model.seed, rank=ctx.rank,
                            world_size=ctx.world_size)
             sizes = (model.vocab_size, model.seq_len, config.task.mqar_kv_pairs)
-            self.train_batches = MqarBatches(*sizes, **streams, stream="train")
-            self.val_batches = MqarBatches(*sizes, **streams, stream="val")
+            self.train_batches = mqar.MqarBatches(*sizes, **streams, stream="train")
+            self.val_batches = mqar.MqarBatches(*sizes, **streams, stream="val")
             self.val_split, self.data, self.train_bytes = None, mqar.describe(*sizes), 0
             self.log(f"data: {self.data}")
             return
@@ -632,8 +631,8 @@ class Trainer:
             self.log(f"step {step}/{config.optim.steps} | val bpc {val_bpc:.4f} | train bpc {train_bpc:.4f} "
                      + (f"| {self.passes:.2f} passes" if self.train_bytes else "| new data every step")
                      + (f" | {speed:,.0f} tokens/s" if math.isfinite(speed) else ""))
-        if self.writer and self.prompt is not None and config.log.sample_interval and \
-                step % config.log.sample_interval == 0:
+        if (self.writer and self.prompt is not None   # mqar has no text to sample
+                and config.log.sample_interval and step % config.log.sample_interval == 0):
             sample = text_sample(self.model, self.prompt, self.sample_bytes, config.model.seed, self.device,
                                  self.dtype)
             self.writer.add_text("sample", sample, step)
