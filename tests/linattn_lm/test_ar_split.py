@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from linattn_lm import ByteLM, RunConfig, TrainConfig, evaluate, grid, save_checkpoint
+from linattn_lm import ByteLM, evaluate, grid, save_checkpoint
 from linattn_lm.data import load_split
 from linattn_lm.evaluate import ar_split_bpc, evaluate_bpc, recall_hits
 

@@ -196,3 +196,9 @@ def test_window_and_decay_train_and_decode_end_to_end(data_dir: Path, tiny: list
     code, _, err = run_main(training.main, argv)
     assert code == 0, err
     assert (tmp_path / "linear-favor-post-M32+window=8+decay=retnet" / "ckpt.pt").is_file()
+
+
+def test_the_help_names_the_flags_and_the_layer_numbering(run_main) -> None:
+    code, out, _ = run_main(training.main, ["--help"])
+    assert code == 0 and "--window N" in out and "--decay" in out and "retnet" in out
+    assert "--softmax-layers" in out and "0-based" in out
