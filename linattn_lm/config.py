@@ -206,8 +206,8 @@ class ModelConfig:
         """LinearAttention's decay: None, "retnet" or one factor per head."""
         if self.decay in ("", "retnet"):
             return self.decay or None
-        try:
-            factors = tuple(float(item) for item in self.decay.split(","))
+        try:   # no spaces: the text goes into the run's name as it is
+            factors = () if any(char.isspace() for char in self.decay) else tuple(map(float, self.decay.split(",")))
         except ValueError:
             factors = ()
         if len(factors) != self.n_head or not all(0 < factor <= 1 for factor in factors):

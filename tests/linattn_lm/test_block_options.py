@@ -92,6 +92,7 @@ def test_bad_block_options_in_names(name: str, message: str) -> None:
     ({"decay": "0.5,0.9,0.99,1.5"}, "decay"),
     ({"decay": "0.5,0.9,nan,1"}, "decay"),
     ({"decay": "geometric"}, "decay"),
+    ({"decay": "0.5, 0.9,0.99,1"}, "decay"),
     ({"softmax_layers": "4"}, "softmax_layers"),       # 4 layers: 0..3
     ({"softmax_layers": "3,1"}, "softmax_layers"),
     ({"softmax_layers": "1,1"}, "softmax_layers"),
