@@ -36,7 +36,7 @@ import linattn
 from . import training
 from .checkpoint import CHECKPOINT_NAME, CheckpointError
 from .cli import UsageError, comma_items, variant_skip
-from .config import (ATTENTION_BACKENDS, DEFAULT_PRESET, TrainConfig, check_run_name, config_differences,
+from .config import (ATTENTION_BACKENDS, DEFAULT_PRESET, TASK_PRESETS, TrainConfig, check_run_name, config_differences,
                      config_from_flags)
 from .data import check_window_fits, load_split
 from .evaluate import bpc_table
@@ -52,7 +52,8 @@ EVAL_SPLITS = ("val", "test")
 
 
 def grid_name(given: dict[str, Any]) -> str:
-    return given["run_name"] if "run_name" in given else f"grid-{given.get('preset') or DEFAULT_PRESET}"
+    preset = given.get("preset") or TASK_PRESETS.get(given.get("task"), DEFAULT_PRESET)   # --task mqar: mqar
+    return given["run_name"] if "run_name" in given else f"grid-{preset}"
 
 
 def run_configs(given: dict[str, Any], variants: list[str], seeds: list[int]) -> dict[tuple[int, str], TrainConfig]:

@@ -133,3 +133,8 @@ def test_a_grid_of_the_task_reports_recall_beside_the_state(tmp_path: Path, run_
     code, _, err = run_main(grid.main, [*argv[:-2], "--run-name", "h", "--eval-multiples", "1,2",
                                         "--variants", "softmax-rope"])
     assert code == 2 and "--eval-multiples" in err
+
+
+def test_a_grid_of_the_task_is_named_by_its_preset() -> None:
+    assert grid.grid_name({"task": "mqar"}) == "grid-mqar" and grid.grid_name({}) == "grid-cpu"
+    assert grid.grid_name({"task": "mqar", "preset": "mqar-tiny"}) == "grid-mqar-tiny"
