@@ -5,6 +5,7 @@ or text samples.
     python eval.py runs/linear-favor-post-M64 --split test --seq-len 256 512 1024 2048 --max-bytes 100000
     python eval.py runs/linear-favor-post-M64 --generate "The " --max-new-tokens 200 --top-k 40
     python eval.py runs/linear-favor-post-M64 --weight-sums --max-bytes 100000   # sum of attention weights
+    python eval.py runs/grid-cpu/linear-favor-pre/seed-0 --ar-split   # bpc on recall hits and the rest
 
 bpc uses non-overlapping windows of seq_len bytes: window k reads bytes [kL, kL + L) and predicts
 bytes [kL + 1, kL + L], each from the bytes before it in the same window only.  Every byte but the
@@ -15,6 +16,7 @@ better when a model can use them (and worse when it cannot extrapolate).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -26,13 +28,16 @@ import torch
 
 import linattn
 from .data import SPLITS, DataError, SequentialWindows, check_window_fits, default_data_dir, load_split
-from .config import check_backend_runs_on
+from .config import TrainConfig, check_backend_runs_on
 from .checkpoint import CheckpointError, checkpoint_path, load_checkpoint, model_from_checkpoint, saved_precision
 from .cli import DefaultsFormatter, finite_float, import_user_code, integer, pre_parse_imports
-from .lm import ByteLM, bits_per_byte
+from .grid_report import AR_SPLIT_KEYS, RESULT_NAME, read_record
+from .lm import ByteLM, bits_per_byte, lm_loss, state_size
+from .mqar import held_out_scores
 from .ngram import format_reference, reference_bpc
 from .device import DTYPES, autocast, keep_freed_memory, resolve_device, resolve_dtype
 from .errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, Parser, UsageError, is_out_of_memory
+from .files import write_atomically
 from .scoring import summed_loss
 from .text import decode_bytes, encode_text
 from .weight_sums import format_rows, linear_blocks, weight_sum_rows
@@ -57,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, help="compute precision, as train.py's --dtype (default: the run's)")
     p.add_argument("--backend", help="attention kernels, as train.py's --backend (speed only; default: the run's, "
                                      "e.g. --backend auto for a run trained with fla on a GPU)")
+    p.add_argument("--ar-split", action="store_true",
+                   help="bpc on the associative-recall hits (bytes that continue a byte bigram seen earlier in their "
+                        "window) and on the rest, beside bpc on all bytes; recorded in the run's result.json when "
+                        "it has one and the whole split is scored")
     p.add_argument("--weight-sums", action="store_true",
                    help="instead of bpc, the sum of each query's attention weights in every linear layer (1 for "
                         "pre and none; how far Eq. 19's post drifts from it), over the same windows")
@@ -105,6 +114,8 @@ def check_mode_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, 
                                                                   if args.weight_sums else ""))
     if args.generate is not None and args.weight_sums:
         parser.error("--generate samples text and --weight-sums measures attention weights: pass one of them")
+    if args.ar_split and (args.generate is not None or args.weight_sums):
+        parser.error("--ar-split scores bits per byte: it does not combine with --generate or --weight-sums")
     if args.generate is not None and scoring:
         parser.error(f"{', '.join(sorted(scoring))} apply to scoring bits per byte, not to --generate; "
                      "drop them, or drop --generate")
@@ -135,6 +146,84 @@ def bpc_table(model: ByteLM, data: np.ndarray, seq_lens: list[int], batch_size: 
         print(f"{seq_len:>8}  {bpc:>8.4f}  {rate:>10,.0f}", flush=True)
         rows.append((seq_len, bpc, rate))
     return rows
+
+
+def recall_hits(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(B, N) bool for (B, N) byte inputs and targets: target i continues a byte bigram (x_i, y_i) that
+    occurred earlier in its row, at some j < i (both of its bytes are context by then): an associative-
+    recall hit, as Zoology splits its data.  One stable sort of the row-tagged bigram codes, no loop."""
+    rows, length = x.shape
+    keys = (torch.arange(rows, device=x.device)[:, None] * 65536 + x * 256 + y).flatten()
+    ordered, order = torch.sort(keys, stable=True)
+    seen = torch.zeros_like(keys, dtype=torch.bool)
+    seen[order[1:]] = ordered[1:] == ordered[:-1]   # equal to the one before in sorted order: not the first
+    return seen.view(rows, length)
+
+
+@torch.no_grad()
+def ar_split_bpc(model: ByteLM, data: np.ndarray, seq_len: int, batch_size: int, device: torch.device,
+                 dtype: str = "auto") -> dict[str, float]:
+    """bpc over `data` in eval.py's windows (evaluate_bpc's), on all bytes, on the recall hits
+    (recall_hits) and on the rest, and the hits' share of the bytes; a part with no byte scores nan."""
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(2, 2, dtype=torch.float64)   # [hit, rest] x [nats, bytes]
+    try:
+        for x, y in SequentialWindows(data, batch_size, seq_len):
+            hits = recall_hits(x, y)
+            x, y = x.to(device), y.to(device)
+            with autocast(device, dtype):
+                nats = lm_loss(model(x), y, reduction="none").double().view(y.shape).cpu()
+            for row, part in enumerate((hits, ~hits)):
+                sums[row] += torch.stack([nats[part].sum(), part.sum().double()])
+    finally:
+        model.train(was_training)
+    (hit_nats, hit_bytes), (rest_nats, rest_bytes) = sums.tolist()
+    per_byte = lambda total, count: bits_per_byte(total / count) if count else math.nan
+    return {"bpc": per_byte(hit_nats + rest_nats, hit_bytes + rest_bytes), "hit_bpc": per_byte(hit_nats, hit_bytes),
+            "rest_bpc": per_byte(rest_nats, rest_bytes), "hit_fraction": hit_bytes / (hit_bytes + rest_bytes)}
+
+
+def ar_split_table(model: ByteLM, data: np.ndarray, seq_lens: list[int], batch_size: int, device: torch.device,
+                   dtype: str = "auto") -> dict[int, dict[str, float]]:
+    """Print and return ar_split_bpc's scores per window length (bpc_table's lengths, n/a alike)."""
+    print(f"{'seq_len':>8}  {'bpc':>8}  {'AR-hit bpc':>10}  {'rest bpc':>8}  {'hit share':>9}", flush=True)
+    rows = {}
+    for seq_len in seq_lens:
+        if beyond_learned_positions(model, seq_len):
+            print(f"{seq_len:>8}  {'n/a':>8}  {learned_positions_note(model)}")
+            continue
+        rows[seq_len] = split = ar_split_bpc(model, data, seq_len, batch_size, device, dtype)
+        print(f"{seq_len:>8}  {split['bpc']:>8.4f}  {split['hit_bpc']:>10.4f}  {split['rest_bpc']:>8.4f}  "
+              f"{split['hit_fraction']:>9.1%}", flush=True)
+    return rows
+
+
+def record_ar_split(path: Path, split: str, rows: dict[int, dict[str, float]]) -> bool:
+    """Add the AR split to the run's result.json (grid.py's record of the run) beside the checkpoint
+    `path`, under ar_split.<split>.<seq_len>; False where there is no record."""
+    record_path = path.parent / RESULT_NAME
+    record = read_record(record_path)
+    if record is None:
+        return False
+    scores = record.setdefault("ar_split", {}).setdefault(split, {})
+    scores.update({str(seq_len): {key: row[key] for key in AR_SPLIT_KEYS} for seq_len, row in rows.items()})
+    write_atomically(record_path, lambda tmp: tmp.write_text(json.dumps(record, indent=1) + "\n"))
+    return True
+
+
+def score_mqar_run(model: ByteLM, checkpoint: dict[str, Any], args: argparse.Namespace, device: torch.device) -> str:
+    """A --task mqar run's scores on its held-out val and test streams (grid.py's), as text."""
+    if args.seq_len or args.max_bytes or args.data_dir or args.weight_sums or args.ar_split:
+        raise ValueError("this is a --task mqar run, scored on its seeded held-out streams at its own length: drop "
+                         "--seq-len, --max-bytes, --data-dir, --weight-sums and --ar-split")
+    config, task = model.config, TrainConfig.saved_section(checkpoint["config"], "task")
+    batch_size = TrainConfig.saved_section(checkpoint["config"], "optim").batch_size
+    scores = held_out_scores(model, config.vocab_size, config.seq_len, task.mqar_kv_pairs, batch_size, config.seed,
+                             device, args.dtype)
+    return "\n".join([f"MQAR, {task.mqar_kv_pairs} key-value pairs; decoding state {state_size(config)}"] + [
+        f"{split}: accuracy {score['accuracy']:.1%} at the queries, {score['bits']:.4f} bits per query"
+        for split, score in scores.items()])
 
 
 def learned_positions_note(model: ByteLM) -> str:
@@ -251,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.generate is not None:
             print(sample_text(model, args, device))
             return 0
+        if TrainConfig.saved_section(checkpoint["config"], "task").task == "mqar":
+            print(score_mqar_run(model, checkpoint, args, device))
+            return 0
         if args.weight_sums:
             linear_blocks(model)   # a softmax run is refused before any data is read
         data_dir = args.data_dir or recorded_data_dir(checkpoint) or str(default_data_dir())
@@ -268,13 +360,22 @@ def main(argv: list[str] | None = None) -> int:
                 rows = weight_sum_rows(model, data, seq_len, args.batch_size, device, args.dtype)
                 print(format_rows(rows, seq_len, config.normalization))
             return 0
-        rows = bpc_table(model, data, seq_lens, args.batch_size, device, args.dtype)
+        if args.ar_split:
+            split_rows = ar_split_table(model, data, seq_lens, args.batch_size, device, args.dtype)
+            rows = [(seq_len, row["bpc"], math.nan) for seq_len, row in split_rows.items()]
+        else:
+            rows = bpc_table(model, data, seq_lens, args.batch_size, device, args.dtype)
         non_finite = non_finite_scores(model, rows)
         if non_finite:
             print(f"error: the model scores non-finite bits per byte ({', '.join(non_finite)}): its outputs overflow "
                   f"on this data, so {path} may be damaged; evaluate an earlier checkpoint", file=sys.stderr)
             return EXIT_ERROR
         print(format_reference(reference_bpc(data_dir, args.split, max_bytes=args.max_bytes)))
+        if args.ar_split:
+            if args.max_bytes:
+                print(f"AR split not recorded: --max-bytes scored part of the {args.split} split")
+            elif record_ar_split(path, args.split, split_rows):
+                print(f"AR split recorded in {path.parent / RESULT_NAME}")
     except (CheckpointError, DataError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE

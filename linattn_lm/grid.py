@@ -35,12 +35,13 @@ import linattn
 
 from . import training
 from .checkpoint import CHECKPOINT_NAME, CheckpointError
-from .cli import comma_items, variant_skip
-from .config import (ATTENTION_BACKENDS, DEFAULT_PRESET, TrainConfig, check_run_name, config_differences,
+from .cli import UsageError, comma_items, variant_skip
+from .config import (ATTENTION_BACKENDS, DEFAULT_PRESET, TASK_PRESETS, TrainConfig, check_run_name, config_differences,
                      config_from_flags)
 from .data import check_window_fits, load_split
 from .evaluate import bpc_table
 from .grid_report import FIT_KEYS, RECORD_KEYS, REPORT_TITLE, RESULT_NAME, damaged, read_record, write_report
+from .mqar import held_out_scores
 from .ngram import reference_bpc
 from .runlock import LOCK_NAME, DirectoryLock
 from .device import keep_freed_memory
@@ -52,7 +53,8 @@ EVAL_SPLITS = ("val", "test")
 
 
 def grid_name(given: dict[str, Any]) -> str:
-    return given["run_name"] if "run_name" in given else f"grid-{given.get('preset') or DEFAULT_PRESET}"
+    preset = given.get("preset") or TASK_PRESETS.get(given.get("task"), DEFAULT_PRESET)   # --task mqar: mqar
+    return given["run_name"] if "run_name" in given else f"grid-{preset}"
 
 
 def run_configs(given: dict[str, Any], variants: list[str], seeds: list[int]) -> dict[tuple[int, str], TrainConfig]:
@@ -124,15 +126,26 @@ def whole_split_scores(result: TrainResult, config: TrainConfig, multiples: list
     return scores
 
 
+def mqar_scores(result: TrainResult, config: TrainConfig) -> dict[str, Any]:
+    """--task mqar: bits per query and accuracy on the held-out val and test streams (the task's
+    whole-split scores), and the decoding state they came from."""
+    model = config.model
+    scores = held_out_scores(result.model.eval(), model.vocab_size, model.seq_len, config.task.mqar_kv_pairs,
+                             config.optim.batch_size, model.seed, next(result.model.parameters()).device, result.dtype)
+    return {**scores, "state_size": result.state_size}
+
+
 def make_record(name: str, result: TrainResult, config: TrainConfig,
-                scores: dict[str, dict[str, float]]) -> dict[str, Any]:
+                scores: dict[str, dict[str, float]], recall: dict[str, Any] | None = None) -> dict[str, Any]:
     record = {"variant": name, "seed": result.seed, "steps": result.steps,
               "final_val_bpc": result.final_val_bpc, "best_val_bpc": result.best_val_bpc,
               "tokens_per_s": result.tokens_per_s, "peak_memory_mb": result.peak_memory_mb,
               "parameters": result.parameters, "wall_time_s": result.wall_seconds, "data": result.data,
               "val_steps": result.val_steps, "val_bpc": result.val_bpc, "scores": scores, "config": config.flat(),
               "train_bpc": result.train_bpc, "train_bytes": result.train_bytes}
-    assert set(record) == {*RECORD_KEYS, *FIT_KEYS}
+    if recall is not None:   # mqar: recall scores; its data never repeats, so no passes over a split
+        record = {key: value for key, value in record.items() if key not in FIT_KEYS} | {"mqar": recall}
+    assert set(record) == {*RECORD_KEYS, *(FIT_KEYS if recall is None else ["mqar"])}
     return record
 
 
@@ -150,12 +163,14 @@ def train_and_score(name: str, config: TrainConfig, ctx: training.Distributed, r
     if not ctx.is_main:
         return None
     try:
-        scores = whole_split_scores(result, config, multiples)
+        recall = mqar_scores(result, config) if config.task.task == "mqar" else None
+        scores = ({split: {str(config.model.seq_len): recall[split]["bits"]} for split in EVAL_SPLITS} if recall
+                  else whole_split_scores(result, config, multiples))
     except KeyboardInterrupt:
         print(f"stopped while scoring {config.run.run_name}; its checkpoint is complete, and --resume "
               "scores it again", file=sys.stderr)
         return training.EXIT_INTERRUPTED
-    record = make_record(name, result, config, scores)
+    record = make_record(name, result, config, scores, recall)
     write_atomically(config.run.run_dir / RESULT_NAME, lambda path: path.write_text(json.dumps(record, indent=1) + "\n"))
     return record
 
@@ -172,7 +187,8 @@ def run_grid(configs: dict[tuple[int, str], TrainConfig], grid_dir: Path, resume
     first = next(iter(configs.values()))
     data_dir = first.run.data_path
     with training.distributed(first.run.device) as ctx:
-        reference = {split: reference_bpc(data_dir, split) for split in EVAL_SPLITS} if ctx.is_main else {}
+        reference = {split: reference_bpc(data_dir, split) for split in EVAL_SPLITS} if ctx.is_main and \
+            first.task.task == "enwik8" else {}
         for number, ((seed, name), config) in enumerate(configs.items(), 1):
             record = finished.get((seed, name))
             if ctx.is_main:
@@ -197,8 +213,9 @@ def report_finished(configs: dict[tuple[int, str], TrainConfig], grid_dir: Path,
     if not records:
         raise CheckpointError(f"{grid_dir} has no finished run of these variants and seeds (a run is finished "
                               "once its result.json holds the asked --eval-multiples): nothing to report")
-    data_dir = next(iter(configs.values())).run.data_path
-    reference = {split: reference_bpc(data_dir, split) for split in EVAL_SPLITS}
+    first = next(iter(configs.values()))
+    reference = ({split: reference_bpc(first.run.data_path, split) for split in EVAL_SPLITS}
+                 if first.task.task == "enwik8" else {})
     write_report(grid_dir, records, next(iter(configs.values())), reference)
     print(f"{len(records)} of {len(configs)} runs finished; wrote {grid_dir}/results.md, results.csv, val_bpc.png")
     return 0
@@ -302,7 +319,11 @@ def check_grid_directory(grid_dir: Path, existing: bool) -> None:
 
 def check_eval_windows(configs, multiples: list[int]) -> None:
     """The longest scoring window fits the val and test splits, checked before the first run trains."""
-    for data_path, seq_len in {(config.run.data_path, config.model.seq_len) for config in configs}:
+    if max(multiples) > 1 and any(config.task.task == "mqar" for config in configs):
+        raise UsageError("--eval-multiples scores enwik8 splits at longer windows; --task mqar runs are scored at "
+                         "their --seq-len only: drop --eval-multiples")
+    for data_path, seq_len in {(config.run.data_path, config.model.seq_len) for config in configs
+                               if config.task.task == "enwik8"}:   # mqar's streams have no end
         for split in EVAL_SPLITS:
             check_window_fits(len(load_split(data_path, split).data), max(multiples) * seq_len,
                               asked=f"--eval-multiples {max(multiples)} x --seq-len {seq_len} ({split} split)",

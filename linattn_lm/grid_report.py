@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 from scipy import stats  # noqa: E402
 
 from .checkpoint import CheckpointError  # noqa: E402
+from .config import BLOCK_OPTIONS, field_default  # noqa: E402
 from .files import write_together  # noqa: E402
 
 RESULT_NAME = "result.json"
@@ -37,6 +38,9 @@ RECORD_KEYS = [*COLUMNS, "val_steps", "val_bpc", "scores", "config"]   # a run's
 # train_bpc, the estimate at each val step (None where a run from before it was resumed), and the
 # training split's length in bytes, which gives the passes over it.
 FIT_KEYS = ("train_bpc", "train_bytes")
+# Optional in a run's result.json: eval.py --ar-split adds ar_split.<split>.<seq_len> with these
+# scores (bpc on associative-recall hits and on the other bytes, the hits' share of the bytes).
+AR_SPLIT_KEYS = ("hit_bpc", "rest_bpc", "hit_fraction")
 Records = dict[tuple[int, str], dict[str, Any]]
 # The fields of a record the report reads, by kind (scores, curves and config are checked apart).
 TEXT_FIELDS = ("variant", "data")
@@ -88,7 +92,32 @@ def record_problem(record: Any) -> str | None:
             return wrong(key, record[key], expected)
     if len(record["val_bpc"]) != len(record["val_steps"]):
         return f"val_bpc has {len(record['val_bpc'])} values for {len(record['val_steps'])} val_steps"
-    return fit_problem(record) or scores_problem(record["scores"]) or config_problem(record["config"])
+    return (fit_problem(record) or scores_problem(record["scores"]) or config_problem(record["config"])
+            or ar_split_problem(record.get("ar_split", {})) or mqar_problem(record))
+
+
+def mqar_problem(record: dict[str, Any]) -> str | None:
+    """A --task mqar run's recall scores, where a record has them: val and test bits and accuracy, the state."""
+    if "mqar" not in record:
+        return None
+    recall = record["mqar"]
+    if not (isinstance(recall, dict) and isinstance(recall.get("state_size"), str) and all(
+            isinstance(recall.get(split), dict) and is_number(recall[split].get("bits"))
+            and is_number(recall[split].get("accuracy")) for split in ("val", "test"))):
+        return wrong("mqar", recall, "val and test bits and accuracy, and a state_size")
+    return None
+
+
+def ar_split_problem(ar_split: Any) -> str | None:
+    """eval.py --ar-split's scores, where a record has them: split -> window length -> AR_SPLIT_KEYS."""
+    if not isinstance(ar_split, dict):
+        return wrong("ar_split", ar_split, "a dict of splits")
+    for split, by_length in ar_split.items():
+        if not isinstance(by_length, dict) or not all(
+                isinstance(scores, dict) and all(is_number(scores.get(key)) for key in AR_SPLIT_KEYS)
+                for scores in by_length.values()):
+            return wrong(f"ar_split.{split}", by_length, f"a dict of window lengths to {', '.join(AR_SPLIT_KEYS)}")
+    return None
 
 
 def fit_problem(record: dict[str, Any]) -> str | None:
@@ -190,6 +219,8 @@ def factors(config: dict[str, Any]) -> tuple[str, dict[str, str]]:
     levels = {"rope": config["rope"], "positions": "learned" if config["abs_pos"] else "-",
               "normalization": config.get("normalization", "denominator")}   # records from before it existed
     levels.update({key: repr(value) for key, value in sorted(config["feature_map_options"].items())})
+    levels.update({key: str(config[key]) for key in BLOCK_OPTIONS   # a level only where set: older records lack them
+                   if config.get(key, field_default(key)) != field_default(key)})
     return family, levels
 
 
@@ -308,6 +339,30 @@ def fit_table(variants: dict[str, list[dict[str, Any]]]) -> list[str]:
     return lines
 
 
+def ar_split_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> list[str]:
+    """eval.py --ar-split's whole-val-split scores at the training length, for the variants whose
+    every run has them."""
+    scored = {name: [r["ar_split"]["val"][str(seq_len)] for r in runs] for name, runs in variants.items()
+              if all(str(seq_len) in r.get("ar_split", {}).get("val", {}) for r in runs)}
+    lines = ["| variant | seeds | AR-hit bpc | rest bpc | hit share of the bytes |", "|---|---|---|---|---|"]
+    for name, splits in scored.items():
+        lines.append(f"| {name} | {','.join(str(r['seed']) for r in variants[name])} | "
+                     f"{mean_std(s['hit_bpc'] for s in splits)} | {mean_std(s['rest_bpc'] for s in splits)} | "
+                     f"{np.mean([s['hit_fraction'] for s in splits]):.1%} |")
+    return lines if scored else []
+
+
+def mqar_table(variants: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """--task mqar's accuracy at the query positions (held-out streams) beside each variant's decoding state."""
+    scored = {name: runs for name, runs in variants.items() if all("mqar" in r for r in runs)}
+    lines = ["| variant | seeds | val accuracy | test accuracy | state per head and layer |", "|---|---|---|---|---|"]
+    for name, runs in scored.items():
+        lines.append(f"| {name} | {','.join(str(r['seed']) for r in runs)} | "
+                     f"{mean_std(r['mqar']['val']['accuracy'] for r in runs)} | "
+                     f"{mean_std(r['mqar']['test']['accuracy'] for r in runs)} | {runs[0]['mqar']['state_size']} |")
+    return lines if scored else []
+
+
 def extrapolation_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> list[str]:
     lengths = sorted({int(n) for runs in variants.values() for r in runs for n in r["scores"].get("val", {})})
     if len(lengths) < 2:
@@ -349,14 +404,15 @@ def results_markdown(grid_dir: Path, records: Records, variants: dict[str, list[
                 f"{config.optim.steps} steps, lr {config.optim.lr}; seeds {','.join(map(str, seeds))}; data: {data}.",
                 "", "Mean ± sample std over seeds. Whole-split scores: every byte of the split, windows of "
                 f"seq_len {seq_len} (eval.py); estimates: {config.log.eval_iters} fixed val batches during training.",
-                "", *summary_table(variants, seq_len), "",
-                "Reference lines: smoothed byte n-gram count models (linattn_lm/ngram.py); a model above the "
-                "order-k line uses less than k bytes of context as well as a count table does.", "",
-                "| n-gram order | " + " | ".join(f"{split} bpc" for split in reference) + " |",
-                "|---|" + "---|" * len(reference)]
-    orders = next(iter(reference.values()), {})
-    markdown += [f"| {order} | " + " | ".join(f"{lines[order]:.4f}" for lines in reference.values()) + " |"
-                 for order in orders]
+                "", *summary_table(variants, seq_len)]
+    if reference:   # enwik8's n-gram lines (a --task mqar grid has none)
+        markdown += ["", "Reference lines: smoothed byte n-gram count models (linattn_lm/ngram.py); a model above "
+                     "the order-k line uses less than k bytes of context as well as a count table does.", "",
+                     "| n-gram order | " + " | ".join(f"{split} bpc" for split in reference) + " |",
+                     "|---|" + "---|" * len(reference)]
+        orders = next(iter(reference.values()), {})
+        markdown += [f"| {order} | " + " | ".join(f"{lines[order]:.4f}" for lines in reference.values()) + " |"
+                     for order in orders]
     paired = paired_table(variants, seq_len)
     if paired:
         markdown += ["", "## Paired differences (whole val split, bpc; negative: A is better)", "",
@@ -370,6 +426,15 @@ def results_markdown(grid_dir: Path, records: Records, variants: dict[str, list[
         markdown += ["", "## Fit: passes over the training split and the train-val gap (last evaluation)", "",
                      f"Both estimates: {config.log.eval_iters} fixed batches of the split, in eval mode; a gap that "
                      "grows over training means the model has begun to memorise the training split.", "", *fit]
+    mqar = mqar_table(variants)
+    if mqar:
+        markdown += ["", "## Multi-query associative recall (train.py --task mqar; accuracy at the query positions)",
+                     "", "Held-out streams of the run's seed; the bpc columns above are bits per query.", "", *mqar]
+    recall = ar_split_table(variants, seq_len)
+    if recall:
+        markdown += ["", "## Associative recall split (whole val split, bpc; eval.py --ar-split)", "",
+                     "AR hits: bytes that continue a byte bigram seen earlier in their window (Zoology's split).",
+                     "", *recall]
     extrapolation = extrapolation_table(variants, seq_len)
     if extrapolation:
         markdown += ["", "## Length extrapolation (whole val split, bpc by window length)", "", *extrapolation]

@@ -31,7 +31,8 @@ from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_finite_weights,
 from .cli import add_config_flags, given_settings, import_user_code, pre_parse_imports
 from .config import TrainConfig, config_differences, config_from_flags
 from .data import DataError, RandomWindows, load_split
-from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss
+from . import mqar
+from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss, state_size
 from .runlock import DirectoryLock
 from .device import (autocast, gradient_scaler, keep_freed_memory, peak_memory_mb, precision_key, precision_name,
                      release_free_memory, reset_peak_memory, resolve_device)
@@ -188,6 +189,7 @@ class RunStats:
     # bpc on fixed train windows at each val step, measured as val is (eval mode, same precision), so
     # val_bpc - train_bpc is the generalisation gap; None where a run from before it was resumed.
     train_bpc: list[float | None] = field(default_factory=list)
+    val_accuracy: list[float] = field(default_factory=list)   # --task mqar: accuracy at the queries, at val_steps
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "RunStats":
@@ -197,7 +199,7 @@ class RunStats:
         stats = cls(**state)
         for spec in fields(cls):
             value = getattr(stats, spec.name)
-            if spec.name in ("val_steps", "val_bpc"):
+            if spec.name in ("val_steps", "val_bpc", "val_accuracy"):
                 if not isinstance(value, list) or not all(map(_is_number, value)):
                     raise ValueError(f"{spec.name} is {value!r}, not a list of numbers")
             elif spec.name == "train_bpc":
@@ -246,6 +248,8 @@ class TrainResult:
     dtype: str = "auto"              # the precision it computed in (fp32, bf16, fp16)
     stop_signal: int = 0             # the signal that stopped the run early, 0 if it finished
     late_signal: int = 0             # a signal that came with the last step (the run finished)
+    val_accuracy: float = math.nan   # --task mqar: the last estimate's accuracy at the query positions
+    state_size: str = ""             # the decoding state per head and layer (lm.state_size)
     model: ByteLM | None = None
 
     @property
@@ -253,7 +257,9 @@ class TrainResult:
         return bool(self.stop_signal)
 
     def summary(self) -> str:
-        return (f"result {self.run_name}: final val bpc {self.final_val_bpc:.4f} "
+        recall = (f"val accuracy {self.val_accuracy:.1%} at the queries (state {self.state_size}) | "
+                  if not math.isnan(self.val_accuracy) else "")
+        return (f"result {self.run_name}: {recall}final val bpc {self.final_val_bpc:.4f} "
                 f"(best {self.best_val_bpc:.4f}) | {self.tokens_per_s:,.0f} tokens/s | "
                 f"wall time {self.wall_seconds:.1f}s | {self.steps} steps | "
                 f"peak memory {self.peak_memory_mb:,.0f} MiB")
@@ -315,6 +321,16 @@ def evaluate(model: torch.nn.Module, windows: RandomWindows, config: TrainConfig
     nats, count = summed_loss(model, batches, ctx.device, dtype)
     totals = ctx.sum(torch.tensor([nats, count], dtype=torch.float64, device=ctx.device))
     return bits_per_byte((totals[0] / totals[1]).item())
+
+
+def evaluate_queries(model: torch.nn.Module, batches: mqar.MqarBatches, config: TrainConfig, ctx: Distributed,
+                     dtype: str, first_batch: int = 0) -> tuple[float, float]:
+    """--task mqar's estimate, as `evaluate`'s: (bits per query, accuracy) at the query positions."""
+    stream = (batches.batch_at(first_batch + i) for i in range(config.log.eval_iters))
+    totals = ctx.sum(torch.tensor(mqar.query_scores(model, stream, ctx.device, dtype), dtype=torch.float64,
+                                  device=ctx.device))
+    nats, correct, count = totals.tolist()
+    return bits_per_byte(nats / count), correct / count
 
 
 def sample_prompt(val: np.ndarray, config: TrainConfig) -> tuple[torch.Tensor, int]:
@@ -393,6 +409,16 @@ class Trainer:
 
     def _load_data(self) -> None:
         config, ctx = self.config, self.ctx
+        if config.task.task == "mqar":   # synthetic: the seed is the data, there is no split and no text
+            model = config.model
+            streams = dict(batch_size=config.optim.batch_size // ctx.world_size, seed=model.seed, rank=ctx.rank,
+                           world_size=ctx.world_size)
+            sizes = (model.vocab_size, model.seq_len, config.task.mqar_kv_pairs)
+            self.train_batches = mqar.MqarBatches(*sizes, **streams, stream="train")
+            self.val_batches = mqar.MqarBatches(*sizes, **streams, stream="val")
+            self.val_split, self.data, self.train_bytes = None, mqar.describe(*sizes), 0
+            self.log(f"data: {self.data}")
+            return
         self.data_dir = str(config.run.data_path)
         train_split, self.val_split = load_split(self.data_dir, "train"), load_split(self.data_dir, "val")
         windows = dict(batch_size=config.optim.batch_size // ctx.world_size, seq_len=config.model.seq_len,
@@ -480,7 +506,8 @@ class Trainer:
             self.writer.add_text("data", self.data, self.step)
             settings = "\n".join(f"    {key} = {value}" for key, value in self.config.flat().items())
             self.writer.add_text("config", settings, self.step)
-        self.prompt, self.sample_bytes = sample_prompt(self.val_split.data, self.config)
+        self.prompt, self.sample_bytes = (sample_prompt(self.val_split.data, self.config) if self.val_split
+                                          else (None, 0))
         self.bar = tqdm(total=self.config.optim.steps, initial=self.step, desc=self.config.run.run_name,
                         dynamic_ncols=True, disable=not (self.ctx.is_main and sys.stderr.isatty()))
         self.window_start = time.perf_counter()
@@ -583,9 +610,17 @@ class Trainer:
     def evaluate_and_sample(self) -> None:
         config, step = self.config, self.step
         if step % config.log.eval_interval == 0 or step == config.optim.steps:
-            val_bpc = evaluate(self.compiled, self.val_batches, config, self.ctx, self.dtype)
-            train_bpc = evaluate(self.compiled, self.train_batches, config, self.ctx, self.dtype,
-                                 first_batch=TRAIN_ESTIMATE_FIRST_BATCH)
+            if config.task.task == "mqar":   # the task's scorer: bits per query and accuracy at the queries
+                val_bpc, accuracy = evaluate_queries(self.compiled, self.val_batches, config, self.ctx, self.dtype)
+                train_bpc, _ = evaluate_queries(self.compiled, self.train_batches, config, self.ctx, self.dtype,
+                                                first_batch=TRAIN_ESTIMATE_FIRST_BATCH)
+                self.stats.val_accuracy.append(accuracy)
+                self.scalar("val/accuracy", accuracy)
+                self.log(f"step {step}: val accuracy {accuracy:.1%} at the queries")
+            else:
+                val_bpc = evaluate(self.compiled, self.val_batches, config, self.ctx, self.dtype)
+                train_bpc = evaluate(self.compiled, self.train_batches, config, self.ctx, self.dtype,
+                                     first_batch=TRAIN_ESTIMATE_FIRST_BATCH)
             self.stats.val_steps.append(step)
             self.stats.val_bpc.append(val_bpc)
             self.stats.train_bpc.append(train_bpc)
@@ -593,12 +628,14 @@ class Trainer:
             self.scalar("val/bpc", val_bpc)
             self.scalar("train_windows/bpc", train_bpc)
             self.scalar("val/gap_to_train_bpc", val_bpc - train_bpc)
-            self.scalar("passes", self.passes)
+            if self.train_bytes:   # mqar's data never repeats
+                self.scalar("passes", self.passes)
             speed = self.stats.tokens_per_s   # nan until a step's time is counted (right after the first)
             self.log(f"step {step}/{config.optim.steps} | val bpc {val_bpc:.4f} | train bpc {train_bpc:.4f} "
-                     f"| {self.passes:.2f} passes"
+                     + (f"| {self.passes:.2f} passes" if self.train_bytes else "| new data every step")
                      + (f" | {speed:,.0f} tokens/s" if math.isfinite(speed) else ""))
-        if self.writer and config.log.sample_interval and step % config.log.sample_interval == 0:
+        if (self.writer and self.prompt is not None   # mqar has no text to sample
+                and config.log.sample_interval and step % config.log.sample_interval == 0):
             sample = text_sample(self.model, self.prompt, self.sample_bytes, config.model.seed, self.device,
                                  self.dtype)
             self.writer.add_text("sample", sample, step)
@@ -673,13 +710,17 @@ class Trainer:
             wall_seconds=stats.train_seconds + stats.other_seconds, loop_overhead=stats.loop_overhead,
             seed=config.model.seed, data=self.data, val_steps=list(stats.val_steps),
             val_bpc=list(stats.val_bpc), train_bpc=list(stats.train_bpc), train_bytes=self.train_bytes,
-            dtype=self.dtype, stop_signal=stop_signal, model=self.model)
+            dtype=self.dtype, stop_signal=stop_signal, model=self.model,
+            val_accuracy=stats.val_accuracy[-1] if stats.val_accuracy else math.nan,
+            state_size=state_size(config.model))
         self.log(f"loop overhead {100 * result.loop_overhead:.1f}% of step time (data, logging, "
                  f"checkpoints; evaluation and sampling, {stats.other_seconds:.1f}s, not counted)")
         if self.writer:
             if not stop_signal:
                 metrics = {"final_val_bpc": result.final_val_bpc, "best_val_bpc": result.best_val_bpc,
                            "tokens_per_s": result.tokens_per_s, "loop_overhead": result.loop_overhead}
+                if not math.isnan(result.val_accuracy):
+                    metrics["val_accuracy"] = result.val_accuracy
                 hparams = {key: value if isinstance(value, (int, float, str, bool)) else str(value)
                            for key, value in config.flat().items()}
                 self.writer.add_hparams(hparams, {f"hparams/{k}": v for k, v in metrics.items()}, run_name=".")

@@ -1,0 +1,128 @@
+"""Multi-query associative recall (MQAR; Arora et al. 2023, Zoology), the recall task of `train.py --task mqar`.
+
+A sequence opens with D key-value pairs (k_1 v_1 ... k_D v_D), keys drawn without replacement from
+[1, V/2) and values from [V/2, V); each key is then queried once, later in the sequence: the model
+sees k_i again and must predict v_i.  As in Zoology, the queries sit at gaps drawn with probability
+proportional to g^(a-1) (a = 0.01: mostly soon after the pairs), every other position holds a random
+token, and only the query positions are scored (loss and accuracy): the rest carry the ignored target.
+The data is a function of the seed: batch i of a stream is drawn from np.random.default_rng([seed,
+stream, i]), so resuming costs nothing and every variant with a seed sees the same sequences.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from .lm import lm_loss
+from .device import autocast
+
+POWER_A = 0.01   # Zoology's default exponent of the query gaps' power law
+IGNORED = -100   # the target of a position that is no query (F.cross_entropy's ignore_index)
+STREAMS = {"train": 0, "val": 1, "test": 2}
+
+
+def describe(vocab_size: int, seq_len: int, kv_pairs: int) -> str:
+    return f"MQAR (synthetic): {kv_pairs} key-value pairs, vocab {vocab_size}, {seq_len} tokens"
+
+
+def draw_batch(rng: np.random.Generator, rows: int, vocab_size: int, seq_len: int,
+               kv_pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) int64 (rows, seq_len): the sequences and their targets, IGNORED except at the queries."""
+    half, context = vocab_size // 2, 2 * kv_pairs
+    keys = 1 + rng.random((rows, half - 1)).argsort(axis=1)[:, :kv_pairs]        # without replacement
+    values = half + rng.random((rows, vocab_size - half)).argsort(axis=1)[:, :kv_pairs]
+    space = (seq_len - context) // 2                                              # query slots
+    log_p = (POWER_A - 1) * np.log(np.arange(1, space + 1))
+    gumbel = -np.log(-np.log(rng.random((rows, space))))
+    slots = np.argsort(-(log_p + gumbel), axis=1)[:, :kv_pairs]   # Gumbel top-k: weighted, without replacement
+    tokens = rng.integers(0, vocab_size, (rows, seq_len))
+    tokens[:, 0:context:2], tokens[:, 1:context:2] = keys, values
+    queries = context + 2 * slots
+    np.put_along_axis(tokens, queries, keys, axis=1)
+    targets = np.full((rows, seq_len), IGNORED)
+    np.put_along_axis(targets, queries, values, axis=1)
+    return torch.from_numpy(tokens), torch.from_numpy(targets)
+
+
+class MqarBatches:
+    """Endless MQAR batches of one stream (train, val, test), drawn as RandomWindows draws windows:
+    global batch i from np.random.default_rng([seed, stream, i]), rank r taking its rows; the state
+    is (seed, batches_drawn)."""
+
+    def __init__(self, vocab_size: int, seq_len: int, kv_pairs: int, batch_size: int, *, seed: int,
+                 stream: str, rank: int = 0, world_size: int = 1) -> None:
+        self.vocab_size, self.seq_len, self.kv_pairs, self.batch_size = vocab_size, seq_len, kv_pairs, batch_size
+        self.seed, self.stream, self.rank, self.world_size = seed, STREAMS[stream], rank, world_size
+        self.batches_drawn = 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self.batch_at(self.batches_drawn)
+        self.batches_drawn += 1
+        return batch
+
+    def batch_at(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch `index` of the stream (this rank's rows), without moving the iterator."""
+        rng = np.random.default_rng([self.seed, self.stream, index])
+        x, y = draw_batch(rng, self.batch_size * self.world_size, self.vocab_size, self.seq_len, self.kv_pairs)
+        rows = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
+        return x[rows], y[rows]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "batches_drawn": self.batches_drawn, "stream": self.stream,
+                "global_batch_size": self.batch_size * self.world_size, "seq_len": self.seq_len,
+                "vocab_size": self.vocab_size, "kv_pairs": self.kv_pairs}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue the stream saved in `state`; refuses a state of another stream or task."""
+        mine = self.state_dict()
+        for key in ("stream", "global_batch_size", "seq_len", "vocab_size", "kv_pairs", "seed"):
+            if state[key] != mine[key]:
+                raise ValueError(f"cannot resume: saved {key} is {state[key]}, this stream's is {mine[key]}")
+        if not isinstance(state["batches_drawn"], int) or state["batches_drawn"] < 0:
+            raise ValueError(f"saved batches_drawn must be an integer >= 0, got {state['batches_drawn']!r}")
+        self.batches_drawn = state["batches_drawn"]
+
+
+@torch.no_grad()
+def query_scores(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+                 dtype: str = "auto") -> tuple[float, int, int]:
+    """(loss in nats summed over the query positions, queries answered right by the most likely
+    token, query positions) over (x, y) batches, in eval mode."""
+    was_training = model.training
+    model.eval()
+    nats = torch.zeros((), dtype=torch.float64, device=device)
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    count = 0
+    try:
+        for x, y in batches:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with autocast(device, dtype):
+                logits = model(x)
+            nats += lm_loss(logits, y, reduction="sum").double()   # the ignored targets add nothing
+            queries = y != IGNORED
+            correct += (logits.argmax(dim=-1) == y)[queries].sum()
+            count += int(queries.sum())
+    finally:
+        model.train(was_training)
+    return nats.item(), int(correct.item()), count
+
+
+HELD_OUT_BATCHES = 64   # batches of each held-out stream a finished run is scored on (grid.py)
+
+
+def held_out_scores(model: torch.nn.Module, vocab_size: int, seq_len: int, kv_pairs: int, batch_size: int,
+                    seed: int, device: torch.device, dtype: str = "auto") -> dict[str, dict[str, float]]:
+    """A finished run's scores on the first HELD_OUT_BATCHES batches of its val and test streams:
+    split -> {bits: per query, accuracy: at the queries}, the whole-split scores of the task."""
+    scores = {}
+    for split in ("val", "test"):
+        stream = MqarBatches(vocab_size, seq_len, kv_pairs, batch_size, seed=seed, stream=split)
+        nats, correct, count = query_scores(model, (stream.batch_at(i) for i in range(HELD_OUT_BATCHES)), device,
+                                            dtype)
+        scores[split] = {"bits": nats / count / np.log(2), "accuracy": correct / count}
+    return scores
