@@ -14,7 +14,7 @@ QUICK_START = ('pip install torch==2.13.0 -e . && python data/enwik8/prepare.py 
                'pip install torch==2.13.0 -e ".[dev]" && python -m pytest')
 # Pages the README links that other branches of this session write; a stale entry fails
 # `test_every_pending_page_is_still_missing`, so that it is deleted once the page is there.
-PENDING = {"docs/backends.md", "docs/checkpoints.md", "docs/gap-closers.md"}
+PENDING = {"docs/backends.md", "docs/checkpoints.md"}
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
