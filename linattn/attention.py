@@ -384,17 +384,35 @@ def _xformers_ops():
     return xops
 
 
+def _window_mask(n: int, window: int, device: torch.device) -> torch.Tensor:
+    """(n, n) bool, True where query m may attend to key n: 0 <= m - n < window."""
+    distance = torch.arange(n, device=device)[:, None] - torch.arange(n, device=device)
+    return (distance >= 0) & (distance < window)
+
+
 class SoftmaxAttention(_Projections):
     """Softmax attention with optional RoPE on q and k (RoFormer Eq. 16).
 
     backend='sdpa' uses torch's scaled_dot_product_attention (any device); backend='xformers'
-    uses xformers' memory_efficient_attention (CUDA only)."""
+    uses xformers' memory_efficient_attention (CUDA only).
+
+    window=W > 0 (causal, sdpa only): query m attends to the keys n with 0 <= m - n < W only (itself
+    and the W - 1 before it), a sliding window of exact softmax: the window-only control of the
+    linear block's `window`.  The parallel pass gives SDPA a banded (N, N) boolean mask, so it costs
+    what full softmax does, O(N^2); fine at the study's lengths (hundreds of tokens), not a
+    linear-time kernel.  Decoding keeps the last W keys and values only: O(W) per token."""
 
     def __init__(self, dim: int, heads: int, *, rope: bool = True, causal: bool = True,
-                 backend: str = "sdpa", rope_base: float = DEFAULT_BASE, bias: bool = False):
+                 backend: str = "sdpa", rope_base: float = DEFAULT_BASE, bias: bool = False, window: int = 0):
         super().__init__(dim, heads, bias, causal)
         if backend not in SOFTMAX_BACKENDS:
             raise ValueError(f"backend must be one of {SOFTMAX_BACKENDS}, got {backend!r}")
+        if not is_integer(window) or window < 0:
+            raise ValueError(f"window must be a non-negative integer number of tokens (0: no window), got {window!r}")
+        if window and not causal:
+            raise ValueError("window is defined for causal attention only: pass causal=True (or window=0)")
+        if window and backend != "sdpa":
+            raise ValueError(f"backend={backend!r} does not support window; use backend='sdpa'")
         if not isinstance(rope, bool):
             raise ValueError(f"rope must be True or False for softmax attention, got {rope!r}")
         if rope and self.head_dim % 2:
@@ -403,6 +421,7 @@ class SoftmaxAttention(_Projections):
         check_rope_base(rope_base)
         self._xops = _xformers_ops() if backend == "xformers" else None
         self.rope, self.causal, self.backend, self.rope_base = rope, causal, backend, rope_base
+        self.window = int(window)
 
     def _rotate(self, q, k, offset: int):
         if not self.rope:
@@ -416,6 +435,13 @@ class SoftmaxAttention(_Projections):
         check_offset(offset)
         self._check_heads(q, k, v)
         q, k = self._rotate(q, k, offset)
+        return self._parallel(q, k, v)
+
+    def _parallel(self, q, k, v):
+        """The whole-sequence pass on rotated inputs: the window's band, else the block's mask."""
+        n = q.shape[-2]
+        if 0 < self.window < n:   # a window as long as the sequence is the causal mask
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=_window_mask(n, self.window, q.device))
         return self._kernel(q, k, v, self.causal)
 
     def _kernel(self, q, k, v, causal: bool):
@@ -436,11 +462,16 @@ class SoftmaxAttention(_Projections):
             raise ValueError("return_state=True needs causal=True: a non-causal pass has no decoding state")
         q, k, v = self._qkv(x, 3)
         q, k = self._rotate(q, k, offset)   # the cache holds rotated keys
-        out = self._merge(self._kernel(q, k, v, self.causal))
+        out = self._merge(self._parallel(q, k, v))
         if not return_state:
             return out
         # Detached as the linear block's state is: a prefill's cache is for decoding, not training.
+        k, v = self._last_window(k), self._last_window(v)
         return out, KVCache(k.detach(), v.detach(), int(offset) + x.shape[1])
+
+    def _last_window(self, t: torch.Tensor) -> torch.Tensor:
+        """The last W tokens of (B, H, T, D) cached keys or values (all of them without a window)."""
+        return t[:, :, -self.window:] if self.window else t
 
     def step(self, x_t: torch.Tensor, state: KVCache | None = None):
         """Decode one token (B, dim) against the KV cache; `state=None` starts a sequence."""
@@ -450,7 +481,8 @@ class SoftmaxAttention(_Projections):
         q, k = self._rotate(q, k, position)
         if state is not None:
             k, v = torch.cat((state.k, k), dim=-2), torch.cat((state.v, v), dim=-2)
-        # The new token sees every cached token, so no mask is needed.
+            k, v = self._last_window(k), self._last_window(v)
+        # The new token sees every cached token (the window's last W with itself), so no mask is needed.
         out = self._merge(self._kernel(q, k, v, causal=False))
         return out[:, 0], KVCache(k, v, position + 1)
 
@@ -467,4 +499,5 @@ class SoftmaxAttention(_Projections):
         return check_state_position(state)
 
     def extra_repr(self) -> str:
-        return f"heads={self.heads}, rope={self.rope}, causal={self.causal}, backend={self.backend!r}"
+        return (f"heads={self.heads}, rope={self.rope}, causal={self.causal}, backend={self.backend!r}"
+                + (f", window={self.window}" if self.window else ""))
