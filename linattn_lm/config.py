@@ -92,7 +92,8 @@ class ModelConfig:
                                                 "sum phi(q).phi(k)) or rmsnorm (a per-head RMSNorm of the "
                                                 "output instead; linear only)", variant=True)
     window: int = setting(0, "linear: keys fewer than N positions back get the exact softmax weight e^s, older ones "
-                             "the feature map's, under one normaliser (0 = no window)", variant=True)
+                             "the feature map's, under one normaliser; softmax: attend to those keys only (the "
+                             "window-only control); 0 = no window", variant=True)
     decay: str = setting("", "linear: every attention weight times gamma_h^(distance): retnet (gamma_h = "
                              "1 - 2^(-5-h)) or one value in (0, 1] per head, separated by commas ('' = none)",
                          variant=True)
@@ -154,7 +155,7 @@ class ModelConfig:
         if self.feature_map or self.feature_map_options:
             raise ValueError("softmax attention takes no feature map: feature_map must be '' and "
                              "feature_map_options empty")
-        for name in BLOCK_OPTIONS:
+        for name in LINEAR_BLOCK_OPTIONS:
             if getattr(self, name) != field_default(name):
                 raise ValueError(f"{name} applies to linear attention only (softmax attends to every key "
                                  f"exactly), got {getattr(self, name)!r}; leave it {field_default(name)!r}")
@@ -232,8 +233,9 @@ class ModelConfig:
 
     @property
     def block_options(self) -> dict[str, Any]:
-        """LinearAttention's window and decay keywords, those that are not the default only (so a
-        default config builds the same block as before the options existed)."""
+        """The attention block's window and decay keywords, those that are not the default only (so a
+        default config builds the same block as before the options existed); softmax takes the window
+        only (validation refuses a decay there)."""
         options = {"window": self.window, "decay": self.decay_option}
         return {key: value for key, value in options.items() if value not in (0, None)}
 
@@ -287,11 +289,11 @@ class ModelConfig:
 
     @property
     def variant(self) -> str:
-        """Short name of the attention variant, e.g. softmax-rope, linear-favor-post-M256,
-        linear-favor-post-rmsnorm-M64."""
+        """Short name of the attention variant, e.g. softmax-rope, softmax-rope+window=64,
+        linear-favor-post-M256, linear-favor-post-rmsnorm-M64."""
         if self.attention == "softmax":
             parts = ["rope"] * (self.rope == "post") + ["abs"] * self.abs_pos
-            return "-".join(["softmax", *(parts or ["none"])])
+            return "+".join(["-".join(["softmax", *(parts or ["none"])]), *block_option_parts(self)])
         name = f"linear-{self.feature_map}-{self.rope}"
         if self.normalization != "denominator":
             name += f"-{self.normalization}"
@@ -309,9 +311,12 @@ class ModelConfig:
 
 
 # The block options in a variant name, after '+' and in this order: linear-favor-pre+window=64,
-# linear-favor-post+decay=retnet, linear-favor-pre+softmax_layers=1_3.  A list's commas would split
+# linear-favor-post+decay=retnet, linear-favor-pre+softmax_layers=1_3, softmax-rope+window=64 (softmax
+# takes the window only).  A list's commas would split
 # grid.py's --variants, so a name joins its items with '_'.  Built and parsed here only.
 BLOCK_OPTIONS = ("window", "decay", "softmax_layers")
+SOFTMAX_BLOCK_OPTIONS = ("window",)   # softmax-rope+window=64: the window-only control
+LINEAR_BLOCK_OPTIONS = tuple(name for name in BLOCK_OPTIONS if name not in SOFTMAX_BLOCK_OPTIONS)
 NAME_LIST_SEPARATOR = "_"
 
 
@@ -685,7 +690,7 @@ PRESETS["mqar-tiny"] = {**MQAR_PRESET, "d_model": 32, "seq_len": 32, "batch_size
                         "mqar_kv_pairs": 4}
 DEFAULT_PRESET = "cpu"
 TASK_PRESETS = {"enwik8": DEFAULT_PRESET, "mqar": "mqar"}   # the preset a task defaults to
-LINEAR_ONLY = ("feature_map", "feature_map_options", "chunk_size", *BLOCK_OPTIONS)
+LINEAR_ONLY = ("feature_map", "feature_map_options", "chunk_size", *LINEAR_BLOCK_OPTIONS)
 
 
 def resolve_variant(given: dict[str, Any], preset: dict[str, Any]) -> dict[str, Any]:

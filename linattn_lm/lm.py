@@ -28,7 +28,7 @@ INIT_STD = 0.02
 def make_attention(config: ModelConfig, layer: int) -> nn.Module:
     if config.attention == "softmax":
         return linattn.SoftmaxAttention(config.d_model, config.n_head, rope=config.rope == "post",
-                                        backend=config.block_backend)
+                                        backend=config.block_backend, **config.block_options)
     if layer in config.softmax_layer_indices:   # a hybrid's softmax + RoPE layer (sdpa runs on every device)
         return linattn.SoftmaxAttention(config.d_model, config.n_head, rope=True, backend="sdpa")
     return linattn.LinearAttention(config.d_model, config.n_head, feature_map=config.build_feature_map(layer),
@@ -189,12 +189,15 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
 def state_size(config: ModelConfig) -> str:
     """The decoding state of each head in each kind of layer, as Zoology reports it beside recall:
     'M x head_dim' for linear attention (plus the window's keys and values), a KV cache of seq_len
-    keys and values for softmax attention (at the training length: it grows with the sequence)."""
+    keys and values for softmax attention (at the training length: it grows with the sequence; the
+    window's W with a window)."""
     head_dim, kinds = config.head_dim, []
     if config.attention == "linear" and len(config.softmax_layer_indices) < config.n_layer:
         window = f" + {config.window} x 2 x {head_dim} window" if config.window else ""
         kinds.append(f"{config.num_features} x {head_dim}{window}")
-    if config.attention == "softmax" or config.softmax_layer_indices:
+    if config.attention == "softmax" and config.window:
+        kinds.append(f"{min(config.window, config.seq_len)} x 2 x {head_dim} KV cache")
+    elif config.attention == "softmax" or config.softmax_layer_indices:
         kinds.append(f"{config.seq_len} x 2 x {head_dim} KV cache")
     return "; ".join(kinds)
 

@@ -2,7 +2,7 @@
 'linear-favor-post-rmsnorm' (normalization="rmsnorm"), 'linear-favor-post+redraw_interval=250'
 (feature-map options after '+'), 'linear-favor-pre+window=64', 'linear-favor-post+decay=retnet',
 'linear-favor-pre+softmax_layers=1' (block options after '+', written as config.block_option_parts
-writes them)."""
+writes them), 'softmax-rope+window=64' (the window-only control)."""
 from __future__ import annotations
 
 from argparse import ArgumentTypeError
@@ -41,9 +41,9 @@ def variant_flags(name: str) -> dict[str, Any]:
     options = {key: value for key, value in pairs if key not in BLOCK_OPTIONS}
     if len(options) + len(block) != len(pairs):
         raise ValueError(f"variant {name!r} gives an option twice")
-    if base in SOFTMAX_VARIANTS and not options and not block:
+    if base in SOFTMAX_VARIANTS and not options:   # a block option other than the window: config's error
         rope, abs_pos = SOFTMAX_VARIANTS[base]
-        return dict(attention="softmax", rope=rope, abs_pos=abs_pos)
+        return dict(attention="softmax", rope=rope, abs_pos=abs_pos, **block)
     parts, suffixes = base.split("-"), set()
     for suffix in reversed(LINEAR_SUFFIXES):
         if len(parts) > 3 and parts[-1] == suffix:
@@ -52,7 +52,7 @@ def variant_flags(name: str) -> dict[str, Any]:
         return dict(attention="linear", feature_map="-".join(parts[1:-1]), rope=parts[-1],
                     abs_pos="abs" in suffixes, feature_map_options=options,
                     normalization="rmsnorm" if "rmsnorm" in suffixes else "denominator", **block)
-    raise ValueError(f"unknown variant {name!r}: expected one of {', '.join(SOFTMAX_VARIANTS)} or "
+    raise ValueError(f"unknown variant {name!r}: expected one of {', '.join(SOFTMAX_VARIANTS)} [+window=N] or "
                      f"linear-<map>-<post|pre|none>[-rmsnorm][-abs][+KEY=VALUE...] (KEY a feature-map option "
                      f"or one of {', '.join(BLOCK_OPTIONS)}) with a map in "
                      f"{linattn.available_feature_maps()} (--import registers more)")

@@ -13,6 +13,7 @@ import torch
 from linattn_lm import ByteLM, config_from_flags, evaluate, training
 from linattn_lm.config import BLOCK_OPTIONS, config_differences
 from linattn_lm.grid_report import comparable_pairs
+from linattn_lm.lm import state_size
 from linattn_lm.variants import variant_flags
 
 FAVOR = {"num_features": 16, "redraw_interval": 1000}
@@ -79,7 +80,8 @@ def test_a_config_from_before_the_options_resumes_unchanged() -> None:
     ("linear-favor-pre+window=0", "default"),
     ("linear-favor-pre+decay=", "default"),
     ("linear-favor-pre+window=8+window=16", "twice"),
-    ("softmax-rope+window=64", "unknown variant"),
+    ("softmax-rope+redraw_interval=0", "unknown variant"),
+    ("softmax-rope+window=0", "default"),
 ])
 def test_bad_block_options_in_names(name: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -97,8 +99,10 @@ def test_bad_block_options_in_names(name: str, message: str) -> None:
     ({"softmax_layers": "3,1"}, "softmax_layers"),
     ({"softmax_layers": "1,1"}, "softmax_layers"),
     ({"softmax_layers": "1, 3"}, "softmax_layers"),
-    ({"attention": "softmax", "window": 8}, "--window"),
+    ({"attention": "softmax", "decay": "retnet"}, "--decay"),
     ({"attention": "softmax", "softmax_layers": "1"}, "--softmax-layers"),
+    ({"attention": "softmax", "window": -1}, "window"),
+    ({**variant_flags("softmax-rope+window=8+decay=retnet")}, "--decay"),
 ])
 def test_bad_block_settings(given: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -203,3 +207,80 @@ def test_the_help_names_the_flags_and_the_layer_numbering(run_main) -> None:
     code, out, _ = run_main(training.main, ["--help"])
     assert code == 0 and "--window N" in out and "--decay" in out and "retnet" in out
     assert "--softmax-layers" in out and "0-based" in out
+
+
+# The window-only control: softmax attention over the last W keys (issue 36's second part).
+
+@pytest.mark.parametrize("name, flags", [
+    ("softmax-rope+window=64", dict(attention="softmax", rope="post", abs_pos=False, window=64)),
+    ("softmax-none+window=8", dict(attention="softmax", rope="none", abs_pos=False, window=8)),
+    ("softmax-rope-abs+window=1", dict(attention="softmax", rope="post", abs_pos=True, window=1)),
+])
+def test_the_window_only_control_round_trips_through_its_name(name: str, flags: dict) -> None:
+    assert variant_flags(name) == flags
+    config = config_from_flags({**flags, "preset": "cpu"})
+    assert config.model.variant == config.run.run_name == name
+    assert config.model.block_options == {"window": flags["window"]}
+    assert config_from_flags({"preset": "cpu", "attention": "softmax", "window": flags["window"],
+                              "rope": flags["rope"], "abs_pos": flags["abs_pos"]}).model.variant == name
+
+
+def test_softmax_defaults_keep_todays_names_and_blocks() -> None:
+    for name in ("softmax-rope", "softmax-abs", "softmax-none", "softmax-rope-abs"):
+        config = config_from_flags({**variant_flags(name), "preset": "cpu"}).model
+        assert config.variant == name and config.window == 0 and config.block_options == {}
+        assert "window" not in variant_flags(name)
+    model = ByteLM(config_from_flags({"preset": "tiny", "attention": "softmax"}).model)
+    assert all(block.attn.window == 0 for block in model.blocks)
+
+
+def test_a_checkpoint_config_with_a_decay_on_the_window_control_is_refused() -> None:
+    config = config_from_flags({"preset": "tiny", **variant_flags("softmax-rope+window=8")}).model
+    config.validate()
+    config.softmax_layers = "1"
+    with pytest.raises(ValueError, match="softmax_layers applies to linear attention only"):
+        config.validate()
+
+
+def test_the_window_control_pairs_with_softmax_by_its_window() -> None:
+    names = ["softmax-rope", "softmax-rope+window=64", "linear-favor-pre+window=64"]
+    configs = {name: config_from_flags({**variant_flags(name), "preset": "cpu"}).flat() for name in names}
+    assert comparable_pairs(configs) == [("softmax-rope", "softmax-rope+window=64", "window")]
+
+
+def test_the_window_control_builds_windowed_softmax_blocks_that_decode_as_they_run(small_config) -> None:
+    torch.manual_seed(0)
+    config = small_config(attention="softmax", feature_map="", feature_map_options={}, window=4, seq_len=32)
+    model = ByteLM(config).eval()
+    assert [(type(block.attn).__name__, block.attn.window) for block in model.blocks] == \
+        [("SoftmaxAttention", 4)] * config.n_layer
+    assert state_size(config) == f"4 x 2 x {config.head_dim} KV cache"
+    idx = torch.randint(0, 256, (2, 20))
+    with torch.no_grad():
+        full = model(idx)
+        logits, state = model.prefill(idx[:, :7])
+        stepped = [logits]
+        for position in range(7, 20):
+            step_logits, state = model.step(idx[:, position], state)
+            stepped.append(step_logits[:, None])
+    torch.testing.assert_close(torch.cat(stepped, dim=1), full, atol=2e-5, rtol=1e-4)
+    assert all(layer.k.shape[-2] == 4 for layer in state.layers)
+    # the window changes the model: a window as long as the context is plain causal softmax
+    plain = ByteLM(small_config(attention="softmax", feature_map="", feature_map_options={}, seq_len=32)).eval()
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert not torch.allclose(plain(idx), full)
+        model.blocks[0].attn.window = model.blocks[1].attn.window = 32
+        torch.testing.assert_close(model(idx), plain(idx))
+
+
+def test_the_window_control_trains_and_scores_from_the_flags(data_dir: Path, tiny: list[str], tmp_path: Path,
+                                                              run_main) -> None:
+    argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--attention", "softmax", "--window", "8",
+            "--steps", "4", "--eval-interval", "4", "--ckpt-interval", "4", "--sample-interval", "0"]
+    code, out, err = run_main(training.main, argv)
+    assert code == 0, err
+    run_dir = tmp_path / "softmax-rope+window=8"
+    assert "model: softmax-rope+window=8" in out and (run_dir / "ckpt.pt").is_file()
+    code, out, _ = run_main(evaluate.main, [str(run_dir), "--max-bytes", "2000", "--threads", "1"])
+    assert code == 0 and "softmax-rope+window=8" in out
