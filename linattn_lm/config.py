@@ -312,8 +312,8 @@ class ModelConfig:
 
 # The block options in a variant name, after '+' and in this order: linear-favor-pre+window=64,
 # linear-favor-post+decay=retnet, linear-favor-pre+softmax_layers=1_3, softmax-rope+window=64 (softmax
-# takes the window only).  A list's commas would split
-# grid.py's --variants, so a name joins its items with '_'.  Built and parsed here only.
+# takes the window only).  A list's commas would split grid.py's --variants, so a name joins its items
+# with '_'.  Built and parsed here only.
 BLOCK_OPTIONS = ("window", "decay", "softmax_layers")
 SOFTMAX_BLOCK_OPTIONS = ("window",)   # softmax-rope+window=64: the window-only control
 LINEAR_BLOCK_OPTIONS = tuple(name for name in BLOCK_OPTIONS if name not in SOFTMAX_BLOCK_OPTIONS)
