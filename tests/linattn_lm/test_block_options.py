@@ -12,7 +12,7 @@ import torch
 
 from linattn_lm import ByteLM, config_from_flags, evaluate, training
 from linattn_lm.config import BLOCK_OPTIONS, config_differences
-from linattn_lm.grid_report import comparable_pairs
+from linattn_lm.grid_report import comparable_pairs, softmax_baseline
 from linattn_lm.lm import state_size
 from linattn_lm.variants import variant_flags
 
@@ -246,6 +246,9 @@ def test_the_window_control_pairs_with_softmax_by_its_window() -> None:
     names = ["softmax-rope", "softmax-rope+window=64", "linear-favor-pre+window=64"]
     configs = {name: config_from_flags({**variant_flags(name), "preset": "cpu"}).flat() for name in names}
     assert comparable_pairs(configs) == [("softmax-rope", "softmax-rope+window=64", "window")]
+    # softmax + RoPE stays the linear variants' yardstick, whichever order the grid lists them in
+    variants = {name: [{"config": configs[name]}] for name in reversed(names)}
+    assert softmax_baseline(variants) == "softmax-rope"
 
 
 def test_the_window_control_builds_windowed_softmax_blocks_that_decode_as_they_run(small_config) -> None:
