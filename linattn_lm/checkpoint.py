@@ -57,6 +57,7 @@ def save_checkpoint(path: Path | str, payload: dict[str, Any]) -> None:
 
 # The digest lives in the zip archive's comment, the last bytes of the file: torch.load reads the
 # archive as it is, and the digest covers every byte before its own hex digits.
+ZIP_START = b"PK\x03\x04"     # a zip archive's first bytes (its first entry's header)
 EOCD = b"PK\x05\x06"          # the end-of-central-directory record: 22 bytes, the comment's length last
 EOCD_SIZE = 22
 DIGEST_PREFIX = b"linattn-sha256:"
@@ -92,21 +93,28 @@ def file_sha256(path: Path, size: int) -> str:
 
 def recorded_digest(path: Path) -> str | None:
     """The sha256 a checkpoint was sealed with; None for one written before checkpoints were sealed
-    (a zip without a comment).  A tail that is neither is damage."""
+    (a zip without a comment), or for a file that is no zip at all (torch.load says what it is).  A
+    zip whose end is neither is damage."""
     size = path.stat().st_size
     with open(path, "rb") as file:
+        start = file.read(4)
         file.seek(max(0, size - EOCD_SIZE - COMMENT_SIZE))
         tail = file.read()
-    if tail[-EOCD_SIZE:-EOCD_SIZE + 4] == EOCD and tail[-2:] == b"\0\0":
+    if start != ZIP_START or (tail[-EOCD_SIZE:-EOCD_SIZE + 4] == EOCD and tail[-2:] == b"\0\0"):
         return None
     record, comment = tail[:EOCD_SIZE], tail[EOCD_SIZE:]
     hex_digits = comment[len(DIGEST_PREFIX):]
     if (record[:4] != EOCD or record[-2:] != COMMENT_SIZE.to_bytes(2, "little")
             or not comment.startswith(DIGEST_PREFIX) or len(hex_digits) != 64
             or not all(chr(c) in "0123456789abcdef" for c in hex_digits)):
-        raise CheckpointError(f"{path} is damaged: its end is neither a sealed checkpoint's nor a plain zip's "
-                              f"(truncated or changed); {REPLACE_HINT}")
+        raise CheckpointError(f"cannot read checkpoint {path}: it does not end as a checkpoint train.py writes "
+                              f"(truncated, changed, or another kind of file); {REPLACE_HINT}")
     return hex_digits.decode("ascii")
+
+
+def is_zip(path: Path) -> bool:
+    with open(path, "rb") as file:
+        return file.read(4) == ZIP_START
 
 
 REPLACE_HINT = "train.py keeps one checkpoint per run: use a copy of it, or start the run again"
@@ -118,7 +126,7 @@ def verify_digest(path: Path) -> None:
     one written before checkpoints were sealed (it is read unverified, as it always was)."""
     recorded = recorded_digest(path)
     if recorded is None:
-        if path not in unsealed_warned:
+        if path not in unsealed_warned and is_zip(path):
             unsealed_warned.add(path)
             print(f"warning: {path} carries no digest (written before checkpoints were sealed), so it is read "
                   "unverified; its next save seals it", file=sys.stderr)
