@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 import torch
 
-import linattn
 from .data import SPLITS, DataError, SequentialWindows, check_window_fits, default_data_dir, load_split
 from .config import check_backend_runs_on
 from .checkpoint import (CheckpointError, checkpoint_path, import_recorded, load_checkpoint, model_from_checkpoint,

@@ -34,7 +34,7 @@ from .config import TrainConfig, config_differences, config_from_flags, config_f
 from .data import DataError, RandomWindows, load_split
 from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss
 from .runlock import DirectoryLock
-from .runtime import (WriteFailed, autocast, decode_bytes, first_line, gradient_scaler, is_out_of_memory,
+from .runtime import (WriteFailed, autocast, decode_bytes, gradient_scaler, is_out_of_memory,
                       keep_freed_memory, peak_memory_mb, precision_key, precision_name, release_free_memory,
                       reset_peak_memory, resolve_device, summed_loss)
 
