@@ -269,12 +269,14 @@ UNCOMPARED_SETTINGS = ("params", "lr", "initial_lr", "fused", "foreach", "captur
 
 
 def group_differences(saved: dict[str, Any], fresh: dict[str, Any]) -> list[str]:
-    """'key: checkpoint A, this run B' for each setting of a saved param group that differs from the fresh one's."""
+    """'key: checkpoint A, this run B' for each setting of a saved param group that differs from the
+    fresh one's.  A setting the saved group lacks (saved by an older torch) takes its default when
+    loaded, as in the fresh group."""
     def plain(value: Any) -> Any:   # a tuple comes back from torch.load as a list, and vice versa
         return tuple(value) if isinstance(value, (list, tuple)) else value
-    keys = sorted((set(saved) | set(fresh)) - set(UNCOMPARED_SETTINGS))
-    return [f"{key}: checkpoint {saved.get(key, '<absent>')!r}, this run {fresh.get(key, '<absent>')!r}"
-            for key in keys if plain(saved.get(key, "<absent>")) != plain(fresh.get(key, "<absent>"))]
+    keys = sorted(set(saved) - set(UNCOMPARED_SETTINGS))
+    return [f"{key}: checkpoint {saved[key]!r}, this run {fresh.get(key, '<absent>')!r}"
+            for key in keys if plain(saved[key]) != plain(fresh.get(key, "<absent>"))]
 
 
 def state_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> set[str]:

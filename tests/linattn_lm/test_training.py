@@ -19,6 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from linattn_lm import (ByteLM, ModelConfig, TrainConfig, config_from_flags, load_checkpoint, save_checkpoint,
                         training)
+from linattn_lm.checkpoint import recorded_digest
 from linattn_lm.config import PRESETS, RESUMABLE, RunConfig
 from linattn_lm.data import load_split
 
@@ -604,3 +605,15 @@ def test_a_final_score_is_labelled_with_its_step_when_the_run_stopped_between_es
     assert "final val bpc 4.5000 (best" in result.summary()
     result.val_steps, result.val_bpc = [], []
     assert "no val estimate yet" in result.summary() and "nan" not in result.summary()
+
+
+def test_a_checkpoint_from_before_the_digest_resumes_with_a_warning_and_is_sealed(tiny_run: Path, tmp_path: Path,
+                                                                                 run_main) -> None:
+    """As the runs of a study started before checkpoints were sealed: torch.save's plain file."""
+    shutil.copytree(tiny_run, tmp_path / "old")
+    torch.save(torch.load(tmp_path / "old" / "ckpt.pt", weights_only=True), tmp_path / "old" / "ckpt.pt")
+    assert recorded_digest(tmp_path / "old" / "ckpt.pt") is None
+    code, _, err = run_main(training.main, ["--out-dir", str(tmp_path), "--run-name", "old", "--threads", "1",
+                                            "--resume", "--steps", "31", "--sample-interval", "0"])
+    assert code == 0 and err.count("carries no digest") == 1, err
+    assert recorded_digest(tmp_path / "old" / "ckpt.pt") is not None and load_checkpoint(tmp_path / "old")["step"] == 31
