@@ -69,8 +69,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     def save() -> None:
         """Each section's results are written as soon as it ends, so a later failure loses none of
-        them.  An earlier run's plot (--overwrite) goes with its JSON and report: this run's results
-        would otherwise sit beside a plot of other measurements."""
+        them, once this run has measured something: a run in which everything failed or was skipped
+        never replaces an earlier run's results.  An earlier run's plot (--overwrite) goes with its
+        JSON and report: this run's results would otherwise sit beside a plot of other measurements."""
+        if not measured_anything(results):
+            return
         write_outputs(out, results, report)
         if settings.overwrite and not plotted(records):
             plot.unlink(missing_ok=True)
@@ -91,16 +94,28 @@ def main(argv: list[str] | None = None) -> dict:
         if name in settings.sections:
             results[name] = run()
             save()
+    if not measured_anything(results):   # every configuration failed or was skipped: not a success
+        errors = [r["error"] for r in records if "error" in r]
+        cause = f"every configuration of the attention sweep failed, the first with: {errors[0]}" if errors else \
+            "nothing was measured (every configuration failed or was skipped: see the rows above)"
+        print(f"error: {cause}; nothing was written, so {out}.json and {out}.md are as they were", file=sys.stderr)
+        raise SystemExit(1)
     results["elapsed_s"] = time.perf_counter() - started
     save()
     print(f"\nresults: {out}.json, {out}.md" + (f", {plot}" if plotted(records) else "")
           + f"; total {results['elapsed_s']:.0f} s")
-    errors = [r["error"] for r in records if "error" in r]
-    if errors and not plotted(records):   # nothing measured and something failed: not a success
-        print(f"error: every configuration of the attention sweep failed, the first with: {errors[0]}; "
-              f"the rows are in {out}.md", file=sys.stderr)
-        raise SystemExit(1)
     return results
+
+
+MEASURED_KEYS = ("elapsed_s", "train_s", "forward_s", "step_s", "prefill_s", "seconds")
+
+
+def measured_anything(value) -> bool:
+    """Whether the results hold a measurement: a record with a measured time, in any section."""
+    if isinstance(value, dict):
+        return any(isinstance(value.get(key), (int, float)) for key in MEASURED_KEYS) or any(
+            measured_anything(item) for key, item in value.items() if key not in ("machine", "settings"))
+    return isinstance(value, list) and any(measured_anything(item) for item in value)
 
 
 def plotted(records: list[dict]) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import math
+import os
 import tempfile
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -46,27 +47,46 @@ def _number(text: str, convert: Callable[[str], float], ok: Callable[[float], bo
     return value
 
 
-def positive_int(text: str) -> int:
-    return _number(text, int, lambda value: value >= 1, "a positive integer")
+# Upper bounds of the flags whose size no memory estimate checks: beyond them a run would not end (a
+# billion repeats), or fail in every measuring process (100,000 threads).  Lengths and feature counts
+# are bounded by the memory they need (check_sizes_fit), and listed lengths by MAX_LENGTH.
+MAX_THREADS = os.cpu_count() or 1
+MAX_REPEATS = 1000
+MAX_STEPS = 10_000
+MAX_SIZE = 2 ** 16        # batch, heads, head dimension, chunk
+MAX_LENGTH = 2 ** 26      # a context or length in a list, and the model section's tokens per batch
+MAX_SECONDS = 86_400.0
 
 
-def count(text: str) -> int:
-    return _number(text, int, lambda value: value >= 0, "0 or a positive integer")
+def whole(low: int, high: int) -> Callable[[str], int]:
+    """A parser of one integer in [low, high]."""
+    expected = "a positive integer" if low == 1 else "0 or a positive integer"
+    return lambda text: _number(text, int, lambda value: low <= value <= high, f"{expected} up to {high:,}")
+
+
+positive_int = whole(1, MAX_SIZE)
 
 
 def seconds(text: str) -> float:
-    return _number(text, float, lambda value: math.isfinite(value) and value > 0, "a positive number of seconds")
+    return _number(text, float, lambda value: math.isfinite(value) and 0 < value <= MAX_SECONDS,
+                   f"a positive number of seconds up to {MAX_SECONDS:,.0f}")
 
 
-def int_list(text: str) -> tuple[int, ...]:
+def int_list(text: str, high: int | None = MAX_LENGTH) -> tuple[int, ...]:
     """'1024,256,1024' -> (256, 1024): sweeps run small to large, which the budget relies on."""
     try:
-        values = tuple(sorted({positive_int(item) for item in comma_items(text)}))
+        values = tuple(sorted({_number(item, int, lambda value: value >= 1, "") for item in comma_items(text)}))
     except ValueError:
         values = ()
-    if not values:
-        raise ValueError(f"expected comma-separated positive integers, got {text!r}")
+    if not values or (high is not None and values[-1] > high):
+        bound = "" if high is None else f" up to {high:,}"
+        raise ValueError(f"expected comma-separated positive integers{bound}, got {text!r}")
     return values
+
+
+def any_length(text: str) -> tuple[int, ...]:
+    """--lengths: bounded by the memory the inputs need (check_sizes_fit), which names the sizes."""
+    return int_list(text, high=None)
 
 
 def names(choices: tuple[str, ...] | None = None) -> Callable[[str], tuple[str, ...]]:
@@ -109,7 +129,8 @@ def option(default, help: str, parse: Callable[[str], object]):
 class Settings:
     sections: tuple[str, ...] = option(DEFAULT_SECTIONS, "sections to run", names(SECTIONS))
     device: str = option("auto", "auto (CUDA when available), cpu or cuda", one_of(("auto", "cpu", "cuda")))
-    threads: int = option(0, "torch CPU threads in each measuring process; 0 keeps torch's default", count)
+    threads: int = option(0, "torch CPU threads in each measuring process, up to this machine's CPUs; 0 keeps "
+                          "torch's default", whole(0, MAX_THREADS))
     methods: tuple[str, ...] = option(("*",), "attention methods, by name or shell pattern "
                                       "(e.g. 'sdpa,favor-*'); the header lists them", names())
     backends: tuple[str, ...] = option(("auto",), "linattn backends to compare; methods other than "
@@ -117,21 +138,22 @@ class Settings:
     masks: tuple[str, ...] = option(tuple(MASKS), "causal and/or full (non-causal) attention", names(tuple(MASKS)))
     dtypes: tuple[str, ...] = option(("fp32",), "input dtypes", names(tuple(DTYPES)))
     passes: tuple[str, ...] = option(PASSES, "fwd (no_grad forward) and/or fwd+bwd", names(PASSES))
-    lengths: tuple[int, ...] = option((), "sequence lengths N [CPU: 256..32768, CUDA: 1024..65536]", int_list)
+    lengths: tuple[int, ...] = option((), "sequence lengths N [CPU: 256..32768, CUDA: 1024..65536]", any_length)
     batch: int = option(1, "attention batch b", positive_int)
     heads: int = option(8, "attention heads h", positive_int)
     head_dim: int = option(64, "head dimension D", positive_int)
-    num_features: int = option(256, "random features M of favor, performer and fla-chunk", positive_int)
+    num_features: int = option(256, "random features M of favor, performer and fla-chunk", whole(1, 2 ** 62))   # check_sizes_fit bounds it
     chunk_size: int = option(64, "chunk C of linattn's torch causal path", positive_int)
-    repeats: int = option(5, "timed runs per config and pass (at most 3 for runs over 1 s)", positive_int)
-    warmup: int = option(1, "untimed runs before timing", count)
+    repeats: int = option(5, "timed runs per config and pass (at most 3 for runs over 1 s)", whole(1, MAX_REPEATS))
+    warmup: int = option(1, "untimed runs before timing", whole(0, MAX_REPEATS))
     budget_s: float = option(90.0, "skip a config predicted to take longer than this many seconds", seconds)
     decode_contexts: tuple[int, ...] = option(tuple(1024 * 2 ** p for p in range(6)),
                                               "context lengths of the decode section", int_list)
-    decode_steps: int = option(30, "timed decode steps", positive_int)
+    decode_steps: int = option(30, "timed decode steps", whole(1, MAX_STEPS))
     model_contexts: tuple[int, ...] = option((256, 1024, 4096), "LM context lengths of the model section", int_list)
-    model_tokens: int = option(4096, "LM tokens per training batch, the same at every context", positive_int)
-    model_steps: int = option(3, "timed LM optimizer steps", positive_int)
+    model_tokens: int = option(4096, "LM tokens per training batch, the same at every context",
+                               whole(1, MAX_LENGTH))
+    model_steps: int = option(3, "timed LM optimizer steps", whole(1, MAX_STEPS))
     model_methods: tuple[str, ...] = option(("softmax", "favor-post"), "LMs of the model section: softmax "
                                             "(+ RoPE) or <map>-<rope>[-<backend>]", block_name_list)
     model_size: str = option("small", "the model section's LM: small (4 x 256, 4 heads) or a training preset's "
@@ -139,7 +161,8 @@ class Settings:
     block_methods: tuple[str, ...] = option(("softmax", "favor-post", "elu-post"), "blocks of the block section: "
                                             "softmax, softmax-xformers or <map>-<rope>[-<backend>]", block_name_list)
     kernel_methods: tuple[str, ...] = option(KERNEL_METHODS, "ops of the kernels section", names(KERNEL_METHODS))
-    kernel_features: tuple[int, ...] = option((64, 256), "feature counts M of the kernels section", int_list)
+    kernel_features: tuple[int, ...] = option((64, 256), "feature counts M of the kernels section",
+                                              lambda text: int_list(text, high=MAX_SIZE))
     out: str = option("bench_results/bench", "output prefix: writes OUT.json, OUT.md and OUT.png", str)
     overwrite: bool = option(False, "replace the results of an earlier run at --out (refused without it)", bool)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -137,10 +138,29 @@ def make_feature_map(feature_map: str | FeatureMap, head_dim: int, *, heads: int
         raise ValueError(f"feature map {feature_map!r} does not take option(s) {unknown}; "
                          f"it accepts: {accepted or 'no options'}")
     structural = {"heads": heads} if takes_heads(cls) and heads is not None else {}
+    check_weights_fit(cls, feature_map, head_dim, heads, options)
     try:
         return cls(head_dim, **options, **structural)
     except (TypeError, ValueError, OverflowError) as error:
         raise ValueError(f"feature map {feature_map!r} rejected options {options}: {error}") from None
+
+
+def check_weights_fit(cls: type, name, head_dim: int, heads: int | None, options: dict) -> None:
+    """The map's weights, M x head_dim float32 numbers (per head, for a map with heads), fit this
+    machine's memory: refused before they are allocated (num_features=10**12 would allocate until the
+    process is killed).  Options the map refuses are left to its constructor."""
+    try:
+        num_features = cls.num_features_for(head_dim, options)
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except Exception:   # a registered map's num_features_for is user code; sysconf is POSIX's
+        return
+    if not is_integer(num_features):
+        return
+    needed = 4 * num_features * head_dim * (heads or 1)
+    if needed > memory:
+        raise ValueError(f"feature map {name!r} with num_features={num_features} and head_dim {head_dim} needs "
+                         f"{needed / 2**30:,.0f} GiB for its weights, more than this machine's {memory / 2**30:,.0f} "
+                         "GiB; choose a smaller num_features")
 
 
 MAP_METHODS = ("forward", "log_features", "log_projection")

@@ -4,23 +4,31 @@ A checkpoint is a dict: format, version, config (a dict per settings section, pl
 step, model, optimizer, scaler (fp16's loss scale), precision (fp32, bf16 or fp16: --dtype as it
 resolved when the run started), loader (RandomWindows state), rng (per-rank torch states), stats,
 log_window (the open train/loss average), data (description).
+
+The file is torch.save's zip archive with its sha256 in the archive's comment (`seal`): every load
+re-hashes the file and refuses one whose bytes changed (docs/checkpoints.md).
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import pickle
+import reprlib
+import sys
 import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from linattn import is_real
 
+import linattn
+
+from .cli import import_user_code
 from .config import MAX_STEPS, TrainConfig
 from .lm import ByteLM
 from .device import PRECISIONS
-from .errors import first_line
+from .errors import UsageError, first_line
 from .files import write_atomically
 
 CHECKPOINT_NAME = "ckpt.pt"
@@ -43,17 +51,101 @@ def checkpoint_path(path: Path | str) -> Path:
 
 
 def save_checkpoint(path: Path | str, payload: dict[str, Any]) -> None:
-    """Written to a temporary file, fsynced, then renamed: a crash never leaves a half-written ckpt.pt."""
+    """Written to a temporary file, sealed with its digest, fsynced, then renamed: a crash never leaves
+    a half-written ckpt.pt."""
     checkpoint = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, **payload}
-    write_atomically(Path(path), lambda tmp: torch.save(checkpoint, tmp))
+    write_atomically(Path(path), lambda tmp: (torch.save(checkpoint, tmp), seal(tmp)))
+
+
+# The digest lives in the zip archive's comment, the last bytes of the file: torch.load reads the
+# archive as it is, and the digest covers every byte before its own hex digits.
+ZIP_START = b"PK\x03\x04"     # a zip archive's first bytes (its first entry's header)
+EOCD = b"PK\x05\x06"          # the end-of-central-directory record: 22 bytes, the comment's length last
+EOCD_SIZE = 22
+DIGEST_PREFIX = b"linattn-sha256:"
+COMMENT_SIZE = len(DIGEST_PREFIX) + 64
+
+
+def seal(path: Path) -> None:
+    """Write the sha256 of the file into its zip comment (torch.save writes none)."""
+    with open(path, "r+b") as file:
+        file.seek(-EOCD_SIZE, 2)
+        record = file.read(EOCD_SIZE)
+        if record[:4] != EOCD or record[-2:] != b"\0\0":   # torch.save changed how it writes: a bug here
+            raise RuntimeError(f"{path}: torch.save wrote no plain zip end record to seal")
+        file.seek(-2, 2)
+        file.write(COMMENT_SIZE.to_bytes(2, "little") + DIGEST_PREFIX)
+    digest = file_sha256(path, path.stat().st_size)
+    with open(path, "ab") as file:
+        file.write(digest.encode("ascii"))
+
+
+def file_sha256(path: Path, size: int) -> str:
+    """sha256 of the first `size` bytes of the file, read in blocks."""
+    digest, left = hashlib.sha256(), size
+    with open(path, "rb") as file:
+        while left:
+            block = file.read(min(left, 1 << 24))
+            if not block:
+                break
+            digest.update(block)
+            left -= len(block)
+    return digest.hexdigest()
+
+
+def recorded_digest(path: Path) -> str | None:
+    """The sha256 a checkpoint was sealed with; None for one written before checkpoints were sealed
+    (a zip without a comment), or for a file that is no zip at all (torch.load says what it is).  A
+    zip whose end is neither is damage."""
+    size = path.stat().st_size
+    with open(path, "rb") as file:
+        start = file.read(4)
+        file.seek(max(0, size - EOCD_SIZE - COMMENT_SIZE))
+        tail = file.read()
+    if start != ZIP_START or (tail[-EOCD_SIZE:-EOCD_SIZE + 4] == EOCD and tail[-2:] == b"\0\0"):
+        return None
+    record, comment = tail[:EOCD_SIZE], tail[EOCD_SIZE:]
+    hex_digits = comment[len(DIGEST_PREFIX):]
+    if (record[:4] != EOCD or record[-2:] != COMMENT_SIZE.to_bytes(2, "little")
+            or not comment.startswith(DIGEST_PREFIX) or len(hex_digits) != 64
+            or not all(chr(c) in "0123456789abcdef" for c in hex_digits)):
+        raise CheckpointError(f"cannot read checkpoint {path}: it does not end as a checkpoint train.py writes "
+                              f"(truncated, changed, or another kind of file); {REPLACE_HINT}")
+    return hex_digits.decode("ascii")
+
+
+def is_zip(path: Path) -> bool:
+    with open(path, "rb") as file:
+        return file.read(4) == ZIP_START
+
+
+REPLACE_HINT = "train.py keeps one checkpoint per run: use a copy of it, or start the run again"
+unsealed_warned: set[Path] = set()
+
+
+def verify_digest(path: Path) -> None:
+    """Refuse a checkpoint whose bytes differ from those it was sealed with; warn, once per file, of
+    one written before checkpoints were sealed (it is read unverified, as it always was)."""
+    recorded = recorded_digest(path)
+    if recorded is None:
+        if path not in unsealed_warned and is_zip(path):
+            unsealed_warned.add(path)
+            print(f"warning: {path} carries no digest (written before checkpoints were sealed), so it is read "
+                  "unverified; its next save seals it", file=sys.stderr)
+        return
+    if file_sha256(path, path.stat().st_size - 64) != recorded:
+        raise CheckpointError(f"{path} is damaged: its bytes no longer match the sha256 it was written with (a "
+                              f"changed byte, a disk error or an edit); {REPLACE_HINT}")
 
 
 def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """The checkpoint's dict, its digest verified first (`verify_digest`), its format and version checked."""
     path = checkpoint_path(path)
     if path.is_dir():
         raise CheckpointError(f"{path} is a directory, not a checkpoint file: move it away or give another run")
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
+    verify_digest(path)
     try:
         with warnings.catch_warnings():   # a foreign pickle's protocol warning would precede the error below
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
@@ -130,50 +222,76 @@ def load_weights(model: torch.nn.Module, state: dict[str, Any], path: Path | str
 
 def check_optimizer_state(saved: dict[str, Any], optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                           path: Path | str, step: int) -> None:
-    """Each parameter's saved optimiser state has its shape and dtype and is finite: load_state_dict
-    compares only how many parameters each group has, and casts what it loads.  After a step
-    (`step` > 0) the state is not empty and is keyed by the saved parameter indices: load_state_dict
-    would otherwise drop it silently and restart AdamW's moments."""
+    """The saved optimiser state is what `optimizer` (built for this run's settings) would hold:
+    each param group has its settings (load_state_dict takes a saved group's as they are: amsgrad,
+    say, then fails at the first step), and each parameter's state has the keys this optimiser keeps
+    for them, each with the parameter's shape and dtype, finite.  After a step (`step` > 0) the state
+    is not empty and is keyed by the saved parameter indices: load_state_dict would otherwise drop
+    it silently and restart AdamW's moments."""
     groups, state = saved.get("param_groups"), saved.get("state")
     if not isinstance(groups, list) or not isinstance(state, dict) or not all(
             isinstance(group, dict) and isinstance(group.get("params"), list) for group in groups):
         raise CheckpointError(f"{path} is damaged: its 'optimizer' entry lacks param_groups or state")
     saved_ids = [index for group in groups for index in group["params"]]
     params = [param for group in optimizer.param_groups for param in group["params"]]
-    if len(saved_ids) != len(params):
-        raise CheckpointError(f"{path}: its 'optimizer' entry holds {len(saved_ids)} parameters, the model has "
-                              f"{len(params)}; it belongs to another model")
+    if len(saved_ids) != len(params) or len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(f"{path}: its 'optimizer' entry holds {len(saved_ids)} parameters in {len(groups)} "
+                              f"groups, the model has {len(params)} in {len(optimizer.param_groups)}; it belongs "
+                              "to another model")
     stray = [key for key in state if key not in saved_ids]
     if stray or (step > 0 and not state):
         found = f"entries under keys {stray[:3]!r} that name no parameter" if stray else "no entries"
         raise CheckpointError(f"{path} is damaged: its optimiser state has {found} after step {step}, so the "
                               "resume would restart AdamW's moments; use another checkpoint")
-    for number, group in enumerate(groups):
-        problem = hyperparameter_problem(group)
-        if problem:
-            raise CheckpointError(f"{path} is damaged: its optimiser's param group {number} has {problem}")
     names = {id(param): name for name, param in model.named_parameters()}
-    for index, param in zip(saved_ids, params):
-        entry = state.get(index, {})
-        for key, value in (entry.items() if isinstance(entry, dict) else [("state", entry)]):
-            if not fits_parameter(key, value, param):
-                found = (f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor)
-                         else type(value).__name__)
-                raise CheckpointError(f"{path} is damaged: its optimiser state {key!r} of {names[id(param)]!r} is "
-                                      f"{found} (or not finite), the parameter is {tuple(param.shape)} {param.dtype}")
+    for number, (group, fresh) in enumerate(zip(groups, optimizer.param_groups)):
+        differences = group_differences(group, fresh)
+        if differences:
+            raise CheckpointError(f"{path} is damaged: its optimiser's param group {number} differs from the one "
+                                  f"these settings build ({'; '.join(differences)})")
+        expected = state_keys(optimizer, fresh)
+        for index, param in zip(group["params"], fresh["params"]):
+            entry = state.get(index, {})
+            keys = set(entry) if isinstance(entry, dict) else {"<not a dict>"}
+            if entry and keys != expected:
+                raise CheckpointError(f"{path} is damaged: its optimiser state of {names[id(param)]!r} holds "
+                                      f"{sorted(keys)}, this optimiser keeps {sorted(expected)}")
+            for key, value in entry.items():
+                if not fits_parameter(key, value, param):
+                    found = (f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor)
+                             else type(value).__name__)
+                    raise CheckpointError(f"{path} is damaged: its optimiser state {key!r} of {names[id(param)]!r} "
+                                          f"is {found} (or not finite), the parameter is {tuple(param.shape)} "
+                                          f"{param.dtype}")
 
 
-def hyperparameter_problem(group: dict[str, Any]) -> str | None:
-    """AdamW's settings in a saved param group, which load_state_dict takes as they are (the learning
-    rate is set by the schedule every step): betas in [0, 1), eps > 0, weight decay >= 0, finite."""
-    betas, eps, decay = group.get("betas"), group.get("eps"), group.get("weight_decay")
-    if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(is_real(b) and 0 <= b < 1 for b in betas)):
-        return f"betas {betas!r}, not two numbers in [0, 1)"
-    if not (is_real(eps) and eps > 0):
-        return f"eps {eps!r}, not a finite number > 0"
-    if not (is_real(decay) and decay >= 0):
-        return f"weight_decay {decay!r}, not a finite number >= 0"
-    return None
+# How a param group's step runs, not what it computes: these follow the device (fused on CUDA) and
+# may differ on --resume; the learning rate is set by the schedule before every step.
+UNCOMPARED_SETTINGS = ("params", "lr", "initial_lr", "fused", "foreach", "capturable")
+
+
+def group_differences(saved: dict[str, Any], fresh: dict[str, Any]) -> list[str]:
+    """'key: checkpoint A, this run B' for each setting of a saved param group that differs from the
+    fresh one's.  A setting the saved group lacks (saved by an older torch) takes its default when
+    loaded, as in the fresh group."""
+    def plain(value: Any) -> Any:   # a tuple comes back from torch.load as a list, and vice versa
+        return tuple(value) if isinstance(value, (list, tuple)) else value
+    keys = sorted(set(saved) - set(UNCOMPARED_SETTINGS))
+    return [f"{key}: checkpoint {saved[key]!r}, this run {fresh.get(key, '<absent>')!r}"
+            for key in keys if plain(saved[key]) != plain(fresh.get(key, "<absent>"))]
+
+
+def state_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> set[str]:
+    """The state keys `optimizer`'s class keeps per parameter with `group`'s settings, learned from one
+    step of a twin on a one-element parameter (AdamW: step, exp_avg, exp_avg_sq; with amsgrad also
+    max_exp_avg_sq)."""
+    probe = torch.nn.Parameter(torch.zeros(1))
+    probe.grad = torch.zeros(1)
+    twin = type(optimizer)([probe])
+    twin.param_groups[0].update({key: value for key, value in group.items()   # as load_state_dict sets them
+                                 if key not in (*UNCOMPARED_SETTINGS, "param_names")})
+    twin.step()
+    return set(twin.state[probe])
 
 
 def fits_parameter(key: str, value: Any, param: torch.Tensor) -> bool:
@@ -185,6 +303,53 @@ def fits_parameter(key: str, value: Any, param: torch.Tensor) -> bool:
             and bool(value.isfinite().all()))
 
 
+def check_progress(checkpoint: dict[str, Any], config: TrainConfig, path: Path | str) -> None:
+    """The data position agrees with the step and the seed (one batch drawn per step), and the
+    recorded val estimates are finite and taken at or before the step: an edited step or loader seed
+    would otherwise change the resumed run without a word, and a NaN estimate become its best."""
+    loader, step, stats = checkpoint["loader"], checkpoint["step"], checkpoint["stats"]
+    position = (loader.get("seed"), loader.get("batches_drawn"))
+    if position != (config.model.seed, step):
+        raise CheckpointError(f"{path} is damaged: its data position (seed, batches drawn) is {position}, a run "
+                              f"of seed {config.model.seed} at step {step} is at {(config.model.seed, step)}; "
+                              f"{REPLACE_HINT}")
+    steps, values = stats.get("val_steps"), stats.get("val_bpc")
+    if not (isinstance(steps, list) and isinstance(values, list) and all(isinstance(n, int) and 0 <= n <= step
+                                                                          for n in steps)
+            and all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)):
+        raise CheckpointError(f"{path} is damaged: its recorded val estimates (steps {reprlib.repr(steps)}, bpc "
+                              f"{reprlib.repr(values)}) are not finite numbers at steps up to {step}; {REPLACE_HINT}")
+
+
+def saved_config(checkpoint: dict[str, Any], path: Path | str) -> TrainConfig:
+    """The checkpoint's configuration, checked as every command that reads one checks it (eval.py,
+    --resume, grid.py): `TrainConfig.from_record`."""
+    try:
+        return TrainConfig.from_record(checkpoint["config"])
+    except ValueError as error:
+        raise CheckpointError(f"{path}: its saved configuration is not valid ({first_line(error)}); "
+                              f"{REPLACE_HINT}") from None
+
+
+def import_recorded(checkpoint: dict[str, Any], path: Path | str) -> None:
+    """The run's own --import values, when its feature map is not registered yet."""
+    config = checkpoint.get("config")
+    model = config.get("model") if isinstance(config, dict) else None
+    run = config.get("run") if isinstance(config, dict) else None
+    if not isinstance(model, dict) or model.get("feature_map") in ("", None, *linattn.available_feature_maps()):
+        return
+    recorded = run.get("imports", []) if isinstance(run, dict) else []
+    if not isinstance(recorded, list):
+        raise CheckpointError(f"{path} is damaged: its recorded imports are {type(recorded).__name__}, not a list; "
+                              "pass --import MODULE_OR_FILE to give feature map "
+                              f"{model['feature_map']!r}'s code")
+    try:
+        import_user_code([str(name) for name in recorded])
+    except UsageError as error:
+        raise CheckpointError(f"{path} needs feature map {model['feature_map']!r} from its recorded imports, "
+                              f"which failed: {error}; pass --import MODULE_OR_FILE to give its new place") from None
+
+
 def model_from_checkpoint(checkpoint: dict[str, Any], path: Path | str = "checkpoint",
                           backend: str | None = None) -> ByteLM:
     """Rebuild the model from the checkpoint's config and load its weights (and feature-map state).
@@ -192,14 +357,7 @@ def model_from_checkpoint(checkpoint: dict[str, Any], path: Path | str = "checkp
     with backend='fla' on a GPU, evaluated on a CPU)."""
     checkpoint_entries(checkpoint, path, ("config", "step", "model", "data"))
     check_finite_weights(checkpoint["model"], path)
-    try:
-        config = TrainConfig.saved_section(checkpoint["config"], "model")
-    except ValueError as error:
-        raise CheckpointError(f"{path}: its saved configuration is not valid ({first_line(error)})") from None
-    try:
-        config.validate()
-    except ValueError as error:
-        raise CheckpointError(f"{path}: its model settings are not usable ({first_line(error)})") from None
+    config = saved_config(checkpoint, path).model
     if backend is not None:
         config = replace(config, backend=backend)
         config.validate()   # a backend this attention has not: a usage error, not a damaged checkpoint

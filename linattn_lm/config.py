@@ -20,7 +20,7 @@ import linattn
 
 from .data import default_data_dir
 from .map_check import checked_feature_map
-from .device import resolve_device, resolve_dtype
+from .device import DTYPES, resolve_device, resolve_dtype
 
 ATTENTIONS = ("softmax", "linear")
 SOFTMAX_ROPE = ("post", "none")     # softmax has no feature map: "post" = RoPE on q and k
@@ -475,7 +475,14 @@ class RunConfig:
         return Path(self.out_dir) / self.run_name
 
     def validate(self) -> None:
+        self.check_fields()
+        resolve_dtype(self.dtype, resolve_device(self.device))
+
+    def check_fields(self) -> None:
+        """The checks that hold on any machine (the device and its dtypes are this machine's)."""
         check_types(self)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose from {', '.join(PRESETS)}")
         if not self.out_dir:
@@ -486,7 +493,6 @@ class RunConfig:
             raise ValueError(f"threads must be in [0, 4096], got {self.threads}")
         if not all(isinstance(name, str) and name for name in self.imports):
             raise ValueError(f"imports must be module names or file paths, got {self.imports!r}")
-        resolve_dtype(self.dtype, resolve_device(self.device))
 
 
 def check_backend_runs_on(model: ModelConfig, device: torch.device) -> None:
@@ -614,23 +620,26 @@ class TrainConfig:
         return from_plain_dict(SECTIONS[name], values.get(name, {}), name)
 
     @classmethod
+    def from_record(cls, values: Any) -> "TrainConfig":
+        """A checkpoint's config as every command that reads one takes it (eval.py, --resume, grid.py):
+        `parsed` with every section present, then every check that holds on any machine (this
+        machine's device, memory and kernels are the command's to check)."""
+        missing = [name for name in SECTIONS if isinstance(values, dict) and name not in values]
+        if missing:
+            raise ValueError(f"the config lacks section(s) {missing}")
+        config = cls.parsed(values)
+        config.optim.validate()
+        config.log.validate()
+        config.run.check_fields()
+        config.model.validate()
+        return config
+
+    @classmethod
     def from_dict(cls, values: Any) -> "TrainConfig":
         """A checkpoint's config (`parsed`), validated like any other."""
         config = cls.parsed(values)
         config.validate()
         return config
-
-    @classmethod
-    def resumed(cls, saved: Any, current: "TrainConfig") -> "TrainConfig":
-        """A checkpoint's config validated like flags, with the settings that may change on --resume
-        taken from `current` (the saved device or paths may not exist on this machine)."""
-        if not isinstance(saved, dict):
-            raise ValueError(f"the config must be a dict of sections, got {type(saved).__name__}")
-        merged = {name: {**values, **{key: value for key, value in asdict(getattr(current, name)).items()
-                                      if key in RESUMABLE}}
-                  if name in SECTIONS and isinstance(values, dict) else values
-                  for name, values in saved.items()}
-        return cls.from_dict(merged)
 
 
 FIELDS = {f.name: (section, f) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
@@ -755,3 +764,26 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
     keys = sorted((set(saved) | set(current)) - RESUMABLE)
     differing = [(key, saved.get(key, field_default(key)), current.get(key, field_default(key))) for key in keys]
     return [f"{key}: checkpoint {before!r}, now {now!r}" for key, before, now in differing if before != now]
+
+
+def config_from_record(saved: TrainConfig, given: dict[str, Any]) -> TrainConfig:
+    """--resume's settings: the checkpoint's record, with the flags given on resume.  A flag that may
+    change on --resume (RESUMABLE: steps, intervals, paths, device, ...) replaces the recorded value;
+    any other must repeat it, and one that contradicts the record is refused, every difference named
+    (--preset too: the record holds what the preset gave).  Validated like flags, on this machine."""
+    given = {key: value for key, value in given.items() if value is not None}
+    recorded = saved.flat()
+    options = given.pop("feature_map_options", {})
+    contradicting = [(key, recorded.get(key, ABSENT), value) for key, value in given.items()
+                     if (key not in RESUMABLE or key == "preset") and recorded.get(key, ABSENT) != value]
+    contradicting += [(f"feature_map_options[{key!r}]", saved.model.feature_map_options.get(key, ABSENT), value)
+                      for key, value in options.items() if saved.model.feature_map_options.get(key, ABSENT) != value]
+    if contradicting:
+        listed = "; ".join(f"{key}: checkpoint {before!r}, given {now!r}" for key, before, now in contradicting)
+        raise ValueError(f"--resume continues the run as its checkpoint records it, and these flags contradict the "
+                         f"record: {listed}; drop them (the record gives them), or start a new run elsewhere")
+    values = {**recorded, **{key: value for key, value in given.items() if key in RESUMABLE}}
+    config = TrainConfig(**{name: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
+                            for name, cls in SECTIONS.items()})
+    config.validate()
+    return config

@@ -29,6 +29,10 @@ SPLITS = ("train", "val", "test")
 META_NAME = "meta.json"
 META_FORMAT_VERSION = 1
 VOCAB_SIZE = 256
+DTYPE = "uint8"
+# The canonical enwik8 (prepare.py downloads it): meta.json's `canonical` is true for it alone.
+ENWIK8_SIZE = 100_000_000
+ENWIK8_SHA256 = "2b49720ec4d78c3c9fabaee6e4179a5e997302b3a70029f30f2d582218c024a8"
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -78,7 +82,7 @@ def prepare_hint(data_dir: Path | str) -> str:
 
 # Each key of meta.json that a reader relies on, with the type it must have.
 META_FIELDS = {"format_version": int, "description": str, "canonical": bool, "vocab_size": int,
-               "source": dict, "splits": dict}
+               "dtype": str, "source": dict, "splits": dict, "split_boundaries": list}
 SOURCE_FIELDS = {"size": int, "sha256": str, "md5": str}
 SPLIT_FIELDS = {"start": int, "end": int, "size": int, "sha256": str}
 
@@ -97,7 +101,8 @@ def field_problem(record: Any, fields: dict[str, type], where: str) -> str | Non
 
 
 def meta_problem(meta: Any) -> str | None:
-    """Why `meta` is not a meta.json that prepare.py wrote, or None: keys, types and split arithmetic."""
+    """Why `meta` is not a meta.json that prepare.py wrote, or None: keys, types, the byte dtype, split
+    arithmetic (splits and split_boundaries), and `canonical` against the source's sha256."""
     problem = field_problem(meta, META_FIELDS, "meta.json")
     if problem:
         return problem
@@ -105,6 +110,8 @@ def meta_problem(meta: Any) -> str | None:
         return f"format_version is {meta['format_version']}, this loader reads {META_FORMAT_VERSION}"
     if meta["vocab_size"] != VOCAB_SIZE:
         return f"vocab_size is {meta['vocab_size']}, byte-level data has {VOCAB_SIZE}"
+    if meta["dtype"] != DTYPE:
+        return f"dtype is {meta['dtype']!r}, the splits are {DTYPE} bytes"
     problem = field_problem(meta["source"], SOURCE_FIELDS, "source")
     for name in SPLITS:
         problem = problem or (f"splits lacks {name!r}" if name not in meta["splits"]
@@ -120,11 +127,18 @@ def meta_problem(meta: Any) -> str | None:
         position = split["end"]
     if position != meta["source"]["size"]:
         return f"the splits end at {position}, but the source has {meta['source']['size']} bytes"
+    boundaries = [0, *(meta["splits"][name]["end"] for name in SPLITS)]
+    if meta["split_boundaries"] != boundaries:
+        return f"split_boundaries is {meta['split_boundaries']}, the splits say {boundaries}"
+    if meta["canonical"] != (meta["source"]["sha256"] == ENWIK8_SHA256):
+        return (f"canonical is {meta['canonical']}, but the source's sha256 {meta['source']['sha256'][:12]}... "
+                f"{'is' if meta['source']['sha256'] == ENWIK8_SHA256 else 'is not'} enwik8's")
     return None
 
 
 def load_meta(data_dir: Path | str) -> dict[str, Any]:
-    """meta.json of a prepared data directory, validated once here for every reader."""
+    """meta.json of a prepared data directory, validated once here for every reader: its schema
+    (`meta_problem`), then each split file's size against it."""
     path = Path(data_dir) / META_NAME
     if not path.is_file():
         if any((Path(data_dir) / f"{name}.bin").exists() for name in SPLITS):
@@ -142,6 +156,13 @@ def load_meta(data_dir: Path | str) -> dict[str, Any]:
     problem = meta_problem(meta)
     if problem:
         raise DataError(f"{path} is malformed: {problem} (hand-edited?): {prepare_hint(data_dir)}")
+    for split in SPLITS:
+        split_path, expected = Path(data_dir) / f"{split}.bin", meta["splits"][split]["size"]
+        if not split_path.is_file():
+            raise DataNotFoundError(f"data not found at {split_path}: {prepare_hint(data_dir)}")
+        if split_path.stat().st_size != expected:
+            raise DataError(f"{split_path} is {split_path.stat().st_size:,} bytes but {path} says {expected:,}: "
+                            f"{prepare_hint(data_dir)}")
     return meta
 
 
@@ -187,15 +208,8 @@ def load_split(data_dir: Path | str, split: str) -> ByteSplit:
     path = Path(data_dir) / f"{split}.bin"
     if not path.is_file():
         raise DataNotFoundError(f"data not found at {path}: {prepare_hint(data_dir)}")
-    meta = load_meta(data_dir)
-    expected_size = meta["splits"][split]["size"]
-    actual_size = path.stat().st_size
-    if actual_size != expected_size:
-        raise DataError(
-            f"{path} is {actual_size:,} bytes but {Path(data_dir) / META_NAME} says {expected_size:,}: "
-            f"{prepare_hint(data_dir)}"
-        )
-    if actual_size == 0:
+    meta = load_meta(data_dir)   # the split's size checked there
+    if meta["splits"][split]["size"] == 0:
         raise DataError(f"{path} is empty: {prepare_hint(data_dir)}")
     data = np.memmap(path, dtype=np.uint8, mode="r")
     if hashlib.sha256(data).hexdigest() != meta["splits"][split]["sha256"]:

@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
-import linattn
 from .data import SPLITS, DataError, SequentialWindows, check_window_fits, default_data_dir, load_split
 from .config import TrainConfig, check_backend_runs_on
-from .checkpoint import CheckpointError, checkpoint_path, load_checkpoint, model_from_checkpoint, saved_precision
+from .checkpoint import (CheckpointError, checkpoint_path, import_recorded, load_checkpoint, model_from_checkpoint,
+                         saved_precision)
 from .cli import DefaultsFormatter, finite_float, import_user_code, integer, pre_parse_imports
 from .grid_report import AR_SPLIT_KEYS, RESULT_NAME, read_record
 from .lm import ByteLM, bits_per_byte, lm_loss, state_size
@@ -271,25 +271,6 @@ def sample_text(model: ByteLM, args: argparse.Namespace, device: torch.device) -
         new = model.generate(prompt.to(device), args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k, generator=generator)
     return args.generate + decode_bytes(new)
-
-
-def import_recorded(checkpoint: dict[str, Any], path: Path) -> None:
-    """The run's own --import values, when its feature map is not registered yet."""
-    config = checkpoint.get("config")
-    model = config.get("model") if isinstance(config, dict) else None
-    run = config.get("run") if isinstance(config, dict) else None
-    if not isinstance(model, dict) or model.get("feature_map") in ("", None, *linattn.available_feature_maps()):
-        return
-    recorded = run.get("imports", []) if isinstance(run, dict) else []
-    if not isinstance(recorded, list):
-        raise CheckpointError(f"{path} is damaged: its recorded imports are {type(recorded).__name__}, not a list; "
-                              "pass --import MODULE_OR_FILE to give feature map "
-                              f"{model['feature_map']!r}'s code")
-    try:
-        import_user_code([str(name) for name in recorded])
-    except UsageError as error:
-        raise CheckpointError(f"{path} needs feature map {model['feature_map']!r} from its recorded imports, "
-                              f"which failed: {error}; pass --import MODULE_OR_FILE to give its new place") from None
 
 
 def recorded_dtype(checkpoint: dict[str, Any], path: Path | str) -> str:

@@ -34,13 +34,15 @@ from typing import Any
 import linattn
 
 from . import training
-from .checkpoint import CHECKPOINT_NAME, CheckpointError
-from .cli import UsageError, comma_items, variant_skip
+from .checkpoint import CHECKPOINT_NAME, CheckpointError, recorded_digest
+from .cli import comma_items, variant_skip
 from .config import (ATTENTION_BACKENDS, DEFAULT_PRESET, TASK_PRESETS, TrainConfig, check_run_name, config_differences,
                      config_from_flags)
 from .data import check_window_fits, load_split
+from .errors import UsageError
 from .evaluate import bpc_table
-from .grid_report import FIT_KEYS, RECORD_KEYS, REPORT_TITLE, RESULT_NAME, damaged, read_record, write_report
+from .grid_report import (DIGEST_KEY, FIT_KEYS, RECORD_KEYS, REPORT_TITLE, RESULT_NAME, damaged, read_record,
+                          record_problem, write_report)
 from .mqar import held_out_scores
 from .ngram import reference_bpc
 from .runlock import LOCK_NAME, DirectoryLock
@@ -50,6 +52,8 @@ from .training import TrainResult
 from .variants import default_variants, variant_flags
 
 EVAL_SPLITS = ("val", "test")
+GRID_MARKER = ".linattn-grid"   # in every grid directory grid.py starts: --resume continues only those
+REPORT_FILES = ("results.md", "results.csv", "val_bpc.png")
 
 
 def grid_name(given: dict[str, Any]) -> str:
@@ -106,11 +110,22 @@ def saved_record(key: tuple[int, str], config: TrainConfig, multiples: list[int]
         raise damaged(path, f"it records {record['variant']} seed {record['seed']}, but its directory is {name} "
                             f"seed {seed} (copied to the wrong place? it belongs in "
                             f"<grid>/{record['variant']}/seed-{record['seed']}/)")
+    if changed_since_scored(record, config.run.run_dir):
+        print(f"{config.run.run_dir}: its checkpoint changed after result.json was written; it is scored again",
+              file=sys.stderr)
+        return None
     wanted = {str(multiple * config.model.seq_len) for multiple in multiples}
     if config_differences(record["config"], config.flat()) or record["steps"] != config.optim.steps or any(
             not wanted <= set(record["scores"].get(split, {})) for split in EVAL_SPLITS):
         return None
     return record
+
+
+def changed_since_scored(record: dict[str, Any], run_dir: Path) -> bool:
+    """Whether the run's checkpoint is not the one its result was scored from (the record names its
+    digest; records from before it, and runs whose checkpoints are gone, cannot tell)."""
+    checkpoint = run_dir / CHECKPOINT_NAME
+    return record.get(DIGEST_KEY) is not None and checkpoint.is_file() and recorded_digest(checkpoint) != record[DIGEST_KEY]
 
 
 def whole_split_scores(result: TrainResult, config: TrainConfig, multiples: list[int]) -> dict[str, dict[str, float]]:
@@ -142,10 +157,15 @@ def make_record(name: str, result: TrainResult, config: TrainConfig,
               "tokens_per_s": result.tokens_per_s, "peak_memory_mb": result.peak_memory_mb,
               "parameters": result.parameters, "wall_time_s": result.wall_seconds, "data": result.data,
               "val_steps": result.val_steps, "val_bpc": result.val_bpc, "scores": scores, "config": config.flat(),
-              "train_bpc": result.train_bpc, "train_bytes": result.train_bytes}
+              "train_bpc": result.train_bpc, "train_bytes": result.train_bytes,
+              DIGEST_KEY: recorded_digest(config.run.run_dir / CHECKPOINT_NAME)}
     if recall is not None:   # mqar: recall scores; its data never repeats, so no passes over a split
         record = {key: value for key, value in record.items() if key not in FIT_KEYS} | {"mqar": recall}
-    assert set(record) == {*RECORD_KEYS, *(FIT_KEYS if recall is None else ["mqar"])}
+    assert set(record) == {*RECORD_KEYS, DIGEST_KEY, *(FIT_KEYS if recall is None else ["mqar"])}
+    problem = record_problem(record)
+    if problem:   # a NaN score, say: the grid stops rather than report it
+        raise training.RunFailed(f"{config.run.run_name}: {problem}; its checkpoint is kept, no result.json is "
+                                 "written")
     return record
 
 
@@ -209,6 +229,11 @@ def run_grid(configs: dict[tuple[int, str], TrainConfig], grid_dir: Path, resume
 def report_finished(configs: dict[tuple[int, str], TrainConfig], grid_dir: Path, multiples: list[int]) -> int:
     """Rewrite the report from the runs whose result.json is complete, training nothing: the tables of
     a grid that is stopped or still under way elsewhere (a copy of its run directories, say)."""
+    changed = [config.run.run_dir for key, config in configs.items()
+               if (record := read_record(config.run.run_dir / RESULT_NAME)) and changed_since_scored(record, config.run.run_dir)]
+    if changed:
+        raise CheckpointError(f"{changed[0]}: its checkpoint changed after its result.json was written (trained on "
+                              "since?), so the result is stale; run grid.py --resume to score it again")
     records = {key: record for key, config in configs.items() if (record := saved_record(key, config, multiples))}
     if not records:
         raise CheckpointError(f"{grid_dir} has no finished run of these variants and seeds (a run is finished "
@@ -288,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         check_eval_windows(configs.values(), multiples)
         main_process = training.launched_rank() == 0   # the job's other ranks write nothing here
         with DirectoryLock(grid_dir) if main_process else contextlib.nullcontext():   # each run locks its own too
+            if main_process and not args.report_only and not (grid_dir / GRID_MARKER).exists():
+                write_atomically(grid_dir / GRID_MARKER, lambda path: path.write_text(
+                    json.dumps({"written_by": "grid.py", "grid": grid_dir.name}) + "\n"))
             if args.report_only:
                 return report_finished(configs, grid_dir, multiples)
             return run_grid(configs, grid_dir, args.resume, multiples, earlier)
@@ -296,25 +324,33 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_grid_directory(grid_dir: Path, existing: bool) -> None:
     """A new grid starts in a directory that is absent or empty (its lock file aside), so that its
-    report replaces nobody's files; --resume and --report-only continue a directory that grid.py
-    wrote: not a train.py run's (a ckpt.pt at the top), nor one whose results.md is another's."""
+    report replaces nobody's files.  --resume and --report-only continue a directory grid.py started:
+    one with its marker (GRID_MARKER), or one from before the marker laid out as grid.py lays out a
+    grid (report files, and <variant>/seed-<s> run directories), which --resume then marks.  A folder
+    of train.py runs is neither."""
     if not grid_dir.is_dir():
         return
+    held = sorted(path.name for path in grid_dir.iterdir() if path.name != LOCK_NAME)
     if not existing:
-        held = sorted(path.name for path in grid_dir.iterdir() if path.name != LOCK_NAME)
         if held:
             raise CheckpointError(f"{grid_dir} already holds {', '.join(held[:3])}{' ...' if len(held) > 3 else ''}: "
                                   "pass --resume to continue the grid there, or choose another --run-name / --out-dir")
         return
-    report = grid_dir / "results.md"
-    if (grid_dir / CHECKPOINT_NAME).exists():
-        foreign = CHECKPOINT_NAME
-    elif report.is_file() and not report.read_text(errors="replace").startswith(REPORT_TITLE):
-        foreign = "a results.md grid.py did not write"
-    else:
+    if (grid_dir / GRID_MARKER).is_file():
         return
-    raise CheckpointError(f"{grid_dir} is not a grid's directory (it holds {foreign}): give the --out-dir / "
-                          "--run-name the grid was started with")
+    foreign = next((name for name in held if not grid_entry(grid_dir / name)), None)
+    if foreign is None:
+        return
+    raise CheckpointError(f"{grid_dir} is not a grid's directory (no {GRID_MARKER} marker, and it holds {foreign}, which "
+                          "grid.py does not write): give the --out-dir / --run-name the grid was started with")
+
+
+def grid_entry(path: Path) -> bool:
+    """Whether `path`, in a grid directory, is what grid.py writes there: its report files, or a variant's
+    directory of seed-<s> run directories."""
+    if path.name in REPORT_FILES:
+        return path.name != "results.md" or path.read_text(errors="replace").startswith(REPORT_TITLE)
+    return path.is_dir() and all(run.is_dir() and run.name.removeprefix("seed-").isdigit() for run in path.iterdir())
 
 
 def check_eval_windows(configs, multiples: list[int]) -> None:

@@ -41,12 +41,16 @@ FIT_KEYS = ("train_bpc", "train_bytes")
 # Optional in a run's result.json: eval.py --ar-split adds ar_split.<split>.<seq_len> with these
 # scores (bpc on associative-recall hits and on the other bytes, the hits' share of the bytes).
 AR_SPLIT_KEYS = ("hit_bpc", "rest_bpc", "hit_fraction")
+# The sha256 the run's ckpt.pt was sealed with when its result was written (absent from older records):
+# a checkpoint sealed since (trained on by a later --resume, say) means the result is stale.
+DIGEST_KEY = "checkpoint_sha256"
 Records = dict[tuple[int, str], dict[str, Any]]
 # The fields of a record the report reads, by kind (scores, curves and config are checked apart).
 TEXT_FIELDS = ("variant", "data")
 COUNT_FIELDS = ("seed", "steps", "parameters")
 NUMBER_FIELDS = ("final_val_bpc", "best_val_bpc", "tokens_per_s", "peak_memory_mb", "wall_time_s")   # NaN: none
-CONFIG_FIELDS = {"attention": str, "feature_map": str, "rope": str, "abs_pos": bool, "feature_map_options": dict}
+CONFIG_FIELDS = {"attention": str, "feature_map": str, "rope": str, "abs_pos": bool, "feature_map_options": dict,
+                 "seq_len": int}
 
 
 def read_record(path: Path) -> dict[str, Any] | None:
@@ -92,8 +96,23 @@ def record_problem(record: Any) -> str | None:
             return wrong(key, record[key], expected)
     if len(record["val_bpc"]) != len(record["val_steps"]):
         return f"val_bpc has {len(record['val_bpc'])} values for {len(record['val_steps'])} val_steps"
-    return (fit_problem(record) or scores_problem(record["scores"]) or config_problem(record["config"])
+    return (fit_problem(record) or config_problem(record["config"]) or finite_problem(record)
+            or scores_problem(record["scores"], record["config"]) or digest_problem(record)
             or ar_split_problem(record.get("ar_split", {})) or mqar_problem(record))
+
+
+def finite_problem(record: dict[str, Any]) -> str | None:
+    """Every val score of the record is finite: a NaN would be reported as a result."""
+    values = [("final_val_bpc", record["final_val_bpc"]), ("best_val_bpc", record["best_val_bpc"]),
+              *((f"val_bpc at step {step}", value) for step, value in zip(record["val_steps"], record["val_bpc"]))]
+    return next((f"{key} is {value}, not a finite score" for key, value in values if not math.isfinite(value)), None)
+
+
+def digest_problem(record: dict[str, Any]) -> str | None:
+    digest = record.get(DIGEST_KEY)
+    if digest is None or (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
+        return None
+    return wrong(DIGEST_KEY, digest, "a sha256 in hex (or null)")
 
 
 def mqar_problem(record: dict[str, Any]) -> str | None:
@@ -140,8 +159,9 @@ def wrong(key: str, value: Any, expected: str) -> str:
     return f"{key} is {reprlib.repr(value)}, not {expected}"
 
 
-def scores_problem(scores: Any) -> str | None:
-    """Scores are split -> window length (a positive whole number, as text) -> bpc."""
+def scores_problem(scores: Any, config: dict[str, Any]) -> str | None:
+    """Scores are split -> window length (a positive whole number, as text) -> bpc, finite except past
+    learned positions (abs_pos at a length beyond seq_len: n/a, not a score)."""
     if not isinstance(scores, dict):
         return wrong("scores", scores, "a dict of splits")
     for split, by_length in scores.items():
@@ -152,6 +172,8 @@ def scores_problem(scores: Any) -> str | None:
                 return f"scores.{split} has window length {length!r}, not a positive whole number"
             if not is_number(bpc):
                 return wrong(f"scores.{split}.{length}", bpc, "a number")
+            if not math.isfinite(bpc) and not (config["abs_pos"] and int(length) > config["seq_len"]):
+                return f"scores.{split}.{length} is {bpc}, not a finite score"
     return None
 
 

@@ -26,17 +26,17 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_finite_weights, check_optimizer_state,
-                         checkpoint_entries, load_checkpoint, load_state, load_weights, save_checkpoint,
-                         saved_precision)
+                         check_progress, checkpoint_entries, import_recorded, load_checkpoint, load_state,
+                         load_weights, save_checkpoint, saved_config, saved_precision)
 from .cli import add_config_flags, given_settings, import_user_code, pre_parse_imports
-from .config import TrainConfig, config_differences, config_from_flags
+from .config import TrainConfig, config_differences, config_from_flags, config_from_record, field_default
 from .data import DataError, RandomWindows, load_split
 from . import mqar
 from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss, state_size
 from .runlock import DirectoryLock
 from .device import (autocast, gradient_scaler, keep_freed_memory, peak_memory_mb, precision_key, precision_name,
                      release_free_memory, reset_peak_memory, resolve_device)
-from .errors import (EXIT_ERROR, EXIT_INTERRUPTED, EXIT_SIGNAL_BASE, EXIT_USAGE, Parser, UsageError, first_line,
+from .errors import (EXIT_ERROR, EXIT_INTERRUPTED, EXIT_SIGNAL_BASE, EXIT_USAGE, Parser, UsageError,
                      is_out_of_memory)
 from .files import WriteFailed, remove_stale_temporaries
 from .scoring import summed_loss
@@ -51,7 +51,11 @@ MAX_SKIPPED_STEPS = 20
 MIN_LOSS_SCALE = 1.0
 
 
-class TrainingDiverged(RuntimeError):
+class RunFailed(RuntimeError):
+    """A run that cannot give a finite result (exit 1): nothing of the failing step is saved."""
+
+
+class TrainingDiverged(RunFailed):
     """The loss, the gradient norm or, after the optimiser step, a weight became non-finite: that
     step is not saved."""
 
@@ -231,7 +235,7 @@ class RunStats:
 class TrainResult:
     run_name: str
     variant: str
-    final_val_bpc: float
+    final_val_bpc: float             # the estimate at final_val_step (nan: none yet)
     best_val_bpc: float
     tokens_per_s: float
     peak_memory_mb: float
@@ -250,6 +254,7 @@ class TrainResult:
     late_signal: int = 0             # a signal that came with the last step (the run finished)
     val_accuracy: float = math.nan   # --task mqar: the last estimate's accuracy at the query positions
     state_size: str = ""             # the decoding state per head and layer (lm.state_size)
+    final_val_step: int = 0          # the step of final_val_bpc: `steps` unless the run stopped between estimates
     model: ByteLM | None = None
 
     @property
@@ -259,8 +264,12 @@ class TrainResult:
     def summary(self) -> str:
         recall = (f"val accuracy {self.val_accuracy:.1%} at the queries (state {self.state_size}) | "
                   if not math.isnan(self.val_accuracy) else "")
-        return (f"result {self.run_name}: {recall}final val bpc {self.final_val_bpc:.4f} "
-                f"(best {self.best_val_bpc:.4f}) | {self.tokens_per_s:,.0f} tokens/s | "
+        if not self.val_steps:
+            score = "no val estimate yet"
+        else:
+            at = "" if self.final_val_step == self.steps else f" at step {self.final_val_step}, the last estimate"
+            score = f"final val bpc {self.final_val_bpc:.4f}{at} (best {self.best_val_bpc:.4f})"
+        return (f"result {self.run_name}: {recall}{score} | {self.tokens_per_s:,.0f} tokens/s | "
                 f"wall time {self.wall_seconds:.1f}s | {self.steps} steps | "
                 f"peak memory {self.peak_memory_mb:,.0f} MiB")
 
@@ -285,16 +294,14 @@ def restore_rng(saved: list[dict[str, torch.Tensor]], ctx: Distributed, seed: in
 
 
 def load_for_resume(path: Path, config: TrainConfig, data: str) -> dict[str, Any]:
-    """The run's checkpoint, refused unless it holds every entry and the same configuration."""
+    """The run's checkpoint, refused unless it is whole (its digest), holds every entry, agrees with
+    itself and has the same configuration (`config` from flags: grid.py; from the record: train.py)."""
     checkpoint = load_checkpoint(path)
     checkpoint_entries(checkpoint, path)
     saved_precision(checkpoint, path)
     check_finite_weights(checkpoint["model"], path)
-    try:
-        saved = TrainConfig.resumed(checkpoint["config"], config)
-    except ValueError as error:
-        raise CheckpointError(f"cannot resume {path}: its saved configuration is not valid "
-                              f"({first_line(error)})") from None
+    saved = saved_config(checkpoint, path)
+    check_progress(checkpoint, saved, path)
     differences = config_differences(saved.flat(), config.flat())
     if differences:
         raise CheckpointError(f"cannot resume {path}: it was trained with a different configuration "
@@ -304,6 +311,17 @@ def load_for_resume(path: Path, config: TrainConfig, data: str) -> dict[str, Any
         raise CheckpointError(f"cannot resume {path}: it was trained on {checkpoint['data']}, "
                               f"the data directory now holds {data}")
     return checkpoint
+
+
+def schedule_note(saved_steps: int, config: TrainConfig) -> str:
+    """What a longer --steps on resume does to the learning rate: the recorded schedule goes on."""
+    optim = config.optim
+    if optim.decay_steps <= saved_steps:
+        after = f"the cosine decay ended at step {optim.decay_steps}, so steps {saved_steps + 1}-{optim.steps} run at min_lr {optim.min_lr:g}"
+    else:
+        after = f"the cosine decay goes on to min_lr {optim.min_lr:g} at step {optim.decay_steps}"
+    return (f"--steps {optim.steps} extends the run from {saved_steps} steps with its recorded schedule: {after} "
+            "(--decay-steps set at the start decides this)")
 
 
 # The train-split estimate reads batches of the training stream from this index on, which training
@@ -467,6 +485,9 @@ class Trainer:
             load_state(path, "log_window", lambda: self._restore_log_window(checkpoint["log_window"]))
             self.step = self.saved_step = self.resumed_step = checkpoint["step"]
             self.log(f"resumed {self.ckpt_file} at step {self.step}")
+            saved_steps = checkpoint["config"]["optim"]["steps"]
+            if config.optim.steps > saved_steps:
+                self.log(schedule_note(saved_steps, config))
         self.compiled = torch.compile(self.model) if config.run.compile else self.model
         # Feature-map buffers are not broadcast: every rank draws identical projections from the seeds.
         self.trainable = (DistributedDataParallel(self.compiled, broadcast_buffers=False)
@@ -621,6 +642,11 @@ class Trainer:
                 val_bpc = evaluate(self.compiled, self.val_batches, config, self.ctx, self.dtype)
                 train_bpc = evaluate(self.compiled, self.train_batches, config, self.ctx, self.dtype,
                                      first_batch=TRAIN_ESTIMATE_FIRST_BATCH)
+            if not (math.isfinite(val_bpc) and math.isfinite(train_bpc)):
+                raise RunFailed(f"training stopped at step {step}: the model's estimates are not finite (val bpc "
+                                f"{val_bpc}, train bpc {train_bpc}) although its training loss was, so its outputs "
+                                f"overflow in eval mode (the feature map, or dropout off?); this step is not saved, "
+                                f"{self.checkpoint_kept()}")
             self.stats.val_steps.append(step)
             self.stats.val_bpc.append(val_bpc)
             self.stats.train_bpc.append(train_bpc)
@@ -704,6 +730,7 @@ class Trainer:
         result = TrainResult(
             run_name=config.run.run_name, variant=config.model.variant,
             final_val_bpc=stats.val_bpc[-1] if stats.val_bpc else math.nan, best_val_bpc=stats.best_val_bpc,
+            final_val_step=stats.val_steps[-1] if stats.val_steps else 0,
             tokens_per_s=stats.tokens_per_s,
             peak_memory_mb=stats.peak_memory_mb,   # every run ends with a save, which updates it
             parameters=self.model.num_parameters(), steps=self.step,
@@ -749,7 +776,7 @@ def train(config: TrainConfig, ctx: Distributed, *, resume: bool = False) -> Tra
 # ----------------------------------------------------------------------------- entry point
 
 RUN_ERRORS = (DataError, CheckpointError, UsageError)                    # exit 2: fix the input
-RUN_FAILURES = (TrainingDiverged, WriteFailed)   # exit 1: the run failed (so does running out of memory)
+RUN_FAILURES = (RunFailed, WriteFailed)   # exit 1: the run failed (so does running out of memory)
 
 
 def failure_message(error: BaseException) -> str:
@@ -788,8 +815,22 @@ def exit_code(result: TrainResult) -> int:
     return EXIT_SIGNAL_BASE + result.stop_signal if result.stop_signal else 0
 
 
+def resolve_settings(given: dict[str, Any], args: argparse.Namespace) -> TrainConfig:
+    """A new run's settings from the flags; --resume's from the checkpoint's record, which the flags
+    given may only extend (config_from_record).  The run is found by --out-dir and --run-name (its
+    default: the variant the flags name, as when it started)."""
+    if not args.resume:
+        return config_from_flags(given)
+    run_name = given.get("run_name") or config_from_flags(given).run.run_name
+    path = Path(given.get("out_dir", field_default("out_dir"))) / run_name / CHECKPOINT_NAME
+    checkpoint = load_checkpoint(path)
+    import_recorded(checkpoint, path)
+    checkpoint_entries(checkpoint, path, ("config",))
+    return config_from_record(saved_config(checkpoint, path), {**given, "run_name": run_name})
+
+
 def main(argv: list[str] | None = None) -> int:
-    args, config = parse_config(build_parser(), argv)
+    args, config = parse_config(build_parser(), argv, resolve=resolve_settings)
     keep_freed_memory()   # large CPU temporaries reuse freed memory instead of page-faulting
 
     def run() -> int:

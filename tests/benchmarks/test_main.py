@@ -44,20 +44,19 @@ def test_bad_input_to_the_command_is_one_line_and_exit_2(tmp_path):
     assert "Traceback" not in run.stderr and "--lengths" in run.stderr.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("sections", ["attention", "decode"])
-def test_overwrite_removes_the_earlier_runs_plot_when_this_run_draws_none(sections, tmp_path, monkeypatch):
-    """Every attention config skipped, or no attention section: the new JSON and report must not sit
-    beside a plot of the earlier run's measurements."""
+def test_overwrite_removes_the_earlier_runs_plot_when_this_run_draws_none(tmp_path, monkeypatch):
+    """Every attention config skipped but the decode section measured: the new JSON and report must
+    not sit beside a plot of the earlier run's measurements."""
     skipped = {"method": "sdpa", "mask": "causal", "dtype": "fp32", "label": "sdpa causal fp32", "linear": False,
                "n": 128, "skipped": "over budget"}
     monkeypatch.setattr("benchmarks.__main__.run_attention", lambda *args: {"records": [skipped]})
-    monkeypatch.setattr("benchmarks.__main__.run_decode", lambda *args: [])
+    monkeypatch.setattr("benchmarks.__main__.run_decode", lambda *args: [{"n": 128, "step_s": 0.01}])
     out = tmp_path / "bench"
     for suffix in (".json", ".md", ".png"):
         out.with_suffix(suffix).write_text("earlier")
-    main(["--sections", sections, "--device", "cpu", "--lengths", "128", "--out", str(out), "--overwrite"])
+    main(["--sections", "attention,decode", "--device", "cpu", "--lengths", "128", "--out", str(out), "--overwrite"])
     assert not out.with_suffix(".png").exists()
-    assert json.loads(out.with_suffix(".json").read_text())["settings"]["sections"] == [sections]
+    assert json.loads(out.with_suffix(".json").read_text())["settings"]["sections"] == ["attention", "decode"]
 
 
 @pytest.mark.gpu
@@ -91,15 +90,19 @@ def test_cuda_block_and_kernel_sections_measure_every_method_and_judge_the_targe
     assert all(r["bandwidth_share"] > 0 for r in results["kernels"]["records"] if "train_s" in r)
 
 
-def test_a_sweep_whose_every_configuration_failed_exits_1_after_writing_its_rows(tmp_path, monkeypatch, capsys):
-    failed = {"method": "sdpa", "mask": "causal", "dtype": "fp32", "label": "sdpa causal fp32", "linear": False,
-              "n": 128, "error": "RuntimeError: can't allocate memory"}
-    monkeypatch.setattr("benchmarks.__main__.run_attention", lambda *args: {"records": [failed]})
+@pytest.mark.parametrize("outcome", [{"error": "RuntimeError: can't allocate memory"}, {"skipped": "over budget"}])
+def test_a_run_that_measured_nothing_exits_1_and_keeps_the_earlier_results(outcome, tmp_path, monkeypatch, capsys):
+    """Every configuration failed (or was skipped): exit 1, and the earlier results at --out stay as they were."""
+    record = {"method": "sdpa", "mask": "causal", "dtype": "fp32", "label": "sdpa causal fp32", "linear": False,
+              "n": 128, **outcome}
+    monkeypatch.setattr("benchmarks.__main__.run_attention", lambda *args: {"records": [record]})
     out = tmp_path / "bench"
+    for suffix in (".json", ".md", ".png"):
+        out.with_suffix(suffix).write_text("earlier")
     with pytest.raises(SystemExit) as exit_info:
-        main(["--sections", "attention", "--device", "cpu", "--lengths", "128", "--out", str(out)])
+        main(["--sections", "attention", "--device", "cpu", "--lengths", "128", "--out", str(out), "--overwrite"])
     assert exit_info.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == (f"error: every configuration of the attention sweep failed, the first with: RuntimeError: "
-                       f"can't allocate memory; the rows are in {out}.md")
-    assert json.loads(out.with_suffix(".json").read_text())["attention"]["records"] == [failed]
+    assert err[-1].startswith("error: ") and "nothing was written" in err[-1]
+    assert ("can't allocate memory" in err[-1]) == ("error" in outcome)
+    assert all(out.with_suffix(suffix).read_text() == "earlier" for suffix in (".json", ".md", ".png"))

@@ -47,6 +47,15 @@ def test_lengths_default_to_the_device_and_run_small_to_large(tmp_path):
     (["--kernel-features", "0"], "--kernel-features"),
     (["--lengths", "100000000000"], "--lengths up to 100,000,000,000 with b=1, h=8, D=64, M=256: the inputs alone need"),
     (["--num-features", "100000000", "--lengths", "32"], "choose shorter --lengths or smaller sizes"),
+    (["--threads", "100000"], "--threads"),
+    (["--repeats", "1000000000"], "--repeats"),
+    (["--warmup", "1001"], "--warmup"),
+    (["--decode-steps", "1000000000"], "--decode-steps"),
+    (["--model-steps", "10001"], "--model-steps"),
+    (["--model-contexts", "128,1000000000"], "--model-contexts"),
+    (["--decode-contexts", "1000000000"], "--decode-contexts"),
+    (["--batch", "1000000000"], "--batch"),
+    (["--budget-s", "1e9"], "--budget-s"),
 ])
 def test_bad_flags_exit_2_with_one_line_that_names_the_flag(flags, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
@@ -57,14 +66,14 @@ def test_bad_flags_exit_2_with_one_line_that_names_the_flag(flags, message, caps
 
 
 def test_a_method_too_large_to_build_is_refused_in_one_line(monkeypatch, capsys, tmp_path):
-    """--head-dim 1000000 made the FAVOR+ projection's QR ask for 4 TB: torch's RuntimeError was a
+    """--head-dim 1000000 (now above the flag's bound) made the FAVOR+ projection's QR ask for 4 TB: torch's RuntimeError was a
     traceback.  (Raised here rather than asked of the allocator: a failed 4 TB request leaves glibc's
     heap so that test_timing's peak measurement in the same process reads 0.)"""
     def too_large(*args):
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory\nmore")
     monkeypatch.setattr("benchmarks.settings.build_attention", too_large)
     with pytest.raises(SystemExit) as exit_info:
-        parse_settings(["--methods", "favor-post", "--head-dim", "1000000", "--lengths", "32",
+        parse_settings(["--methods", "favor-post", "--head-dim", "60000", "--lengths", "32",
                         "--out", str(tmp_path / "bench")])
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(lines) == 1, lines

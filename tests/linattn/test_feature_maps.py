@@ -50,6 +50,13 @@ def test_favor_counts_and_seeds_must_be_integers(options, message):
         make_feature_map("favor", 16, options=options)
 
 
+@pytest.mark.parametrize("name, heads", [("favor", None), ("hedgehog", 4)])
+def test_a_feature_count_whose_weights_cannot_fit_is_refused_before_allocation(name, heads):
+    """num_features=10**12 allocated until the process was killed."""
+    with pytest.raises(ValueError, match="smaller num_features"):
+        make_feature_map(name, 64, heads=heads, options={"num_features": 10**12})
+
+
 def test_unknown_option_names_accepted_ones():
     with pytest.raises(ValueError, match=r"does not take option\(s\) \['num_features'\]"):
         make_feature_map("elu", 16, options={"num_features": 8})

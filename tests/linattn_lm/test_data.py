@@ -3,8 +3,10 @@ the default data directory. `data_dir` (tests/conftest.py) is a 400,000-byte sli
 train 360,000, val 20,000 and test 20,000 bytes."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,8 +14,8 @@ import pytest
 import torch
 
 import linattn_lm.data
-from linattn_lm.data import (ByteSplit, DataError, DataNotFoundError, RandomWindows, SequentialWindows,
-                             default_data_dir, describe_data, load_split)
+from linattn_lm.data import (ENWIK8_SHA256, ENWIK8_SIZE, ByteSplit, DataError, DataNotFoundError, RandomWindows,
+                             SequentialWindows, default_data_dir, describe_data, load_split, repository_data_dir)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -159,6 +161,10 @@ REMOVE = object()
     (("description",), REMOVE, "meta.json lacks 'description'"),
     (("vocab_size",), 255, "vocab_size is 255"),
     (("format_version",), 2, "format_version is 2"),
+    (("dtype",), "uint16", "dtype is 'uint16'"),
+    (("dtype",), REMOVE, "meta.json lacks 'dtype'"),
+    (("split_boundaries",), [0, 5, 10, 15], "split_boundaries is [0, 5, 10, 15]"),
+    (("canonical",), True, "canonical is True, but the source's sha256"),
 ])
 def test_a_hand_edited_meta_json_is_one_clear_error(path: tuple[str, ...], value: object, problem: str,
                                                      data_dir: Path, tmp_path: Path) -> None:
@@ -188,3 +194,11 @@ def test_default_data_dir_is_the_repositorys_from_any_directory(tmp_path: Path,
     monkeypatch.setattr(linattn_lm.data, "__file__", str(tmp_path / "site-packages" / "linattn_lm" / "data.py"))
     with pytest.raises(DataNotFoundError, match="a non-editable install.*pass --data-dir DIR"):
         default_data_dir()
+
+
+def test_prepare_py_downloads_the_corpus_meta_json_calls_canonical() -> None:
+    spec = importlib.util.spec_from_file_location("enwik8_prepare_for_data", repository_data_dir() / "prepare.py")
+    prepare = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = prepare
+    spec.loader.exec_module(prepare)
+    assert (prepare.ENWIK8.corpus.size, prepare.ENWIK8.corpus.sha256) == (ENWIK8_SIZE, ENWIK8_SHA256)

@@ -25,6 +25,7 @@ def _one_thread():
 def write_checkpoint(path: Path, model: ByteLM, data_dir: Path) -> Path:
     """A checkpoint as train.py writes it, for a model built here."""
     config = TrainConfig(model=model.config, run=RunConfig(data_dir=str(data_dir), run_name="test"))
+    config.optim.decay_steps = config.optim.steps   # as config_from_flags resolves it
     save_checkpoint(path, dict(config=asdict(config), step=0, model=model.state_dict(), optimizer={},
                                loader={}, rng=[], stats={}, data="test", log_window={}))
     return path
@@ -125,6 +126,10 @@ def test_errors_are_clear(data_dir: Path, tmp_path: Path, run_main, make_model) 
      "its saved configuration is not valid (unknown config section(s) ['extra']"),
     (lambda config: config["optim"].update(colour="red"),
      "its saved configuration is not valid (unknown optim setting(s) ['colour']"),
+    (lambda config: config["run"].update(dtype="fp8"), "dtype must be one of auto, fp32, bf16, fp16, got 'fp8'"),
+    (lambda config: config["optim"].update(lr=float("nan")), "lr must be a finite number"),
+    (lambda config: config.pop("optim"), "the config lacks section(s) ['optim']"),
+    (lambda config: config["optim"].update(batch_size=0), "batch_size must be positive"),
 ])
 def test_a_saved_config_is_read_as_resume_reads_it(damage, message: str, data_dir: Path, tmp_path: Path, run_main,
                                                    make_model) -> None:
@@ -132,7 +137,7 @@ def test_a_saved_config_is_read_as_resume_reads_it(damage, message: str, data_di
     ckpt = write_checkpoint(tmp_path / "ckpt.pt", make_model(), data_dir)
     checkpoint = torch.load(ckpt, weights_only=True)
     damage(checkpoint["config"])
-    torch.save(checkpoint, ckpt)
+    save_checkpoint(ckpt, {k: v for k, v in checkpoint.items() if k not in ("format", "version")})
     code, _, err = run_main(evaluate.main, [str(ckpt), "--generate", "The ", "--max-new-tokens", "1"])
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
@@ -193,22 +198,22 @@ def test_a_tiny_temperature_samples_as_greedy(data_dir: Path, tmp_path: Path, ru
     assert outputs[0][1] == outputs[1][1]
 
 
-def test_a_recorded_data_dir_that_is_not_a_path_is_ignored(data_dir: Path, tmp_path: Path, run_main, make_model,
+def test_a_recorded_data_dir_that_is_not_a_path_is_refused(data_dir: Path, tmp_path: Path, run_main, make_model,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt.pt", make_model(), data_dir)
     checkpoint = torch.load(ckpt, weights_only=True)
     checkpoint["config"]["run"]["data_dir"] = 5   # hand-edited
-    torch.save(checkpoint, ckpt)
+    save_checkpoint(ckpt, {k: v for k, v in checkpoint.items() if k not in ("format", "version")})
     monkeypatch.setattr(evaluate, "default_data_dir", lambda: data_dir)
     code, out, err = run_main(evaluate.main, [str(ckpt), "--max-bytes", "2000"])
-    assert code == 0 and f"from {data_dir}, val split" in out, err
+    assert code == 2 and "data_dir must be str, got 5" in err, err   # as --resume refuses it
 
 
 def test_integer_weights_are_refused_not_truncated(data_dir: Path, tmp_path: Path, run_main, make_model) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt.pt", make_model(), data_dir)
     checkpoint = torch.load(ckpt, weights_only=True)
     checkpoint["model"]["head.weight"] = (checkpoint["model"]["head.weight"] * 100).long()
-    torch.save(checkpoint, ckpt)
+    save_checkpoint(ckpt, {k: v for k, v in checkpoint.items() if k not in ("format", "version")})
     code, out, err = run_main(evaluate.main, [str(ckpt), "--max-bytes", "300"])
     assert code == 2 and "bpc" not in out, err
     assert err == f"error: {ckpt} is damaged: weight 'head.weight' is torch.int64, the model's is torch.float32; " \

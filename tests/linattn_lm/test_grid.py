@@ -10,7 +10,8 @@ from pathlib import Path
 import linattn
 import pytest
 
-from linattn_lm import grid, load_checkpoint
+from linattn_lm import grid, load_checkpoint, save_checkpoint
+from linattn_lm.checkpoint import CheckpointError, recorded_digest
 from linattn_lm.data import load_split
 from linattn_lm.ngram import reference_bpc
 from linattn_lm.variants import default_variants, variant_flags
@@ -40,7 +41,10 @@ def test_grid_trains_every_seed_and_variant_and_reports(grid_argv: list[str], da
     assert [(row["seed"], row["variant"]) for row in rows] == [(s, v) for s in "01" for v in VARIANTS.split(",")]
     assert all(row["steps"] == "4" for row in rows)
     assert {"val_bpc@64", "val_bpc@128", "test_bpc@64", "test_bpc@128"} <= set(rows[0])
-    assert [row["val_bpc@128"] for row in rows if row["variant"] == "softmax-abs"] == ["nan", "nan"]
+    assert [row["val_bpc@128"] for row in rows if row["variant"] == "softmax-abs"] == ["nan", "nan"]   # n/a: abs_pos
+    assert (grid_dir / grid.GRID_MARKER).is_file()
+    record = json.loads((grid_dir / "softmax-abs" / "seed-0" / grid.RESULT_NAME).read_text())
+    assert record[grid.DIGEST_KEY] == recorded_digest(grid_dir / "softmax-abs" / "seed-0" / "ckpt.pt")
     assert all(2 < float(row["test_bpc@64"]) < 9 for row in rows)
 
     report = (grid_dir / "results.md").read_text()
@@ -72,7 +76,7 @@ def test_grid_resumes_and_adds_seeds_without_retraining(data_dir: Path, tiny: li
     assert run_main(grid.main, [*argv, "--seeds", "0"])[0] == 0
     grid_dir = tmp_path / "grid-tiny"
     code, _, err = run_main(grid.main, [*argv, "--seeds", "0"])
-    assert code == 2 and f"{grid_dir} already holds linear-elu-none, linear-elu-post, results.csv ...: pass --resume" in err
+    assert code == 2 and f"{grid_dir} already holds .linattn-grid, linear-elu-none, linear-elu-post ...: pass --resume" in err
 
     (grid_dir / "linear-elu-none" / "seed-0" / "result.json").unlink()   # as if stopped while scoring
     stale = grid_dir / "linear-elu-post" / "seed-0" / "result.json"       # written under other settings
@@ -378,6 +382,10 @@ def damage(path: Path, change) -> None:
     (lambda path: damage(path, lambda r: r.update(train_bpc=[2.0], train_bytes=0)), "train_bytes is 0, not a whole number > 0"),
     (lambda path: damage(path, lambda r: r.update(train_bpc=[2.0])), "train_bpc without train_bytes"),
     (lambda path: damage(path, lambda r: r["config"].pop("rope")), "config.rope is None, not str"),
+    (lambda path: damage(path, lambda r: r.update(final_val_bpc=math.nan)), "final_val_bpc is nan, not a finite score"),
+    (lambda path: damage(path, lambda r: r["scores"]["test"].update({"64": math.inf})),
+     "scores.test.64 is inf, not a finite score"),
+    (lambda path: damage(path, lambda r: r.update(checkpoint_sha256="abc")), "checkpoint_sha256 is 'abc'"),
     (lambda path: path.write_text(path.read_text()[:40]), "not valid JSON"),
     (lambda path: path.write_text("[" * 200000 + "]" * 200000), "not valid JSON"),   # a RecursionError
     (lambda path: damage(path, lambda r: r.update(variant="linear-elu-none")),   # another run's, copied here
@@ -428,20 +436,22 @@ def test_the_report_is_built_whole_before_any_file_is_replaced(tmp_path: Path, m
 @pytest.mark.parametrize("existing, resume, message", [
     ({"results.md": "my notes\n"}, False, "already holds results.md: pass --resume to continue the grid there"),
     ({"notes.txt": "mine\n"}, False, "already holds notes.txt"),
-    ({"results.md": "my notes\n"}, True, "is not a grid's directory (it holds a results.md grid.py did not write)"),
-    ({"ckpt.pt": "a train.py run's\n"}, True, "is not a grid's directory (it holds ckpt.pt): give the --out-dir"),
+    ({"results.md": "my notes\n"}, True, "is not a grid's directory (no .linattn-grid marker, and it holds results.md"),
+    ({"ckpt.pt": "a train.py run's\n"}, True, "is not a grid's directory (no .linattn-grid marker, and it holds ckpt.pt"),
+    ({"linear-favor-post-M64/ckpt.pt": "a train.py run's\n"}, True, "and it holds linear-favor-post-M64, which grid.py"),
 ])
 def test_a_grid_writes_only_into_a_new_directory_or_one_grid_py_wrote(existing, resume, message, data_dir: Path,
                                                                      tiny: list[str], tmp_path: Path, run_main) -> None:
     grid_dir = tmp_path / "g"
     grid_dir.mkdir()
     for name, text in existing.items():
+        (grid_dir / name).parent.mkdir(exist_ok=True)
         (grid_dir / name).write_text(text)
     argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "g", "--steps", "1",
             "--variants", "softmax-rope", *(["--resume"] if resume else [])]
     code, _, err = run_main(grid.main, argv)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
-    assert {path.name: path.read_text() for path in grid_dir.iterdir()} == existing
+    assert {str(path.relative_to(grid_dir)): path.read_text() for path in grid_dir.rglob("*") if path.is_file()} == existing
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -474,3 +484,32 @@ def test_every_linear_variant_is_paired_with_softmax_rope_closest_first() -> Non
     assert "+0.200 (s0), +0.100 (s1) | +0.150 |" in rows[0] and "+0.650 |" in rows[1]
     del variants["softmax-rope"]   # no softmax + RoPE in the grid: no such table
     assert baseline_table(variants, 256) == []
+
+
+def test_a_report_notices_a_run_that_changed_after_its_result(data_dir: Path, tiny: list[str], tmp_path: Path,
+                                                              run_main) -> None:
+    """result.json records the digest of the checkpoint it was scored from; one sealed since (trained on
+    by a later --resume) makes the result stale."""
+    given = dict(preset="tiny", data_dir=str(data_dir), out_dir=str(tmp_path), run_name="g")
+    write_finished_run(given, "linear-elu-post", 0, 3.0)
+    run_dir = tmp_path / "g" / "linear-elu-post" / "seed-0"
+    save_checkpoint(run_dir / "ckpt.pt", {"step": 1})
+    damage(run_dir / grid.RESULT_NAME, lambda r: r.update(checkpoint_sha256=recorded_digest(run_dir / "ckpt.pt")))
+    argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "g", "--report-only",
+            "--variants", "linear-elu-post"]
+    assert run_main(grid.main, argv)[0] == 0
+    save_checkpoint(run_dir / "ckpt.pt", {"step": 2})   # trained on after its result was written
+    code, _, err = run_main(grid.main, argv)
+    assert code == 2 and "changed after its result.json was written" in err and str(run_dir) in err, err
+
+
+def test_resume_continues_a_grid_from_before_the_marker_and_no_other_directory(tmp_path: Path) -> None:
+    grid_dir = tmp_path / "old-grid"
+    (grid_dir / "linear-elu-post" / "seed-0").mkdir(parents=True)
+    (grid_dir / "results.md").write_text(f"{grid.REPORT_TITLE}old-grid\n")
+    grid.check_grid_directory(grid_dir, existing=True)   # laid out as grid.py lays out a grid
+    (grid_dir / "linear-elu-post" / "events.out.tfevents.1").write_text("")   # a train.py run's directory
+    with pytest.raises(CheckpointError, match="which grid.py does not write"):
+        grid.check_grid_directory(grid_dir, existing=True)
+    (grid_dir / grid.GRID_MARKER).write_text("{}")
+    grid.check_grid_directory(grid_dir, existing=True)   # marked: grid.py's

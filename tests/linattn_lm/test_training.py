@@ -2,6 +2,7 @@
 (exact resume, refusals), DDP on CPU, settings from presets and flags."""
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -18,6 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from linattn_lm import (ByteLM, ModelConfig, TrainConfig, config_from_flags, load_checkpoint, save_checkpoint,
                         training)
+from linattn_lm.checkpoint import recorded_digest
 from linattn_lm.config import PRESETS, RESUMABLE, RunConfig
 from linattn_lm.data import load_split
 
@@ -219,14 +221,14 @@ def test_checkpoint_refusals(tiny_run: Path, data_dir: Path, tiny: list[str], tm
     code, _, err = run_main(training.main, flags)
     assert code == 2 and "exists: pass --resume" in err
     code, _, err = run_main(training.main, [*flags, "--resume", "--n-layer", "3", "--lr", "0.002"])
-    assert code == 2 and "n_layer: checkpoint 2, now 3" in err and "lr: checkpoint 0.003, now 0.002" in err
+    assert code == 2 and "n_layer: checkpoint 2, given 3" in err and "lr: checkpoint 0.003, given 0.002" in err
     code, _, err = run_main(training.main, [*flags, "--resume", "--attention", "softmax"])
-    assert code == 2 and "attention: checkpoint 'linear', now 'softmax'" in err
+    assert code == 2 and "attention: checkpoint 'linear', given 'softmax'" in err
     code, _, err = run_main(training.main, [*flags, "--resume", "--feature-map-option", "num_features=16"])
-    assert code == 2 and "feature_map_options: checkpoint" in err
+    assert code == 2 and "feature_map_options['num_features']: checkpoint 32, given 16" in err
     (run_dir / "ckpt.pt").write_bytes((run_dir / "ckpt.pt").read_bytes()[:5000])
     code, _, err = run_main(training.main, [*flags, "--resume"])
-    assert code == 2 and "corrupt or truncated" in err
+    assert code == 2 and "is damaged" in err
     code, _, err = run_main(training.main, [*flags, "--resume", "--run-name", "never-ran"])
     assert code == 2 and "checkpoint not found" in err
     (tmp_path / "odd" / "ckpt.pt").mkdir(parents=True)   # a directory where the checkpoint goes
@@ -266,6 +268,8 @@ def damage_config_key(c): c["config"]["model"]["colour"] = "red"
 def damage_precision(c): c["precision"] = "fp8"
 def damage_betas(c): c["optimizer"]["param_groups"][0]["betas"] = (2.0, -1.0)
 def damage_eps(c): c["optimizer"]["param_groups"][1]["eps"] = 0.0
+def damage_amsgrad(c): c["optimizer"]["param_groups"][0]["amsgrad"] = True
+def damage_val_estimate(c): c["stats"]["val_bpc"][1] = float("nan")
 def damage_sparse_weight(c): c["model"]["head.weight"] = c["model"]["head.weight"].to_sparse()
 def damage_sparse_csr_weight(c):
     with warnings.catch_warnings():   # "Sparse CSR tensor support is in beta state": about torch, not this test
@@ -280,17 +284,20 @@ def damage_sparse_csr_weight(c):
                          "Missing key(s) in state_dict: \"head.weight\""),
     (damage_step, "'step' entry should be a int"), (damage_config, "'config' entry should be a dict"),
     (damage_optimizer, "'optimizer' entry should be a dict, found missing"),
-    (damage_loader, "'loader' entry should be a dict"), (damage_loader_contents, "'loader' entry does not fit"),
+    (damage_loader, "'loader' entry should be a dict"), (damage_loader_contents, "its data position (seed, batches drawn) is (0, None)"),
     (damage_window, "'log_window' entry does not fit"), (damage_old_window, "'log_window' entry does not fit"),
-    (damage_stats, "'stats' entry does not fit this run (val_bpc is 'abc'"),
+    (damage_stats, "its recorded val estimates (steps [10, 20, 30], bpc 'abc') are not finite numbers"),
     (damage_stats_count, "'stats' entry does not fit this run (tokens is -5"),
     (damage_train_stats, "'stats' entry does not fit this run (train_bpc is ['x', 1.0, None], not a list of numbers"),
     (damage_train_stats_length, "'stats' entry does not fit this run (val_steps and train_bpc differ in length (3 and 1)"),
-    (damage_loader_position, "saved batches_drawn must be an integer >= 0, got -5"),
+    (damage_loader_position, "its data position (seed, batches drawn) is (0, -5)"),
     (damage_weights, "holds NaN or inf"),
     (damage_weight_dtype, "is damaged: weight 'head.weight' is torch.int64, the model's is torch.float32"),
-    (damage_betas, "is damaged: its optimiser's param group 0 has betas (2.0, -1.0), not two numbers in [0, 1)"),
-    (damage_eps, "its optimiser's param group 1 has eps 0.0, not a finite number > 0"),
+    (damage_betas, "is damaged: its optimiser's param group 0 differs from the one these settings build (betas: "
+                   "checkpoint (2.0, -1.0), this run (0.9, 0.95))"),
+    (damage_eps, "its optimiser's param group 1 differs from the one these settings build (eps: checkpoint 0.0"),
+    (damage_amsgrad, "param group 0 differs from the one these settings build (amsgrad: checkpoint True, this run False)"),
+    (damage_val_estimate, "its recorded val estimates (steps [10, 20, 30], bpc ["),
     (damage_sparse_weight, "is damaged: weight 'head.weight' is stored as torch.sparse_coo, the model's weights are "
                            "dense (torch.strided)"),
     (damage_sparse_csr_weight, "weight 'head.weight' is stored as torch.sparse_csr"),
@@ -300,7 +307,7 @@ def damage_sparse_csr_weight(c):
     (damage_moment_value, "optimiser state 'exp_avg' of 'token_embedding.weight' is (256, 64) torch.float32 (or not "
                           "finite)"),
     (damage_adam_step, "optimiser state 'step' of 'token_embedding.weight' is () torch.float32"),
-    (damage_parameter_count, "its 'optimizer' entry holds 23 parameters, the model has 24"),
+    (damage_parameter_count, "its 'optimizer' entry holds 23 parameters in 2 groups, the model has 24 in 2"),
     (damage_config_section, "its saved configuration is not valid (unknown config section(s) ['extra']"),
     (damage_config_key, "its saved configuration is not valid (unknown model setting(s) ['colour']"),
     (damage_precision, "is damaged: its 'precision' entry is 'fp8', not one of fp32, bf16, fp16"),
@@ -535,7 +542,7 @@ def test_a_checkpoint_from_before_normalization_existed_resumes(tiny_run: Path, 
     common = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "old", "--resume",
               "--sample-interval", "0", "--decay-steps", "30"]
     code, _, err = run_main(training.main, [*common, "--steps", "31", "--normalization", "rmsnorm"])
-    assert code == 2 and "normalization: checkpoint 'denominator', now 'rmsnorm'" in err
+    assert code == 2 and "normalization: checkpoint 'denominator', given 'rmsnorm'" in err
     assert run_main(training.main, [*common, "--steps", "31"])[0] == 0
     assert load_checkpoint(tmp_path / "old")["step"] == 31
 
@@ -556,3 +563,57 @@ def test_ddp_two_cpu_ranks_keep_a_trainable_map_identical(data_dir: Path, tiny: 
 def test_presets_never_redraw_favor(preset: str) -> None:
     """The study measured that redraws cost accuracy (docs/results/study.md): the map's default."""
     assert PRESETS[preset]["feature_map_options"]["redraw_interval"] == 0
+
+
+def test_resume_needs_only_where_the_run_is(tiny_run: Path, tmp_path: Path, run_main) -> None:
+    """Preset, variant, data and schedule come from the record; a longer --steps says what the recorded
+    schedule does after the old end; a flag that contradicts the record is refused, naming it."""
+    shutil.copytree(tiny_run, tmp_path / "tiny")
+    where = ["--out-dir", str(tmp_path), "--run-name", "tiny", "--threads", "1"]
+    code, _, err = run_main(training.main, [*where, "--resume", "--lr", "0.1", "--preset", "cpu"])
+    assert code == 2 and "lr: checkpoint 0.003, given 0.1" in err and "preset: checkpoint 'tiny', given 'cpu'" in err
+    code, out, err = run_main(training.main, [*where, "--resume", "--steps", "32", "--sample-interval", "0"])
+    assert code == 0, err
+    assert "--steps 32 extends the run from 30 steps" in out and "run at min_lr" in out
+    resumed = load_checkpoint(tmp_path / "tiny")
+    assert resumed["step"] == 32 and resumed["config"]["optim"]["decay_steps"] == 30
+
+
+def test_a_non_finite_val_estimate_stops_the_run_with_exit_1(data_dir: Path, tiny: list[str], tmp_path: Path,
+                                                             run_main, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A map that goes NaN in eval mode only: the training loss is finite, the estimate is not."""
+    calls = []
+    evaluate = training.evaluate
+
+    def nan_from_the_second_estimate(*args, **kwargs):
+        calls.append(1)
+        return math.nan if len(calls) > 2 else evaluate(*args, **kwargs)
+    monkeypatch.setattr(training, "evaluate", nan_from_the_second_estimate)
+    code, out, err = run_main(training.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path),
+                                              "--steps", "4", "--eval-interval", "2", "--ckpt-interval", "2",
+                                              "--eval-iters", "1", "--sample-interval", "0"])
+    assert code == 1 and "training stopped at step 4: the model's estimates are not finite" in err, err
+    assert "final val bpc" not in out and load_checkpoint(tmp_path / "linear-favor-post-M32")["step"] == 2
+
+
+def test_a_final_score_is_labelled_with_its_step_when_the_run_stopped_between_estimates() -> None:
+    result = training.TrainResult(run_name="r", variant="v", final_val_bpc=4.5, best_val_bpc=4.5, tokens_per_s=1.0,
+                                  peak_memory_mb=1.0, parameters=1, steps=90, wall_seconds=1.0, loop_overhead=0.1,
+                                  seed=0, data="d", val_steps=[50], val_bpc=[4.5], final_val_step=50)
+    assert "final val bpc 4.5000 at step 50, the last estimate" in result.summary()
+    result.steps = 50
+    assert "final val bpc 4.5000 (best" in result.summary()
+    result.val_steps, result.val_bpc = [], []
+    assert "no val estimate yet" in result.summary() and "nan" not in result.summary()
+
+
+def test_a_checkpoint_from_before_the_digest_resumes_with_a_warning_and_is_sealed(tiny_run: Path, tmp_path: Path,
+                                                                                 run_main) -> None:
+    """As the runs of a study started before checkpoints were sealed: torch.save's plain file."""
+    shutil.copytree(tiny_run, tmp_path / "old")
+    torch.save(torch.load(tmp_path / "old" / "ckpt.pt", weights_only=True), tmp_path / "old" / "ckpt.pt")
+    assert recorded_digest(tmp_path / "old" / "ckpt.pt") is None
+    code, _, err = run_main(training.main, ["--out-dir", str(tmp_path), "--run-name", "old", "--threads", "1",
+                                            "--resume", "--steps", "31", "--sample-interval", "0"])
+    assert code == 0 and err.count("carries no digest") == 1, err
+    assert recorded_digest(tmp_path / "old" / "ckpt.pt") is not None and load_checkpoint(tmp_path / "old")["step"] == 31

@@ -53,6 +53,12 @@ ZIP = zip_bytes({"enwik8": CORPUS})
 SAMPLE_SPLIT_SIZES = [3_738_657, 207_703, 207_704]  # what --sample gave before the sample was bundled
 
 
+@pytest.fixture(autouse=True)
+def corpus_plays_enwik8(monkeypatch: pytest.MonkeyPatch) -> None:
+    """meta.json's `canonical` is checked against enwik8's sha256 on every load: CORPUS stands in for it."""
+    monkeypatch.setattr("linattn_lm.data.ENWIK8_SHA256", hashlib.sha256(CORPUS).hexdigest())
+
+
 def download_of(url: str, zip_data: bytes = ZIP) -> prep.Download:
     """A stand-in for enwik8: the small zip at `url` plays the canonical corpus."""
     return prep.Download(url, hashlib.sha256(zip_data).hexdigest(), "enwik8", prep.Digest.of(CORPUS))
