@@ -15,10 +15,9 @@ from torch import nn
 from .checks import (check_flags, check_positive_integer, check_real_floating, check_rope_base, check_state_position,
                      check_state_tensors)
 from .feature_maps import FeatureMap, make_feature_map
-from .functional import BACKENDS, DEFAULT_CHUNK_SIZE, LinearState, linear_attention, linear_attention_step
+from .functional import DEFAULT_CHUNK_SIZE, LinearState, linear_attention, linear_attention_step
 from .ops.linear_attention import dispatch
-from .ops.linear_attention.chunk import check_chunk_size
-from .ops.linear_attention.common import feature_tensors
+from .ops.linear_attention.common import check_chunk_size, feature_tensors
 from .ops.linear_attention.recurrent import state_position
 from .rotary import DEFAULT_BASE, apply_rotary, check_offset
 
@@ -123,8 +122,7 @@ class LinearAttention(_Projections):
                  chunk_size: int = DEFAULT_CHUNK_SIZE, rope_base: float = DEFAULT_BASE,
                  bias: bool = False, backend: str = "auto", normalization: str = "denominator"):
         super().__init__(dim, heads, bias, causal)
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        dispatch.check_backend(backend)
         if rope not in ROPE_PLACEMENTS:
             raise ValueError(f"rope must be one of {ROPE_PLACEMENTS}, got {rope!r}")
         if normalization not in NORMALIZATIONS:
@@ -222,8 +220,7 @@ class LinearAttention(_Projections):
             return phi_q, phi_k, v
         device = v.device.type
         # fla's kernels are causal only: a non-causal call takes torch's entry, which sums in float32
-        kernel_route = (self.backend == "triton" or (self.backend == "fla" and self.causal)
-                        or (self.backend == "auto" and device == "cuda"))
+        kernel_route = self.causal and (self.backend == "fla" or (self.backend == "auto" and device == "cuda"))
         if kernel_route and v.dtype in (torch.bfloat16, torch.float16):
             return phi_q.to(v.dtype), phi_k.to(v.dtype), v
         return phi_q, phi_k, v.to(dtype)

@@ -5,10 +5,10 @@ import torch
 
 from linattn.attention import ROPE_PLACEMENTS, LinearAttention
 from linattn.feature_maps import available_feature_maps
-from linattn.ops.linear_attention import cpp
+from linattn.ops.linear_attention import cpp_logspace
 
 CPU_BACKENDS = ["torch", pytest.param("cpp", marks=pytest.mark.skipif(
-    cpp.unavailable() is not None, reason=f"cpp backend: {cpp.unavailable()}"))]
+    cpp_logspace.unavailable() is not None, reason=f"cpp backend: {cpp_logspace.unavailable()}"))]
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

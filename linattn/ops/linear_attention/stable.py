@@ -1,8 +1,8 @@
 """The log-space numerics of linear attention: exact Eq. 19 from log-features at any input scale,
 still strictly causal (log-features up to 1/eps of the dtype in magnitude:
 common.check_log_feature_range).  Every log-space implementation shares what is here: the chunked
-torch algorithm (chunk.py, whose docstring gives the chunks, the backward and the cost), its C++
-kernel (cpp.py), the Triton kernels (log_chunk_parallel.py, in gated-linear-attention form: its
+torch algorithm (torch_logspace.py, whose docstring gives the chunks, the backward and the cost), its C++
+kernel (cpp_logspace.py), the Triton kernels (log_chunk_parallel.py, in gated-linear-attention form: its
 docstring) and the recurrent step (recurrent.py); dispatch.py
 picks one.
 

@@ -1,4 +1,4 @@
-"""The fla backend (fla_chunk.py): Eq. 19 mapped onto flash-linear-attention's chunk kernels.
+"""The fla backend (fla_kernels.py): Eq. 19 mapped onto flash-linear-attention's chunk kernels.
 
 Most tests call a stand-in `fla` package (`fake_fla`): fla 0.6.0's `chunk_gla` and
 `chunk_linear_attn` with their signatures and (B, T, H, K) layout, computing the recurrence fla
@@ -77,7 +77,7 @@ def features(n, m, dv, *, log_space, scale=1.0, seed=0, dtype=torch.float64, dev
 
 
 def call(module, log_space, tensors, **options):
-    attend = module.log_linear_attention if log_space else module.linear_attention
+    attend = module.logspace_attention if log_space else module.linear_attention
     options = dict(causal=True, rotary=True, offset=0, rope_base=10000.0, chunk_size=8, return_state=False) | options
     return attend(*tensors, **options)
 
