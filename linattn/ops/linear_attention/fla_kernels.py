@@ -24,10 +24,10 @@ elementwise torch work with no scan along the sequence and no read of a value on
 * Layout: everything is computed in fla's (B, T, H, .) layout.  The blocks hand over (B, H, N, .)
   views of (B, N, H, .) projections, so the transposes are views and nothing is copied for fla; the
   output comes back as such a view, which the block's head merge takes without a copy.
-* Dtypes: the numerator's dots run in the values' half dtype (bf16 under autocast; fp16 for plain
-  features only, since the capped query factors exceed fp16's range), otherwise float32; the scales
-  and the denominator's call in float32 (float64 stays float64: only the tests call it so, `resolve`
-  refuses float64 on this backend).  The decays are floored at DECAY_FLOOR (why: below).
+* Dtypes: both calls' dots run in the values' half dtype (bf16 under autocast; fp16 for plain
+  features only, since the capped query factors exceed fp16's range), otherwise float32 (float64 stays
+  float64: only the tests call it so, `resolve` refuses float64 on this backend); fla sums in float32.
+  The scales and decays are float32, the decays floored at DECAY_FLOOR (why: below).
 * Gradients: fla's backward and autograd through the elementwise glue.  The scales F, P, Q are
   constants to autograd (they cancel exactly).  The factors are recomputed in backward
   (torch.utils.checkpoint) instead of kept, log-features given as a `LogProjection` (FAVOR+'s block)
@@ -46,7 +46,7 @@ from torch.utils.checkpoint import checkpoint
 from ...rotary import rotary_phases, rotate_pairs
 from .common import LogProjection, compute_dtype, feature_tensors
 from .recurrent import LinearState
-from .stable import numerator_query, numerator_scale
+from .stable import numerator_query
 
 # The log decays g are bounded below.  A key feature of exactly 0 (log -inf, raised to a floor near
 # -8.5e37: a masked or left-padded key) before that feature's first real key makes one step's decay
@@ -132,18 +132,19 @@ def plain_attention(phi_q, phi_k, v, *, causal: bool, rotary: bool, offset: int,
                                                 use_reentrant=False, preserve_rng_state=False)
         values = fla_layout(v).to(dot)
         numerator, kv = plain_linear_attention(q_num, k_num, values, return_state=return_state)
-        ones = values.new_ones(*values.shape[:-1], ONES, dtype=q_den.dtype)
+        ones = values.new_ones(*values.shape[:-1], ONES)
         denominator, sums = plain_linear_attention(q_den, k_den, ones, return_state=return_state)
     return finish(numerator, denominator, v, kv=kv, sums=sums, work=work, position=int(offset) + n)
 
 
 def plain_factors(phi_q, phi_k, phases, *, work: torch.dtype, dot: torch.dtype):
-    """fla's inputs in its layout: the rotated features in `dot` for the numerator, the features in
-    their own dtype (a half dtype when the block handed them so) for the denominator."""
+    """fla's inputs in its layout and in `dot`: the rotated features for the numerator, the features
+    for the denominator (the same tensors unrotated)."""
     q, k = fla_layout(phi_q), fla_layout(phi_k)
+    q_den, k_den = q.to(dot), k.to(dot)
     if phases is None:
-        return q.to(dot), k.to(dot), q, k
-    return rotated(q.to(work), phases).to(dot), rotated(k.to(work), phases).to(dot), q, k
+        return q_den, k_den, q_den, k_den
+    return rotated(q.to(work), phases).to(dot), rotated(k.to(work), phases).to(dot), q_den, k_den
 
 
 def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope_base: float,
@@ -159,7 +160,7 @@ def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope
             log_factors, b, a, phases, work=work, dot=dot, use_reentrant=False, preserve_rng_state=False)
         values = fla_layout(v).to(dot)
         numerator, kv = gated_linear_attention(q_num, k_num, values, decay, return_state=return_state)
-        ones = values.new_ones(*values.shape[:-1], ONES, dtype=work)
+        ones = values.new_ones(*values.shape[:-1], ONES)
         denominator, sums = gated_linear_attention(q_den, k_den, ones, den_decay, return_state=return_state)
     return finish(numerator, denominator, v, kv=kv, sums=sums, work=work, position=int(offset) + n,
                   log_scale=last_scale.detach() if return_state else None)
@@ -179,20 +180,28 @@ def log_features(x, work: torch.dtype) -> torch.Tensor:
 
 def log_factors(b, a, phases, *, work: torch.dtype, dot: torch.dtype):
     """fla's inputs from log-features (tensors or `LogProjection`s), in its layout: the numerator's
-    q, k (in `dot`) and decays, the denominator's q, k and decays (float32), and F at the last token."""
+    q, k and decays, the denominator's q, k and decays (q, k in `dot`, decays in `work`), and F at the
+    last token.  Each full-size op is one pass (the budget of test_fla_budget.py)."""
     b, a = log_features(b, work), log_features(a, work)
     with torch.no_grad():   # the scales cancel exactly: constants to autograd
         from .running_max import running_max   # here: triton, like fla, is a GPU dependency
         feature_scale = running_max(a)                                  # F
-        row_scale = (b + feature_scale).amax(-1, keepdim=True)          # Q
         den_decay = step_decays(feature_scale)
-    q_den = torch.exp(b + feature_scale - row_scale)                    # <= 1
-    k_den = torch.exp(a - feature_scale)
+    query = b + feature_scale                                           # b + F
+    row_scale = query.detach().amax(-1, keepdim=True)                  # Q
+    q_den = query.sub_(row_scale).exp_().to(dot)                        # e^(b + F - Q) <= 1
+    k_den = torch.exp(a - feature_scale).to(dot)
     if phases is None:   # P = F: the numerator's factors are the denominator's (no cap acts below 1)
-        return q_den.to(dot), k_den.to(dot), den_decay, q_den, k_den, den_decay, feature_scale[:, -1]
-    with torch.no_grad():
-        pair_scale = numerator_scale(feature_scale, True)               # P
-        decay = step_decays(pair_scale)
-    k_num = rotated(torch.exp(a - pair_scale), phases).to(dot)
-    q_num = rotated(numerator_query(b + pair_scale - row_scale), phases).to(dot)
+        return q_den, k_den, den_decay, q_den, k_den, den_decay, feature_scale[:, -1]
+    with torch.no_grad():   # P, kept per pair (M / 2): broadcast over the pair where it is used
+        pair_scale = feature_scale.unflatten(-1, (-1, 2)).amax(-1, keepdim=True)
+        decay = step_decays(pair_scale).expand(*pair_scale.shape[:-1], 2).flatten(-2)
+        pair_shift = pair_scale - row_scale.unsqueeze(-1)                # P - Q
+    k_num = rotated(torch.exp(per_pair(a, torch.sub, pair_scale)), phases).to(dot)
+    q_num = rotated(numerator_query(per_pair(b, torch.add, pair_shift)), phases).to(dot)
     return q_num, k_num, decay, q_den, k_den, den_decay, feature_scale[:, -1]
+
+
+def per_pair(x: torch.Tensor, op, pair_values: torch.Tensor) -> torch.Tensor:
+    """op(x, value of x's pair) for x (..., M) and pair values (..., M / 2, 1): one pass."""
+    return op(x.unflatten(-1, (-1, 2)), pair_values).flatten(-2)
