@@ -120,8 +120,8 @@ class _Launcher:
 
 @pytest.fixture
 def counts(monkeypatch):
-    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-        pytest.skip("the running maximum's kernel runs in Triton's interpreter on CPU (conftest sets it)")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("counts the route with the running maximum's kernel in Triton's interpreter (CPU)")
     torch.manual_seed(0)
     block = LinearAttention(DIM, HEADS, feature_map="favor", feature_map_options={"num_features": 32},
                             rope="post", backend="fla")
