@@ -227,15 +227,18 @@ def test_float32_gradients_stay_finite_for_ragged_lengths_at_large_scale(rotary,
     assert torch.isfinite(out).all() and all(torch.isfinite(t.grad).all() for t in (b, a, v))
 
 
-def test_block_takes_log_features_on_both_backends_and_decodes_after_a_triton_prefill():
-    """FAVOR+ gives log-features to either backend (elu has none); a Triton prefill hands the
-    step a state that carries F, and decoding continues the torch backend's sequence."""
-    pytest.importorskip("triton")
+def test_block_takes_log_features_on_both_backends_and_decodes_after_a_kernel_prefill():
+    """FAVOR+ gives log-features to either backend (elu has none); the C++ kernel's prefill hands the
+    step a state that carries F, and decoding continues the torch backend's sequence (the fla
+    backend's hand-off: test_fla_kernels.py)."""
+    from linattn.ops.linear_attention.cpp_logspace import unavailable
+    if unavailable() is not None:
+        pytest.skip(unavailable())
     assert not LinearAttention(16, 2, feature_map="elu").feature_map.log_space
     torch.manual_seed(0)
-    block = LinearAttention(16, 2, backend="triton", feature_map_options={"num_features": 16})
+    block = LinearAttention(16, 2, backend="cpp", feature_map_options={"num_features": 16})
     x = torch.randn(1, 6, 16)
-    _, state = block(x[:, :5], return_state=True)   # tests/linattn/ops runs Triton's interpreter on CPU
+    _, state = block(x[:, :5], return_state=True)
     last, state = block.step(x[:, 5], state)
     assert state.log_scale is not None and state.position == 6
     block.backend = "torch"
