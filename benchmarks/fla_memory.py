@@ -1,13 +1,13 @@
 """How much memory the fla backend's log-feature route needs above its inputs, on CPU: the peak resident
-memory (ru_maxrss) of fla_chunk.log_linear_attention's forward, and of forward + backward, in units of
+memory (ru_maxrss) of fla_kernels.logspace_attention's forward, and of forward + backward, in units of
 one (B, H, N, M) float32 tensor, for FAVOR+'s block inputs (a LogProjection, M = 4 head_dim).  fla's
 kernel is replaced by a stand-in that keeps what chunk_gla keeps for backward (q, k, v, g and a cumsum
-of g) and computes nothing, so what is measured is linattn's part: the factors, the decays and the
-denominator.  The torch ops are the ones a GPU runs, so the counts carry over; the caching allocator
-may round them up there.
+of g) and computes nothing, and the running maximum's kernel by a copy (the one tensor it writes), so
+what is measured is linattn's part: the factors and the decays of the numerator's and the denominator's
+calls.  The torch ops are the ones a GPU runs, so the counts carry over; the caching allocator may round
+them up there.
 
-    python tests/linattn/ops/fla_factor_memory.py [--n 16384] [--heads 8] [--features 256] [--head-dim 64]
-        [--block-elements N]
+    python -m benchmarks.fla_memory [--n 16384] [--heads 8] [--features 256] [--head-dim 64]
 
 Run it alone on an idle machine: resident memory counts the whole process.  It runs itself again
 with glibc's mmap threshold fixed at 1 MiB: the default threshold grows to the largest block freed,
@@ -20,14 +20,14 @@ import sys
 
 import torch
 
-from linattn.ops.linear_attention import fla_chunk
-from linattn.ops.linear_attention.common import LogProjection
+from linattn.functional import LogProjection
+from linattn.ops.linear_attention import fla_kernels, running_max
 
 
 class KeepsWhatChunkGlaKeeps(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g):
-        ctx.save_for_backward(q, k, v, g, g.cumsum(-2))
+        ctx.save_for_backward(q, k, v, g, g.cumsum(1))
         return torch.zeros(v.shape, dtype=v.dtype)
 
     @staticmethod
@@ -36,7 +36,7 @@ class KeepsWhatChunkGlaKeeps(torch.autograd.Function):
 
 
 def stand_in(q, k, v, g, *, return_state):
-    """fla_chunk.gated_linear_attention's contract on (B, H, N, .) tensors: (output, state)."""
+    """fla_kernels.gated_linear_attention's contract on (B, N, H, .) tensors: (output, state)."""
     return KeepsWhatChunkGlaKeeps.apply(q, k, v, g), None
 
 
@@ -50,15 +50,13 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--features", type=int, default=256)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--block-elements", type=int, default=fla_chunk.FACTOR_BLOCK_ELEMENTS,
-                        help="fla_chunk.FACTOR_BLOCK_ELEMENTS: the most (B, H, N, M) elements a block of rows "
-                             "makes its factors from (default %(default)s)")
     args = parser.parse_args()
     if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)})
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.fla_memory", *sys.argv[1:]],
+                  {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(2**20)})
     torch.set_num_threads(1)
-    fla_chunk.FACTOR_BLOCK_ELEMENTS = args.block_elements
-    fla_chunk.gated_linear_attention = stand_in
+    fla_kernels.gated_linear_attention = stand_in
+    running_max.running_max = torch.clone
     n, h, m, d = args.n, args.heads, args.features, args.head_dim
     unit = h * n * m * 4
     gen = torch.Generator().manual_seed(0)
@@ -67,14 +65,13 @@ def main() -> None:
     v = torch.randn(1, h, n, d, generator=gen).bfloat16().requires_grad_()
     base = peak_bytes()
     b, a = (LogProjection(x, weight, -0.5 * math.log(m), -0.5 * d ** -0.5) for x in (xq, xk))
-    out = fla_chunk.log_linear_attention(b, a, v, causal=True, rotary=True, offset=0, rope_base=1e4, chunk_size=64,
+    out = fla_kernels.logspace_attention(b, a, v, causal=True, rotary=True, offset=0, rope_base=1e4, chunk_size=64,
                                          return_state=False)
     forward = peak_bytes()
     out.float().sum().backward()
     both = peak_bytes()
     print(f"N={n}, heads={h}, M={m}, head_dim={d}: peak above the inputs {(forward - base) / unit:.1f} units in "
-          f"the forward, {(both - base) / unit:.1f} over forward and backward (1 unit = {unit / 2**20:.0f} MiB; "
-          f"factors in blocks of at most {args.block_elements:,} elements)")
+          f"the forward, {(both - base) / unit:.1f} over forward and backward (1 unit = {unit / 2**20:.0f} MiB)")
 
 
 if __name__ == "__main__":
