@@ -206,10 +206,10 @@ class LinearAttention(_Projections):
 
         * Log-features go as they are, with v in its own dtype: the op takes float32 log-features with
           half values (bf16 would round the exponents), and multiplies the values in their dtype (on
-          tensor cores on the triton backend).
-        * Plain features on the triton and fla routes go to v's bf16/fp16: the kernels multiply on
-          tensor cores (float32 sums) only when every input is in that dtype, as flash-linear-attention's
-          layers run.  The route is backend "triton" or "fla", or "auto" on CUDA, decided from the names
+          tensor cores on the fla backend).
+        * Plain features on the fla route go to v's bf16/fp16: the kernels multiply on tensor cores
+          (float32 sums) only when every input is in that dtype, as flash-linear-attention's layers run.
+          The route is backend "fla", or "auto" on CUDA, for causal blocks, decided from the names
           (which torch.compile traces; resolving would ask the machine).
         * Otherwise v goes to the features' dtype: the torch and cpp backends sum in float32 anyway
           (under autocast the op casts v there itself; doing it here lets a bf16/fp16 block run

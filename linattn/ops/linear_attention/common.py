@@ -141,7 +141,7 @@ def check_dtypes(phi_q, phi_k, v: torch.Tensor, log_space: bool = False) -> None
       feature maps compute in float32;
     * float32 log-features with bf16/fp16 values, autocast or not: log-features are kept in float32
       (in half precision their exponents would round), and the values multiply in their own dtype
-      (on tensor cores on the triton backend)."""
+      (on tensor cores on the fla backend)."""
     features = feature_tensors(phi_q, phi_k)
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in features})
     if len(dtypes) > 1:
