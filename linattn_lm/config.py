@@ -92,8 +92,8 @@ class ModelConfig:
                                                 "sum phi(q).phi(k)) or rmsnorm (a per-head RMSNorm of the "
                                                 "output instead; linear only)", variant=True)
     chunk_size: int = setting(64, "causal linear attention block size (speed only; linear only)")
-    backend: str = setting("auto", "attention kernels (speed only): linear auto, torch, triton, cpp or fla (auto = "
-                                   "triton on CUDA when installed, cpp on CPU where it builds); softmax auto "
+    backend: str = setting("auto", "attention kernels (speed only): linear auto, torch, cpp or fla (auto = "
+                                   "fla on CUDA when installed, cpp on CPU where it builds); softmax auto "
                                    "(= sdpa), sdpa or xformers",
                            resumable=True)
     seed: int = setting(0, "seed for init, data order and feature-map draws")

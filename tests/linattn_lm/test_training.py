@@ -439,7 +439,7 @@ def test_checkpoint_config_is_validated_like_flags(tiny_run: Path) -> None:
 
 
 @pytest.mark.parametrize("model, message", [
-    (dict(backend="triton"), "TRITON_INTERPRET=1"),
+    (dict(backend="fla"), "backend='fla'"),
     (dict(attention="softmax", feature_map="", feature_map_options={}, backend="xformers"), "CUDA only"),
 ])
 def test_a_backend_that_cannot_run_on_the_device_is_refused_before_training(model, message, monkeypatch) -> None:
