@@ -8,7 +8,8 @@ op of `custom_ops.py` both call).
   chunk kernels, causal, CUDA); `resolve` turns "auto" into one of them and says why one asked for
   cannot run;
 * causal: a call that the table has no entry for on a backend (the C++ kernel's plain or non-causal
-  calls, fla's non-causal ones: torch's matrix products) takes the torch backend's entry.
+  calls, fla's non-causal ones: torch's matrix products) takes the torch backend's entry, and so does a
+  call without rows (no tokens, or an empty batch).
 
 Every entry takes one call shape and returns the output, or (output, LinearState) with return_state:
 
@@ -49,13 +50,13 @@ def has_own_kernel(log_space: bool, backend: str, causal: bool) -> bool:
     return backend != "torch" and (numerics(log_space), backend, causal) in IMPLEMENTATIONS
 
 
-def implementation(log_space: bool, backend: str, causal: bool, tokens: int):
-    """The table's entry for a call of `tokens` tokens on a resolved backend; torch's where the backend
-    has none, and without tokens (the kernels' loops want one; torch's gives the empty output and the
-    state before any token)."""
+def implementation(log_space: bool, backend: str, causal: bool, rows: int):
+    """The table's entry for a call of `rows` rows (B x H x N) on a resolved backend; torch's where the
+    backend has none, and without rows (no tokens or an empty batch: the kernels want some; torch's gives
+    the empty output and the state before any token)."""
     key = numerics(log_space)
     torch_entry = IMPLEMENTATIONS[key, "torch", causal]
-    return IMPLEMENTATIONS.get((key, backend, causal), torch_entry) if tokens else torch_entry
+    return IMPLEMENTATIONS.get((key, backend, causal), torch_entry) if rows else torch_entry
 
 
 def check_backend(backend) -> None:
@@ -115,7 +116,7 @@ def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rot
             check_nonnegative(phi_q, phi_k)
         v = nan_where_negative(phi_q, phi_k, v)
     tokens = v.shape[-2]
-    attend = implementation(log_space, resolved, causal, tokens)
+    attend = implementation(log_space, resolved, causal, v.shape[:-1].numel())
     return attend(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset, rope_base=rope_base,
                   chunk_size=max(1, min(chunk_size, tokens)),   # a short sequence is one chunk, unpadded
                   return_state=return_state)
