@@ -280,12 +280,12 @@ class _FusedCausalLogAttention(torch.autograd.Function):
             start = kernel.run("forward", start, chunks, state, key_sum, out, den, query_scale, saved_states,
                                saved_sums, torch_logspace.STATE_GROUP, flags)
             if start < chunks:   # an irregular chunk: torch_logspace.py's own, from the state before it
-                torch_logspace.irregular_chunk_forward(start, queries, keys, v, phases, feat, length, base, state, key_sum,
-                                              out, den, query_scale)
+                torch_logspace.irregular_chunk_forward(start, queries, keys, v, phases, feat, length, base, state,
+                                                       key_sum, out, den, query_scale)
                 start += 1
         parts = (q_inputs, q_weight, q_shift, q_square, k_inputs, k_weight, k_shift, k_square)
-        return torch_logspace.finish_forward(ctx, parts, length, base, v, out, den, query_scale, feat, phases, state, key_sum,
-                                    saved_states, saved_sums, flags)
+        return torch_logspace.finish_forward(ctx, parts, length, base, v, out, den, query_scale, feat, phases, state,
+                                             key_sum, saved_states, saved_sums, flags)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -310,17 +310,18 @@ class _FusedCausalLogAttention(torch.autograd.Function):
                 top = kernel.run("backward", top, lo, flags, states, sums, lo, hi - lo, grad, out, den, query_scale,
                                  later, later_sum, ctypes.byref(q_grads.c), ctypes.byref(k_grads.c), dv)
                 if top >= lo:   # an irregular chunk: torch_logspace.py's backward of it
-                    torch_logspace.irregular_chunk_backward(top, queries, keys, v, phases, feat, length, ctx.base,
-                                                   states[:, :, top - lo], sums[:, :, top - lo], grad, out, den,
-                                                   query_scale, later, later_sum, q_grads.eager, k_grads.eager, dv,
-                                                   capped=bool(flags[top] & 1))
+                    torch_logspace.irregular_chunk_backward(
+                        top, queries, keys, v, phases, feat, length, ctx.base, states[:, :, top - lo],
+                        sums[:, :, top - lo], grad, out, den, query_scale, later, later_sum, q_grads.eager,
+                        k_grads.eager, dv, capped=bool(flags[top] & 1))
                     top -= 1
         return (*q_grads.result(), None, *k_grads.result(), None, dv, None, None, None)
 
 
 class _FusedGradients:
     """A source's gradients, written by the kernel (C view `c`) and, for irregular chunks, by
-    torch_logspace.SourceGradients (`eager`): contiguous buffers, and the weight's as per-head partial sums."""
+    torch_logspace.SourceGradients (`eager`): contiguous buffers, and the weight's as per-head partial
+    sums."""
 
     def __init__(self, source, needs):
         projection = isinstance(source, LogProjection)
@@ -333,7 +334,7 @@ class _FusedGradients:
             self.weight_parts = inputs.new_zeros(inputs.shape[0] * inputs.shape[1], *source.weight.shape)
             weight = torch.zeros_like(source.weight)
         self.eager = torch_logspace.SourceGradients(self.inputs, weight,
-                                       None if self.shift is None else self.shift.unsqueeze(-1))
+                                                    None if self.shift is None else self.shift.unsqueeze(-1))
         self.c = _SourceGrad(_pointer(self.inputs), _pointer(self.shift), _pointer(self.weight_parts))
 
     def result(self):

@@ -15,7 +15,8 @@ from linattn.ops.linear_attention import cpp_logspace, dispatch, torch_logspace
 
 from linattn.ops.linear_attention.naive import logspace_attention_reference
 
-pytestmark = pytest.mark.skipif(cpp_logspace.unavailable() is not None, reason=f"cpp backend: {cpp_logspace.unavailable()}")
+pytestmark = pytest.mark.skipif(cpp_logspace.unavailable() is not None,
+                                reason=f"cpp backend: {cpp_logspace.unavailable()}")
 
 
 def log_features(*shape, scale, dtype=torch.float64, seed=0):
