@@ -246,6 +246,21 @@ def test_non_causal_calls_take_the_torch_entry():
         assert dispatch.has_own_kernel(log_space, "fla", True)
 
 
+@pytest.mark.parametrize("installed,want", [(True, "fla"), (False, "torch")])
+def test_auto_takes_fla_on_cuda_where_it_is_installed(monkeypatch, installed, want):
+    monkeypatch.setattr(dispatch, "fla_installed", lambda: installed)
+    for log_space in (True, False):
+        assert dispatch.resolve("auto", torch.device("cuda"), log_space=log_space, causal=True) == want
+    assert dispatch.resolve("auto", torch.device("cuda"), True, log_space=True, causal=True) == "torch"   # float64
+
+
+def test_the_retired_triton_backend_is_a_one_line_error_that_names_fla():
+    for make in (lambda: LinearAttention(16, 2, backend="triton"),
+                 lambda: dispatch.resolve("triton", torch.device("cuda"), log_space=True, causal=True)):
+        with pytest.raises(ValueError, match=r"^backend='triton' was retired[^\n]*backend='fla'[^\n]*$"):
+            make()
+
+
 @pytest.mark.parametrize("installed,device,float64,message", [
     (False, "cuda", False, "pip install 'linattn[gpu]'"),
     (True, "cpu", False, "runs on CUDA tensors, got tensors on cpu"),
