@@ -246,6 +246,18 @@ def test_non_causal_calls_take_the_torch_entry():
         assert dispatch.has_own_kernel(log_space, "fla", True)
 
 
+@pytest.mark.parametrize("length", [1, 63, 64, 65, 200])
+def test_the_running_max_kernel_is_cummax_along_the_sequence(length):
+    """Chunks of 64 tokens scanned in the kernel from the carry of earlier chunks' maxima: ragged last
+    chunks, several chunks, -inf and columns beyond one program's block (2 x 3 x 7 = 42 > 32)."""
+    if os.environ.get("TRITON_INTERPRET") != "1" and not CUDA:
+        pytest.skip("the kernel runs on CUDA, or in Triton's interpreter on CPU")
+    from linattn.ops.linear_attention.running_max import running_max
+    x = torch.randn(2, length, 3, 7, dtype=torch.float64, device="cuda" if CUDA else "cpu")
+    x[:, : length // 2, 0] = float("-inf")
+    assert torch.equal(running_max(x), x.cummax(1).values)
+
+
 @pytest.mark.parametrize("installed,want", [(True, "fla"), (False, "torch")])
 def test_auto_takes_fla_on_cuda_where_it_is_installed(monkeypatch, installed, want):
     monkeypatch.setattr(dispatch, "fla_installed", lambda: installed)
