@@ -5,7 +5,8 @@ kernels on the same shapes, forward + backward, warm.
                  hands them) and values in the run's dtype; numerator and denominator, rotation fused
   linattn-plain  linear_attention on plain features, everything in the run's dtype
   linattn-fla-log, linattn-fla-plain
-                 the same calls with backend="fla": fla's kernels below Eq. 19's mapping (fla_chunk.py)
+                 the same calls with backend="fla": fla's kernels below Eq. 19's mapping (fla_kernels.py;
+                 "auto" takes it on CUDA where fla is installed, so there the two rows time one route)
   fla-gla        fla's chunk_gla (q, k, v and a per-feature gate g): the peer of the log-space path,
                  whose running maxima are a per-feature decay
   fla-linear     fla's chunk_linear_attn(normalize=False): the peer of the plain path (one numerator,
@@ -38,7 +39,7 @@ PEAK_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.
 def unavailable(method: str, device: torch.device) -> str | None:
     if method in NEEDS_FLA:
         if importlib.util.find_spec("fla") is None:
-            return "needs the fla package (pip install 'linattn[fla]')"
+            return "needs the fla package (pip install 'linattn[gpu]')"
         if device.type != "cuda":
             return "runs on CUDA only"
     return None

@@ -2,7 +2,7 @@
 from . import functional
 from .attention import (NORMALIZATIONS, ROPE_PLACEMENTS, SOFTMAX_BACKENDS, KVCache, LinearAttention, SoftmaxAttention,
                         resolve_backend)
-from .checks import is_integer, is_real
+from .checks import is_integer, is_real, set_debug
 from .feature_maps import (EluFeatureMap, FavorFeatureMap, FeatureMap, HedgehogFeatureMap, SoftmaxFeatureMap,
                            TaylorFeatureMap, available_feature_maps, check_option_names, feature_map_class, feature_map_options,
                            make_feature_map, register_feature_map)
@@ -16,5 +16,5 @@ __all__ = [
     "LinearState", "NORMALIZATIONS", "ROPE_PLACEMENTS", "SOFTMAX_BACKENDS", "SoftmaxAttention", "SoftmaxFeatureMap",
     "TaylorFeatureMap", "apply_rotary", "available_feature_maps", "check_option_names", "feature_map_class", "feature_map_options",
     "functional", "is_integer", "is_real", "linear_attention", "linear_attention_reference", "linear_attention_step",
-    "make_feature_map", "register_feature_map", "resolve_backend",
+    "make_feature_map", "register_feature_map", "resolve_backend", "set_debug",
 ]

@@ -15,10 +15,9 @@ from torch import nn
 from .checks import (check_flags, check_positive_integer, check_real_floating, check_rope_base, check_state_position,
                      check_state_tensors, is_integer, is_real)
 from .feature_maps import FeatureMap, make_feature_map
-from .functional import BACKENDS, DEFAULT_CHUNK_SIZE, LinearState, linear_attention, linear_attention_step
+from .functional import DEFAULT_CHUNK_SIZE, LinearState, linear_attention, linear_attention_step
 from .ops.linear_attention import dispatch
-from .ops.linear_attention.chunk import check_chunk_size
-from .ops.linear_attention.common import feature_tensors
+from .ops.linear_attention.common import check_chunk_size, feature_tensors
 from .ops.linear_attention.recurrent import state_position
 from .ops.window_decay import WindowState, retnet_decay, window_decay_attention, window_decay_step
 from .ops.window_decay.window import window_state_position
@@ -127,8 +126,7 @@ class LinearAttention(_Projections):
                  bias: bool = False, backend: str = "auto", normalization: str = "denominator",
                  window: int = 0, decay: str | tuple | list | None = None):
         super().__init__(dim, heads, bias, causal)
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        dispatch.check_backend(backend)
         if rope not in ROPE_PLACEMENTS:
             raise ValueError(f"rope must be one of {ROPE_PLACEMENTS}, got {rope!r}")
         if normalization not in NORMALIZATIONS:
@@ -235,10 +233,10 @@ class LinearAttention(_Projections):
 
         * Log-features go as they are, with v in its own dtype: the op takes float32 log-features with
           half values (bf16 would round the exponents), and multiplies the values in their dtype (on
-          tensor cores on the triton backend).
-        * Plain features on the triton and fla routes go to v's bf16/fp16: the kernels multiply on
-          tensor cores (float32 sums) only when every input is in that dtype, as flash-linear-attention's
-          layers run.  The route is backend "triton" or "fla", or "auto" on CUDA, decided from the names
+          tensor cores on the fla backend).
+        * Plain features on the fla route go to v's bf16/fp16: the kernels multiply on tensor cores
+          (float32 sums) only when every input is in that dtype, as flash-linear-attention's layers run.
+          The route is backend "fla", or "auto" on CUDA, for causal blocks, decided from the names
           (which torch.compile traces; resolving would ask the machine).
         * Otherwise v goes to the features' dtype: the torch and cpp backends sum in float32 anyway
           (under autocast the op casts v there itself; doing it here lets a bf16/fp16 block run
@@ -249,8 +247,7 @@ class LinearAttention(_Projections):
             return phi_q, phi_k, v
         device = v.device.type
         # fla's kernels are causal only: a non-causal call takes torch's entry, which sums in float32
-        kernel_route = (self.backend == "triton" or (self.backend == "fla" and self.causal)
-                        or (self.backend == "auto" and device == "cuda"))
+        kernel_route = self.causal and (self.backend == "fla" or (self.backend == "auto" and device == "cuda"))
         if kernel_route and v.dtype in (torch.bfloat16, torch.float16):
             return phi_q.to(v.dtype), phi_k.to(v.dtype), v
         return phi_q, phi_k, v.to(dtype)

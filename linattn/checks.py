@@ -3,8 +3,33 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 
 import torch
+
+# Data checks (non-negative features, the log-features' range, a decoding state's finiteness) read tensor
+# values on the host: a device synchronisation each, so they run only in debug mode.  Without it bad
+# values still never pass silently: the rows they reach come out NaN (docs/backends.md).
+_debug = os.environ.get("LINATTN_DEBUG", "0") not in ("", "0")
+
+
+def set_debug(enabled: bool) -> None:
+    """Debug mode on or off (its default: the environment variable LINATTN_DEBUG=1).  On, linear
+    attention checks its inputs' values (non-negative features, the log-features' range, a decoding
+    state's finiteness) and raises a ValueError that names the bad input, at the cost of a host read
+    (a GPU synchronisation) per check; off, such values give NaN outputs instead.
+
+    Args:
+        enabled: True to check values, False to skip the checks.
+    """
+    global _debug
+    check_flags(enabled=enabled)
+    _debug = enabled
+
+
+def debug_enabled() -> bool:
+    """Whether debug mode (`set_debug`) is on."""
+    return _debug
 
 
 def is_integer(x) -> bool:

@@ -1,8 +1,8 @@
 """Linear attention as torch.library custom ops, for torch.compile.
 
-The backends' computation (`functional.compute_linear_attention`: torch ops with custom autograd,
-the C++ kernel through ctypes, the Triton kernels) takes decisions from the data (exact rows, wide
-pairs, the non-negativity check) and calls code dynamo cannot trace.  Under torch.compile,
+The backends' computation (`dispatch.compute_linear_attention`: torch ops with custom autograd,
+the C++ kernel through ctypes, fla's Triton kernels) takes decisions from the data (exact rows, wide
+pairs; the data checks in debug mode) and calls code dynamo cannot trace.  Under torch.compile,
 `functional.linear_attention` checks its arguments as in eager mode and then calls one opaque op
 instead, so the model compiles with fullgraph=True on every backend:
 
@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 import torch
 
 from .ops.linear_attention.common import LogProjection, compute_dtype
+from .ops.linear_attention.dispatch import compute_linear_attention
 from .ops.linear_attention.recurrent import LinearState
 
 # Where the forward op's tensors are among its 20 arguments: q, q_weight, q_shift, k, k_weight, k_shift, v
@@ -52,8 +53,7 @@ def _join(inputs, weight, shift, shift_value, square_scale):
 def _compute(q, q_weight, q_shift, q_shift_value, q_square, k, k_weight, k_shift, k_shift_value, k_square, v,
              causal, rotary, offset, chunk_size, rope_base, return_state, backend, log_space,
              nonnegative_features=False, check_range=True):
-    from . import functional   # functional imports this module
-    return functional.compute_linear_attention(
+    return compute_linear_attention(
         _join(q, q_weight, q_shift, q_shift_value, q_square), _join(k, k_weight, k_shift, k_shift_value, k_square),
         v, causal=causal, rotary=rotary, offset=offset, chunk_size=chunk_size, rope_base=rope_base,
         return_state=return_state, backend=backend, log_space=log_space,
@@ -82,8 +82,8 @@ def linear_attention_op(q: torch.Tensor, q_weight: Optional[torch.Tensor], q_shi
 
 
 def _state_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
-    """The state's dtype: float32, or float64 where an input is (every backend's rule; the Triton
-    kernels refuse float64)."""
+    """The state's dtype: float32, or float64 where an input is (every backend's rule; fla's kernels
+    refuse float64)."""
     return compute_dtype(*(t for t in tensors if t is not None))
 
 

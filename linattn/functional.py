@@ -1,7 +1,7 @@
 """Linear attention with RoPE after the feature map (RoFormer Eq. 19): the public functional API.
 
-* `linear_attention`            - the fast path, O(N) time and memory, on one of two backends:
-                                  "torch" (chunked, any device) or "triton" (Triton kernels, CUDA);
+* `linear_attention`            - the fast path, O(N) time and memory, on a backend of
+                                  docs/backends.md: "torch" (any device), "cpp" (CPU), "fla" (CUDA);
 * `linear_attention_reference`  - a plain O(N^2) version of the same maths, for tests;
 * `linear_attention_step`       - one token of recurrent decoding with an O(1) state.
 
@@ -21,11 +21,9 @@ import torch
 
 from . import custom_ops
 from .ops.linear_attention import dispatch
-from .ops.linear_attention.chunk import DEFAULT_CHUNK_SIZE, check_chunk_size
-from .ops.linear_attention.common import (LogProjection, check_device, check_dtypes, check_feature_kind, check_features,
-                                          check_log_features, check_log_feature_range,
-                                          check_nonnegative, check_not_projection, compute_dtype,
-                                          feature_tensors, finite_log_features)
+from .ops.linear_attention.common import (DEFAULT_CHUNK_SIZE, LogProjection, check_chunk_size, check_device,
+                                          check_dtypes, check_feature_kind, check_features, check_log_features,
+                                          check_not_projection)
 from .ops.linear_attention.naive import linear_attention_reference, softmax_attention_reference
 from .ops.linear_attention.recurrent import LinearState, initial_state, linear_attention_step
 from .checks import check_flags, check_rope_base
@@ -46,15 +44,17 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
 
     `rotary=True` is Eq. 19 at positions offset..offset+N-1; `causal=True` sums over n <= m only.
     With `return_state=True` (causal only) also returns the `LinearState` after the last token,
-    so decoding can continue with `linear_attention_step`.  `backend`: "torch", "triton" (Triton
-    kernels: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1) or "auto" (triton on CUDA
-    tensors when it is installed, the C++ kernel for causal log-space calls on CPU, torch for float64
-    and elsewhere); `ops/linear_attention/dispatch.py` has the table of what runs.  `log_space=True`:
+    so decoding can continue with `linear_attention_step`.  `backend`: "torch", "cpp" (the C++ kernel
+    of causal log-space calls on CPU), "fla" (flash-linear-attention's kernels for causal calls on
+    CUDA) or "auto" (fla on CUDA where it is installed, cpp on CPU where it builds, torch for float64
+    and elsewhere); `ops/linear_attention/dispatch.py` has the table of what runs, docs/backends.md
+    the story.  Input values are not read on the host unless debug mode is on (`linattn.set_debug`):
+    negative features and log-features out of range give NaN rows instead of an error.  `log_space=True`:
     phi_q and phi_k hold log-features, and the stabilised algorithm of `ops/linear_attention/stable.py`
     runs, on every backend; each
     may also be a `LogProjection` (inputs @ weight^T + shift), which the torch backend's causal pass
     projects chunk by chunk without holding the (B, H, N, M) log-features.
-    `nonnegative_features=False` skips the check that every feature is >= 0, for features whose
+    `nonnegative_features=False` skips the guard that every feature is >= 0, for features whose
     kernel phi_q . phi_k is positive though single features are not (a map's own guarantee, such
     as taylor's; the denominator must be positive for the output to mean anything).
     """
@@ -82,27 +82,4 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
                    nonnegative_features=nonnegative_features)
     if torch.compiler.is_compiling():   # one opaque op: the computation below branches on the data
         return custom_ops.linear_attention(phi_q, phi_k, v, **options)
-    return compute_linear_attention(phi_q, phi_k, v, **options)
-
-
-def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rotary: bool, offset: int,
-                             chunk_size: int, rope_base: float, return_state: bool, backend: str, log_space: bool,
-                             nonnegative_features: bool = True, check_range: bool = True):
-    """`linear_attention` after its argument checks: the checks that read the data, then the
-    implementation that dispatch.py's table holds for the call.  What the custom op
-    `linattn::linear_attention` runs under torch.compile (the range check reads the data, so it is
-    here, inside the op).  `check_range=False`: the caller's forward checked these very features
-    already (the compiled backward, which runs the computation again under autograd)."""
-    if log_space:   # the bound first: -inf (a feature that is exactly 0) is raised to a floor below it
-        if check_range:
-            check_log_feature_range(phi_q, phi_k, compute_dtype(*feature_tensors(phi_q, phi_k), v))
-        phi_q, phi_k = finite_log_features(phi_q), finite_log_features(phi_k)
-    float64 = compute_dtype(*feature_tensors(phi_q, phi_k), v) == torch.float64
-    resolved = dispatch.resolve(backend, v.device, float64=float64, log_space=log_space, causal=causal)
-    if not log_space and nonnegative_features:
-        check_nonnegative(phi_q, phi_k)
-    tokens = v.shape[-2]
-    attend = dispatch.implementation(log_space, resolved, causal, tokens)
-    return attend(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset, rope_base=rope_base,
-                  chunk_size=max(1, min(chunk_size, tokens)),   # a short sequence is one chunk, unpadded
-                  return_state=return_state)
+    return dispatch.compute_linear_attention(phi_q, phi_k, v, **options)

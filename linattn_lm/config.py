@@ -101,8 +101,8 @@ class ModelConfig:
                                       "layer indices in increasing order separated by commas, e.g. 1 or 1,3 "
                                       "('' = none)", variant=True)
     chunk_size: int = setting(64, "causal linear attention block size (speed only; linear only)")
-    backend: str = setting("auto", "attention kernels (speed only): linear auto, torch, triton, cpp or fla (auto = "
-                                   "triton on CUDA when installed, cpp on CPU where it builds); softmax auto "
+    backend: str = setting("auto", "attention kernels (speed only): linear auto, torch, cpp or fla (auto = "
+                                   "fla on CUDA when installed, cpp on CPU where it builds); softmax auto "
                                    "(= sdpa), sdpa or xformers",
                            resumable=True)
     seed: int = setting(0, "seed for init, data order and feature-map draws")

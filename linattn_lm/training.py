@@ -555,7 +555,8 @@ class Trainer:
         # that step and lowers the scale.  Without a scaler it means divergence.
         gradient_ok = torch.isfinite(grad_norm) | torch.tensor(self.scaler.is_enabled(), device=self.device)
         if self.ctx.any(~(torch.isfinite(loss) & gradient_ok)):
-            raise self.diverged(f"loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g} (non-finite)")
+            raise self.diverged(f"loss {loss.item():.4g}, gradient norm {grad_norm.item():.4g} (non-finite)"
+                                + self.linear_attention_hint())
         self.saved_step_went_on |= self.step == self.saved_step
         scale_before = self.scaler.get_scale()
         self.scaler.step(self.optimizer)
@@ -590,6 +591,14 @@ class Trainer:
         """The error that stops a run whose step went non-finite; nothing of that step is saved."""
         return TrainingDiverged(f"training stopped at step {self.step + 1}: {what}; {self.checkpoint_kept()}; "
                                 f"{self.likely_cause()}")
+
+    def linear_attention_hint(self) -> str:
+        """Linear attention checks no input values unless asked (a check reads the GPU): out-of-range
+        features (negative, or log-features beyond 1/eps) come out NaN, so a NaN loss may be that."""
+        if self.config.model.attention != "linear":
+            return ""
+        return ("; linear attention gives NaN for features out of its range (negative, or log-features past "
+                "1/eps): rerun with LINATTN_DEBUG=1 to have it name the bad input")
 
     def checkpoint_kept(self) -> str:
         """A checkpoint is called good only once a step from its weights was finite."""

@@ -63,7 +63,7 @@ def test_overwrite_removes_the_earlier_runs_plot_when_this_run_draws_none(tmp_pa
 def test_cuda_path_measures_with_events_and_max_memory_allocated(tmp_path, fla_autotuned):
     out = tmp_path / "bench-gpu"
     results = main(["--device", "cuda", "--sections", "attention", "--lengths", "256,512", "--dtypes", "fp32,bf16",
-                    "--backends", "torch,triton", "--methods", "sdpa*,xformers,favor-post*,fla-chunk",
+                    "--backends", "torch,fla", "--methods", "sdpa*,xformers,favor-post*,fla-chunk",
                     "--masks", "causal", "--repeats", "2", "--out", str(out)])
     measured = {(r["method"], r["dtype"]) for r in results["attention"]["records"] if "train_s" in r}
     assert {("sdpa", "fp32"), ("sdpa-flash", "bf16"), ("favor-post-torch", "bf16")} <= measured

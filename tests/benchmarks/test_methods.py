@@ -7,9 +7,9 @@ from linattn.functional import linear_attention_reference, softmax_attention_ref
 
 SHAPE = Shape(batch=2, heads=2, head_dim=16, num_features=32)
 CPU = torch.device("cpu")
-METHODS = {m.name: m for m in method_table(("auto", "torch", "triton"))}
-# The triton backend's kernels are tested against the reference in tests/linattn/ops/.
-RUNNABLE_ON_CPU = [m for m in METHODS.values() if m.backend != "triton" and unavailable(m, CPU) is None]
+METHODS = {m.name: m for m in method_table(("auto", "torch", "fla"))}
+# The fla backend's route is tested against the reference in tests/linattn/ops/.
+RUNNABLE_ON_CPU = [m for m in METHODS.values() if m.backend != "fla" and unavailable(m, CPU) is None]
 
 
 def outputs(method, causal: bool, device=CPU, dtype=torch.float32, n: int = 37):
@@ -42,11 +42,11 @@ def test_methods_that_cannot_run_here_say_what_they_need(monkeypatch):
     assert "xformers" in unavailable(METHODS["xformers"], CPU)
     assert unavailable(METHODS["sdpa-flash"], CPU) == "runs on CUDA only"
     assert "fla" in unavailable(METHODS["fla-chunk"], CPU) or unavailable(METHODS["fla-chunk"], CPU) == "runs on CUDA only"
-    assert "backend='torch'" in unavailable(METHODS["favor-post-triton"], CPU)
+    assert "backend='fla'" in unavailable(METHODS["favor-post-fla"], CPU)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["sdpa-flash", "xformers", "fla-chunk", "favor-post-triton"])
+@pytest.mark.parametrize("name", ["sdpa-flash", "xformers", "fla-chunk", "favor-post-fla"])
 def test_cuda_peers_match_their_cpu_definition(name, request):
     cuda = torch.device("cuda")
     if name == "fla-chunk":
@@ -54,7 +54,7 @@ def test_cuda_peers_match_their_cpu_definition(name, request):
     if unavailable(METHODS[name], cuda):
         pytest.skip(unavailable(METHODS[name], cuda))
     reference = {"sdpa-flash": "sdpa", "xformers": "sdpa", "fla-chunk": "favor-post",
-                 "favor-post-triton": "favor-post-torch"}[name]
+                 "favor-post-fla": "favor-post-torch"}[name]
     dtype = torch.bfloat16 if name == "sdpa-flash" else torch.float32
     out, _ = outputs(METHODS[name], True, cuda, dtype, n=256)
     expected, _ = outputs(METHODS[reference], True, cuda, dtype, n=256)

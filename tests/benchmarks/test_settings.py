@@ -28,7 +28,7 @@ def test_lengths_default_to_the_device_and_run_small_to_large(tmp_path):
     (["--budget-s", "inf"], "positive number of seconds"),
     (["--masks", "sliding"], "causal,full"),
     (["--methods", "favor-*,flash3"], "flash3 matches no method"),
-    (["--backends", "cuda"], "auto,torch,triton"),
+    (["--backends", "cuda"], "auto,torch,cpp,fla"),
     (["--device", "tpu"], "one of auto, cpu, cuda"),
     (["--methods", "favor-post", "--num-features", "7"], "method favor-post (causal) cannot run"),
     (["--methods", "elu-*", "--head-dim", "5"], "method elu-post (causal) cannot run"),

@@ -63,7 +63,7 @@ class Blocks(torch.nn.Module):
         return [block(x * scale) for block, scale in zip(self.blocks, self.scales)]
 
 
-# favor takes the log-space path (the cpp kernel or chunk.py's log-space ops), elu the plain one; every
+# favor takes the log-space path (the cpp kernel or torch_logspace.py's ops), elu the plain one; every
 # placement appears on the log-space path, each backend on two; scale 30 makes running maxima jump
 # inside chunks, so the op runs the exact rows' branch too.  Kept to six: compile time grows with them.
 CASES = [("favor", "post", "cpp", True, 2), ("favor", "pre", "torch", True, 2), ("favor", "none", "cpp", True, 2),
@@ -75,11 +75,6 @@ def test_compiled_blocks_give_eager_outputs_and_gradients():
     """Every placement, favor and elu, torch and cpp backends, causal and not, a ragged last chunk
     (10 tokens in chunks of 4), in training mode: one fullgraph compilation of all of them."""
     _assert_compiled_matches_eager(Blocks(CASES), torch.randn(2, 10, 16))
-
-
-@pytest.mark.slow
-def test_compiled_triton_backend_in_the_interpreter():
-    _assert_compiled_matches_eager(Blocks([("favor", "post", "triton", True, 1)]), torch.randn(1, 10, 16))
 
 
 @pytest.mark.slow
@@ -108,14 +103,21 @@ def test_compiled_prefill_returns_eager_state_and_future_outputs_do_not_change_t
     assert results[0][1].log_scale is not None and results[1][1].log_scale is None
 
 
-def test_compiled_op_still_refuses_negative_features():
-    """The data's checks run inside the op, as in eager mode."""
+def test_compiled_op_gives_nan_for_negative_features_or_in_debug_mode_refuses_them():
+    """The data's guards and (in debug mode) checks run inside the op, as in eager mode."""
+    import linattn
     from linattn.functional import linear_attention
     phi = torch.rand(1, 1, 4, 2) - 0.5
+    phi[0, 0, 0] = -1
     compiled = torch.compile(lambda q, k, v: linear_attention(q, k, v, causal=True, rotary=False),
                              fullgraph=True, backend="aot_eager")
-    with pytest.raises(ValueError, match="negative entries"):
-        compiled(phi, phi, torch.randn(1, 1, 4, 3))
+    assert compiled(phi, phi, torch.randn(1, 1, 4, 3)).isnan().all()
+    linattn.set_debug(True)
+    try:
+        with pytest.raises(ValueError, match="negative entries"):
+            compiled(phi, phi, torch.randn(1, 1, 4, 3))
+    finally:
+        linattn.set_debug(False)
 
 
 @pytest.mark.slow
@@ -143,7 +145,8 @@ def _op_arguments(backend: str, projected: bool, return_state: bool):
 @pytest.mark.parametrize("backend,projected", [("torch", False), ("torch", True), ("cpp", False), ("cpp", True)])
 def test_custom_op_registration(backend, projected):
     """torch.library.opcheck: schema, fake shapes and dtypes against the real op, and its autograd
-    registration.  (The triton backend goes through the same op: test_compiled_triton_backend_in_the_interpreter.)"""
+    registration.  (The fla backend goes through the same op: tests/linattn/ops/test_fla_kernels.py's
+    test_compiled_block_on_the_fla_backend_gives_eager_outputs_and_gradients.)"""
     torch.library.opcheck(linear_attention_op, _op_arguments(backend, projected, return_state=True))
 
 
@@ -173,8 +176,9 @@ def test_projection_gradients_through_the_op_match_eager():
 
 @pytest.mark.gpu
 def test_gpu_compiled_block_with_inductor_and_bf16_autocast():
-    """On CUDA: the triton backend inside an inductor graph, fp32 and under bf16 autocast."""
-    model = Blocks([("favor", "post", "triton", True, 1), ("elu", "post", "triton", True, 1)]).cuda()
+    """On CUDA: the fla backend inside an inductor graph, fp32 and under bf16 autocast."""
+    pytest.importorskip("fla")
+    model = Blocks([("favor", "post", "fla", True, 1), ("elu", "post", "fla", True, 1)]).cuda()
     x = torch.randn(2, 300, 16, device="cuda")
     _assert_compiled_matches_eager(model, x, compiler="inductor", rtol=1e-4, atol=1e-5)   # TF32 matmuls
     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -197,15 +201,20 @@ def test_compiled_state_carries_no_gradient_as_in_eager(feature_map: str) -> Non
 
 
 def test_the_compiled_backward_does_not_check_the_log_range_again(monkeypatch) -> None:
-    """The forward op checks the log-features' range (a read of the data and a sync); the backward
-    op runs the computation again on the same features and skips it."""
-    from linattn import functional
+    """In debug mode the forward op checks the log-features' range (a read of the data and a sync);
+    the backward op runs the computation again on the same features and skips it."""
+    import linattn
+    from linattn.ops.linear_attention import dispatch
     calls = []
-    check = functional.check_log_feature_range
-    monkeypatch.setattr(functional, "check_log_feature_range", lambda *args: (calls.append(1), check(*args))[1])
-    block = torch.compile(_block("favor", "post", "torch"), fullgraph=True, backend="aot_eager")
-    x = torch.randn(2, 9, 16, requires_grad=True)
-    out = block(x)
-    assert len(calls) == 1
-    out.square().sum().backward()
-    assert len(calls) == 1 and x.grad.abs().sum() > 0
+    check = dispatch.check_log_feature_range
+    monkeypatch.setattr(dispatch, "check_log_feature_range", lambda *args: (calls.append(1), check(*args))[1])
+    linattn.set_debug(True)
+    try:
+        block = torch.compile(_block("favor", "post", "torch"), fullgraph=True, backend="aot_eager")
+        x = torch.randn(2, 9, 16, requires_grad=True)
+        out = block(x)
+        assert len(calls) == 1
+        out.square().sum().backward()
+        assert len(calls) == 1 and x.grad.abs().sum() > 0
+    finally:
+        linattn.set_debug(False)

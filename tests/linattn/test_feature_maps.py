@@ -408,8 +408,7 @@ def test_taylor_denominator_is_positive_and_only_an_opt_in_lets_negative_feature
     phi_q, phi_k = fm(q, is_query=True), fm(k, is_query=False)
     kernel = phi_q @ phi_k.transpose(-1, -2)
     assert (kernel.tril() if causal else kernel).sum(-1).min() > 0   # the denominators
-    with pytest.raises(ValueError, match="phi_q has negative entries"):
-        linear_attention(phi_q, phi_k, v, causal=causal, rotary=False)
+    assert linear_attention(phi_q, phi_k, v, causal=causal, rotary=False).isnan().any()   # (an error in debug mode)
     out = linear_attention(phi_q, phi_k, v, causal=causal, rotary=True, nonnegative_features=False)
     assert torch.isfinite(out).all()
     with pytest.raises(ValueError, match="log_space=True takes log-features"):

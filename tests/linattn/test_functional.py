@@ -146,7 +146,6 @@ def test_post_numerator_rotated_denominator_not():
     (dict(offset=2.5), "offset"),
     (dict(phi_q=torch.ones(1, 2, 8, 4, dtype=torch.int64)), "floating point"),
     (dict(v=torch.ones(1, 2, 8, 3, dtype=torch.int32)), "floating point"),
-    (dict(phi_k=-torch.rand(1, 2, 8, 4)), "negative entries"),
     (dict(rope_base=0.0), "rope_base must be a finite number > 0"),
     (dict(phi_q=torch.rand(1, 2, 8, 5), phi_k=torch.rand(1, 2, 8, 5), causal=False, log_space=True), "must be even"),
     (dict(causal="no"), "causal must be True or False, got 'no'"),
@@ -183,10 +182,22 @@ def test_step_refuses_a_state_that_does_not_fit(log_space, bad_state, message):
         linear_attention_step(q, k, v, bad_state(state), rotary=True, log_space=log_space)
 
 
-def test_step_refuses_negative_features_and_a_state_of_the_other_kind():
+def test_negative_features_are_refused_in_debug_mode_and_give_nan_without_it():
+    import linattn
+    q, k, v = torch.rand(1, 2, 8, 4), -torch.rand(1, 2, 8, 4), torch.rand(1, 2, 8, 3)
+    assert linear_attention(q, k, v, causal=True, rotary=True).isnan().all()
+    linattn.set_debug(True)
+    try:
+        with pytest.raises(ValueError, match="negative entries"):
+            linear_attention(q, k, v, causal=True, rotary=True)
+        with pytest.raises(ValueError, match="negative entries"):
+            linear_attention_step(q[..., 0, :], k[..., 0, :], v[..., 0, :], None, rotary=True)
+    finally:
+        linattn.set_debug(False)
+
+
+def test_step_refuses_a_state_of_the_other_kind():
     q, k, v = torch.rand(1, 2, 4), torch.rand(1, 2, 4), torch.rand(1, 2, 3)
-    with pytest.raises(ValueError, match="negative entries"):
-        linear_attention_step(q, -k, v, None, rotary=True)
     _, plain = linear_attention_step(q, k, v, None, rotary=True)
     with pytest.raises(ValueError, match="made from plain features but this step has log_space=True"):
         linear_attention_step(q, k, v, plain, rotary=True, log_space=True)

@@ -1,9 +1,11 @@
-"""linattn's modules reach each other through public names only, and no module of linattn.ops imports
-one that imports it back.  Read from the source with `ast`; imports inside functions count too, since
-importing lazily hides a cycle rather than breaking it."""
+"""linattn's modules reach each other through public names only, every one imports, and no module of
+linattn imports one that imports it back.  Read from the source with `ast`; imports inside functions
+and type-only ones (under `if TYPE_CHECKING:`) count too, since importing lazily hides a cycle rather
+than breaking it."""
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
@@ -67,12 +69,10 @@ def private_uses(module: str, source: str) -> list[tuple[str, str]]:
     return found
 
 
-def ops_graph() -> dict[str, set[str]]:
-    """Each module of linattn.ops -> the modules of linattn.ops it imports (packages' __init__ aside:
-    they hold no code that imports back)."""
-    ops = {name for name in MODULES if name.startswith("linattn.ops.") and name not in PACKAGES}
-    return {name: {target for _, target, _, _ in imports(name, MODULES[name].read_text()) if target in ops}
-            for name in ops}
+def module_graph() -> dict[str, set[str]]:
+    """Each module of linattn (packages' __init__ too) -> the modules of linattn it imports."""
+    return {name: {target for _, target, _, _ in imports(name, path.read_text()) if target != name}
+            for name, path in MODULES.items()}
 
 
 def cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -109,8 +109,24 @@ def test_every_allowed_private_import_is_still_there():
             f"{module} no longer takes private names of {target}: delete its entry in ALLOWED")
 
 
-def test_no_cycle_among_the_ops_modules():
-    assert cycle(ops_graph()) is None, f"import cycle: {' -> '.join(cycle(ops_graph()))}"
+def test_no_cycle_among_linattns_modules():
+    graph = module_graph()
+    assert cycle(graph) is None, f"import cycle: {' -> '.join(cycle(graph))}"
+
+
+def test_custom_ops_and_functional_do_not_import_each_other():
+    graph = module_graph()
+    assert "linattn.functional" not in graph["linattn.custom_ops"]
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_every_module_imports(module):
+    importlib.import_module(module)
+
+
+def test_a_type_only_import_counts():
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .functional import LinearState\n"
+    assert [target for _, target, _, _ in imports("linattn.custom_ops", source)] == ["linattn.functional"]
 
 
 @pytest.mark.parametrize("source", [
@@ -118,20 +134,20 @@ def test_no_cycle_among_the_ops_modules():
     "from . import stable\nstable._parts(x)",
     "from .. import linear_attention as la\nla._x",
     "import linattn.ops.linear_attention.stable as st\nst._parts(x)",
-    "from linattn.ops.linear_attention.chunk import _chunks",
-    "def f():\n    from . import chunk\n    return chunk._runs",
+    "from linattn.ops.linear_attention.torch_logspace import _chunks",
+    "def f():\n    from . import torch_logspace\n    return torch_logspace._runs",
 ])
 def test_each_kind_of_private_access_is_caught(source):
-    assert private_uses("linattn.ops.linear_attention.cpp", source)
+    assert private_uses("linattn.ops.linear_attention.cpp_logspace", source)
 
 
 @pytest.mark.parametrize("source", [
-    "from .chunk import STATE_GROUP, finish_forward\nfrom . import chunk\nchunk.__name__",
+    "from .torch_logspace import STATE_GROUP, finish_forward\nfrom . import torch_logspace\ntorch_logspace.__name__",
     "_local = 1\nself._private",
     "from typing import _SpecialForm",
 ])
 def test_public_names_and_own_privates_pass(source):
-    assert private_uses("linattn.ops.linear_attention.cpp", source) == []
+    assert private_uses("linattn.ops.linear_attention.cpp_logspace", source) == []
 
 
 def test_a_cycle_is_found_through_lazy_imports_too():
@@ -139,4 +155,4 @@ def test_a_cycle_is_found_through_lazy_imports_too():
     assert cycle(graph) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b"}, "b": set()}) is None
     lazy = "def f():\n    from . import stable\n"
-    assert imports("linattn.ops.linear_attention.chunk", lazy)[0][1] == "linattn.ops.linear_attention.stable"
+    assert imports("linattn.ops.linear_attention.torch_logspace", lazy)[0][1] == "linattn.ops.linear_attention.stable"

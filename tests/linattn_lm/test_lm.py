@@ -201,7 +201,7 @@ def test_config_round_trips_through_a_plain_dict(small_config) -> None:
 
 
 @pytest.mark.parametrize("attention, backend, expected", [
-    ("linear", "triton", "triton"), ("linear", "auto", "auto"), ("softmax", "auto", "sdpa"),
+    ("linear", "fla", "fla"), ("linear", "auto", "auto"), ("softmax", "auto", "sdpa"),
     ("softmax", "xformers", "xformers"),
 ])
 def test_backend_reaches_every_attention_block(attention, backend, expected, monkeypatch) -> None:

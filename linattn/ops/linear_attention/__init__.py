@@ -1,11 +1,14 @@
 """Causal and non-causal linear attention with RoPE after the feature map (Eq. 19), in the layout of
-flash-linear-attention: one file per algorithm, kernels beside them, one call shape, one table.
+flash-linear-attention: one module per (backend, algorithm), one call shape, one table.  The
+algorithms are attention on plain features (phi >= 0) and on log-features (log phi, "logspace": the
+numerics of stable.py); docs/backends.md tells the story.
 
-Algorithms (torch): naive.py, the O(N^2) references; chunk.py, the chunked algorithms for plain
-features and for log-features; recurrent.py, one-token decoding.
-Kernels: cpp.py (stable_cpu.cpp), the causal log-space pass in C++ for CPUs; chunk_parallel.py and
-log_chunk_parallel.py (shared helpers in triton_common.py), the Triton kernels for plain and for
-log-features.
-Shared: common.py (checks, dtypes, the guarded division), stable.py (the log-space numerics: scales
-and margins), backends.py (what hardware is here).
-dispatch.py: the table (numerics, backend, causal) -> implementation, and "auto"'s choice."""
+References and decoding: naive.py, the O(N^2) references; recurrent.py, one-token decoding.
+torch backend: torch_plain.py and torch_logspace.py, the chunked algorithms in torch ops (any device).
+cpp backend: cpp_logspace.py (stable_cpu.cpp), the causal log-space pass in C++ (CPU).
+fla backend: fla_kernels.py, Eq. 19 on flash-linear-attention's chunk kernels (causal, CUDA), with
+running_max.py's small Triton kernel for the running maxima.
+Shared: common.py (checks, guards, dtypes, the guarded division), stable.py (the log-space numerics:
+scales and margins), backends.py (what this machine offers).
+dispatch.py: the table (numerics, backend, causal) -> implementation, "auto"'s choice, and
+compute_linear_attention, which runs a call."""

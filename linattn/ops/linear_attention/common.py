@@ -7,8 +7,10 @@ from typing import NamedTuple
 
 import torch
 
-from ...checks import check_real_floating, is_real
+from ...checks import check_real_floating, is_integer, is_real
 from ...rotary import apply_rotary
+
+DEFAULT_CHUNK_SIZE = 64   # tokens per chunk of the torch backend's causal passes
 
 
 class LogProjection(NamedTuple):
@@ -58,6 +60,11 @@ def source_parts(x) -> tuple:
 def source_from_parts(inputs, weight, shift, square_scale):
     """The log-feature tensor (weight None) or the `LogProjection` that `source_parts` gave."""
     return inputs if weight is None else LogProjection(inputs, weight, shift, square_scale)
+
+
+def check_chunk_size(chunk_size) -> None:
+    if not is_integer(chunk_size) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer number of tokens, got {chunk_size!r}")
 
 
 def check_features(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *, rank: int) -> None:
@@ -134,7 +141,7 @@ def check_dtypes(phi_q, phi_k, v: torch.Tensor, log_space: bool = False) -> None
       feature maps compute in float32;
     * float32 log-features with bf16/fp16 values, autocast or not: log-features are kept in float32
       (in half precision their exponents would round), and the values multiply in their own dtype
-      (on tensor cores on the triton backend)."""
+      (on tensor cores on the fla backend)."""
     features = feature_tensors(phi_q, phi_k)
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in features})
     if len(dtypes) > 1:
@@ -229,14 +236,37 @@ def check_feature_kind(log_space: bool, nonnegative_features: bool) -> None:
                          "nonnegative_features=False (features that may be negative) does not apply: pass one")
 
 
-def finite_log_features(x):
-    """Log-features with -inf (a feature that is exactly 0, such as a masked key's) raised to a
-    finite floor far below any real one: the running maxima of stable.py are then finite, so no
-    -inf - (-inf) makes a NaN, and e^(floor - F) is still exactly 0 beside any real feature.  One
-    read of a tensor (a LogProjection, finite inputs times a weight, is returned as is)."""
-    if isinstance(x, LogProjection) or not x.numel() or not bool(torch.isneginf(x.detach()).any()):
-        return x
-    return x.clamp_min(torch.finfo(x.dtype).min / 4)
+def guard_log_features(x, dtype: torch.dtype):
+    """Log-features as every backend takes them, made without reading a value on the host: -inf (a
+    feature that is exactly 0, such as a masked key's) raised to a finite floor far below any real one
+    (stable.py's running maxima are then finite, so no -inf - (-inf) makes a NaN, and e^(floor - F) is
+    still exactly 0 beside any real feature), and every row that holds a log-feature beyond
+    `log_feature_limit(dtype)` (or +inf) made NaN, so that it gives NaN outputs rather than finite and
+    wrong ones (debug mode raises instead: `check_log_feature_range`).  A `LogProjection` is judged by
+    the bound of its parts and carries the NaN in its shift, so nothing (B, H, N, M) is made."""
+    limit = log_feature_limit(dtype)
+    with torch.no_grad():
+        if isinstance(x, LogProjection):
+            norm = torch.linalg.vector_norm(x.inputs, dim=-1, keepdim=True)
+            weight = torch.linalg.vector_norm(x.weight, dim=-1).amax().to(norm.dtype)
+            shift = x.shift.abs() if isinstance(x.shift, torch.Tensor) else abs(x.shift)
+            largest = norm * weight + abs(x.square_scale) * norm.square() + shift
+        else:
+            largest = x.nan_to_num(neginf=0.0).abs_().amax(-1, keepdim=True)   # NaN rows stay NaN anyway
+        poison = torch.where(largest <= limit, 0.0, float("nan")).to(feature_tensors(x)[0].dtype)
+    if isinstance(x, LogProjection):
+        return x._replace(shift=x.shift + poison)
+    return x.clamp_min(torch.finfo(x.dtype).min / 4).add_(poison)
+
+
+def nan_where_negative(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """v with NaN in each row whose query or key features hold a negative entry, read on the device only:
+    the outputs that row reaches come out NaN, rather than finite and wrong (debug mode raises instead:
+    `check_nonnegative`)."""
+    with torch.no_grad():
+        low = torch.minimum(phi_q.amin(-1, keepdim=True), phi_k.amin(-1, keepdim=True))
+        poison = torch.where(low < 0, float("nan"), 0.0).to(v.dtype)
+    return v + poison
 
 
 def feature_tensors(*features) -> list[torch.Tensor]:

@@ -45,7 +45,7 @@ def softmax_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return scores.softmax(dim=-1) @ v
 
 
-def log_linear_attention_reference(b: torch.Tensor, a: torch.Tensor, v: torch.Tensor, *, causal: bool,
+def logspace_attention_reference(b: torch.Tensor, a: torch.Tensor, v: torch.Tensor, *, causal: bool,
                                    rotary: bool, offset: int = 0, rope_base: float = DEFAULT_BASE) -> torch.Tensor:
     """Eq. 19 from log-features b = log phi_q, a = log phi_k, in float64, never exponentiating more
     than it must: every term e^(b_ms + a_nt) of query m is shifted by the largest exponent of that

@@ -6,9 +6,10 @@ from typing import NamedTuple
 import torch
 
 from ...rotary import DEFAULT_BASE, apply_rotary
-from ...checks import check_flags, check_rope_base, check_state_position, check_state_tensors, is_integer
+from ...checks import (check_flags, check_rope_base, check_state_position, check_state_tensors, debug_enabled,
+                        is_integer)
 from .common import (check_device, check_dtypes, check_feature_kind, check_features, check_log_feature_range, check_nonnegative,
-                     compute_dtype, divide, finite_log_features)
+                     compute_dtype, divide, guard_log_features, nan_where_negative)
 from .stable import numerator_query, numerator_scale
 
 
@@ -55,10 +56,13 @@ def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Ten
     check_rope_base(rope_base)
     dtype = compute_dtype(phi_q, phi_k, v)
     if log_space:
-        check_log_feature_range(phi_q, phi_k, dtype)
-        phi_q, phi_k = finite_log_features(phi_q), finite_log_features(phi_k)
+        if debug_enabled():
+            check_log_feature_range(phi_q, phi_k, dtype)
+        phi_q, phi_k = guard_log_features(phi_q, dtype), guard_log_features(phi_k, dtype)
     elif nonnegative_features:
-        check_nonnegative(phi_q, phi_k)
+        if debug_enabled():
+            check_nonnegative(phi_q, phi_k)
+        v = nan_where_negative(phi_q, phi_k, v)
     b, h, m = phi_q.shape
     if state is None:
         state = initial_state(b, h, m, v.shape[-1], device=v.device, dtype=dtype, log_space=log_space)
@@ -88,8 +92,8 @@ def state_position(state) -> int:
 
 def check_state(state, shape: tuple, device, dtype: torch.dtype, log_space: bool) -> LinearState:
     """A LinearState for (B, H, M, Dv) = `shape` on `device` in the step's compute `dtype`, from the same
-    kind of features, with no NaN or inf (log_scale is -inf only for features not seen yet); returned
-    with its position as a plain int.  One read of the state: the step itself reads it once more."""
+    kind of features, returned with its position as a plain int.  In debug mode also with no NaN or inf
+    (log_scale is -inf only for features not seen yet): a read of the state on the host."""
     position = state_position(state)
     if (state.log_scale is not None) != log_space:
         raise ValueError(f"the state was made from {'log-' if state.log_scale is not None else 'plain '}"
@@ -97,7 +101,7 @@ def check_state(state, shape: tuple, device, dtype: torch.dtype, log_space: bool
                          "the kind of features that started it")
     shapes = {"kv": shape, "k_sum": shape[:3]} | ({"log_scale": shape[:3]} if log_space else {})
     check_state_tensors(state, device, shapes, dtype, " (its inputs' dtype; float32 for lower precisions)")
-    for name in shapes:
+    for name in shapes if debug_enabled() else ():
         t = getattr(state, name)
         finite = (t != float("inf")) & ~t.isnan() if name == "log_scale" else t.isfinite()
         if not bool(finite.all()):

@@ -1,10 +1,9 @@
 """The log-space numerics of linear attention: exact Eq. 19 from log-features at any input scale,
-still strictly causal (log-features up to 1/eps of the dtype in magnitude:
-common.check_log_feature_range).  Every log-space implementation shares what is here: the chunked
-torch algorithm (chunk.py, whose docstring gives the chunks, the backward and the cost), its C++
-kernel (cpp.py), the Triton kernels (log_chunk_parallel.py, in gated-linear-attention form: its
-docstring) and the recurrent step (recurrent.py); dispatch.py
-picks one.
+still strictly causal (log-features up to 1/eps of the dtype in magnitude: beyond, common's guard
+makes them NaN, or in debug mode common.check_log_feature_range refuses them).  Every log-space
+implementation shares what is here: the chunked torch algorithm (torch_logspace.py, whose docstring
+gives the chunks, the backward and the cost), its C++ kernel (cpp_logspace.py), the mapping onto fla's
+gated linear attention (fla_kernels.py) and the recurrent step (recurrent.py); dispatch.py picks one.
 
 Inputs are b = log phi_q and a = log phi_k, (B, H, N, M).  Eq. 19 is
 
@@ -37,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-# The margins of every log-space implementation (the C++ and Triton kernels read them from here).
+# The margins of every log-space implementation (the C++ kernel reads them from here).
 JUMP_LIMIT = 30.0      # a row whose running max grew more than this within its chunk is computed exactly
 NUMERATOR_CAP = 30.0   # numerator query factors are capped at e^30 (saturation beyond float32, see above)
 PAIR_SPREAD = 20.0     # pairs whose key scales differ by more take their own numerator exponential

@@ -1,4 +1,4 @@
-"""The C++ kernel of the causal log-space pass (cpp.py, stable_cpu.cpp) against chunk.py's torch
+"""The C++ kernel of the causal log-space pass (cpp_logspace.py, stable_cpu.cpp) against torch_logspace.py's torch
 ops and the float64 reference: outputs, states and gradients, irregular chunks between regular
 ones, state spacing, threads, input layouts, and what happens where it cannot be built.
 (test_stable.py runs its behavioural tests on both backends.)"""
@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from linattn import LinearAttention, functional
-from linattn.ops.linear_attention import chunk, cpp, dispatch
+from linattn.ops.linear_attention import cpp_logspace, dispatch, torch_logspace
 
-from linattn.ops.linear_attention.naive import log_linear_attention_reference
+from linattn.ops.linear_attention.naive import logspace_attention_reference
 
-pytestmark = pytest.mark.skipif(cpp.unavailable() is not None, reason=f"cpp backend: {cpp.unavailable()}")
+pytestmark = pytest.mark.skipif(cpp_logspace.unavailable() is not None,
+                                reason=f"cpp backend: {cpp_logspace.unavailable()}")
 
 
 def log_features(*shape, scale, dtype=torch.float64, seed=0):
@@ -49,7 +50,7 @@ def test_the_favor_block_gives_the_torch_backends_outputs_and_gradients(rope):
 
 @pytest.mark.parametrize("rotary", [True, False])
 def test_irregular_chunks_between_regular_ones_match_the_reference_in_float32(rotary):
-    """Keys jumping by 45 every 37 tokens (exact rows) and a wide pair at the end: chunk.py
+    """Keys jumping by 45 every 37 tokens (exact rows) and a wide pair at the end: torch_logspace.py
     computes those chunks between the kernel's regular ones, and the state flows through both."""
     b = log_features(2, 3, 150, 8, scale=3, seed=3)
     a = log_features(2, 3, 150, 8, scale=3, seed=4)
@@ -57,7 +58,7 @@ def test_irregular_chunks_between_regular_ones_match_the_reference_in_float32(ro
     a[:, :, 140:, 1::2] += 25
     v, weights = log_features(2, 3, 150, 5, scale=1, seed=5), log_features(2, 3, 150, 5, scale=1, seed=6)
     ref_inputs = [t.clone().requires_grad_() for t in (b, a, v)]
-    ref = log_linear_attention_reference(*ref_inputs, causal=True, rotary=rotary, offset=3)
+    ref = logspace_attention_reference(*ref_inputs, causal=True, rotary=rotary, offset=3)
     ref_grads = torch.autograd.grad((ref * weights).sum(), ref_inputs)
     inputs = [t.float().requires_grad_() for t in (b, a, v)]
     out, *_, db, da, dv = results(partial(functional.linear_attention, backend="cpp"), inputs, weights.float(),
@@ -69,13 +70,13 @@ def test_irregular_chunks_between_regular_ones_match_the_reference_in_float32(ro
 @pytest.mark.parametrize("state_group", [1, 3, 16])
 @pytest.mark.parametrize("jumps", [False, True])
 def test_backward_recomputes_states_from_any_spacing_of_saved_ones(state_group, jumps, monkeypatch):
-    monkeypatch.setattr(chunk, "STATE_GROUP", state_group)
+    monkeypatch.setattr(torch_logspace, "STATE_GROUP", state_group)
     b, a = log_features(1, 2, 23, 6, scale=3), log_features(1, 2, 23, 6, scale=3, seed=1)
     if jumps:
         a = a + torch.arange(2, 25, dtype=torch.float64).div(8).floor().mul(40).view(1, 1, 23, 1)
     v, weights = log_features(1, 2, 23, 3, scale=1, seed=2), log_features(1, 2, 23, 3, scale=1, seed=3)
     expected = [t.clone().requires_grad_() for t in (b, a, v)]
-    ref = log_linear_attention_reference(*expected, causal=True, rotary=True, offset=2)
+    ref = logspace_attention_reference(*expected, causal=True, rotary=True, offset=2)
     inputs = [t.clone().requires_grad_() for t in (b, a, v)]
     out, *_, db, da, dv = results(partial(functional.linear_attention, backend="cpp"), inputs, weights,
                                   rotary=True, chunk_size=4, offset=2)
@@ -166,7 +167,7 @@ def test_odd_shapes(batch, heads, n, length):
     v = log_features(batch, heads, n, 7, scale=1, seed=2)
     out = functional.linear_attention(b, a, v, causal=True, rotary=True, log_space=True, chunk_size=length,
                                       backend="cpp")
-    torch.testing.assert_close(out, log_linear_attention_reference(b, a, v, causal=True, rotary=True), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(out, logspace_attention_reference(b, a, v, causal=True, rotary=True), rtol=1e-9, atol=1e-9)
 
 
 def test_auto_takes_cpp_for_causal_log_space_cpu_tensors_and_cpp_refuses_other_devices():
@@ -224,10 +225,10 @@ print("quiet")
     assert not (tmp_path / "cache").exists()
 
 
-@pytest.mark.parametrize("cxx, reason", [(f"{cpp.compiler()[0]} -Wall", None),
+@pytest.mark.parametrize("cxx, reason", [(f"{cpp_logspace.compiler()[0]} -Wall", None),
                                          ("true", "gave no loadable library")])
 def test_cxx_may_hold_arguments_and_a_build_that_loads_nothing_is_not_kept(tmp_path, cxx, reason):
-    done = python("from linattn.ops.linear_attention import cpp; print(cpp.unavailable())",
+    done = python("from linattn.ops.linear_attention import cpp_logspace; print(cpp_logspace.unavailable())",
                   CXX=cxx, LINATTN_CACHE_DIR=str(tmp_path))
     assert (done.stdout.strip() == "None") if reason is None else (reason in done.stdout), done.stdout + done.stderr
     assert len(list(tmp_path.glob("*.so"))) == (reason is None) and not list(tmp_path.glob("*.partial"))
@@ -239,8 +240,8 @@ import pathlib
 def no_home(cls):
     raise RuntimeError("Could not determine home directory.")
 pathlib.Path.home = classmethod(no_home)
-from linattn.ops.linear_attention import cpp
-print(cpp.unavailable())
+from linattn.ops.linear_attention import cpp_logspace
+print(cpp_logspace.unavailable())
 """
     env = {key: value for key, value in os.environ.items() if key not in ("LINATTN_CACHE_DIR", "XDG_CACHE_HOME")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
@@ -250,13 +251,13 @@ print(cpp.unavailable())
 def test_an_unwritable_cache_is_reported(tmp_path):
     blocked = tmp_path / "file"
     blocked.write_text("")
-    done = python("from linattn.ops.linear_attention import cpp; print(cpp.unavailable())",
+    done = python("from linattn.ops.linear_attention import cpp_logspace; print(cpp_logspace.unavailable())",
                   LINATTN_CACHE_DIR=str(blocked / "cache"))
     assert "LINATTN_CACHE_DIR" in done.stdout and "cannot write" in done.stdout
 
 
 def test_the_build_is_kept_and_reused(tmp_path):
-    code = "from linattn.ops.linear_attention import cpp; print(cpp._build())"
+    code = "from linattn.ops.linear_attention import cpp_logspace; print(cpp_logspace._build())"
     first = python(code, LINATTN_CACHE_DIR=str(tmp_path))
     built = first.stdout.strip()
     stamp = os.stat(built).st_mtime_ns

@@ -1,7 +1,7 @@
 """Log-space linear attention (stable.py's numerics): exact Eq. 19 from log-features at any scale,
 strictly causal, against an O(N^2) float64 reference that never exponentiates more than it must.
-What the algorithm promises is checked on both CPU backends (`attend`): chunk.py's torch ops and the
-C++ kernel that runs their regular chunks (cpp.py); chunk.py's internals on the torch backend."""
+What the algorithm promises is checked on both CPU backends (`attend`): torch_logspace.py's torch ops and the
+C++ kernel that runs their regular chunks (cpp_logspace.py); torch_logspace.py's internals on the torch backend."""
 from functools import partial
 
 import pytest
@@ -10,10 +10,10 @@ import torch
 from linattn import LinearAttention, functional
 from linattn.feature_maps import FavorFeatureMap
 from linattn.functional import linear_attention_reference, linear_attention_step
-from linattn.ops.linear_attention import chunk
-from linattn.ops.linear_attention.naive import log_linear_attention_reference
+from linattn.ops.linear_attention import torch_logspace
+from linattn.ops.linear_attention.naive import logspace_attention_reference
 
-linear_attention = partial(functional.linear_attention, backend="torch")   # chunk.py's own ops
+linear_attention = partial(functional.linear_attention, backend="torch")   # torch_logspace.py's own ops
 
 
 @pytest.fixture(params=["torch", "cpp"])
@@ -40,7 +40,7 @@ def test_reference_agrees_with_plain_features_where_they_do_not_underflow(rotary
     b, a, v = log_features(2, 3, 9, 8, scale=1), log_features(2, 3, 9, 8, scale=1, seed=1), \
         log_features(2, 3, 9, 4, scale=1, seed=2)
     plain = linear_attention_reference(b.exp(), a.exp(), v, causal=causal, rotary=rotary, offset=5)
-    torch.testing.assert_close(log_linear_attention_reference(b, a, v, causal=causal, rotary=rotary, offset=5), plain)
+    torch.testing.assert_close(logspace_attention_reference(b, a, v, causal=causal, rotary=rotary, offset=5), plain)
 
 
 @pytest.mark.parametrize("rotary", [True, False])
@@ -53,7 +53,7 @@ def test_matches_the_reference_at_any_scale(rotary, causal, scale, chunk_size, a
     n = 23
     b, a = query_log_features(1, 2, n, 8, scale=scale), log_features(1, 2, n, 8, scale=scale, seed=1)
     v = log_features(1, 2, n, 3, scale=1, seed=2)
-    expected = log_linear_attention_reference(b, a, v, causal=causal, rotary=rotary, offset=3)
+    expected = logspace_attention_reference(b, a, v, causal=causal, rotary=rotary, offset=3)
     out = attend(b, a, v, causal=causal, rotary=rotary, offset=3, chunk_size=chunk_size,
                            log_space=True)
     torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-9)
@@ -65,7 +65,7 @@ def test_the_exact_rows_are_used_where_the_maximum_jumps_and_agree_with_the_sepa
     a = torch.arange(n, dtype=torch.float64).mul(40).view(1, 1, n, 1).expand(1, 1, n, 4).contiguous()
     a = a + log_features(1, 1, n, 4, scale=1)
     b, v = log_features(1, 1, n, 4, scale=1, seed=1), log_features(1, 1, n, 2, scale=1, seed=2)
-    expected = log_linear_attention_reference(b, a, v, causal=True, rotary=True)
+    expected = logspace_attention_reference(b, a, v, causal=True, rotary=True)
     for chunk_size in (4, 12):
         out = attend(b, a, v, causal=True, rotary=True, chunk_size=chunk_size, log_space=True)
         torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-9)
@@ -103,7 +103,7 @@ def test_gradients_match_the_reference(rotary, scale, attend):
     inputs = [t.clone().requires_grad_(True) for t in (b, a, v)]
     expected = [t.clone().requires_grad_(True) for t in (b, a, v)]
     out = attend(*inputs, causal=True, rotary=rotary, chunk_size=4, log_space=True)
-    ref = log_linear_attention_reference(*expected, causal=True, rotary=rotary)
+    ref = logspace_attention_reference(*expected, causal=True, rotary=rotary)
     weights = torch.randn_like(out)
     grads = torch.autograd.grad((out * weights).sum(), inputs)
     ref_grads = torch.autograd.grad((ref * weights).sum(), expected)
@@ -211,7 +211,7 @@ def test_group_size_does_not_change_the_exact_rows(monkeypatch):
     a = torch.arange(n, dtype=torch.float64).mul(50).view(1, 1, n, 1).expand(1, 2, n, 4).contiguous()
     b, v = log_features(1, 2, n, 4, scale=1), log_features(1, 2, n, 2, scale=1, seed=2)
     out = linear_attention(b, a, v, causal=True, rotary=True, chunk_size=8, log_space=True)
-    monkeypatch.setattr(chunk, "EXACT_ELEMENTS", 1)
+    monkeypatch.setattr(torch_logspace, "EXACT_ELEMENTS", 1)
     assert torch.equal(out, linear_attention(b, a, v, causal=True, rotary=True, chunk_size=8, log_space=True))
 
 
@@ -227,15 +227,18 @@ def test_float32_gradients_stay_finite_for_ragged_lengths_at_large_scale(rotary,
     assert torch.isfinite(out).all() and all(torch.isfinite(t.grad).all() for t in (b, a, v))
 
 
-def test_block_takes_log_features_on_both_backends_and_decodes_after_a_triton_prefill():
-    """FAVOR+ gives log-features to either backend (elu has none); a Triton prefill hands the
-    step a state that carries F, and decoding continues the torch backend's sequence."""
-    pytest.importorskip("triton")
+def test_block_takes_log_features_on_both_backends_and_decodes_after_a_kernel_prefill():
+    """FAVOR+ gives log-features to either backend (elu has none); the C++ kernel's prefill hands the
+    step a state that carries F, and decoding continues the torch backend's sequence (the fla
+    backend's hand-off: test_fla_kernels.py)."""
+    from linattn.ops.linear_attention.cpp_logspace import unavailable
+    if unavailable() is not None:
+        pytest.skip(unavailable())
     assert not LinearAttention(16, 2, feature_map="elu").feature_map.log_space
     torch.manual_seed(0)
-    block = LinearAttention(16, 2, backend="triton", feature_map_options={"num_features": 16})
+    block = LinearAttention(16, 2, backend="cpp", feature_map_options={"num_features": 16})
     x = torch.randn(1, 6, 16)
-    _, state = block(x[:, :5], return_state=True)   # tests/linattn/ops runs Triton's interpreter on CPU
+    _, state = block(x[:, :5], return_state=True)
     last, state = block.step(x[:, 5], state)
     assert state.log_scale is not None and state.position == 6
     block.backend = "torch"
@@ -252,10 +255,10 @@ def test_backward_matches_the_reference_whatever_the_saved_state_spacing(state_g
     of chunks: `backward_paths` lists each chunk's)."""
     backward_paths = []
     for name in ("_chunk_backward", "_chunk_backward_autograd"):
-        original = getattr(chunk, name)
-        monkeypatch.setattr(chunk, name, lambda inputs, *args, name=name, original=original:
+        original = getattr(torch_logspace, name)
+        monkeypatch.setattr(torch_logspace, name, lambda inputs, *args, name=name, original=original:
                             backward_paths.extend([name] * inputs[0].shape[2]) or original(inputs, *args))
-    monkeypatch.setattr(chunk, "STATE_GROUP", state_group)
+    monkeypatch.setattr(torch_logspace, "STATE_GROUP", state_group)
     b, a = query_log_features(1, 2, 23, 6, scale=3), log_features(1, 2, 23, 6, scale=3, seed=1)
     if jumps:
         a = a + torch.arange(2, 25, dtype=torch.float64).div(8).floor().mul(40).view(1, 1, 23, 1)
@@ -263,7 +266,7 @@ def test_backward_matches_the_reference_whatever_the_saved_state_spacing(state_g
     inputs = [t.clone().requires_grad_(True) for t in (b, a, v)]
     expected = [t.clone().requires_grad_(True) for t in (b, a, v)]
     out = linear_attention(*inputs, causal=True, rotary=rotary, chunk_size=4, offset=2, log_space=True)
-    ref = log_linear_attention_reference(*expected, causal=True, rotary=rotary, offset=2)
+    ref = logspace_attention_reference(*expected, causal=True, rotary=rotary, offset=2)
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
     weights = torch.randn_like(out)
     for got, want in zip(torch.autograd.grad((out * weights).sum(), inputs),
@@ -284,9 +287,9 @@ def test_gradcheck_in_float64_with_ragged_chunks(rotary, attend):
 
 
 def chunk_calls(monkeypatch):
-    """How many chunks each forward call of `chunk._chunks` computed together, in order."""
-    calls, original = [], chunk._chunks
-    monkeypatch.setattr(chunk, "_chunks", lambda b, *args, **kwargs: calls.append(b.shape[2]) or
+    """How many chunks each forward call of `torch_logspace._chunks` computed together, in order."""
+    calls, original = [], torch_logspace._chunks
+    monkeypatch.setattr(torch_logspace, "_chunks", lambda b, *args, **kwargs: calls.append(b.shape[2]) or
                         original(b, *args, **kwargs))
     return calls
 
@@ -303,8 +306,8 @@ def test_runs_of_chunks_agree_with_one_chunk_at_a_time(rotary, jumps, monkeypatc
     v = log_features(2, 3, 150, 5, scale=1, seed=5)
     weights = log_features(2, 3, 150, 5, scale=1, seed=6)
     results = []
-    for run_elements in (chunk.RUN_ELEMENTS, 1):
-        monkeypatch.setattr(chunk, "RUN_ELEMENTS", run_elements)
+    for run_elements in (torch_logspace.RUN_ELEMENTS, 1):
+        monkeypatch.setattr(torch_logspace, "RUN_ELEMENTS", run_elements)
         calls = chunk_calls(monkeypatch)
         inputs = [t.clone().requires_grad_() for t in (b, a, v)]
         out, state = linear_attention(*inputs, causal=True, rotary=rotary, chunk_size=8, offset=3,
@@ -337,9 +340,9 @@ def test_a_jump_later_in_a_run_leaves_earlier_outputs_bitwise_unchanged(rotary, 
 
 
 def test_runs_cover_every_chunk_within_their_state_groups(monkeypatch):
-    monkeypatch.setattr(chunk, "STATE_GROUP", 4)
-    monkeypatch.setattr(chunk, "RUN_ELEMENTS", 3 * 2 * 8 * 5)   # three chunks of (B, H, L, Dv) = (1, 2, 8, 5)
-    runs = chunk._runs(torch.empty(1, 2, 85, 5), 3, 8)
+    monkeypatch.setattr(torch_logspace, "STATE_GROUP", 4)
+    monkeypatch.setattr(torch_logspace, "RUN_ELEMENTS", 3 * 2 * 8 * 5)   # three chunks of (B, H, L, Dv) = (1, 2, 8, 5)
+    runs = torch_logspace._runs(torch.empty(1, 2, 85, 5), 3, 8)
     assert [(run.first, run.count) for run in runs] == [(0, 3), (3, 1), (4, 3), (7, 1), (8, 2), (10, 1)]
     assert [run.tokens for run in runs] == [slice(0, 24), slice(24, 32), slice(32, 56), slice(56, 64),
                                             slice(64, 80), slice(80, 85)]
@@ -352,7 +355,7 @@ def test_backward_saves_one_state_per_group_of_chunks_not_per_chunk():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         linear_attention(b, b, v, causal=True, rotary=True, chunk_size=10, log_space=True)
     states = [t for t in saved if t.shape == (1, 2, 8, 4)]
-    assert len(states) == -(-100 // chunk.STATE_GROUP)
+    assert len(states) == -(-100 // torch_logspace.STATE_GROUP)
     assert sum(t.numel() for t in saved) < 6 * b.numel()
 
 
@@ -455,7 +458,7 @@ def test_the_cap_acts_only_beyond_it_whatever_the_chunking(attend):
     a = torch.tensor([[0.0, 40.0], [12.0, 40.0]], dtype=torch.float64).view(1, 1, 2, 2)
     b = torch.tensor([[0.0, 0.0], [20.0, -100.0]], dtype=torch.float64).view(1, 1, 2, 2)
     v = torch.tensor([[1.0], [2.0]], dtype=torch.float64).view(1, 1, 2, 1)
-    expected = log_linear_attention_reference(b, a, v, causal=True, rotary=True)
+    expected = logspace_attention_reference(b, a, v, causal=True, rotary=True)
     for chunk_size in (1, 2):
         torch.testing.assert_close(attend(b, a, v, causal=True, rotary=True, log_space=True,
                                                     chunk_size=chunk_size), expected, rtol=1e-10, atol=0)

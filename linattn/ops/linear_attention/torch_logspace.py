@@ -1,16 +1,7 @@
-"""The chunked torch algorithms of linear attention, O(N) time and memory on any device, in
-dispatch.py's call shape: `linear_attention` for plain features, `log_linear_attention` for
-log-features (the numerics of stable.py).  The table in dispatch.py picks them, or a kernel.
+"""Linear attention of log-features in torch ops (the numerics of stable.py), O(N) time and memory on
+any device, in dispatch.py's call shape: the `torch` backend's entry for log-features,
+`logspace_attention`.
 
-Plain features.  One loop over chunks of L tokens carries the M x Dv state S = sum_n (R_n k_n) v_n^T
-and the M-vector z = sum_n k_n of the tokens before the chunk; inside a chunk the products are exact:
-
-    out_m = [(R_m q_m)^T S + sum_{n<=m in chunk} (R_m q_m . R_n k_n) v_n] / [q_m . (z + sum_{n<=m} k_n)]
-
-Every temporary is per chunk, so nothing N x M is allocated besides the inputs, and the backward
-pass recomputes the rotation, the scores and the states (a forward loop for dq, a reverse loop
-for dk and dv, as flash-linear-attention's fused_chunk kernels do): it saves q, k, v, the output
-and the denominator only.  Per chunk the work is a handful of (L x M) @ (M x Dv) products.
 
 Log-features (b = log phi_q, a = log phi_k, with stable.py's running maxima F, P and Q).
 Causal, in chunks of L tokens (L = chunk_size), the structure of gated linear attention kernels,
@@ -72,8 +63,8 @@ Nothing at position m reads a position after m (the keys after m in its chunk ar
 their factors are capped so that nothing masked is inf), and every reduction has the same shape
 whatever comes later, so past outputs are bitwise unchanged when future tokens change.
 
-On CPU the C++ kernel (cpp.py, stable_cpu.cpp) runs the regular chunks of the causal log-space pass one
-(head, chunk) at a time, and hands the chunks with exact rows or wide pairs back to this module
+On CPU the C++ kernel (cpp_logspace.py, stable_cpu.cpp) runs the regular chunks of the causal
+log-space pass one (head, chunk) at a time, and hands the chunks with exact rows or wide pairs back to this module
 (`irregular_chunk_forward`, `irregular_chunk_backward`).
 """
 from __future__ import annotations
@@ -84,163 +75,31 @@ from typing import NamedTuple
 
 import torch
 
-from ...checks import is_integer
 from ...rotary import rotary_phases, rotate_pairs
 from .common import (LogProjection, compute_dtype, divide, feature_tensors, numerator_features, output_gradients,
                      source_from_parts, source_parts, without_autocast)
-from .recurrent import LinearState, initial_state
+from .recurrent import LinearState
 from .stable import JUMP_LIMIT, NUMERATOR_CAP, PAIR_SPREAD, numerator_query, numerator_scale
-
-DEFAULT_CHUNK_SIZE = 64
-
-
-def check_chunk_size(chunk_size) -> None:
-    if not is_integer(chunk_size) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive integer number of tokens, got {chunk_size!r}")
-
-
-# ---- plain features ------------------------------------------------------------------------------
-
-def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *, causal: bool, rotary: bool,
-                     offset: int, rope_base: float, chunk_size: int, return_state: bool):
-    """Eq. 19 of plain (B, H, N, M) features: causal chunk by chunk (`causal_attention`), else in one
-    product.  In float32 (float64 stays float64) with autocast off; outputs in v's dtype."""
-    if phi_q.shape[-2] == 0:   # no tokens: an empty output (the chunk loops want one)
-        return _nothing_to_attend(v, phi_q.shape[-1], compute_dtype(phi_q, phi_k, v), position=offset,
-                                  return_state=return_state, log_space=False)
-    out_dtype, dtype = v.dtype, compute_dtype(phi_q, phi_k, v)
-    with torch.autocast(phi_q.device.type, enabled=False):
-        phi_q, phi_k, v = phi_q.to(dtype).contiguous(), phi_k.to(dtype).contiguous(), v.to(dtype)
-        n, m = phi_q.shape[-2:]
-        if causal:
-            phases = rotary_phases(n, m, offset=offset, base=rope_base, device=phi_q.device,
-                                   dtype=dtype) if rotary else None
-            out, kv, k_sum = causal_attention(phi_q, phi_k, v, phases, chunk_size)
-            out = out.to(out_dtype)
-            return (out, LinearState(kv, k_sum, offset + n)) if return_state else out
-        q_num, k_num = numerator_features(phi_q, phi_k, rotary=rotary, offset=offset, base=rope_base)
-        numerator = q_num @ (k_num.transpose(-1, -2) @ v)
-        denominator = (phi_q @ phi_k.sum(dim=-2).unsqueeze(-1)).squeeze(-1)
-        return divide(numerator, denominator).to(out_dtype)
-
-
-def _nothing_to_attend(v: torch.Tensor, num_features: int, dtype: torch.dtype, *, position: int,
-                       return_state: bool, log_space: bool):
-    """No tokens (or an empty batch): an empty output, in v's graph as a computed one is, and (if asked)
-    the state before any token at `position`."""
-    out = v.clone()
-    if not return_state:
-        return out
-    state = initial_state(v.shape[0], v.shape[1], num_features, v.shape[-1], device=v.device, dtype=dtype,
-                          log_space=log_space)
-    return out, state._replace(position=position)
-
-
-def _rotate_by(x: torch.Tensor, phases: torch.Tensor | None, *, inverse: bool = False) -> torch.Tensor:
-    """x (B, H, L, M) times e^(i p theta) per pair (its transpose, e^(-i p theta), with inverse)."""
-    if phases is None:
-        return x
-    return rotate_pairs(x, phases.conj() if inverse else phases)
-
-
-def _chunk_slices(n: int, chunk: int):
-    return [slice(start, min(start + chunk, n)) for start in range(0, n, chunk)]
-
-
-class _CausalAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, phases, chunk):
-        b, h, n, m = q.shape
-        out = v.new_empty(v.shape)
-        den = q.new_empty(b, h, n)
-        state = q.new_zeros(b, h, m, v.shape[-1])
-        k_sum = q.new_zeros(b, h, m)
-        for s in _chunk_slices(n, chunk):
-            ph = None if phases is None else phases[s]
-            q_j, k_j, v_j = q[:, :, s], k[:, :, s], v[:, :, s]
-            q_r, k_r = _rotate_by(q_j, ph), _rotate_by(k_j, ph)
-            scores = (q_r @ k_r.transpose(-1, -2)).tril_()
-            num = torch.matmul(q_r, state).add_(scores @ v_j)
-            if phases is None:     # unrotated scores serve the denominator too
-                den_j = scores.sum(-1).add_((q_j @ k_sum.unsqueeze(-1)).squeeze(-1))
-            else:
-                den_j = (q_j * k_j.cumsum(-2).add_(k_sum.unsqueeze(-2))).sum(-1)
-            den[:, :, s] = den_j
-            out[:, :, s] = divide(num, den_j)
-            state.add_(k_r.transpose(-1, -2) @ v_j)
-            k_sum.add_(k_j.sum(-2))
-        ctx.save_for_backward(q, k, v, out, den, phases)
-        ctx.chunk = chunk
-        ctx.mark_non_differentiable(state, k_sum)
-        return out, state, k_sum
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    @without_autocast
-    def backward(ctx, grad, _state_grad, _k_sum_grad):
-        q, k, v, out, den, phases = ctx.saved_tensors
-        b, h, n, m = q.shape
-        g_num, g_den = output_gradients(grad, out, den)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        chunks = _chunk_slices(n, ctx.chunk)
-
-        state = q.new_zeros(b, h, m, v.shape[-1])          # forward loop: dq
-        k_sum = q.new_zeros(b, h, 1, m)
-        for s in chunks:
-            ph = None if phases is None else phases[s]
-            k_j, v_j, g_j = k[:, :, s], v[:, :, s], g_num[:, :, s]
-            k_r = _rotate_by(k_j, ph)
-            d_scores = (g_j @ v_j.transpose(-1, -2)).tril_()
-            dq_r = torch.matmul(g_j, state.transpose(-1, -2)).add_(d_scores @ k_r)
-            dq[:, :, s] = _rotate_by(dq_r, ph, inverse=True).add_(g_den[:, :, s, None] * k_j.cumsum(-2).add_(k_sum))
-            state.add_(k_r.transpose(-1, -2) @ v_j)
-            k_sum.add_(k_j.sum(-2, keepdim=True))
-
-        later = state.zero_()                             # reverse loop: dk, dv
-        q_later = k_sum.zero_()
-        for s in reversed(chunks):
-            ph = None if phases is None else phases[s]
-            q_j, k_j, v_j, g_j = q[:, :, s], k[:, :, s], v[:, :, s], g_num[:, :, s]
-            q_r, k_r = _rotate_by(q_j, ph), _rotate_by(k_j, ph)
-            scores = (q_r @ k_r.transpose(-1, -2)).tril_()
-            d_scores = (g_j @ v_j.transpose(-1, -2)).tril_()
-            dk_r = torch.matmul(v_j, later.transpose(-1, -2)).add_(d_scores.transpose(-1, -2) @ q_r)
-            gq = g_den[:, :, s, None] * q_j                               # denominator: suffix sums
-            dk[:, :, s] = _rotate_by(dk_r, ph, inverse=True).add_(gq.flip(-2).cumsum(-2).flip(-2)).add_(q_later)
-            dv[:, :, s] = torch.matmul(k_r, later).add_(scores.transpose(-1, -2) @ g_j)
-            later.add_(q_r.transpose(-1, -2) @ g_j)
-            q_later.add_(gq.sum(-2, keepdim=True))
-        return dq, dk, dv, None, None
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phases: torch.Tensor | None,
-                     chunk: int):
-    """Causal Eq. 19 of (B, H, N, M) non-negative features and (B, H, N, Dv) values, the numerator
-    rotated by `phases` (N, M/2) e^(i p theta) when given.  Returns the output and the state after
-    the last token: sum_n (R_n k_n) v_n^T (B, H, M, Dv) and sum_n k_n (B, H, M)."""
-    return _CausalAttention.apply(q, k, v, phases, chunk)
-
-
-# ---- log-features --------------------------------------------------------------------------------
+from .torch_plain import nothing_to_attend
 
 EXACT_ELEMENTS = 2 ** 22  # exact rows per pass: rows * L * M elements
-STATE_GROUP = 16          # chunks per state saved for backward (cpp.py saves its states so too)
+STATE_GROUP = 16          # chunks per state saved for backward (cpp_logspace.py saves its states so too)
 RUN_ELEMENTS = 2 ** 19    # chunks computed together: at most this many elements per (B, H, G, L, M) tensor
 
 
 @torch.compiler.disable
-def log_linear_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope_base: float, chunk_size: int,
-                         return_state: bool, causal_pass=None):
+def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope_base: float, chunk_size: int,
+                       return_state: bool, causal_pass=None):
     """Eq. 19 from log-features b = log phi_q, a = log phi_k, each a tensor or a `LogProjection`
     (the causal op then projects chunk by chunk), in float32 (float64 stays float64) with autocast
     off; outputs in v's dtype.  The state (if asked) carries F.  Under torch.compile it runs eagerly
     (a graph break): its chunk loop takes decisions from the data, and inductor failed on a ragged
     last chunk ("Exponent must be non-negative").  `causal_pass`: what computes the causal pass, with
-    `causal_log_attention`'s arguments and results (None: that function; cpp.py gives its C++ kernel's)."""
+    `causal_log_attention`'s arguments and results (None: that function; cpp_logspace.py gives its C++ kernel's)."""
     out_dtype, dtype = v.dtype, compute_dtype(*feature_tensors(b, a), v)
     with torch.autocast(v.device.type, enabled=False):
         b, a = (_to(x, dtype) for x in (b, a))
-        result = _log_linear_attention(b, a, v.to(dtype), causal=causal, rotary=rotary, offset=offset,
+        result = _logspace_attention(b, a, v.to(dtype), causal=causal, rotary=rotary, offset=offset,
                                        base=rope_base, chunk_size=chunk_size, return_state=return_state,
                                        causal_pass=causal_pass or causal_log_attention)
     return (result[0].to(out_dtype), result[1]) if return_state else result.to(out_dtype)
@@ -255,13 +114,13 @@ def _to(x, dtype):
     return x.to(dtype).contiguous()
 
 
-def _log_linear_attention(b, a, v, *, causal, rotary, offset, base, chunk_size, return_state, causal_pass):
+def _logspace_attention(b, a, v, *, causal, rotary, offset, base, chunk_size, return_state, causal_pass):
     n = v.shape[-2]
     if not causal or n == 0:   # no chunk loop: the log-features themselves
         b, a = (x.materialize() if isinstance(x, LogProjection) else x for x in (b, a))
     m = a.shape[-1]
     if v.shape[:-1].numel() == 0:
-        return _nothing_to_attend(v, m, v.dtype, position=offset + n, return_state=return_state, log_space=True)
+        return nothing_to_attend(v, m, v.dtype, position=offset + n, return_state=return_state, log_space=True)
     if causal:
         phases = rotary_phases(n, m, offset=offset, base=base, device=v.device, dtype=v.dtype) \
             if rotary else None
@@ -816,7 +675,7 @@ def _chunk_inputs(chunk: int, queries, keys, v, phases, feat, length: int):
 
 def irregular_chunk_forward(chunk, queries, keys, v, phases, feat, length, base, state, key_sum, out, den,
                             query_scale):
-    """`_irregular_chunk` for a kernel's first irregular chunk (cpp.py's): rows before a jump keep the
+    """`_irregular_chunk` for a kernel's first irregular chunk (cpp_logspace.py's): rows before a jump keep the
     kernel's regular values in `out`, `den`, `query_scale` (unless the chunk is wide, then redone
     whole); the state after it replaces `state`, `key_sum`."""
     s, inputs, scales, ph = _chunk_inputs(chunk, queries, keys, v, phases, feat, length)
@@ -830,7 +689,7 @@ def irregular_chunk_forward(chunk, queries, keys, v, phases, feat, length, base,
 def irregular_chunk_backward(chunk, queries, keys, v, phases, feat, length, base, state, key_sum, grad, out, den,
                              query_scale, later, later_sum, q_grads: SourceGradients, k_grads: SourceGradients, dv,
                              capped: bool):
-    """The backward of one irregular chunk for a kernel (cpp.py's; autograd through it where keys
+    """The backward of one irregular chunk for a kernel (cpp_logspace.py's; autograd through it where keys
     passed the cap), updating `later`, `later_sum` and writing the chunk's gradients."""
     s, inputs, scales, ph = _chunk_inputs(chunk, queries, keys, v, phases, feat, length)
     qs, g = query_scale[:, :, s].unsqueeze(2), grad[:, :, s].unsqueeze(2)

@@ -1,10 +1,10 @@
-"""The "cpp" backend: chunk.py's causal log-space pass with each (head, chunk) fused in C++.
+"""The "cpp" backend: torch_logspace.py's causal log-space pass with each (head, chunk) fused in C++.
 
-chunk.py computes runs of chunks op by op over (B, H, G, L, M) tensors, so on a CPU every op
+torch_logspace.py computes runs of chunks op by op over (B, H, G, L, M) tensors, so on a CPU every op
 streams them through memory.  `stable_cpu.cpp` does the same maths (stable.py's numerics) for one
 head and one chunk at a time, in cache, with the BLAS that torch links (MKL's sgemm_) on one thread
-per head, and hands the rare irregular chunks (exact rows, wide pairs) back to chunk.py
-(`irregular_chunk_forward`, `irregular_chunk_backward`).  `log_linear_attention` is the entry that
+per head, and hands the rare irregular chunks (exact rows, wide pairs) back to torch_logspace.py
+(`irregular_chunk_forward`, `irregular_chunk_backward`).  `logspace_attention` is the entry that
 dispatch.py's table holds for causal log-space calls on CPU.  Outputs, states
 and gradients are those of the torch backend up to float rounding (tests/linattn/ops/test_cpp.py).
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from . import chunk
+from . import torch_logspace
 from .common import LogProjection, source_from_parts, source_parts, without_autocast
 from .stable import JUMP_LIMIT, PAIR_SPREAD
 
@@ -246,19 +246,19 @@ class _Kernel:
         return result
 
 
-def log_linear_attention(b, a, v, **call):
-    """chunk.log_linear_attention (dispatch.py's call shape) with its causal pass in the C++ kernel."""
-    return chunk.log_linear_attention(b, a, v, causal_pass=causal, **call)
+def logspace_attention(b, a, v, **call):
+    """torch_logspace.logspace_attention (dispatch.py's call shape) with its causal pass in the C++ kernel."""
+    return torch_logspace.logspace_attention(b, a, v, causal_pass=causal, **call)
 
 
 def causal(b, a, v, phases, length: int, base: float):
     """Causal Eq. 19 from log-features (tensors or `LogProjection`s) on CPU: (out, state, key sum, F
-    after the last token), as chunk.causal_log_attention gives them."""
+    after the last token), as torch_logspace.causal_log_attention gives them."""
     return _FusedCausalLogAttention.apply(*source_parts(b), *source_parts(a), v, phases, length, base)
 
 
 class _FusedCausalLogAttention(torch.autograd.Function):
-    """chunk.causal_log_attention's autograd function with its regular chunks in stable_cpu.cpp."""
+    """torch_logspace.causal_log_attention's autograd function with its regular chunks in stable_cpu.cpp."""
 
     @staticmethod
     def forward(ctx, q_inputs, q_weight, q_shift, q_square, k_inputs, k_weight, k_shift, k_square, v, phases,
@@ -267,7 +267,7 @@ class _FusedCausalLogAttention(torch.autograd.Function):
         keys = source_from_parts(k_inputs, k_weight, k_shift, k_square)
         batch, heads, n, dv = v.shape
         m = k_inputs.shape[-1] if k_weight is None else k_weight.shape[0]
-        chunks, groups = -(-n // length), -(-n // (length * chunk.STATE_GROUP))
+        chunks, groups = -(-n // length), -(-n // (length * torch_logspace.STATE_GROUP))
         feat = v.new_empty(batch, heads, chunks + 1, m)
         kernel = _Kernel(queries, keys, v, phases, feat, length)
         out, den = v.new_empty(batch, heads, n, dv), v.new_empty(batch, heads, n)
@@ -278,21 +278,21 @@ class _FusedCausalLogAttention(torch.autograd.Function):
         start = 0
         while start < chunks:
             start = kernel.run("forward", start, chunks, state, key_sum, out, den, query_scale, saved_states,
-                               saved_sums, chunk.STATE_GROUP, flags)
-            if start < chunks:   # an irregular chunk: chunk.py's own, from the state before it
-                chunk.irregular_chunk_forward(start, queries, keys, v, phases, feat, length, base, state, key_sum,
-                                              out, den, query_scale)
+                               saved_sums, torch_logspace.STATE_GROUP, flags)
+            if start < chunks:   # an irregular chunk: torch_logspace.py's own, from the state before it
+                torch_logspace.irregular_chunk_forward(start, queries, keys, v, phases, feat, length, base, state,
+                                                       key_sum, out, den, query_scale)
                 start += 1
         parts = (q_inputs, q_weight, q_shift, q_square, k_inputs, k_weight, k_shift, k_square)
-        return chunk.finish_forward(ctx, parts, length, base, v, out, den, query_scale, feat, phases, state, key_sum,
-                                    saved_states, saved_sums, flags)
+        return torch_logspace.finish_forward(ctx, parts, length, base, v, out, den, query_scale, feat, phases, state,
+                                             key_sum, saved_states, saved_sums, flags)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     @without_autocast
     def backward(ctx, grad, _state_grad, _key_sum_grad, _last_grad):
         queries, keys, (v, out, den, query_scale, feat, phases), (saved_states, saved_sums, flags) = \
-            chunk.saved_sources(ctx)
+            torch_logspace.saved_sources(ctx)
         needs = ctx.needs_input_grad
         kernel = _Kernel(queries, keys, v, phases, feat, ctx.length)
         grad = grad.contiguous()
@@ -301,7 +301,7 @@ class _FusedCausalLogAttention(torch.autograd.Function):
         later, later_sum = torch.zeros_like(saved_states[0]), torch.zeros_like(saved_sums[0])
         chunks, length = feat.shape[2] - 1, ctx.length
         for group in reversed(range(saved_states.shape[0])):
-            lo, hi = group * chunk.STATE_GROUP, min((group + 1) * chunk.STATE_GROUP, chunks)
+            lo, hi = group * torch_logspace.STATE_GROUP, min((group + 1) * torch_logspace.STATE_GROUP, chunks)
             states = v.new_empty(*v.shape[:2], hi - lo, feat.shape[-1], v.shape[-1])
             sums = v.new_empty(*v.shape[:2], hi - lo, feat.shape[-1])
             kernel.run("states", lo, hi, flags, saved_states[group], saved_sums[group], states, sums)
@@ -309,18 +309,19 @@ class _FusedCausalLogAttention(torch.autograd.Function):
             while top >= lo:
                 top = kernel.run("backward", top, lo, flags, states, sums, lo, hi - lo, grad, out, den, query_scale,
                                  later, later_sum, ctypes.byref(q_grads.c), ctypes.byref(k_grads.c), dv)
-                if top >= lo:   # an irregular chunk: chunk.py's backward of it
-                    chunk.irregular_chunk_backward(top, queries, keys, v, phases, feat, length, ctx.base,
-                                                   states[:, :, top - lo], sums[:, :, top - lo], grad, out, den,
-                                                   query_scale, later, later_sum, q_grads.eager, k_grads.eager, dv,
-                                                   capped=bool(flags[top] & 1))
+                if top >= lo:   # an irregular chunk: torch_logspace.py's backward of it
+                    torch_logspace.irregular_chunk_backward(
+                        top, queries, keys, v, phases, feat, length, ctx.base, states[:, :, top - lo],
+                        sums[:, :, top - lo], grad, out, den, query_scale, later, later_sum, q_grads.eager,
+                        k_grads.eager, dv, capped=bool(flags[top] & 1))
                     top -= 1
         return (*q_grads.result(), None, *k_grads.result(), None, dv, None, None, None)
 
 
 class _FusedGradients:
     """A source's gradients, written by the kernel (C view `c`) and, for irregular chunks, by
-    chunk.SourceGradients (`eager`): contiguous buffers, and the weight's as per-head partial sums."""
+    torch_logspace.SourceGradients (`eager`): contiguous buffers, and the weight's as per-head partial
+    sums."""
 
     def __init__(self, source, needs):
         projection = isinstance(source, LogProjection)
@@ -332,8 +333,8 @@ class _FusedGradients:
         if projection and needs[1]:
             self.weight_parts = inputs.new_zeros(inputs.shape[0] * inputs.shape[1], *source.weight.shape)
             weight = torch.zeros_like(source.weight)
-        self.eager = chunk.SourceGradients(self.inputs, weight,
-                                       None if self.shift is None else self.shift.unsqueeze(-1))
+        self.eager = torch_logspace.SourceGradients(self.inputs, weight,
+                                                    None if self.shift is None else self.shift.unsqueeze(-1))
         self.c = _SourceGrad(_pointer(self.inputs), _pointer(self.shift), _pointer(self.weight_parts))
 
     def result(self):

@@ -1,4 +1,4 @@
-"""The fla backend (fla_chunk.py): Eq. 19 mapped onto flash-linear-attention's chunk kernels.
+"""The fla backend (fla_kernels.py): Eq. 19 mapped onto flash-linear-attention's chunk kernels.
 
 Most tests call a stand-in `fla` package (`fake_fla`): fla 0.6.0's `chunk_gla` and
 `chunk_linear_attn` with their signatures and (B, T, H, K) layout, computing the recurrence fla
@@ -8,6 +8,7 @@ and states.  fla's own kernels run too: on CPU in Triton's interpreter (`fla_in_
 fla-core installed, as the dev extra does), and on a GPU (`gpu` marker), where the recurrence is
 checked against them."""
 import ast
+import os
 import sys
 import types
 
@@ -16,9 +17,8 @@ import torch
 
 from linattn import LinearAttention
 from linattn.functional import linear_attention, linear_attention_step
-from linattn.ops.linear_attention import chunk, dispatch, fla_chunk
-from linattn.ops.linear_attention.backends import interpreting
-from linattn.ops.linear_attention.common import LogProjection
+from linattn.ops.linear_attention import dispatch, fla_kernels, torch_logspace, torch_plain
+from linattn.ops.linear_attention.common import LogProjection, guard_log_features
 from linattn.ops.linear_attention.stable import NUMERATOR_CAP, pair_max
 
 B, H = 2, 2
@@ -44,7 +44,7 @@ def fake_fla(monkeypatch, chunk_cumsum=False):
     def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, state_v_first=False,
                   cu_seqlens=None, cu_seqlens_cpu=None):
         assert initial_state is None and not state_v_first and cu_seqlens is None
-        assert q.shape[-1] % 16 == 0 and v.shape[-1] % 16 == 0, "fla_chunk pads K and V to fla's tiles"
+        assert q.shape[-1] % 16 == 0 and v.shape[-1] % 16 == 0, "fla_kernels pads K and V to fla's tiles"
         heads_second = (t.transpose(1, 2) for t in (q, k, v, g))   # fla: [B, T, H, K]
         o, state = recurrent_gla(*heads_second, return_state=output_final_state,
                                  scale=q.shape[-1] ** -0.5 if scale is None else scale, chunk_cumsum=chunk_cumsum)
@@ -52,7 +52,7 @@ def fake_fla(monkeypatch, chunk_cumsum=False):
 
     def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True,
                           cu_seqlens=None):
-        assert not normalize, "the stand-in covers normalize=False, the call fla_chunk makes"
+        assert not normalize, "the stand-in covers normalize=False, the call fla_kernels makes"
         return chunk_gla(q, k, v, torch.zeros_like(q), scale, initial_state, output_final_state)
 
     modules = {name: types.ModuleType(name) for name in ("fla", "fla.ops", "fla.ops.gla", "fla.ops.linear_attn")}
@@ -64,7 +64,7 @@ def fake_fla(monkeypatch, chunk_cumsum=False):
 
 @pytest.fixture
 def fla_reference(monkeypatch):
-    """fla_chunk calling the stand-in fla package."""
+    """fla_kernels calling the stand-in fla package."""
     fake_fla(monkeypatch)
 
 
@@ -76,14 +76,17 @@ def features(n, m, dv, *, log_space, scale=1.0, seed=0, dtype=torch.float64, dev
     return [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
 
 
-def call(module, log_space, tensors, **options):
-    attend = module.log_linear_attention if log_space else module.linear_attention
+def call(backend, log_space, tensors, **options):
+    """One backend's entry ("fla" or "torch") for log-features or plain ones."""
+    attend = {("fla", True): fla_kernels.logspace_attention, ("fla", False): fla_kernels.plain_attention,
+              ("torch", True): torch_logspace.logspace_attention,
+              ("torch", False): torch_plain.plain_attention}[backend, log_space]
     options = dict(causal=True, rotary=True, offset=0, rope_base=10000.0, chunk_size=8, return_state=False) | options
     return attend(*tensors, **options)
 
 
-def outputs_and_grads(module, log_space, tensors, weights, **options):
-    out = call(module, log_space, tensors, **options)
+def outputs_and_grads(backend, log_space, tensors, weights, **options):
+    out = call(backend, log_space, tensors, **options)
     return [out, *torch.autograd.grad((out * weights).sum(), tensors)]
 
 
@@ -94,8 +97,8 @@ def outputs_and_grads(module, log_space, tensors, weights, **options):
 def test_mapping_matches_torch_backend(fla_reference, log_space, rotary, n, offset):
     tensors = features(n, 8, 4, log_space=log_space)
     weights = torch.randn(B, H, n, 4, dtype=torch.float64)
-    got = outputs_and_grads(fla_chunk, log_space, tensors, weights, rotary=rotary, offset=offset)
-    want = outputs_and_grads(chunk, log_space, tensors, weights, rotary=rotary, offset=offset)
+    got = outputs_and_grads("fla", log_space, tensors, weights, rotary=rotary, offset=offset)
+    want = outputs_and_grads("torch", log_space, tensors, weights, rotary=rotary, offset=offset)
     for name, g, w in zip(("out", "d q", "d k", "dv"), got, want):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=name)
 
@@ -104,80 +107,18 @@ def test_mapping_matches_torch_backend(fla_reference, log_space, rotary, n, offs
 def test_state_equals_torch_backends_and_decoding_continues_from_it(fla_reference, log_space):
     tensors = [t.detach() for t in features(24, 8, 4, log_space=log_space)]
     prefix = [t[..., :20, :] for t in tensors]
-    out, state = call(fla_chunk, log_space, prefix, offset=3, return_state=True)
-    _, want = call(chunk, log_space, prefix, offset=3, return_state=True)
+    out, state = call("fla", log_space, prefix, offset=3, return_state=True)
+    _, want = call("torch", log_space, prefix, offset=3, return_state=True)
     assert state.position == want.position == 23
     for name in ("kv", "k_sum", "log_scale"):
         got_part, want_part = getattr(state, name), getattr(want, name)
         assert (got_part is None) == (want_part is None), name
         if want_part is not None:
             torch.testing.assert_close(got_part, want_part, rtol=1e-10, atol=1e-12, msg=name)
-    whole = call(chunk, log_space, tensors, offset=3)
+    whole = call("torch", log_space, tensors, offset=3)
     for n in range(20, 24):
         step, state = linear_attention_step(*(t[..., n, :] for t in tensors), state, rotary=True, log_space=log_space)
         torch.testing.assert_close(step, whole[..., n, :], rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.parametrize("inputs", ["log", "plain", "projection", "projection-shift-tensor"])
-@pytest.mark.parametrize("most", [1, 2 * 9 * 8, 3 * 9 * 8 - 1], ids=["row-per-block", "two-rows", "uneven"])
-def test_factors_made_in_row_blocks_give_what_one_block_gives(fla_reference, monkeypatch, inputs, most):
-    """Blocks of the B x H rows (FACTOR_BLOCK_ELEMENTS elements at most, here 9 positions x M = 8
-    per row) give the one-block outputs, gradients (the projection's shared weight's too) and state."""
-    gen = torch.Generator().manual_seed(5)
-    q, k, v = features(9, 8, 4, log_space=inputs != "plain")
-    leaves = [q, k, v]
-    if inputs.startswith("projection"):
-        weight = torch.randn(8, 3, generator=gen, dtype=torch.float64).requires_grad_()
-        xq, xk = (torch.randn(B, H, 9, 3, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
-        shift = torch.randn(B, H, 9, 1, generator=gen, dtype=torch.float64) if inputs.endswith("tensor") else -1.5
-        q, k = (LogProjection(x, weight, shift, -0.25) for x in (xq, xk))
-        leaves = [xq, xk, v, weight]
-    weights = torch.randn(B, H, 9, 4, generator=gen, dtype=torch.float64)
-
-    def run():
-        out, state = call(fla_chunk, inputs != "plain", [q, k, v], offset=2, return_state=True)
-        return [out, *torch.autograd.grad((out * weights).sum(), leaves), state.kv, state.k_sum, state.log_scale]
-    whole = run()
-    monkeypatch.setattr(fla_chunk, "FACTOR_BLOCK_ELEMENTS", most)
-    assert len(fla_chunk.row_blocks(B, H, 9 * 8)) == {1: 4, 144: 2, 215: 2}[most]
-    for got, want in zip(run(), whole):
-        if want is None:
-            assert got is None
-        else:
-            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
-
-
-@pytest.mark.parametrize("batch,heads,per_row,most,blocks", [
-    (2, 2, 10, 1, [(0, 0, 1), (0, 1, 2), (1, 0, 1), (1, 1, 2)]),        # a row each
-    (2, 2, 10, 40, [(0, None, None)]),                                   # whole entries: one block
-    (4, 2, 10, 39, [(0, None, None), (1, None, None), (2, None, None), (3, None, None)]),   # 3 rows: one entry
-    (5, 2, 10, 40, [(0, None, None), (1, None, None), (3, None, None)]),  # 2 entries at most, as even as can be
-    (1, 5, 10, 20, [(0, 0, 1), (0, 1, 3), (0, 3, 5)]),                  # heads of one entry, even
-    (0, 4, 10, 5, [(0, None, None)]),                                   # an empty batch: one empty block
-])
-def test_row_blocks_cover_every_row_once_under_the_bound(batch, heads, per_row, most, blocks):
-    got = fla_chunk.row_blocks(batch, heads, per_row, most)
-    assert [(b.start, h.start, h.stop) for b, h in got] == blocks
-    covered = torch.zeros(batch, heads, dtype=torch.int64)
-    for block in got:
-        covered[block] += 1
-        assert covered[block].numel() * per_row <= max(most, per_row)
-    assert bool((covered == 1).all())
-
-
-def test_blocks_of_a_strided_projection_copy_nothing(fla_reference, monkeypatch):
-    """q and k are views of a layer's fused (B, N, 3 H D) projection: a reshape merging B and H
-    copied them, and the checkpoint kept the copies until backward."""
-    monkeypatch.setattr(fla_chunk, "FACTOR_BLOCK_ELEMENTS", 9 * 8)   # a row per block
-    fused = torch.randn(B, 9, 3 * H * 3, dtype=torch.float64)
-    inputs = fused.unflatten(-1, (3, H, 3))[:, :, 0].transpose(1, 2)   # (B, H, N, D), not mergeable
-    projection = LogProjection(inputs, torch.randn(8, 3, dtype=torch.float64), -1.0, -0.25)
-    seen = []
-    real = fla_chunk.log_factors
-    monkeypatch.setattr(fla_chunk, "log_factors", lambda b, a, **o: seen.append(b.inputs) or real(b, a, **o))
-    call(fla_chunk, True, [projection, projection, torch.randn(B, H, 9, 4, dtype=torch.float64)])
-    assert len(seen) == B * H and all(t.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
-                                      for t in seen)
 
 
 def favor_like(n, m, scale, seed=0):
@@ -193,7 +134,7 @@ def favor_like(n, m, scale, seed=0):
 def test_inputs_up_to_norm_100_give_finite_outputs_and_gradients_and_no_zero_row(fla_reference, scale):
     b, a = (t.float().requires_grad_() for t in favor_like(40, 16, scale))
     v = torch.randn(B, H, 40, 4, requires_grad=True)
-    out = call(fla_chunk, True, [b, a, v])
+    out = call("fla", True, [b, a, v])
     assert torch.isfinite(out).all() and (out.abs().amax(-1) > 0).all()
     grads = torch.autograd.grad(out.sum(), (b, a, v))
     assert all(torch.isfinite(g).all() for g in grads)
@@ -204,7 +145,7 @@ def test_outputs_below_the_numerator_cap_are_exact_at_norm_100(fla_reference):
     torch backend's); beyond the cap both saturate (finite), each its own way."""
     b, a = favor_like(40, 16, 100.0)
     v = torch.randn(B, H, 40, 4, dtype=torch.float64)
-    got, want = (call(module, True, [b, a, v]) for module in (fla_chunk, chunk))
+    got, want = (call(module, True, [b, a, v]) for module in ("fla", "torch"))
     feature_scale = a.cummax(-2).values
     row_scale = (b + feature_scale).amax(-1, keepdim=True)
     exact = (b + pair_max(feature_scale) - row_scale).amax(-1) <= NUMERATOR_CAP
@@ -220,7 +161,7 @@ def test_keys_of_exactly_zero_before_a_features_first_real_key_leave_the_decays_
     fake_fla(monkeypatch, chunk_cumsum=True)
     b, a, v = (t.detach() for t in features(150, 8, 4, log_space=True))
     a[..., :3, :] = float("-inf")
-    got = call(fla_chunk, True, [b, a, v])
+    got = call("fla", True, [b, guard_log_features(a, a.dtype), v])   # the floor the public entry gives -inf
     want = linear_attention(b, a, v, causal=True, rotary=True, backend="torch", log_space=True, chunk_size=8)
     assert torch.isfinite(got[..., :3, :]).all()   # rows with no real key yet: 0/0 in exact terms
     torch.testing.assert_close(got[..., 3:, :], want[..., 3:, :], rtol=1e-5, atol=1e-5)
@@ -232,7 +173,7 @@ def test_past_outputs_are_bitwise_unchanged_when_future_tokens_change(fla_refere
     changed = [t.clone() for t in tensors]
     for t in changed:
         t[..., 20:, :] = t[..., 20:, :] * 50 + 7
-    before, after = (call(fla_chunk, log_space, ts) for ts in (tensors, changed))
+    before, after = (call("fla", log_space, ts) for ts in (tensors, changed))
     assert torch.equal(before[..., :20, :], after[..., :20, :])
 
 
@@ -244,21 +185,23 @@ class KeepsItsInputs(torch.autograd.Function):
         return inputs[2].clone()
 
     @staticmethod
-    def backward(ctx, grad):
-        return (None, None, grad) + (None,) * (len(ctx.saved_tensors) - 3)
+    def backward(ctx, grad):   # some gradient for every input, so that it reaches the layer's inputs
+        return tuple(grad if i == 2 else grad.sum().to(t.dtype).expand_as(t) for i, t in enumerate(ctx.saved_tensors))
 
 
-@pytest.mark.parametrize("inputs,most", [("log", 5.1), ("plain", 3.1), ("projection", 3.1)])
+@pytest.mark.parametrize("inputs,most", [("log", 7.6), ("plain", 3.6), ("projection", 5.6)])
 def test_a_layer_keeps_its_inputs_and_flas_but_not_the_factors_for_backward(monkeypatch, inputs, most):
-    """In units of one (B, H, N, M) float32 tensor, at M = Dv: log-features 5.0 (b, a, fla's q, k in
-    bf16 and its float32 decay, the values, the half numerator and the denominator), plain bf16
-    features 3.0; autograd keeping the factors made it 9.8 and 4.8, and the float32 numerator 5.5
-    and 3.5.  FAVOR+'s block hands over a `LogProjection` (M = 4D here, as in the benchmark's block):
-    materialised inside the recomputed part, b and a are not kept (3.0; 5.5 before), only the
-    projection's (B, H, N, D) inputs, which the recomputation holds (the hooks below do not see them)."""
-    monkeypatch.setattr(fla_chunk, "gated_linear_attention",
+    """In units of one (B, H, N, M) float32 tensor, at M = Dv, rotated: what fla keeps of its two calls
+    (numerator: q, k, v in bf16 and the float32 decays; denominator: q, k in bf16 and its own float32
+    decays), the half numerator for the division, the phases, and the log-features b, a (2.0) or plain
+    bf16 features (1.0) for the recomputation of the factors.  FAVOR+'s block hands over a
+    `LogProjection` (M = 4D here, as in the benchmark's block): materialised inside the recomputed part,
+    b and a are not kept (5.5), only the projection's (B, H, N, D) inputs, which the recomputation holds
+    (the hooks below do not see them).  The route before issue 34 kept 5.0, 3.0 and 3.0 (one kernel
+    call, its denominator from torch scans)."""
+    monkeypatch.setattr(fla_kernels, "gated_linear_attention",
                         lambda q, k, v, g, *, return_state: (KeepsItsInputs.apply(q, k, v, g), None))
-    monkeypatch.setattr(fla_chunk, "plain_linear_attention",
+    monkeypatch.setattr(fla_kernels, "plain_linear_attention",
                         lambda q, k, v, *, return_state: (KeepsItsInputs.apply(q, k, v), None))
     n, m = 512, 64
     q, k, v = features(n, m, m, log_space=inputs != "plain", dtype=torch.float32)
@@ -274,7 +217,7 @@ def test_a_layer_keeps_its_inputs_and_flas_but_not_the_factors_for_backward(monk
         kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = call(fla_chunk, inputs != "plain", [q, k, v])
+        out = call("fla", inputs != "plain", [q, k, v])
     assert sum(kept.values()) / (B * H * n * m * 4) <= most
     if inputs == "projection":   # and the gradient still reaches the projection's inputs
         assert torch.autograd.grad(out.float().sum(), q.inputs)[0].abs().sum() > 0
@@ -285,15 +228,15 @@ def test_a_layer_keeps_its_inputs_and_flas_but_not_the_factors_for_backward(monk
     (True, torch.float32, torch.float32), (False, torch.float16, torch.float16), (False, torch.bfloat16, torch.bfloat16)])
 def test_fla_multiplies_in_the_values_half_dtype_where_the_factors_fit_it(monkeypatch, log_space, values, dots):
     seen = []
-    monkeypatch.setattr(fla_chunk, "gated_linear_attention",
+    monkeypatch.setattr(fla_kernels, "gated_linear_attention",
                         lambda q, k, v, g, *, return_state: (seen.append((q.dtype, k.dtype, v.dtype)) or v, None))
-    monkeypatch.setattr(fla_chunk, "plain_linear_attention",
+    monkeypatch.setattr(fla_kernels, "plain_linear_attention",
                         lambda q, k, v, *, return_state: (seen.append((q.dtype, k.dtype, v.dtype)) or v, None))
     q, k, v = (t.detach() for t in features(8, 8, 4, log_space=log_space, dtype=torch.float32))
     if not log_space:
         q, k = q.to(values), k.to(values)
-    out = call(fla_chunk, log_space, [q, k, v.to(values)])
-    assert seen == [(dots, dots, dots)] and out.dtype == values
+    out = call("fla", log_space, [q, k, v.to(values)])
+    assert seen == [(dots, dots, dots)] * 2 and out.dtype == values   # numerator, denominator
 
 
 def test_non_causal_calls_take_the_torch_entry():
@@ -303,8 +246,35 @@ def test_non_causal_calls_take_the_torch_entry():
         assert dispatch.has_own_kernel(log_space, "fla", True)
 
 
+@pytest.mark.parametrize("length", [1, 63, 64, 65, 200])
+def test_the_running_max_kernel_is_cummax_along_the_sequence(length):
+    """Chunks of 64 tokens scanned in the kernel from the carry of earlier chunks' maxima: ragged last
+    chunks, several chunks, -inf and columns beyond one program's block (2 x 3 x 7 = 42 > 32)."""
+    if os.environ.get("TRITON_INTERPRET") != "1" and not CUDA:
+        pytest.skip("the kernel runs on CUDA, or in Triton's interpreter on CPU")
+    from linattn.ops.linear_attention.running_max import running_max
+    x = torch.randn(2, length, 3, 7, dtype=torch.float64, device="cuda" if CUDA else "cpu")
+    x[:, : length // 2, 0] = float("-inf")
+    assert torch.equal(running_max(x), x.cummax(1).values)
+
+
+@pytest.mark.parametrize("installed,want", [(True, "fla"), (False, "torch")])
+def test_auto_takes_fla_on_cuda_where_it_is_installed(monkeypatch, installed, want):
+    monkeypatch.setattr(dispatch, "fla_installed", lambda: installed)
+    for log_space in (True, False):
+        assert dispatch.resolve("auto", torch.device("cuda"), log_space=log_space, causal=True) == want
+    assert dispatch.resolve("auto", torch.device("cuda"), True, log_space=True, causal=True) == "torch"   # float64
+
+
+def test_the_retired_triton_backend_is_a_one_line_error_that_names_fla():
+    for make in (lambda: LinearAttention(16, 2, backend="triton"),
+                 lambda: dispatch.resolve("triton", torch.device("cuda"), log_space=True, causal=True)):
+        with pytest.raises(ValueError, match=r"^backend='triton' was retired[^\n]*backend='fla'[^\n]*$"):
+            make()
+
+
 @pytest.mark.parametrize("installed,device,float64,message", [
-    (False, "cuda", False, "pip install 'linattn[fla]'"),
+    (False, "cuda", False, "pip install 'linattn[gpu]'"),
     (True, "cpu", False, "runs on CUDA tensors, got tensors on cpu"),
     (True, "cuda", True, "for float64 use backend='torch'"),
 ])
@@ -330,7 +300,7 @@ def fla_in_the_interpreter(monkeypatch):
     which fla calls .to(tl.int64) (compiled Triton's loop indices are tensors), so loop indices become
     tensors too; and with no driver to time configs, the autotuner keeps each kernel's first."""
     pytest.importorskip("fla", reason="fla's kernels: pip install fla-core (the dev extra does)")
-    if CUDA or not interpreting():
+    if CUDA or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs fla in Triton's interpreter (CPU); on a GPU the gpu tests run its kernels")
     from triton.runtime import autotuner, interpreter
 
@@ -359,7 +329,7 @@ def test_flas_own_kernels_give_the_torch_backends_outputs_gradients_and_state(fl
     doubles = [t.detach().double().requires_grad_() for t in tensors]
     weights = torch.randn(1, H, n, dv, generator=torch.Generator().manual_seed(1))
     runs = []
-    for module, inputs in ((fla_chunk, tensors), (chunk, doubles)):
+    for module, inputs in (("fla", tensors), ("torch", doubles)):
         out, state = call(module, log_space, inputs, offset=3, return_state=True)
         runs.append([out, *torch.autograd.grad((out * weights.to(out.dtype)).sum(), inputs), state.kv, state.k_sum,
                      *([state.log_scale] if log_space else [])])
@@ -394,9 +364,12 @@ def test_gpu_recurrence_is_fla_chunk_gla_on_this_mapping_with_large_decays(monke
     b, a = (eight_heads(t) for t in favor_like(512, 64, 30.0))
     v = torch.randn(1, 8, 512, 64, device="cuda").bfloat16()
     with torch.no_grad():
-        got = call(fla_chunk, True, [b, a, v], return_state=True)
-        monkeypatch.setattr(fla_chunk, "gated_linear_attention", recurrent_gla)
-        want = call(fla_chunk, True, [b, a, v.float()], return_state=True)
+        got = call("fla", True, [b, a, v], return_state=True)
+        def reference(*tensors, return_state):   # the recurrence in (B, H, N, .); fla's layout is (B, N, H, .)
+            o, state = recurrent_gla(*(t.transpose(1, 2) for t in tensors), return_state=return_state)
+            return o.transpose(1, 2), state
+        monkeypatch.setattr(fla_kernels, "gated_linear_attention", reference)
+        want = call("fla", True, [b, a, v.float()], return_state=True)
     torch.testing.assert_close(got[0].float(), want[0], rtol=3e-2, atol=3e-2 * want[0].abs().max().item())
     torch.testing.assert_close(got[1].kv, want[1].kv, rtol=3e-2, atol=3e-2 * want[1].kv.abs().max().item())
 
@@ -434,13 +407,13 @@ def test_gpu_fla_backend_keeps_the_past_bitwise_and_is_finite_at_norm_100():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("feature_map,num_features", [("favor", 256), ("elu", None)])
-def test_gpu_block_with_fla_backend_under_bf16_autocast_matches_triton(feature_map, num_features):
+def test_gpu_block_with_fla_backend_under_bf16_autocast_matches_torch(feature_map, num_features):
     """The benchmark's blocks (512 wide, 8 heads; FAVOR+ with M=256, elu with M=64)."""
     pytest.importorskip("fla")
     torch.manual_seed(0)
     options = {"num_features": num_features} if num_features else {}
     blocks = [LinearAttention(512, 8, feature_map=feature_map, feature_map_options=options, rope="post",
-                              backend=backend).cuda() for backend in ("triton", "fla")]
+                              backend=backend).cuda() for backend in ("torch", "fla")]
     blocks[1].load_state_dict(blocks[0].state_dict())
     x = torch.randn(1, 2048, 512, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -475,6 +448,6 @@ def test_compiled_block_on_the_fla_backend_gives_eager_outputs_and_gradients(mon
         runs.append([out.detach(), inputs.grad, *(p.grad.clone() for p in block.parameters())])
         block.zero_grad()
     torch.compiler.reset()
-    assert len(calls) == 3   # eager and compiled forwards, and the compiled backward's recomputation
+    assert len(calls) == 6   # two per forward (numerator, denominator): eager, compiled, the backward's recomputation
     for want, got in zip(*runs):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,207 @@
+"""Eq. 19 on flash-linear-attention's chunk kernels: the `fla` backend (causal calls on CUDA; `pip
+install 'linattn[gpu]'`), the default of backend="auto" on CUDA.  fla computes gated linear attention,
+
+    o_m = sum_{n<=m} (q_m * e^{G_m - G_n})^T k_n v_n,   G_m = sum_{t<=m} g_t  (per feature, g <= 0),
+
+forming only factors e^{G_m - G_n} <= 1 inside its chunks, so nothing it computes overflows.  Eq. 19
+maps onto it exactly; numerator and denominator are each one kernel call, and the glue around them is
+elementwise torch work with no scan along the sequence and no read of a value on the host.
+
+* Plain features: the numerator is `chunk_linear_attn` on q = R_m phi(q_m), k = R_n phi(k_n); the
+  denominator the same kernel on the unrotated features with values of ones (its state's column is
+  the state's k_sum).
+* Log-features b = log phi(q), a = log phi(k) (stable.py's numerics and names): with the running
+  maxima F (per feature), P (per rotation pair, so that the scale commutes with R) and the row scale
+  Q_m = max_j (b_mj + F_mj),
+      numerator (`chunk_gla`):   k_n = R_n e^{a_n - P_n} (<= 1),  g_n = P_{n-1} - P_n,
+                                 q_m = R_m min(e^{b_m + P_m - Q_m}, e^NUMERATOR_CAP);
+      denominator (`chunk_gla`, values of ones): k_n = e^{a_n - F_n}, g_n = F_{n-1} - F_n,
+                                 q_m = e^{b_m + F_m - Q_m} (<= 1),
+  so q_m e^{G_m - G_n} k_n = e^{b_m} e^{a_n} e^{-Q_m} per term (rotated in the numerator): Eq. 19 scaled
+  by e^{-Q_m}.  The denominator holds the term of the feature and key that reach Q_m, which is 1, so no
+  row is zero.  Unrotated, the two calls share q, k and g.  F is `running_max.running_max`: a small
+  Triton kernel per chunk of 64 tokens and a torch cummax over the N / 64 chunk maxima.
+* Layout: everything is computed in fla's (B, T, H, .) layout.  The blocks hand over (B, H, N, .)
+  views of (B, N, H, .) projections, so the transposes are views and nothing is copied for fla; the
+  output comes back as such a view, which the block's head merge takes without a copy.
+* Dtypes: both calls' dots run in the values' half dtype (bf16 under autocast; fp16 for plain
+  features only, since the capped query factors exceed fp16's range), otherwise float32 (float64 stays
+  float64: only the tests call it so, `resolve` refuses float64 on this backend); fla sums in float32.
+  The scales and decays are float32, the decays floored at DECAY_FLOOR (why: below).
+* Gradients: fla's backward and autograd through the elementwise glue.  The scales F, P, Q are
+  constants to autograd (they cancel exactly).  The factors are recomputed in backward
+  (torch.utils.checkpoint) instead of kept, log-features given as a `LogProjection` (FAVOR+'s block)
+  too: what a layer holds until its backward is the features (for a projection its (B, H, N, D)
+  inputs), what fla keeps, the values and the two outputs for the division.
+* State (`return_state`): the numerator's final state is kv, sum_n R_n e^{a_n - P_N} v_n (log-features:
+  at the last token's scales, log_scale F_N); the denominator's final state gives k_sum.
+
+A non-causal call takes the torch backend's entry (torch's matrix products), as the table says.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ...rotary import rotary_phases, rotate_pairs
+from .common import LogProjection, compute_dtype, feature_tensors
+from .recurrent import LinearState
+from .stable import numerator_query
+
+# The log decays g are bounded below.  A key feature of exactly 0 (log -inf, raised to a floor near
+# -8.5e37: a masked or left-padded key) before that feature's first real key makes one step's decay
+# about -8.5e37, and fla's chunk-local float32 cumsum of g then absorbs every later step of the chunk
+# (seen in an emulation of chunk_gla: outputs 19x off).  A term carried through a step of e^-100 is
+# below e^(30 - 100) of its row's denominator (>= 1), so the floor changes no float32 result.
+DECAY_FLOOR = -100.0
+ONES = 16   # the denominator's values: a column of ones, as wide as fla's smallest tile
+
+
+def gated_linear_attention(q, k, v, g, *, return_state: bool):
+    """fla's `chunk_gla` on (B, T, H, K) tensors, scale 1: (o, final state or None).  The one place
+    that calls it (tests substitute a reference with the same contract)."""
+    from fla.ops.gla import chunk_gla   # here: fla is an optional GPU dependency
+    return _padded(lambda q, k, v, g: chunk_gla(q, k, v, g, scale=1.0, output_final_state=return_state),
+                   q, k, v, g)
+
+
+def plain_linear_attention(q, k, v, *, return_state: bool):
+    """fla's `chunk_linear_attn` (normalize=False, scale 1) on (B, T, H, K) tensors: (o, final state)."""
+    from fla.ops.linear_attn import chunk_linear_attn
+    return _padded(lambda q, k, v: chunk_linear_attn(q, k, v, scale=1.0, output_final_state=return_state,
+                                                     normalize=False), q, k, v)
+
+
+def _padded(kernel, q, k, v, *gates, multiple: int = 16):
+    """`kernel` with K and V padded with zeros to multiples of 16: tl.dot takes tiles of at least 16, and
+    fla's bf16 backward asserts even K and V (chunk_bwd_dv).  A zero feature adds nothing to any product
+    (its decay, 0, is a factor of 1 on nothing) and a zero value column gives a zero output column, so
+    slicing the padding off leaves the result exact.  A copy only where needed (M, Dv multiples of 16)."""
+    def pad(x):
+        short = -x.shape[-1] % multiple
+        return torch.nn.functional.pad(x, (0, short)) if short else x
+    o, state = kernel(*(pad(t) for t in (q, k, v, *gates)))
+    m, dv = q.shape[-1], v.shape[-1]
+    return o[..., :dv], (state[..., :m, :dv] if state is not None else None)
+
+
+def dtypes(v: torch.Tensor, *features, halves=(torch.bfloat16, torch.float16)) -> tuple[torch.dtype, torch.dtype]:
+    """(scales and denominator, the numerator's dots): float32 (float64 stays float64), and the values'
+    dtype where it is one of `halves` (bf16 under autocast), else the first."""
+    work = compute_dtype(*feature_tensors(*features), v)
+    return work, (v.dtype if v.dtype in halves else work)
+
+
+def fla_layout(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, N, .) -> fla's (B, N, H, .): a view."""
+    return x.transpose(1, 2)
+
+
+def rotated(x: torch.Tensor, phases: torch.Tensor | None) -> torch.Tensor:
+    """R_n x_n for x in fla's layout (phases (N, M/2)): one pass, no layout copy."""
+    return x if phases is None else rotate_pairs(x, phases.unsqueeze(1))
+
+
+def step_decays(scale: torch.Tensor) -> torch.Tensor:
+    """g_n = scale_{n-1} - scale_n (g_1 = 0), floored at DECAY_FLOOR, for a running maximum (B, T, H, M)."""
+    decay = torch.empty_like(scale)
+    decay[:, :1] = 0
+    torch.sub(scale[:, :-1], scale[:, 1:], out=decay[:, 1:])
+    return decay.clamp_min_(DECAY_FLOOR)
+
+
+def finish(numerator, denominator, v, *, kv, sums, work: torch.dtype, position: int, log_scale=None):
+    """out = numerator / denominator (the first of its columns of ones) in v's dtype, as a (B, H, N, Dv)
+    view; with the final states kv and sums (return_state), also the LinearState in `work`."""
+    guard = torch.finfo(denominator.dtype).tiny ** 0.5   # as common.divide's
+    out = fla_layout((numerator / denominator[..., :1].clamp_min(guard)).to(v.dtype))
+    if kv is None:
+        return out
+    return out, LinearState(kv.detach().to(work), sums.detach()[..., 0].to(work), position, log_scale)
+
+
+def plain_attention(phi_q, phi_k, v, *, causal: bool, rotary: bool, offset: int, rope_base: float,
+                    chunk_size: int, return_state: bool):
+    """Plain features (dispatch.py's call shape; causal, N >= 1: the table routes the rest)."""
+    del causal, chunk_size   # causal by the table; fla picks its own chunks
+    n, m = phi_q.shape[-2:]
+    work, dot = dtypes(v, phi_q, phi_k)
+    with torch.autocast(v.device.type, enabled=False):
+        phases = rotary_phases(n, m, offset=offset, base=rope_base, device=v.device, dtype=work) if rotary else None
+        q_num, k_num, q_den, k_den = checkpoint(plain_factors, phi_q, phi_k, phases, work=work, dot=dot,
+                                                use_reentrant=False, preserve_rng_state=False)
+        values = fla_layout(v).to(dot)
+        numerator, kv = plain_linear_attention(q_num, k_num, values, return_state=return_state)
+        ones = values.new_ones(*values.shape[:-1], ONES)
+        denominator, sums = plain_linear_attention(q_den, k_den, ones, return_state=return_state)
+    return finish(numerator, denominator, v, kv=kv, sums=sums, work=work, position=int(offset) + n)
+
+
+def plain_factors(phi_q, phi_k, phases, *, work: torch.dtype, dot: torch.dtype):
+    """fla's inputs in its layout and in `dot`: the rotated features for the numerator, the features
+    for the denominator (the same tensors unrotated)."""
+    q, k = fla_layout(phi_q), fla_layout(phi_k)
+    q_den, k_den = q.to(dot), k.to(dot)
+    if phases is None:
+        return q_den, k_den, q_den, k_den
+    return rotated(q.to(work), phases).to(dot), rotated(k.to(work), phases).to(dot), q_den, k_den
+
+
+def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope_base: float,
+                       chunk_size: int, return_state: bool):
+    """Log-features b, a (tensors or `LogProjection`s); see the module docstring."""
+    del causal, chunk_size
+    n, m = v.shape[-2], a.shape[-1]
+    # fp16 would overflow: query factors reach e^NUMERATOR_CAP = e^30 (fp16's largest is e^11)
+    work, dot = dtypes(v, b, a, halves=(torch.bfloat16,))
+    with torch.autocast(v.device.type, enabled=False):
+        phases = rotary_phases(n, m, offset=offset, base=rope_base, device=v.device, dtype=work) if rotary else None
+        q_num, k_num, decay, q_den, k_den, den_decay, last_scale = checkpoint(
+            log_factors, b, a, phases, work=work, dot=dot, use_reentrant=False, preserve_rng_state=False)
+        values = fla_layout(v).to(dot)
+        numerator, kv = gated_linear_attention(q_num, k_num, values, decay, return_state=return_state)
+        ones = values.new_ones(*values.shape[:-1], ONES)
+        denominator, sums = gated_linear_attention(q_den, k_den, ones, den_decay, return_state=return_state)
+    return finish(numerator, denominator, v, kv=kv, sums=sums, work=work, position=int(offset) + n,
+                  log_scale=last_scale.detach() if return_state else None)
+
+
+def log_features(x, work: torch.dtype) -> torch.Tensor:
+    """Log-features in fla's layout and `work` dtype, contiguous (the running max's kernel reads them
+    so); a `LogProjection` is projected in that layout, so its (B, N, H, D) inputs give them directly."""
+    if not isinstance(x, LogProjection):
+        return fla_layout(x).to(work).contiguous()
+    inputs = fla_layout(x.inputs).to(work)
+    shift = fla_layout(x.shift).to(work) if isinstance(x.shift, torch.Tensor) else x.shift
+    logits = inputs @ x.weight.to(work).transpose(-1, -2)
+    row_shift = x.row_shift(inputs, shift)
+    return logits + row_shift if isinstance(row_shift, torch.Tensor) or row_shift else logits
+
+
+def log_factors(b, a, phases, *, work: torch.dtype, dot: torch.dtype):
+    """fla's inputs from log-features (tensors or `LogProjection`s), in its layout: the numerator's
+    q, k and decays, the denominator's q, k and decays (q, k in `dot`, decays in `work`), and F at the
+    last token.  Each full-size op is one pass (the budget of test_fla_budget.py)."""
+    b, a = log_features(b, work), log_features(a, work)
+    with torch.no_grad():   # the scales cancel exactly: constants to autograd
+        from .running_max import running_max   # here: triton, like fla, is a GPU dependency
+        feature_scale = running_max(a)                                  # F
+        den_decay = step_decays(feature_scale)
+    query = b + feature_scale                                           # b + F
+    row_scale = query.detach().amax(-1, keepdim=True)                  # Q
+    q_den = query.sub_(row_scale).exp_().to(dot)                        # e^(b + F - Q) <= 1
+    k_den = torch.exp(a - feature_scale).to(dot)
+    if phases is None:   # P = F: the numerator's factors are the denominator's (no cap acts below 1)
+        return q_den, k_den, den_decay, q_den, k_den, den_decay, feature_scale[:, -1]
+    with torch.no_grad():   # P, kept per pair (M / 2): broadcast over the pair where it is used
+        pair_scale = feature_scale.unflatten(-1, (-1, 2)).amax(-1, keepdim=True)
+        decay = step_decays(pair_scale).expand(*pair_scale.shape[:-1], 2).flatten(-2)
+        pair_shift = pair_scale - row_scale.unsqueeze(-1)                # P - Q
+    k_num = rotated(torch.exp(per_pair(a, torch.sub, pair_scale)), phases).to(dot)
+    q_num = rotated(numerator_query(per_pair(b, torch.add, pair_shift)), phases).to(dot)
+    return q_num, k_num, decay, q_den, k_den, den_decay, feature_scale[:, -1]
+
+
+def per_pair(x: torch.Tensor, op, pair_values: torch.Tensor) -> torch.Tensor:
+    """op(x, value of x's pair) for x (..., M) and pair values (..., M / 2, 1): one pass."""
+    return op(x.unflatten(-1, (-1, 2)), pair_values).flatten(-2)
