@@ -18,11 +18,6 @@ PACKAGES = {name for name, path in MODULES.items() if path.name == "__init__.py"
 DATA_LAYER = {"linattn_lm.data", "linattn_lm.errors", "linattn_lm.files"}
 # Circles still there, each with the change that removes it; a stale entry fails
 # `test_every_known_cycle_is_still_there`, so that it is deleted with its cause.
-KNOWN_CYCLES = {
-    # custom_ops runs functional's computation, lazily imported; issue 34 rewrites both modules.
-    frozenset({"linattn.custom_ops", "linattn.functional"}),
-}
-
 
 def absolute(module: str, node: ast.ImportFrom) -> str:
     """The module that `from <node.module> import ...` in `module` names."""
@@ -91,13 +86,8 @@ def reachable(graph: dict[str, set[str]], start: set[str]) -> set[str]:
 
 
 def test_no_import_cycle_in_the_library_the_harness_or_the_benchmarks():
-    found = [sorted(component) for component in cycles(import_graph()) if frozenset(component) not in KNOWN_CYCLES]
+    found = [sorted(component) for component in cycles(import_graph())]
     assert found == [], f"modules that import each other (directly or around a circle): {found}"
-
-
-def test_every_known_cycle_is_still_there():
-    components = {frozenset(component) for component in cycles(import_graph())}
-    assert KNOWN_CYCLES <= components, f"no longer a circle: delete it from KNOWN_CYCLES: {KNOWN_CYCLES - components}"
 
 
 def test_prepare_depends_on_nothing_above_the_data_layer():
