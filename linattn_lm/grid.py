@@ -125,7 +125,8 @@ def changed_since_scored(record: dict[str, Any], run_dir: Path) -> bool:
     """Whether the run's checkpoint is not the one its result was scored from (the record names its
     digest; records from before it, and runs whose checkpoints are gone, cannot tell)."""
     checkpoint = run_dir / CHECKPOINT_NAME
-    return record.get(DIGEST_KEY) is not None and checkpoint.is_file() and recorded_digest(checkpoint) != record[DIGEST_KEY]
+    recorded = record.get(DIGEST_KEY)
+    return recorded is not None and checkpoint.is_file() and recorded_digest(checkpoint) != recorded
 
 
 def whole_split_scores(result: TrainResult, config: TrainConfig, multiples: list[int]) -> dict[str, dict[str, float]]:
@@ -229,8 +230,8 @@ def run_grid(configs: dict[tuple[int, str], TrainConfig], grid_dir: Path, resume
 def report_finished(configs: dict[tuple[int, str], TrainConfig], grid_dir: Path, multiples: list[int]) -> int:
     """Rewrite the report from the runs whose result.json is complete, training nothing: the tables of
     a grid that is stopped or still under way elsewhere (a copy of its run directories, say)."""
-    changed = [config.run.run_dir for key, config in configs.items()
-               if (record := read_record(config.run.run_dir / RESULT_NAME)) and changed_since_scored(record, config.run.run_dir)]
+    changed = [run_dir for run_dir in (config.run.run_dir for config in configs.values())
+               if (record := read_record(run_dir / RESULT_NAME)) and changed_since_scored(record, run_dir)]
     if changed:
         raise CheckpointError(f"{changed[0]}: its checkpoint changed after its result.json was written (trained on "
                               "since?), so the result is stale; run grid.py --resume to score it again")
@@ -341,8 +342,8 @@ def check_grid_directory(grid_dir: Path, existing: bool) -> None:
     foreign = next((name for name in held if not grid_entry(grid_dir / name)), None)
     if foreign is None:
         return
-    raise CheckpointError(f"{grid_dir} is not a grid's directory (no {GRID_MARKER} marker, and it holds {foreign}, which "
-                          "grid.py does not write): give the --out-dir / --run-name the grid was started with")
+    raise CheckpointError(f"{grid_dir} is not a grid's directory (no {GRID_MARKER} marker, and it holds {foreign}, "
+                          "which grid.py does not write): give the --out-dir / --run-name the grid was started with")
 
 
 def grid_entry(path: Path) -> bool:

@@ -110,7 +110,7 @@ def finite_problem(record: dict[str, Any]) -> str | None:
 
 def digest_problem(record: dict[str, Any]) -> str | None:
     digest = record.get(DIGEST_KEY)
-    if digest is None or (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
+    if digest is None or (isinstance(digest, str) and len(digest) == 64 and set(digest) <= set("0123456789abcdef")):
         return None
     return wrong(DIGEST_KEY, digest, "a sha256 in hex (or null)")
 

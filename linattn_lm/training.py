@@ -317,7 +317,8 @@ def schedule_note(saved_steps: int, config: TrainConfig) -> str:
     """What a longer --steps on resume does to the learning rate: the recorded schedule goes on."""
     optim = config.optim
     if optim.decay_steps <= saved_steps:
-        after = f"the cosine decay ended at step {optim.decay_steps}, so steps {saved_steps + 1}-{optim.steps} run at min_lr {optim.min_lr:g}"
+        after = (f"the cosine decay ended at step {optim.decay_steps}, so steps {saved_steps + 1}-{optim.steps} run "
+                 f"at min_lr {optim.min_lr:g}")
     else:
         after = f"the cosine decay goes on to min_lr {optim.min_lr:g} at step {optim.decay_steps}"
     return (f"--steps {optim.steps} extends the run from {saved_steps} steps with its recorded schedule: {after} "
@@ -654,7 +655,7 @@ class Trainer:
             if not (math.isfinite(val_bpc) and math.isfinite(train_bpc)):
                 raise RunFailed(f"training stopped at step {step}: the model's estimates are not finite (val bpc "
                                 f"{val_bpc}, train bpc {train_bpc}) although its training loss was, so its outputs "
-                                f"overflow in eval mode (the feature map, or dropout off?); this step is not saved, "
+                                f"overflow in eval mode (a feature map that differs there?); this step is not saved, "
                                 f"{self.checkpoint_kept()}")
             self.stats.val_steps.append(step)
             self.stats.val_bpc.append(val_bpc)
