@@ -29,8 +29,8 @@ from typing import Any, Callable
 import numpy as np
 import pooch
 
-from linattn_lm.data import (META_FORMAT_VERSION, META_NAME, SPLITS, VOCAB_SIZE, DataError, DataNotFoundError,
-                             load_meta, load_split, shown)
+from linattn_lm.data import (ENWIK8_SHA256, ENWIK8_SIZE, META_FORMAT_VERSION, META_NAME, SPLITS, VOCAB_SIZE,
+                             DataError, DataNotFoundError, load_meta, load_split, shown)
 from linattn_lm.errors import EXIT_USAGE, Parser
 from linattn_lm.files import missing_directories, remove_empty_directories, remove_stale_temporaries, write_together
 
@@ -72,8 +72,7 @@ ENWIK8 = Download(
     url="http://mattmahoney.net/dc/enwik8.zip",
     zip_sha256="547994d9980ebed1288380d652999f38a14fe291a6247c157c3d33d4932534bc",
     member="enwik8",
-    corpus=Digest(100_000_000, "2b49720ec4d78c3c9fabaee6e4179a5e997302b3a70029f30f2d582218c024a8",
-                  "a1fa5ffddb56f4953e226637dabbb36a"),
+    corpus=Digest(ENWIK8_SIZE, ENWIK8_SHA256, "a1fa5ffddb56f4953e226637dabbb36a"),
 )
 SAMPLE = DEFAULT_OUT_DIR / "enwik8-sample.gz"
 SAMPLE_DIGEST = Digest(4_154_064, "d8b3b95fb4993726ea7dcc93ae3c9e08a1a04cc540d05d7656fd267cc8ab5d6a",

@@ -3,10 +3,8 @@ the default data directory. `data_dir` (tests/conftest.py) is a 400,000-byte sli
 train 360,000, val 20,000 and test 20,000 bytes."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,8 +12,8 @@ import pytest
 import torch
 
 import linattn_lm.data
-from linattn_lm.data import (ENWIK8_SHA256, ENWIK8_SIZE, ByteSplit, DataError, DataNotFoundError, RandomWindows,
-                             SequentialWindows, default_data_dir, describe_data, load_split, repository_data_dir)
+from linattn_lm.data import (ByteSplit, DataError, DataNotFoundError, RandomWindows, SequentialWindows, default_data_dir,
+                             describe_data, load_split)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -194,11 +192,3 @@ def test_default_data_dir_is_the_repositorys_from_any_directory(tmp_path: Path,
     monkeypatch.setattr(linattn_lm.data, "__file__", str(tmp_path / "site-packages" / "linattn_lm" / "data.py"))
     with pytest.raises(DataNotFoundError, match="a non-editable install.*pass --data-dir DIR"):
         default_data_dir()
-
-
-def test_prepare_py_downloads_the_corpus_meta_json_calls_canonical() -> None:
-    spec = importlib.util.spec_from_file_location("enwik8_prepare_for_data", repository_data_dir() / "prepare.py")
-    prepare = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = prepare
-    spec.loader.exec_module(prepare)
-    assert (prepare.ENWIK8.corpus.size, prepare.ENWIK8.corpus.sha256) == (ENWIK8_SIZE, ENWIK8_SHA256)
