@@ -108,11 +108,15 @@ class ModelConfig:
     seed: int = setting(0, "seed for init, data order and feature-map draws")
 
     def validate(self) -> None:
-        """The field checks, then the parameter memory, then layer 0's feature map, built by
-        `build_feature_map` as the model builds its maps (so bad option names, types and values get
-        the map's own message) and run on a probe input (so a broken map is refused before any work)."""
+        """The field checks, then the parameter memory, then the feature map (`check_map`)."""
         self.check_fields()
         check_memory(self.parameter_bytes(), "the model's parameters and buffers")
+        self.check_map()
+
+    def check_map(self) -> None:
+        """Layer 0's feature map, built by `build_feature_map` as the model builds its maps (so bad
+        option names, types and values get the map's own message) and run on a probe input (so a
+        broken map is refused before any work), then RoPE's pairs.  Needs `check_fields` first."""
         num_features = 0
         if self.attention == "linear":
             num_features = checked_feature_map(self.feature_map, lambda: self.build_feature_map(0)).num_features
@@ -574,9 +578,10 @@ class TrainConfig:
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
 
-    def validate(self) -> None:
+    def validate(self, *, probe_map: bool = True) -> None:
         """Every section's checks, then the memory a training step needs, estimated before
-        anything is allocated; the feature map is built (once, to check its options) last."""
+        anything is allocated; the feature map is built (once, to check its options) last.
+        `probe_map=False`: a resumed run's map, probed when its record was read."""
         self.optim.validate()
         self.log.validate()
         self.run.validate()
@@ -589,7 +594,8 @@ class TrainConfig:
         check_memory(needed, f"a training step with batch_size {self.optim.batch_size}, seq_len "
                              f"{self.model.seq_len} and these sizes (layers, width, feature-map num_features, "
                              "chunk_size)", device)
-        self.model.validate()
+        if probe_map:
+            self.model.check_map()
         check_backend_runs_on(self.model, device)
 
     def flat(self) -> dict[str, Any]:
@@ -723,6 +729,13 @@ def resolve_variant(given: dict[str, Any], preset: dict[str, Any]) -> dict[str, 
 
 def config_from_flags(given: dict[str, Any]) -> TrainConfig:
     """Merge: dataclass defaults < preset < explicit flags (by field name); validated."""
+    config = merged_flags(given)
+    config.validate()
+    return config
+
+
+def merged_flags(given: dict[str, Any]) -> TrainConfig:
+    """`config_from_flags` before its validation (--resume takes only the run's name from it)."""
     given = {key: value for key, value in given.items() if value is not None}
     unknown = sorted(set(given) - set(FIELDS))
     if unknown:
@@ -742,7 +755,6 @@ def config_from_flags(given: dict[str, Any]) -> TrainConfig:
     config.optim.decay_steps = config.optim.decay_steps or config.optim.steps
     if "run_name" not in given:   # an explicit --run-name "" is refused by validate(), not replaced
         config.run.run_name = config.model.variant
-    config.validate()
     return config
 
 
@@ -785,5 +797,5 @@ def config_from_record(saved: TrainConfig, given: dict[str, Any]) -> TrainConfig
     values = {**recorded, **{key: value for key, value in given.items() if key in RESUMABLE}}
     config = TrainConfig(**{name: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
                             for name, cls in SECTIONS.items()})
-    config.validate()
+    config.validate(probe_map=False)
     return config

@@ -29,7 +29,8 @@ from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_finite_weights,
                          check_progress, checkpoint_entries, import_recorded, load_checkpoint, load_state,
                          load_weights, save_checkpoint, saved_config, saved_precision)
 from .cli import add_config_flags, given_settings, import_user_code, pre_parse_imports
-from .config import TrainConfig, config_differences, config_from_flags, config_from_record, field_default
+from .config import (TrainConfig, config_differences, config_from_flags, config_from_record, field_default,
+                     merged_flags)
 from .data import DataError, RandomWindows, load_split
 from . import mqar
 from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss, state_size
@@ -830,7 +831,7 @@ def resolve_settings(given: dict[str, Any], args: argparse.Namespace) -> TrainCo
     default: the variant the flags name, as when it started)."""
     if not args.resume:
         return config_from_flags(given)
-    run_name = given.get("run_name") or config_from_flags(given).run.run_name
+    run_name = given.get("run_name") or merged_flags(given).run.run_name
     path = Path(given.get("out_dir", field_default("out_dir"))) / run_name / CHECKPOINT_NAME
     checkpoint = load_checkpoint(path)
     import_recorded(checkpoint, path)
