@@ -652,60 +652,55 @@ FIELDS = {f.name: (section, f) for section, cls in SECTIONS.items() for f in dat
 RESUMABLE = {name for name, (_, f) in FIELDS.items() if f.metadata["resumable"]}
 VARIANT = {name for name, (_, f) in FIELDS.items() if f.metadata["variant"]}
 
+# A preset lists only the settings it changes from the defaults (the dataclass fields'); a dict
+# value (feature_map_options) replaces the default's whole.
 PRESETS: dict[str, dict[str, Any]] = {
     # CI smoke test: seconds on one CPU core.
-    "tiny": dict(n_layer=2, d_model=64, n_head=2, mlp_ratio=4.0, dropout=0.0, seq_len=64,
-                 batch_size=8, lr=3e-3, min_lr=3e-4, warmup=5, steps=30, weight_decay=0.1, grad_clip=1.0,
-                 feature_map="favor", feature_map_options=dict(num_features=32, redraw_interval=1000),
-                 chunk_size=32, eval_interval=10, eval_iters=2, log_interval=5, ckpt_interval=10,
-                 sample_interval=30),
+    "tiny": dict(n_layer=2, d_model=64, n_head=2, seq_len=64, batch_size=8, warmup=5, steps=30,
+                 feature_map_options=dict(num_features=32, redraw_interval=1000), chunk_size=32,
+                 eval_interval=10, eval_iters=2, log_interval=5, ckpt_interval=10, sample_interval=30),
     # The defaults, and the budget of the RoPE-placement study (docs/results/study.md): about 6-8
     # (softmax) and 8-12 (FAVOR+) minutes of training per run on 2 CPU cores; softmax and FAVOR+ with
     # RoPE beat the order-2 n-gram line (3.31 val bpc) clearly, FAVOR+ without RoPE does not (3.50);
     # FAVOR+ post (the quick start) measured 3.02-3.04 at step 1200 on the torch backend, 3.06 on the cpp
     # backend (the same maths to float rounding: a different trajectory, like another seed).
     # No redraws: a redraw late in a short run costs more than it brings (the study measures it).
-    "cpu": dict(n_layer=4, d_model=128, n_head=4, mlp_ratio=4.0, dropout=0.0, seq_len=256,
-                batch_size=16, lr=3e-3, min_lr=3e-4, warmup=50, steps=1200, weight_decay=0.1, grad_clip=1.0,
-                feature_map="favor", feature_map_options=dict(num_features=64, redraw_interval=0),
-                chunk_size=64, eval_interval=100, eval_iters=16, log_interval=10, ckpt_interval=200,
-                sample_interval=200),
+    "cpu": {},
     # EleutherAI rotary-embedding blog, Performer on enwik8: 8 layers, 512 wide, 8 heads, 1024 context.
     # No redraws here either: at the cpu preset redraws every 500 steps cost 0.22 val bpc [0.16, 0.28]
     # over 3 seeds, each redraw throwing the model back (docs/results/study.md); the map's default.
-    "eleuther": dict(n_layer=8, d_model=512, n_head=8, mlp_ratio=4.0, dropout=0.1, seq_len=1024,
-                     batch_size=32, lr=6e-4, min_lr=6e-5, warmup=1000, steps=20000, weight_decay=0.1,
-                     grad_clip=1.0, feature_map="favor",
-                     feature_map_options=dict(num_features=256, redraw_interval=0), chunk_size=64,
-                     eval_interval=1000, eval_iters=50, log_interval=50, ckpt_interval=1000,
-                     sample_interval=2000),
+    "eleuther": dict(n_layer=8, d_model=512, n_head=8, dropout=0.1, seq_len=1024, batch_size=32, lr=6e-4,
+                     min_lr=6e-5, warmup=1000, steps=20000, feature_map_options=dict(num_features=256, redraw_interval=0),
+                     eval_interval=1000, eval_iters=50, log_interval=50, ckpt_interval=1000, sample_interval=2000),
     # RoFormer section 4.4: 12 layers, 768 wide, 12 heads, 1024 context, batch 128, lr 1e-4.  No
     # redraws, as in eleuther (the study's measurement above).
-    "paper": dict(n_layer=12, d_model=768, n_head=12, mlp_ratio=4.0, dropout=0.1, seq_len=1024,
-                  batch_size=128, lr=1e-4, min_lr=1e-5, warmup=2000, steps=100000, weight_decay=0.1,
-                  grad_clip=1.0, feature_map="favor",
-                  feature_map_options=dict(num_features=256, redraw_interval=0), chunk_size=64,
-                  eval_interval=2000, eval_iters=50, log_interval=100, ckpt_interval=2000,
-                  sample_interval=5000),
+    "paper": dict(n_layer=12, d_model=768, n_head=12, dropout=0.1, seq_len=1024, batch_size=128, lr=1e-4,
+                  min_lr=1e-5, warmup=2000, steps=100000, feature_map_options=dict(num_features=256, redraw_interval=0),
+                  eval_interval=2000, eval_iters=50, log_interval=100, ckpt_interval=2000, sample_interval=5000),
 }
 # MQAR-lite (Zoology's recall task, linattn_lm/mqar.py): 2 layers, 64 wide, 2 heads of 32, 64 tokens
 # holding 8 key-value pairs and their 8 queries, vocab 256.  4,096 tokens a step, as the cpu preset: a
 # run about 4-7 minutes on one CPU thread (taylor's map longer).  Softmax + RoPE reached 10.9% accuracy
 # at step 400 (chance: 0.8%) and was still climbing; at 128 tokens and batch 32 it reached only 2.6%.
-MQAR_PRESET = dict(n_layer=2, d_model=64, n_head=2, mlp_ratio=4.0, dropout=0.0, seq_len=64, vocab_size=256,
-                   batch_size=64, lr=3e-3, min_lr=3e-4, warmup=50, steps=1500, weight_decay=0.1, grad_clip=1.0,
-                   feature_map="favor", feature_map_options=dict(num_features=64, redraw_interval=0), chunk_size=64,
-                   eval_interval=100, eval_iters=8, log_interval=10, ckpt_interval=500, sample_interval=0,
-                   task="mqar", mqar_kv_pairs=8)
-PRESETS["mqar"] = MQAR_PRESET
+PRESETS["mqar"] = dict(n_layer=2, d_model=64, n_head=2, seq_len=64, batch_size=64, steps=1500, eval_iters=8,
+                       ckpt_interval=500, sample_interval=0, task="mqar")
 # CI smoke test of the task: seconds on one CPU core.
-PRESETS["mqar-tiny"] = {**MQAR_PRESET, "d_model": 32, "seq_len": 32, "batch_size": 8, "warmup": 5, "steps": 20,
+PRESETS["mqar-tiny"] = {**PRESETS["mqar"], "d_model": 32, "seq_len": 32, "batch_size": 8, "warmup": 5, "steps": 20,
                         "feature_map_options": dict(num_features=16, redraw_interval=0), "chunk_size": 16,
                         "eval_interval": 10, "eval_iters": 2, "log_interval": 5, "ckpt_interval": 10,
                         "mqar_kv_pairs": 4}
 DEFAULT_PRESET = "cpu"
 TASK_PRESETS = {"enwik8": DEFAULT_PRESET, "mqar": "mqar"}   # the preset a task defaults to
 LINEAR_ONLY = ("feature_map", "feature_map_options", "chunk_size", *LINEAR_BLOCK_OPTIONS)
+
+
+def preset_settings(name: str) -> dict[str, Any]:
+    """Every setting a preset gives (its changes over the defaults), by field name.
+
+    Args: name: a key of PRESETS.
+    Returns: a fresh dict, safe to change."""
+    defaults = {key: field_default(key) for key in FIELDS}
+    return copy.deepcopy({**defaults, **PRESETS[name]})
 
 
 def resolve_variant(given: dict[str, Any], preset: dict[str, Any]) -> dict[str, Any]:
@@ -746,7 +741,7 @@ def merged_flags(given: dict[str, Any]) -> TrainConfig:
     preset_name = given.get("preset", TASK_PRESETS.get(given.get("task"), DEFAULT_PRESET))
     if preset_name not in PRESETS:
         raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(PRESETS)}")
-    preset = copy.deepcopy(PRESETS[preset_name])
+    preset = preset_settings(preset_name)
     values = {**preset, **given, **resolve_variant(given, preset), "preset": preset_name}
     sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     for key, value in values.items():
