@@ -19,6 +19,7 @@ import torch
 import linattn
 
 from .data import default_data_dir
+from .flags import add_flags, finite_float, integer, option
 from .map_check import checked_feature_map
 from .device import DTYPES, resolve_device, resolve_dtype
 
@@ -29,11 +30,54 @@ ATTENTION_BACKENDS = {"linear": linattn.functional.BACKENDS, "softmax": SOFTMAX_
 PLAIN_OPTION_TYPES = (bool, int, float, str, type(None))
 
 
+# A preset lists only the settings it changes from the defaults (the dataclass fields'); a dict
+# value (feature_map_options) replaces the default's whole.
+PRESETS: dict[str, dict[str, Any]] = {
+    # CI smoke test: seconds on one CPU core.
+    "tiny": dict(n_layer=2, d_model=64, n_head=2, seq_len=64, batch_size=8, warmup=5, steps=30,
+                 feature_map_options=dict(num_features=32, redraw_interval=1000), chunk_size=32,
+                 eval_interval=10, eval_iters=2, log_interval=5, ckpt_interval=10, sample_interval=30),
+    # The defaults, and the budget of the RoPE-placement study (docs/results/study.md): about 6-8
+    # (softmax) and 8-12 (FAVOR+) minutes of training per run on 2 CPU cores; softmax and FAVOR+ with
+    # RoPE beat the order-2 n-gram line (3.31 val bpc) clearly, FAVOR+ without RoPE does not (3.50);
+    # FAVOR+ post (the quick start) measured 3.02-3.04 at step 1200 on the torch backend, 3.06 on the cpp
+    # backend (the same maths to float rounding: a different trajectory, like another seed).
+    # No redraws: a redraw late in a short run costs more than it brings (the study measures it).
+    "cpu": {},
+    # EleutherAI rotary-embedding blog, Performer on enwik8: 8 layers, 512 wide, 8 heads, 1024 context.
+    # No redraws here either: at the cpu preset redraws every 500 steps cost 0.22 val bpc [0.16, 0.28]
+    # over 3 seeds, each redraw throwing the model back (docs/results/study.md); the map's default.
+    "eleuther": dict(n_layer=8, d_model=512, n_head=8, dropout=0.1, seq_len=1024, batch_size=32, lr=6e-4,
+                     min_lr=6e-5, warmup=1000, steps=20000, feature_map_options=dict(num_features=256, redraw_interval=0),
+                     eval_interval=1000, eval_iters=50, log_interval=50, ckpt_interval=1000, sample_interval=2000),
+    # RoFormer section 4.4: 12 layers, 768 wide, 12 heads, 1024 context, batch 128, lr 1e-4.  No
+    # redraws, as in eleuther (the study's measurement above).
+    "paper": dict(n_layer=12, d_model=768, n_head=12, dropout=0.1, seq_len=1024, batch_size=128, lr=1e-4,
+                  min_lr=1e-5, warmup=2000, steps=100000, feature_map_options=dict(num_features=256, redraw_interval=0),
+                  eval_interval=2000, eval_iters=50, log_interval=100, ckpt_interval=2000, sample_interval=5000),
+}
+# MQAR-lite (Zoology's recall task, linattn_lm/mqar.py): 2 layers, 64 wide, 2 heads of 32, 64 tokens
+# holding 8 key-value pairs and their 8 queries, vocab 256.  4,096 tokens a step, as the cpu preset: a
+# run about 4-7 minutes on one CPU thread (taylor's map longer).  Softmax + RoPE reached 10.9% accuracy
+# at step 400 (chance: 0.8%) and was still climbing; at 128 tokens and batch 32 it reached only 2.6%.
+PRESETS["mqar"] = dict(n_layer=2, d_model=64, n_head=2, seq_len=64, batch_size=64, steps=1500, eval_iters=8,
+                       ckpt_interval=500, sample_interval=0, task="mqar")
+# CI smoke test of the task: seconds on one CPU core.
+PRESETS["mqar-tiny"] = {**PRESETS["mqar"], "d_model": 32, "seq_len": 32, "batch_size": 8, "warmup": 5, "steps": 20,
+                        "feature_map_options": dict(num_features=16, redraw_interval=0), "chunk_size": 16,
+                        "eval_interval": 10, "eval_iters": 2, "log_interval": 5, "ckpt_interval": 10,
+                        "mqar_kv_pairs": 4}
+FLAG_PARSERS = {bool: (bool, None), int: (integer, "N"), float: (finite_float, "X"), str: (str, None)}
+
+
 def setting(default: Any = dataclasses.MISSING, help: str = "", *, resumable: bool = False,
-            variant: bool = False, **kwargs: Any) -> Any:
-    """A config field with its flag's help text.  `resumable`: may change on --resume (it never
-    changes what the optimiser computes); `variant`: picks the attention variant (grid.py sets it)."""
-    metadata = {"help": help, "resumable": resumable, "variant": variant}
+            variant: bool = False, flag: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+    """A config field with its flag (linattn_lm.flags): help text, a parser by the default's type,
+    `flag` for argparse keywords of its own.  `resumable`: may change on --resume (it never changes
+    what the optimiser computes); `variant`: picks the attention variant (grid.py sets it)."""
+    metadata = {"help": help, "resumable": resumable, "variant": variant, "flag": flag or {}}
+    if type(default) in FLAG_PARSERS:
+        metadata["parse"], metadata["metavar"] = FLAG_PARSERS[type(default)]
     if isinstance(default, (dict, list)):
         return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=metadata, **kwargs)
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
@@ -84,7 +128,8 @@ class ModelConfig:
     feature_map_options: dict[str, Any] = setting(
         {"num_features": 64, "redraw_interval": 0},
         "an option of the feature map, KEY=VALUE with VALUE a Python literal (repeatable; linear only); "
-        "a preset's options apply to its own map only", variant=True)
+        "a preset's options apply to its own map only", variant=True,
+        flag=dict(name="--feature-map-option", metavar="KEY=VALUE", type=option, action="append"))
     rope: str = setting("post", "linear: RoPE after the map (post), before it (pre) or none; "
                                 "softmax: post = RoPE on q,k, none = no RoPE", variant=True)
     abs_pos: bool = setting(False, "add learned absolute position embeddings", variant=True)
@@ -449,7 +494,7 @@ class LogConfig:
 class RunConfig:
     """Where data and outputs live, the device, and the user code the run needs."""
 
-    preset: str = setting("cpu", "sizes and schedule", resumable=True)
+    preset: str = setting("cpu", "sizes and schedule", resumable=True, flag=dict(choices=list(PRESETS)))
     data_dir: str = setting("", "prepared enwik8 directory (default: the repository's data/enwik8)",
                             resumable=True)
     out_dir: str = setting("runs", "parent directory of run directories", resumable=True)
@@ -458,10 +503,11 @@ class RunConfig:
     device: str = setting("auto", "auto (CUDA if available), cpu, cuda, cuda:1, mps", resumable=True)
     compile: bool = setting(False, "torch.compile the model", resumable=True)
     dtype: str = setting("auto", "compute precision: bf16 or fp16 autocast (fp16 with a gradient scaler) or fp32; "
-                                 "auto: bf16 on CUDA, fp32 elsewhere")
+                                 "auto: bf16 on CUDA, fp32 elsewhere", flag=dict(choices=list(DTYPES)))
     threads: int = setting(0, "torch CPU threads (0 = torch default)", resumable=True)
     imports: list[str] = setting([], "a module name or a .py file to import first, e.g. one that registers a "
-                                     "feature map (repeatable); recorded in the checkpoint", resumable=True)
+                                     "feature map (repeatable); recorded in the checkpoint", resumable=True,
+                                 flag=dict(name="--import", metavar="MODULE_OR_FILE", action="append"))
 
     def __post_init__(self) -> None:
         # Recorded absolute, so eval.py and --resume find the data from any working directory.
@@ -649,46 +695,30 @@ class TrainConfig:
 
 
 FIELDS = {f.name: (section, f) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+def add_config_flags(parser: Any, *, skip: set[str] = frozenset()) -> None:
+    """One flag per config field, grouped by section.  Every flag defaults to None, so only flags
+    given explicitly override the preset."""
+    add_flags(parser, (field for _, field in FIELDS.values()), skip=skip,
+              group=lambda field: f"{FIELDS[field.name][0]} settings", default=lambda field: None,
+              note=lambda field: "" if field.default in ("", dataclasses.MISSING) else f" (default {field.default})")
+
+
+def given_settings(args: Any) -> dict[str, Any]:
+    """The config fields given explicitly (an argparse Namespace's), options as a dict."""
+    given = {key: value for key, value in vars(args).items() if key in FIELDS and value is not None}
+    if "feature_map_options" in given:
+        given["feature_map_options"] = dict(given["feature_map_options"])
+    return given
+
+
+def variant_skip() -> set[str]:
+    """The flags grid.py leaves out: the variant comes from --variants."""
+    return set(VARIANT) - {"feature_map_options"}
+
+
 RESUMABLE = {name for name, (_, f) in FIELDS.items() if f.metadata["resumable"]}
 VARIANT = {name for name, (_, f) in FIELDS.items() if f.metadata["variant"]}
 
-# A preset lists only the settings it changes from the defaults (the dataclass fields'); a dict
-# value (feature_map_options) replaces the default's whole.
-PRESETS: dict[str, dict[str, Any]] = {
-    # CI smoke test: seconds on one CPU core.
-    "tiny": dict(n_layer=2, d_model=64, n_head=2, seq_len=64, batch_size=8, warmup=5, steps=30,
-                 feature_map_options=dict(num_features=32, redraw_interval=1000), chunk_size=32,
-                 eval_interval=10, eval_iters=2, log_interval=5, ckpt_interval=10, sample_interval=30),
-    # The defaults, and the budget of the RoPE-placement study (docs/results/study.md): about 6-8
-    # (softmax) and 8-12 (FAVOR+) minutes of training per run on 2 CPU cores; softmax and FAVOR+ with
-    # RoPE beat the order-2 n-gram line (3.31 val bpc) clearly, FAVOR+ without RoPE does not (3.50);
-    # FAVOR+ post (the quick start) measured 3.02-3.04 at step 1200 on the torch backend, 3.06 on the cpp
-    # backend (the same maths to float rounding: a different trajectory, like another seed).
-    # No redraws: a redraw late in a short run costs more than it brings (the study measures it).
-    "cpu": {},
-    # EleutherAI rotary-embedding blog, Performer on enwik8: 8 layers, 512 wide, 8 heads, 1024 context.
-    # No redraws here either: at the cpu preset redraws every 500 steps cost 0.22 val bpc [0.16, 0.28]
-    # over 3 seeds, each redraw throwing the model back (docs/results/study.md); the map's default.
-    "eleuther": dict(n_layer=8, d_model=512, n_head=8, dropout=0.1, seq_len=1024, batch_size=32, lr=6e-4,
-                     min_lr=6e-5, warmup=1000, steps=20000, feature_map_options=dict(num_features=256, redraw_interval=0),
-                     eval_interval=1000, eval_iters=50, log_interval=50, ckpt_interval=1000, sample_interval=2000),
-    # RoFormer section 4.4: 12 layers, 768 wide, 12 heads, 1024 context, batch 128, lr 1e-4.  No
-    # redraws, as in eleuther (the study's measurement above).
-    "paper": dict(n_layer=12, d_model=768, n_head=12, dropout=0.1, seq_len=1024, batch_size=128, lr=1e-4,
-                  min_lr=1e-5, warmup=2000, steps=100000, feature_map_options=dict(num_features=256, redraw_interval=0),
-                  eval_interval=2000, eval_iters=50, log_interval=100, ckpt_interval=2000, sample_interval=5000),
-}
-# MQAR-lite (Zoology's recall task, linattn_lm/mqar.py): 2 layers, 64 wide, 2 heads of 32, 64 tokens
-# holding 8 key-value pairs and their 8 queries, vocab 256.  4,096 tokens a step, as the cpu preset: a
-# run about 4-7 minutes on one CPU thread (taylor's map longer).  Softmax + RoPE reached 10.9% accuracy
-# at step 400 (chance: 0.8%) and was still climbing; at 128 tokens and batch 32 it reached only 2.6%.
-PRESETS["mqar"] = dict(n_layer=2, d_model=64, n_head=2, seq_len=64, batch_size=64, steps=1500, eval_iters=8,
-                       ckpt_interval=500, sample_interval=0, task="mqar")
-# CI smoke test of the task: seconds on one CPU core.
-PRESETS["mqar-tiny"] = {**PRESETS["mqar"], "d_model": 32, "seq_len": 32, "batch_size": 8, "warmup": 5, "steps": 20,
-                        "feature_map_options": dict(num_features=16, redraw_interval=0), "chunk_size": 16,
-                        "eval_interval": 10, "eval_iters": 2, "log_interval": 5, "ckpt_interval": 10,
-                        "mqar_kv_pairs": 4}
 DEFAULT_PRESET = "cpu"
 TASK_PRESETS = {"enwik8": DEFAULT_PRESET, "mqar": "mqar"}   # the preset a task defaults to
 LINEAR_ONLY = ("feature_map", "feature_map_options", "chunk_size", *LINEAR_BLOCK_OPTIONS)

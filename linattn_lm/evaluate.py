@@ -30,7 +30,8 @@ from .data import SPLITS, DataError, SequentialWindows, check_window_fits, defau
 from .config import TrainConfig, check_backend_runs_on
 from .checkpoint import (CheckpointError, checkpoint_path, import_recorded, load_checkpoint, model_from_checkpoint,
                          saved_precision)
-from .cli import DefaultsFormatter, finite_float, import_user_code, integer, pre_parse_imports
+from .cli import DefaultsFormatter, import_user_code, pre_parse_imports
+from .flags import finite_float, integer
 from .grid_report import AR_SPLIT_KEYS, RESULT_NAME, read_record
 from .lm import ByteLM, bits_per_byte, lm_loss, state_size
 from .mqar import held_out_scores

@@ -28,9 +28,9 @@ from tqdm import tqdm
 from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_finite_weights, check_optimizer_state,
                          check_progress, checkpoint_entries, import_recorded, load_checkpoint, load_state,
                          load_weights, save_checkpoint, saved_config, saved_precision)
-from .cli import add_config_flags, given_settings, import_user_code, pre_parse_imports
-from .config import (TrainConfig, config_differences, config_from_flags, config_from_record, field_default,
-                     merged_flags)
+from .cli import import_user_code, pre_parse_imports
+from .config import (TrainConfig, add_config_flags, config_differences, config_from_flags, config_from_record,
+                     field_default, given_settings, merged_flags)
 from .data import DataError, RandomWindows, load_split
 from . import mqar
 from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss, state_size

@@ -9,7 +9,7 @@ from argparse import ArgumentTypeError
 from typing import Any
 
 import linattn
-from .cli import option
+from .flags import option
 from .config import BLOCK_OPTIONS, block_option_from_name
 
 SOFTMAX_VARIANTS = {"softmax-rope": ("post", False), "softmax-abs": ("none", True),
