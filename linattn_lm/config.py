@@ -20,6 +20,7 @@ import linattn
 
 from .data import default_data_dir
 from .flags import add_flags, finite_float, integer, option
+from .variants import BLOCK_OPTIONS, LINEAR_BLOCK_OPTIONS, variant_name
 from .map_check import checked_feature_map
 from .device import DTYPES, resolve_device, resolve_dtype
 
@@ -338,17 +339,8 @@ class ModelConfig:
 
     @property
     def variant(self) -> str:
-        """Short name of the attention variant, e.g. softmax-rope, softmax-rope+window=64,
-        linear-favor-post-M256, linear-favor-post-rmsnorm-M64."""
-        if self.attention == "softmax":
-            parts = ["rope"] * (self.rope == "post") + ["abs"] * self.abs_pos
-            return "+".join(["-".join(["softmax", *(parts or ["none"])]), *block_option_parts(self)])
-        name = f"linear-{self.feature_map}-{self.rope}"
-        if self.normalization != "denominator":
-            name += f"-{self.normalization}"
-        if "num_features" in self.feature_map_options:
-            name += f"-M{self.feature_map_options['num_features']}"
-        return "+".join([name + ("-abs" if self.abs_pos else ""), *block_option_parts(self)])
+        """Short name of the attention variant (linattn_lm.variants builds and parses them)."""
+        return variant_name(self)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -357,36 +349,6 @@ class ModelConfig:
     def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
         """The config of a plain dict, checked; unknown keys are errors (a typo is never ignored)."""
         return from_plain_dict(cls, values, "model")
-
-
-# The block options in a variant name, after '+' and in this order: linear-favor-pre+window=64,
-# linear-favor-post+decay=retnet, linear-favor-pre+softmax_layers=1_3, softmax-rope+window=64 (softmax
-# takes the window only).  A list's commas would split grid.py's --variants, so a name joins its items
-# with '_'.  Built and parsed here only.
-BLOCK_OPTIONS = ("window", "decay", "softmax_layers")
-SOFTMAX_BLOCK_OPTIONS = ("window",)   # softmax-rope+window=64: the window-only control
-LINEAR_BLOCK_OPTIONS = tuple(name for name in BLOCK_OPTIONS if name not in SOFTMAX_BLOCK_OPTIONS)
-NAME_LIST_SEPARATOR = "_"
-
-
-def block_option_parts(model: ModelConfig) -> list[str]:
-    """'window=64', 'decay=retnet', 'softmax_layers=1_3': the block options that are not the default."""
-    return [f"{name}={str(getattr(model, name)).replace(',', NAME_LIST_SEPARATOR)}" for name in BLOCK_OPTIONS
-            if getattr(model, name) != field_default(name)]
-
-
-def block_option_from_name(name: str, text: str) -> int | str:
-    """A block option's value from its text in a variant name (block_option_parts' inverse); a
-    default value is refused, since the name without it says the same."""
-    value: int | str = text.replace(NAME_LIST_SEPARATOR, ",")
-    if name == "window":
-        try:
-            value = int(text)
-        except ValueError:
-            raise ValueError(f"window={text} is not a whole number") from None
-    if value == field_default(name):
-        raise ValueError(f"{name}={text} is the default: leave it out of the name")
-    return value
 
 
 def check_setting_names(cls: type, values: Any, section: str) -> None:
