@@ -6,20 +6,21 @@ whether it may change on --resume and whether it picks the attention variant.
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import math
 import os
 from pathlib import Path
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 import linattn
 
 from .data import default_data_dir
-from .flags import add_flags, finite_float, integer, option
+from .flags import add_flags, option
 from .variants import BLOCK_OPTIONS, LINEAR_BLOCK_OPTIONS, variant_name
 from .map_check import checked_feature_map
 from .device import DTYPES, resolve_device, resolve_dtype
@@ -68,6 +69,23 @@ PRESETS["mqar-tiny"] = {**PRESETS["mqar"], "d_model": 32, "seq_len": 32, "batch_
                         "feature_map_options": dict(num_features=16, redraw_interval=0), "chunk_size": 16,
                         "eval_interval": 10, "eval_iters": 2, "log_interval": 5, "ckpt_interval": 10,
                         "mqar_kv_pairs": 4}
+def finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
 FLAG_PARSERS = {bool: (bool, None), int: (integer, "N"), float: (finite_float, "X"), str: (str, None)}
 
 
@@ -663,6 +681,27 @@ def add_config_flags(parser: Any, *, skip: set[str] = frozenset()) -> None:
     add_flags(parser, (field for _, field in FIELDS.values()), skip=skip,
               group=lambda field: f"{FIELDS[field.name][0]} settings", default=lambda field: None,
               note=lambda field: "" if field.default in ("", dataclasses.MISSING) else f" (default {field.default})")
+
+
+def config_from_argv(parser: Any, argv: list[str] | None, imports: list[str] = (), *,
+                     resolve: Callable[[dict[str, Any], Any], Any] | None = None,
+                     resume: Callable[[dict[str, Any]], "TrainConfig"] | None = None) -> tuple[Any, Any]:
+    """A command's flags, parsed, and the settings they give: explicit flags over the preset over the
+    defaults (`config_from_flags`, validated); with --resume, `resume(given)` (the run's record);
+    `resolve(given, args)` instead, where a command makes something else of them (grid.py's grid).
+
+    Args: parser: one with add_config_flags' flags; argv: the arguments (None: sys.argv's);
+        imports: the --import values already imported (recorded in the config).
+    Returns: (argparse's namespace, the settings)."""
+    args = parser.parse_args(argv)
+    given = given_settings(args)
+    if imports:
+        given["imports"] = imports
+    if resolve is not None:
+        return args, resolve(given, args)
+    if resume is not None and args.resume:
+        return args, resume(given)
+    return args, config_from_flags(given)
 
 
 def given_settings(args: Any) -> dict[str, Any]:

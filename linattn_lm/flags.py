@@ -1,5 +1,6 @@
 """Command-line flags generated from dataclass fields: the one generator behind the harness's settings
-(linattn_lm/config.py) and the benchmark's (benchmarks/settings.py), and the flag parsers both use.
+(linattn_lm/config.py) and the benchmark's (benchmarks/settings.py), and the list and KEY=VALUE parsers
+both use.
 
 A field's metadata holds its help text and how a flag's text becomes its value: `parse` (text ->
 value; a ValueError says what was expected; `bool` makes a --name/--no-name switch) and, for the few
@@ -11,7 +12,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import math
 from typing import Any, Callable, Iterable
 
 
@@ -57,23 +57,6 @@ def argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
             raise argparse.ArgumentTypeError(str(error)) from None
     wrapped.__name__ = getattr(parse, "__name__", "value")
     return wrapped
-
-
-def finite_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-    return value
-
-
-def integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
 
 
 def comma_items(text: str) -> list[str]:
