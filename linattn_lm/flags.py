@@ -36,8 +36,10 @@ def add_flags(parser: argparse.ArgumentParser, fields: Iterable[dataclasses.Fiel
     for field in fields:
         if field.name in skip:
             continue
-        target = parser if group is None else groups.get(group(field)) or groups.setdefault(
-            group(field), parser.add_argument_group(group(field)))
+        title = group(field) if group else None
+        if title is not None and title not in groups:
+            groups[title] = parser.add_argument_group(title)
+        target = groups.get(title, parser)
         meta = field.metadata
         keywords = dict(dest=field.name, default=default(field), help=meta["help"] + note(field))
         if meta.get("parse") is bool:
