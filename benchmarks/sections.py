@@ -16,8 +16,7 @@ from typing import Callable
 import torch
 
 import linattn
-from linattn_lm import PRESETS as TRAINING_PRESETS
-from linattn_lm.config import ModelConfig
+from linattn_lm.config import ModelConfig, preset_settings
 from linattn_lm.lm import ByteLM, lm_loss
 from linattn_lm.device import autocast
 
@@ -306,7 +305,7 @@ def model_size(size: str) -> dict:
     """Layers, width and heads of the small LM or of a training preset."""
     if size == "small":
         return SMALL_MODEL
-    preset = TRAINING_PRESETS[size]
+    preset = preset_settings(size)
     return {key: preset[key] for key in ("n_layer", "d_model", "n_head", "mlp_ratio", "dropout")}
 
 

@@ -1,5 +1,6 @@
 """The benchmark's settings: declared once in `Settings`, presets as data, flags generated from the
-fields.  Every flag is checked here, so bad input ends in one line and exit status 2."""
+fields by the harness's generator (linattn_lm.flags).  Every flag is checked here, so bad input ends in
+one line and exit status 2."""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,7 @@ from linattn_lm.errors import Parser, first_line
 import torch
 
 from linattn_lm import PRESETS as TRAINING_PRESETS
-from linattn_lm.cli import comma_items
+from linattn_lm.flags import add_flags, comma_items, flag_name
 
 from .methods import (DTYPES, KERNEL_METHODS, LINEAR_BACKENDS, MASKS, ROPES, SOFTMAX_BLOCKS, Method, Shape,
                       block_names, build_attention, build_block, method_table, unavailable)
@@ -121,8 +122,9 @@ def one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
     return parse
 
 
-def option(default, help: str, parse: Callable[[str], object]):
-    return field(default=default, metadata={"help": help, "parse": parse})
+def option(default, help: str, parse: Callable[[str], object], **flag):
+    """A setting and its flag (linattn_lm.flags.add_flags): `flag` holds argparse keywords of its own."""
+    return field(default=default, metadata={"help": help, "parse": parse, "flag": flag})
 
 
 @dataclass(frozen=True)
@@ -164,7 +166,8 @@ class Settings:
     kernel_features: tuple[int, ...] = option((64, 256), "feature counts M of the kernels section",
                                               lambda text: int_list(text, high=MAX_SIZE))
     out: str = option("bench_results/bench", "output prefix: writes OUT.json, OUT.md and OUT.png", str)
-    overwrite: bool = option(False, "replace the results of an earlier run at --out (refused without it)", bool)
+    overwrite: bool = option(False, "replace the results of an earlier run at --out (refused without it)", bool,
+                             action="store_true")
 
     @property
     def shape(self) -> Shape:
@@ -186,10 +189,6 @@ PRESETS: dict[str, dict[str, object]] = {
 }
 
 
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def show(value) -> str:
     return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
@@ -203,28 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "changes them, explicit flags override the preset.")
     parser.add_argument("--preset", choices=PRESETS, default="full",
                         help="; ".join(f"{name}: {show_preset(values)}" for name, values in PRESETS.items()))
-    for spec in fields(Settings):
-        if spec.metadata["parse"] is bool:
-            parser.add_argument(flag(spec.name), action="store_true", help=spec.metadata["help"])
-            continue
-        parser.add_argument(flag(spec.name), type=_argparse_type(spec.metadata["parse"]), default=spec.default,
-                            metavar=spec.name.upper(), help=spec.metadata["help"] + (f" [{show(spec.default)}]" if spec.default != () else ""))
+    add_flags(parser, fields(Settings), note=lambda spec: "" if spec.default == () or spec.metadata["parse"] is bool
+              else f" [{show(spec.default)}]")
     return parser
 
 
 def show_preset(values: dict) -> str:
-    return " ".join(f"{flag(key)} {show(value)}" for key, value in values.items()) or "the defaults"
-
-
-def _argparse_type(parse: Callable[[str], object]) -> Callable[[str], object]:
-    """argparse reports ArgumentTypeError's message; a ValueError's would be lost."""
-    def wrapped(text: str):
-        try:
-            return parse(text)
-        except ValueError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-    wrapped.__name__ = parse.__name__
-    return wrapped
+    return " ".join(f"{flag_name(key)} {show(value)}" for key, value in values.items()) or "the defaults"
 
 
 def parse_settings(argv: list[str] | None = None) -> Settings:

@@ -6,19 +6,22 @@ whether it may change on --resume and whether it picks the attention variant.
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import math
 import os
 from pathlib import Path
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 import linattn
 
 from .data import default_data_dir
+from .flags import add_flags, option
+from .variants import BLOCK_OPTIONS, LINEAR_BLOCK_OPTIONS, variant_name
 from .map_check import checked_feature_map
 from .device import DTYPES, resolve_device, resolve_dtype
 
@@ -29,11 +32,71 @@ ATTENTION_BACKENDS = {"linear": linattn.functional.BACKENDS, "softmax": SOFTMAX_
 PLAIN_OPTION_TYPES = (bool, int, float, str, type(None))
 
 
+# A preset lists only the settings it changes from the defaults (the dataclass fields'); a dict
+# value (feature_map_options) replaces the default's whole.
+PRESETS: dict[str, dict[str, Any]] = {
+    # CI smoke test: seconds on one CPU core.
+    "tiny": dict(n_layer=2, d_model=64, n_head=2, seq_len=64, batch_size=8, warmup=5, steps=30,
+                 feature_map_options=dict(num_features=32, redraw_interval=1000), chunk_size=32,
+                 eval_interval=10, eval_iters=2, log_interval=5, ckpt_interval=10, sample_interval=30),
+    # The defaults, and the budget of the RoPE-placement study (docs/results/study.md): about 6-8
+    # (softmax) and 8-12 (FAVOR+) minutes of training per run on 2 CPU cores; softmax and FAVOR+ with
+    # RoPE beat the order-2 n-gram line (3.31 val bpc) clearly, FAVOR+ without RoPE does not (3.50);
+    # FAVOR+ post (the quick start) measured 3.02-3.04 at step 1200 on the torch backend, 3.06 on the cpp
+    # backend (the same maths to float rounding: a different trajectory, like another seed).
+    # No redraws: a redraw late in a short run costs more than it brings (the study measures it).
+    "cpu": {},
+    # EleutherAI rotary-embedding blog, Performer on enwik8: 8 layers, 512 wide, 8 heads, 1024 context.
+    # No redraws here either: at the cpu preset redraws every 500 steps cost 0.22 val bpc [0.16, 0.28]
+    # over 3 seeds, each redraw throwing the model back (docs/results/study.md); the map's default.
+    "eleuther": dict(n_layer=8, d_model=512, n_head=8, dropout=0.1, seq_len=1024, batch_size=32, lr=6e-4,
+                     min_lr=6e-5, warmup=1000, steps=20000, feature_map_options=dict(num_features=256, redraw_interval=0),
+                     eval_interval=1000, eval_iters=50, log_interval=50, ckpt_interval=1000, sample_interval=2000),
+    # RoFormer section 4.4: 12 layers, 768 wide, 12 heads, 1024 context, batch 128, lr 1e-4.  No
+    # redraws, as in eleuther (the study's measurement above).
+    "paper": dict(n_layer=12, d_model=768, n_head=12, dropout=0.1, seq_len=1024, batch_size=128, lr=1e-4,
+                  min_lr=1e-5, warmup=2000, steps=100000, feature_map_options=dict(num_features=256, redraw_interval=0),
+                  eval_interval=2000, eval_iters=50, log_interval=100, ckpt_interval=2000, sample_interval=5000),
+}
+# MQAR-lite (Zoology's recall task, linattn_lm/mqar.py): 2 layers, 64 wide, 2 heads of 32, 64 tokens
+# holding 8 key-value pairs and their 8 queries, vocab 256.  4,096 tokens a step, as the cpu preset: a
+# run about 4-7 minutes on one CPU thread (taylor's map longer).  Softmax + RoPE reached 10.9% accuracy
+# at step 400 (chance: 0.8%) and was still climbing; at 128 tokens and batch 32 it reached only 2.6%.
+PRESETS["mqar"] = dict(n_layer=2, d_model=64, n_head=2, seq_len=64, batch_size=64, steps=1500, eval_iters=8,
+                       ckpt_interval=500, sample_interval=0, task="mqar")
+# CI smoke test of the task: seconds on one CPU core.
+PRESETS["mqar-tiny"] = {**PRESETS["mqar"], "d_model": 32, "seq_len": 32, "batch_size": 8, "warmup": 5, "steps": 20,
+                        "feature_map_options": dict(num_features=16, redraw_interval=0), "chunk_size": 16,
+                        "eval_interval": 10, "eval_iters": 2, "log_interval": 5, "ckpt_interval": 10,
+                        "mqar_kv_pairs": 4}
+def finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
+FLAG_PARSERS = {bool: (bool, None), int: (integer, "N"), float: (finite_float, "X"), str: (str, None)}
+
+
 def setting(default: Any = dataclasses.MISSING, help: str = "", *, resumable: bool = False,
-            variant: bool = False, **kwargs: Any) -> Any:
-    """A config field with its flag's help text.  `resumable`: may change on --resume (it never
-    changes what the optimiser computes); `variant`: picks the attention variant (grid.py sets it)."""
-    metadata = {"help": help, "resumable": resumable, "variant": variant}
+            variant: bool = False, flag: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+    """A config field with its flag (linattn_lm.flags): help text, a parser by the default's type,
+    `flag` for argparse keywords of its own.  `resumable`: may change on --resume (it never changes
+    what the optimiser computes); `variant`: picks the attention variant (grid.py sets it)."""
+    metadata = {"help": help, "resumable": resumable, "variant": variant, "flag": flag or {}}
+    if type(default) in FLAG_PARSERS:
+        metadata["parse"], metadata["metavar"] = FLAG_PARSERS[type(default)]
     if isinstance(default, (dict, list)):
         return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=metadata, **kwargs)
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
@@ -84,7 +147,8 @@ class ModelConfig:
     feature_map_options: dict[str, Any] = setting(
         {"num_features": 64, "redraw_interval": 0},
         "an option of the feature map, KEY=VALUE with VALUE a Python literal (repeatable; linear only); "
-        "a preset's options apply to its own map only", variant=True)
+        "a preset's options apply to its own map only", variant=True,
+        flag=dict(name="--feature-map-option", metavar="KEY=VALUE", type=option, action="append"))
     rope: str = setting("post", "linear: RoPE after the map (post), before it (pre) or none; "
                                 "softmax: post = RoPE on q,k, none = no RoPE", variant=True)
     abs_pos: bool = setting(False, "add learned absolute position embeddings", variant=True)
@@ -108,11 +172,15 @@ class ModelConfig:
     seed: int = setting(0, "seed for init, data order and feature-map draws")
 
     def validate(self) -> None:
-        """The field checks, then the parameter memory, then layer 0's feature map, built by
-        `build_feature_map` as the model builds its maps (so bad option names, types and values get
-        the map's own message) and run on a probe input (so a broken map is refused before any work)."""
+        """The field checks, then the parameter memory, then the feature map (`check_map`)."""
         self.check_fields()
         check_memory(self.parameter_bytes(), "the model's parameters and buffers")
+        self.check_map()
+
+    def check_map(self) -> None:
+        """Layer 0's feature map, built by `build_feature_map` as the model builds its maps (so bad
+        option names, types and values get the map's own message) and run on a probe input (so a
+        broken map is refused before any work), then RoPE's pairs.  Needs `check_fields` first."""
         num_features = 0
         if self.attention == "linear":
             num_features = checked_feature_map(self.feature_map, lambda: self.build_feature_map(0)).num_features
@@ -289,17 +357,8 @@ class ModelConfig:
 
     @property
     def variant(self) -> str:
-        """Short name of the attention variant, e.g. softmax-rope, softmax-rope+window=64,
-        linear-favor-post-M256, linear-favor-post-rmsnorm-M64."""
-        if self.attention == "softmax":
-            parts = ["rope"] * (self.rope == "post") + ["abs"] * self.abs_pos
-            return "+".join(["-".join(["softmax", *(parts or ["none"])]), *block_option_parts(self)])
-        name = f"linear-{self.feature_map}-{self.rope}"
-        if self.normalization != "denominator":
-            name += f"-{self.normalization}"
-        if "num_features" in self.feature_map_options:
-            name += f"-M{self.feature_map_options['num_features']}"
-        return "+".join([name + ("-abs" if self.abs_pos else ""), *block_option_parts(self)])
+        """Short name of the attention variant (linattn_lm.variants builds and parses them)."""
+        return variant_name(self)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -308,36 +367,6 @@ class ModelConfig:
     def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
         """The config of a plain dict, checked; unknown keys are errors (a typo is never ignored)."""
         return from_plain_dict(cls, values, "model")
-
-
-# The block options in a variant name, after '+' and in this order: linear-favor-pre+window=64,
-# linear-favor-post+decay=retnet, linear-favor-pre+softmax_layers=1_3, softmax-rope+window=64 (softmax
-# takes the window only).  A list's commas would split grid.py's --variants, so a name joins its items
-# with '_'.  Built and parsed here only.
-BLOCK_OPTIONS = ("window", "decay", "softmax_layers")
-SOFTMAX_BLOCK_OPTIONS = ("window",)   # softmax-rope+window=64: the window-only control
-LINEAR_BLOCK_OPTIONS = tuple(name for name in BLOCK_OPTIONS if name not in SOFTMAX_BLOCK_OPTIONS)
-NAME_LIST_SEPARATOR = "_"
-
-
-def block_option_parts(model: ModelConfig) -> list[str]:
-    """'window=64', 'decay=retnet', 'softmax_layers=1_3': the block options that are not the default."""
-    return [f"{name}={str(getattr(model, name)).replace(',', NAME_LIST_SEPARATOR)}" for name in BLOCK_OPTIONS
-            if getattr(model, name) != field_default(name)]
-
-
-def block_option_from_name(name: str, text: str) -> int | str:
-    """A block option's value from its text in a variant name (block_option_parts' inverse); a
-    default value is refused, since the name without it says the same."""
-    value: int | str = text.replace(NAME_LIST_SEPARATOR, ",")
-    if name == "window":
-        try:
-            value = int(text)
-        except ValueError:
-            raise ValueError(f"window={text} is not a whole number") from None
-    if value == field_default(name):
-        raise ValueError(f"{name}={text} is the default: leave it out of the name")
-    return value
 
 
 def check_setting_names(cls: type, values: Any, section: str) -> None:
@@ -445,7 +474,7 @@ class LogConfig:
 class RunConfig:
     """Where data and outputs live, the device, and the user code the run needs."""
 
-    preset: str = setting("cpu", "sizes and schedule", resumable=True)
+    preset: str = setting("cpu", "sizes and schedule", resumable=True, flag=dict(choices=list(PRESETS)))
     data_dir: str = setting("", "prepared enwik8 directory (default: the repository's data/enwik8)",
                             resumable=True)
     out_dir: str = setting("runs", "parent directory of run directories", resumable=True)
@@ -454,10 +483,11 @@ class RunConfig:
     device: str = setting("auto", "auto (CUDA if available), cpu, cuda, cuda:1, mps", resumable=True)
     compile: bool = setting(False, "torch.compile the model", resumable=True)
     dtype: str = setting("auto", "compute precision: bf16 or fp16 autocast (fp16 with a gradient scaler) or fp32; "
-                                 "auto: bf16 on CUDA, fp32 elsewhere")
+                                 "auto: bf16 on CUDA, fp32 elsewhere", flag=dict(choices=list(DTYPES)))
     threads: int = setting(0, "torch CPU threads (0 = torch default)", resumable=True)
     imports: list[str] = setting([], "a module name or a .py file to import first, e.g. one that registers a "
-                                     "feature map (repeatable); recorded in the checkpoint", resumable=True)
+                                     "feature map (repeatable); recorded in the checkpoint", resumable=True,
+                                 flag=dict(name="--import", metavar="MODULE_OR_FILE", action="append"))
 
     def __post_init__(self) -> None:
         # Recorded absolute, so eval.py and --resume find the data from any working directory.
@@ -574,9 +604,10 @@ class TrainConfig:
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
 
-    def validate(self) -> None:
+    def validate(self, *, probe_map: bool = True) -> None:
         """Every section's checks, then the memory a training step needs, estimated before
-        anything is allocated; the feature map is built (once, to check its options) last."""
+        anything is allocated; the feature map is built (once, to check its options) last.
+        `probe_map=False`: a resumed run's map, probed when its record was read."""
         self.optim.validate()
         self.log.validate()
         self.run.validate()
@@ -589,7 +620,8 @@ class TrainConfig:
         check_memory(needed, f"a training step with batch_size {self.optim.batch_size}, seq_len "
                              f"{self.model.seq_len} and these sizes (layers, width, feature-map num_features, "
                              "chunk_size)", device)
-        self.model.validate()
+        if probe_map:
+            self.model.check_map()
         check_backend_runs_on(self.model, device)
 
     def flat(self) -> dict[str, Any]:
@@ -643,63 +675,63 @@ class TrainConfig:
 
 
 FIELDS = {f.name: (section, f) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+def add_config_flags(parser: Any, *, skip: set[str] = frozenset()) -> None:
+    """One flag per config field, grouped by section.  Every flag defaults to None, so only flags
+    given explicitly override the preset."""
+    add_flags(parser, (field for _, field in FIELDS.values()), skip=skip,
+              group=lambda field: f"{FIELDS[field.name][0]} settings", default=lambda field: None,
+              note=lambda field: "" if field.default in ("", dataclasses.MISSING) else f" (default {field.default})")
+
+
+def config_from_argv(parser: Any, argv: list[str] | None, imports: list[str] = (), *,
+                     resolve: Callable[[dict[str, Any], Any], Any] | None = None,
+                     resume: Callable[[dict[str, Any]], "TrainConfig"] | None = None) -> tuple[Any, Any]:
+    """A command's flags, parsed, and the settings they give: explicit flags over the preset over the
+    defaults (`config_from_flags`, validated); with --resume, `resume(given)` (the run's record);
+    `resolve(given, args)` instead, where a command makes something else of them (grid.py's grid).
+
+    Args: parser: one with add_config_flags' flags; argv: the arguments (None: sys.argv's);
+        imports: the --import values already imported (recorded in the config).
+    Returns: (argparse's namespace, the settings)."""
+    args = parser.parse_args(argv)
+    given = given_settings(args)
+    if imports:
+        given["imports"] = imports
+    if resolve is not None:
+        return args, resolve(given, args)
+    if resume is not None and args.resume:
+        return args, resume(given)
+    return args, config_from_flags(given)
+
+
+def given_settings(args: Any) -> dict[str, Any]:
+    """The config fields given explicitly (an argparse Namespace's), options as a dict."""
+    given = {key: value for key, value in vars(args).items() if key in FIELDS and value is not None}
+    if "feature_map_options" in given:
+        given["feature_map_options"] = dict(given["feature_map_options"])
+    return given
+
+
+def variant_skip() -> set[str]:
+    """The flags grid.py leaves out: the variant comes from --variants."""
+    return set(VARIANT) - {"feature_map_options"}
+
+
 RESUMABLE = {name for name, (_, f) in FIELDS.items() if f.metadata["resumable"]}
 VARIANT = {name for name, (_, f) in FIELDS.items() if f.metadata["variant"]}
 
-PRESETS: dict[str, dict[str, Any]] = {
-    # CI smoke test: seconds on one CPU core.
-    "tiny": dict(n_layer=2, d_model=64, n_head=2, mlp_ratio=4.0, dropout=0.0, seq_len=64,
-                 batch_size=8, lr=3e-3, min_lr=3e-4, warmup=5, steps=30, weight_decay=0.1, grad_clip=1.0,
-                 feature_map="favor", feature_map_options=dict(num_features=32, redraw_interval=1000),
-                 chunk_size=32, eval_interval=10, eval_iters=2, log_interval=5, ckpt_interval=10,
-                 sample_interval=30),
-    # The defaults, and the budget of the RoPE-placement study (docs/results/study.md): about 6-8
-    # (softmax) and 8-12 (FAVOR+) minutes of training per run on 2 CPU cores; softmax and FAVOR+ with
-    # RoPE beat the order-2 n-gram line (3.31 val bpc) clearly, FAVOR+ without RoPE does not (3.50);
-    # FAVOR+ post (the quick start) measured 3.02-3.04 at step 1200 on the torch backend, 3.06 on the cpp
-    # backend (the same maths to float rounding: a different trajectory, like another seed).
-    # No redraws: a redraw late in a short run costs more than it brings (the study measures it).
-    "cpu": dict(n_layer=4, d_model=128, n_head=4, mlp_ratio=4.0, dropout=0.0, seq_len=256,
-                batch_size=16, lr=3e-3, min_lr=3e-4, warmup=50, steps=1200, weight_decay=0.1, grad_clip=1.0,
-                feature_map="favor", feature_map_options=dict(num_features=64, redraw_interval=0),
-                chunk_size=64, eval_interval=100, eval_iters=16, log_interval=10, ckpt_interval=200,
-                sample_interval=200),
-    # EleutherAI rotary-embedding blog, Performer on enwik8: 8 layers, 512 wide, 8 heads, 1024 context.
-    # No redraws here either: at the cpu preset redraws every 500 steps cost 0.22 val bpc [0.16, 0.28]
-    # over 3 seeds, each redraw throwing the model back (docs/results/study.md); the map's default.
-    "eleuther": dict(n_layer=8, d_model=512, n_head=8, mlp_ratio=4.0, dropout=0.1, seq_len=1024,
-                     batch_size=32, lr=6e-4, min_lr=6e-5, warmup=1000, steps=20000, weight_decay=0.1,
-                     grad_clip=1.0, feature_map="favor",
-                     feature_map_options=dict(num_features=256, redraw_interval=0), chunk_size=64,
-                     eval_interval=1000, eval_iters=50, log_interval=50, ckpt_interval=1000,
-                     sample_interval=2000),
-    # RoFormer section 4.4: 12 layers, 768 wide, 12 heads, 1024 context, batch 128, lr 1e-4.  No
-    # redraws, as in eleuther (the study's measurement above).
-    "paper": dict(n_layer=12, d_model=768, n_head=12, mlp_ratio=4.0, dropout=0.1, seq_len=1024,
-                  batch_size=128, lr=1e-4, min_lr=1e-5, warmup=2000, steps=100000, weight_decay=0.1,
-                  grad_clip=1.0, feature_map="favor",
-                  feature_map_options=dict(num_features=256, redraw_interval=0), chunk_size=64,
-                  eval_interval=2000, eval_iters=50, log_interval=100, ckpt_interval=2000,
-                  sample_interval=5000),
-}
-# MQAR-lite (Zoology's recall task, linattn_lm/mqar.py): 2 layers, 64 wide, 2 heads of 32, 64 tokens
-# holding 8 key-value pairs and their 8 queries, vocab 256.  4,096 tokens a step, as the cpu preset: a
-# run about 4-7 minutes on one CPU thread (taylor's map longer).  Softmax + RoPE reached 10.9% accuracy
-# at step 400 (chance: 0.8%) and was still climbing; at 128 tokens and batch 32 it reached only 2.6%.
-MQAR_PRESET = dict(n_layer=2, d_model=64, n_head=2, mlp_ratio=4.0, dropout=0.0, seq_len=64, vocab_size=256,
-                   batch_size=64, lr=3e-3, min_lr=3e-4, warmup=50, steps=1500, weight_decay=0.1, grad_clip=1.0,
-                   feature_map="favor", feature_map_options=dict(num_features=64, redraw_interval=0), chunk_size=64,
-                   eval_interval=100, eval_iters=8, log_interval=10, ckpt_interval=500, sample_interval=0,
-                   task="mqar", mqar_kv_pairs=8)
-PRESETS["mqar"] = MQAR_PRESET
-# CI smoke test of the task: seconds on one CPU core.
-PRESETS["mqar-tiny"] = {**MQAR_PRESET, "d_model": 32, "seq_len": 32, "batch_size": 8, "warmup": 5, "steps": 20,
-                        "feature_map_options": dict(num_features=16, redraw_interval=0), "chunk_size": 16,
-                        "eval_interval": 10, "eval_iters": 2, "log_interval": 5, "ckpt_interval": 10,
-                        "mqar_kv_pairs": 4}
 DEFAULT_PRESET = "cpu"
 TASK_PRESETS = {"enwik8": DEFAULT_PRESET, "mqar": "mqar"}   # the preset a task defaults to
 LINEAR_ONLY = ("feature_map", "feature_map_options", "chunk_size", *LINEAR_BLOCK_OPTIONS)
+
+
+def preset_settings(name: str) -> dict[str, Any]:
+    """Every setting a preset gives (its changes over the defaults), by field name.
+
+    Args: name: a key of PRESETS.
+    Returns: a fresh dict, safe to change."""
+    defaults = {key: field_default(key) for key in FIELDS}
+    return copy.deepcopy({**defaults, **PRESETS[name]})
 
 
 def resolve_variant(given: dict[str, Any], preset: dict[str, Any]) -> dict[str, Any]:
@@ -723,6 +755,13 @@ def resolve_variant(given: dict[str, Any], preset: dict[str, Any]) -> dict[str, 
 
 def config_from_flags(given: dict[str, Any]) -> TrainConfig:
     """Merge: dataclass defaults < preset < explicit flags (by field name); validated."""
+    config = merged_flags(given)
+    config.validate()
+    return config
+
+
+def merged_flags(given: dict[str, Any]) -> TrainConfig:
+    """`config_from_flags` before its validation (--resume takes only the run's name from it)."""
     given = {key: value for key, value in given.items() if value is not None}
     unknown = sorted(set(given) - set(FIELDS))
     if unknown:
@@ -733,7 +772,7 @@ def config_from_flags(given: dict[str, Any]) -> TrainConfig:
     preset_name = given.get("preset", TASK_PRESETS.get(given.get("task"), DEFAULT_PRESET))
     if preset_name not in PRESETS:
         raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(PRESETS)}")
-    preset = copy.deepcopy(PRESETS[preset_name])
+    preset = preset_settings(preset_name)
     values = {**preset, **given, **resolve_variant(given, preset), "preset": preset_name}
     sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     for key, value in values.items():
@@ -742,7 +781,6 @@ def config_from_flags(given: dict[str, Any]) -> TrainConfig:
     config.optim.decay_steps = config.optim.decay_steps or config.optim.steps
     if "run_name" not in given:   # an explicit --run-name "" is refused by validate(), not replaced
         config.run.run_name = config.model.variant
-    config.validate()
     return config
 
 
@@ -785,5 +823,5 @@ def config_from_record(saved: TrainConfig, given: dict[str, Any]) -> TrainConfig
     values = {**recorded, **{key: value for key, value in given.items() if key in RESUMABLE}}
     config = TrainConfig(**{name: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
                             for name, cls in SECTIONS.items()})
-    config.validate()
+    config.validate(probe_map=False)
     return config

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from .data import SPLITS, DataError, SequentialWindows, check_window_fits, default_data_dir, load_split
-from .config import TrainConfig, check_backend_runs_on
+from .config import TrainConfig, check_backend_runs_on, finite_float, integer
 from .checkpoint import (CheckpointError, checkpoint_path, import_recorded, load_checkpoint, model_from_checkpoint,
                          saved_precision)
-from .cli import DefaultsFormatter, finite_float, import_user_code, integer, pre_parse_imports
+from .cli import DefaultsFormatter, import_user_code, pre_parse_imports
 from .grid_report import AR_SPLIT_KEYS, RESULT_NAME, read_record
 from .lm import ByteLM, bits_per_byte, lm_loss, state_size
 from .mqar import held_out_scores

@@ -35,9 +35,9 @@ import linattn
 
 from . import training
 from .checkpoint import CHECKPOINT_NAME, CheckpointError, recorded_digest
-from .cli import comma_items, variant_skip
+from .flags import comma_items
 from .config import (ATTENTION_BACKENDS, DEFAULT_PRESET, TASK_PRESETS, TrainConfig, check_run_name, config_differences,
-                     config_from_flags)
+                     config_from_flags, variant_skip)
 from .data import check_window_fits, load_split
 from .errors import UsageError
 from .evaluate import bpc_table

@@ -71,11 +71,8 @@ class DecodeState(NamedTuple):
 class ByteLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        # A config may come from anywhere (flags, a checkpoint, Python), so the model checks it too; that
-        # builds and probes layer 0's map once more.  Kept although the flags' path validated it already:
-        # the build draws from torch's generator for maps initialised from it (taylor with dim != head_dim,
-        # hedgehog with M != 2 head_dim, user maps), so dropping it would change the weights a seed gives.
-        config.validate()
+        # The config was validated where it was built (config_from_flags, TrainConfig.from_record, or a
+        # caller's config.validate()): the model trusts it.
         self.config = config
         self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
         self.position_embedding = nn.Embedding(config.seq_len, config.d_model) if config.abs_pos else None

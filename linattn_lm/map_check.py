@@ -33,7 +33,14 @@ def map_origin(name: str) -> str:
 
 def checked_feature_map(name: str, build: Callable[[], linattn.FeatureMap]) -> linattn.FeatureMap:
     """build()'s map once it passed the probe; a ValueError that says what was wrong otherwise.  A
-    ValueError from build() passes as it is: make_feature_map's messages name the bad option."""
+    ValueError from build() passes as it is: make_feature_map's messages name the bad option.  The
+    build and the probe run on a fork of torch's generator, so a check changes no weights a seed gives
+    (maps such as taylor's and hedgehog's initialise from that generator)."""
+    with torch.random.fork_rng(devices=[]):
+        return built_and_probed(name, build)
+
+
+def built_and_probed(name: str, build: Callable[[], linattn.FeatureMap]) -> linattn.FeatureMap:
     where = f"feature map {name!r} (from {map_origin(name)})"
     try:
         feature_map = build()

@@ -28,8 +28,9 @@ from tqdm import tqdm
 from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_finite_weights, check_optimizer_state,
                          check_progress, checkpoint_entries, import_recorded, load_checkpoint, load_state,
                          load_weights, save_checkpoint, saved_config, saved_precision)
-from .cli import add_config_flags, given_settings, import_user_code, pre_parse_imports
-from .config import TrainConfig, config_differences, config_from_flags, config_from_record, field_default
+from .cli import import_user_code, pre_parse_imports
+from .config import (TrainConfig, add_config_flags, config_differences, config_from_argv, config_from_record,
+                     field_default, merged_flags)
 from .data import DataError, RandomWindows, load_split
 from . import mqar
 from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss, state_size
@@ -804,19 +805,16 @@ def build_parser(description: str = "Train a byte-level LM on enwik8.", *, skip:
 
 
 def parse_config(parser: argparse.ArgumentParser, argv: list[str] | None,
-                 resolve: Callable[[dict[str, Any], argparse.Namespace], Any] = lambda given, args:
-                 config_from_flags(given)) -> tuple[argparse.Namespace, Any]:
-    """User code first (--import), then the flags; any bad setting is a usage error (exit 2)."""
+                 resolve: Callable[[dict[str, Any], argparse.Namespace], Any] | None = None,
+                 resume: Callable[[dict[str, Any]], TrainConfig] | None = None) -> tuple[argparse.Namespace, Any]:
+    """User code first (--import), then the flags (`config_from_argv`); any bad setting is a usage
+    error (exit 2)."""
     try:
         imports = import_user_code(pre_parse_imports(argv))
     except UsageError as error:
         parser.exit(EXIT_USAGE, f"error: {error}\n")
-    args = parser.parse_args(argv)
-    given = given_settings(args)
-    if imports:
-        given["imports"] = imports
     try:
-        return args, resolve(given, args)
+        return config_from_argv(parser, argv, imports, resolve=resolve, resume=resume)
     except ValueError as error:
         parser.error(str(error))
 
@@ -825,13 +823,11 @@ def exit_code(result: TrainResult) -> int:
     return EXIT_SIGNAL_BASE + result.stop_signal if result.stop_signal else 0
 
 
-def resolve_settings(given: dict[str, Any], args: argparse.Namespace) -> TrainConfig:
-    """A new run's settings from the flags; --resume's from the checkpoint's record, which the flags
-    given may only extend (config_from_record).  The run is found by --out-dir and --run-name (its
-    default: the variant the flags name, as when it started)."""
-    if not args.resume:
-        return config_from_flags(given)
-    run_name = given.get("run_name") or config_from_flags(given).run.run_name
+def resume_settings(given: dict[str, Any]) -> TrainConfig:
+    """--resume's settings: the checkpoint's record, which the flags given may only extend
+    (config_from_record).  The run is found by --out-dir and --run-name (its default: the variant the
+    flags name, as when it started)."""
+    run_name = given.get("run_name") or merged_flags(given).run.run_name
     path = Path(given.get("out_dir", field_default("out_dir"))) / run_name / CHECKPOINT_NAME
     checkpoint = load_checkpoint(path)
     import_recorded(checkpoint, path)
@@ -840,7 +836,7 @@ def resolve_settings(given: dict[str, Any], args: argparse.Namespace) -> TrainCo
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, config = parse_config(build_parser(), argv, resolve=resolve_settings)
+    args, config = parse_config(build_parser(), argv, resume=resume_settings)
     keep_freed_memory()   # large CPU temporaries reuse freed memory instead of page-faulting
 
     def run() -> int:

@@ -1,19 +1,27 @@
-"""Variant names, the grid's vocabulary: 'softmax-rope', 'linear-favor-pre-abs',
-'linear-favor-post-rmsnorm' (normalization="rmsnorm"), 'linear-favor-post+redraw_interval=250'
-(feature-map options after '+'), 'linear-favor-pre+window=64', 'linear-favor-post+decay=retnet',
-'linear-favor-pre+softmax_layers=1' (block options after '+', written as config.block_option_parts
-writes them), 'softmax-rope+window=64' (the window-only control)."""
+"""Variant names, the grid's vocabulary, built (`variant_name`) and parsed (`variant_flags`) here only:
+'softmax-rope', 'linear-favor-pre-abs', 'linear-favor-post-rmsnorm' (normalization="rmsnorm"),
+'linear-favor-post-M64' (built with num_features), 'linear-favor-post+redraw_interval=250'
+(feature-map options after '+'), and the block options after '+': 'linear-favor-pre+window=64',
+'linear-favor-post+decay=retnet', 'linear-favor-pre+softmax_layers=1_3', 'softmax-rope+window=64' (the
+window-only control; softmax takes the window only)."""
 from __future__ import annotations
 
 from argparse import ArgumentTypeError
 from typing import Any
 
 import linattn
-from .cli import option
-from .config import BLOCK_OPTIONS, block_option_from_name
+from .flags import option
 
 SOFTMAX_VARIANTS = {"softmax-rope": ("post", False), "softmax-abs": ("none", True),
                     "softmax-none": ("none", False), "softmax-rope-abs": ("post", True)}
+LINEAR_SUFFIXES = ("rmsnorm", "abs")   # after the placement, in this order: normalization, positions
+# Settings of the attention block, named after '+' in this order; each one's default is falsy (0, '')
+# and left out of names.  A list's commas would split grid.py's --variants, so a name joins its items
+# with '_'.
+BLOCK_OPTIONS = ("window", "decay", "softmax_layers")
+SOFTMAX_BLOCK_OPTIONS = ("window",)
+LINEAR_BLOCK_OPTIONS = tuple(name for name in BLOCK_OPTIONS if name not in SOFTMAX_BLOCK_OPTIONS)
+NAME_LIST_SEPARATOR = "_"
 
 
 def default_variants() -> list[str]:
@@ -23,14 +31,41 @@ def default_variants() -> list[str]:
         for feature_map in linattn.available_feature_maps() for rope in linattn.ROPE_PLACEMENTS]
 
 
-LINEAR_SUFFIXES = ("rmsnorm", "abs")   # after the placement, in this order: normalization, positions
+def variant_name(model: Any) -> str:
+    """A ModelConfig's variant, e.g. softmax-rope, softmax-rope+window=64, linear-favor-post-M256,
+    linear-favor-post-rmsnorm-M64."""
+    block = [f"{name}={str(getattr(model, name)).replace(',', NAME_LIST_SEPARATOR)}" for name in BLOCK_OPTIONS
+             if getattr(model, name)]
+    if model.attention == "softmax":
+        parts = ["rope"] * (model.rope == "post") + ["abs"] * model.abs_pos
+        return "+".join(["-".join(["softmax", *(parts or ["none"])]), *block])
+    name = f"linear-{model.feature_map}-{model.rope}"
+    if model.normalization != "denominator":
+        name += f"-{model.normalization}"
+    if "num_features" in model.feature_map_options:
+        name += f"-M{model.feature_map_options['num_features']}"
+    return "+".join([name + ("-abs" if model.abs_pos else ""), *block])
+
+
+def block_option_from_name(name: str, text: str) -> int | str:
+    """A block option's value from its text in a variant name; a default value is refused, since the
+    name without it says the same."""
+    value: int | str = text.replace(NAME_LIST_SEPARATOR, ",")
+    if name == "window":
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"window={text} is not a whole number") from None
+    if not value:
+        raise ValueError(f"{name}={text} is the default: leave it out of the name")
+    return value
 
 
 def variant_flags(name: str) -> dict[str, Any]:
     """'linear-favor-pre-rmsnorm-abs+redraw_interval=0' -> {attention: linear, feature_map: favor,
     rope: pre, normalization: rmsnorm, abs_pos: True, feature_map_options: {redraw_interval: 0}}.
-    The block options (config.BLOCK_OPTIONS) are settings of their own: 'linear-favor-pre+window=64'
-    -> {..., window: 64, feature_map_options: {}}."""
+    The block options are settings of their own: 'linear-favor-pre+window=64' -> {..., window: 64,
+    feature_map_options: {}}."""
     base, *option_texts = name.split("+")
     try:
         pairs = [option(text) for text in option_texts]
@@ -56,4 +91,3 @@ def variant_flags(name: str) -> dict[str, Any]:
                      f"linear-<map>-<post|pre|none>[-rmsnorm][-abs][+KEY=VALUE...] (KEY a feature-map option "
                      f"or one of {', '.join(BLOCK_OPTIONS)}) with a map in "
                      f"{linattn.available_feature_maps()} (--import registers more)")
-

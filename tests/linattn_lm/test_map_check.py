@@ -164,3 +164,25 @@ def test_a_map_that_is_non_finite_at_the_first_step_is_not_a_learning_rate_probl
                                                 "--feature-map", name, "--eval-iters", "1"])
     assert code == 1 and "training stopped at step 1" in err and "lower --lr" not in err, err
     assert f"the learning rate is not the cause: feature map {name!r} likely gives non-finite values" in err
+
+
+def test_validation_draws_nothing_from_torchs_generator() -> None:
+    """The map's check builds taylor's projection (dim != head_dim, drawn from torch's generator) on a
+    fork of it: checking a config leaves the weights a seed gives as they were."""
+    config = ModelConfig(n_layer=2, d_model=32, n_head=2, feature_map="taylor", feature_map_options={"dim": 4})
+    torch.manual_seed(0)
+    config.validate()
+    drawn = torch.rand(4)
+    torch.manual_seed(0)
+    assert torch.equal(drawn, torch.rand(4))
+
+
+def test_the_model_trusts_a_validated_config(monkeypatch) -> None:
+    """ByteLM checks nothing again: the config was validated where it was built."""
+    config = ModelConfig(n_layer=2, d_model=32, n_head=2, feature_map_options={"num_features": 16})
+    config.validate()
+    calls = []
+    monkeypatch.setattr(ModelConfig, "check_fields", lambda self: calls.append(self))
+    monkeypatch.setattr(ModelConfig, "check_map", lambda self: calls.append(self))
+    training.ByteLM(config)
+    assert calls == []

@@ -20,7 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from linattn_lm import (ByteLM, ModelConfig, TrainConfig, config_from_flags, load_checkpoint, save_checkpoint,
                         training)
 from linattn_lm.checkpoint import recorded_digest
-from linattn_lm.config import PRESETS, RESUMABLE, RunConfig
+from linattn_lm.config import PRESETS, RESUMABLE, RunConfig, preset_settings
 from linattn_lm.data import load_split
 
 
@@ -427,9 +427,12 @@ def test_explicit_flags_override_the_preset() -> None:
     assert more.model.feature_map_options == {"num_features": 16, "redraw_interval": 1000}
 
 
-def test_dataclass_defaults_are_the_cpu_preset() -> None:
+def test_presets_list_only_what_differs_from_the_defaults() -> None:
     defaults = TrainConfig().flat()
-    assert {key: defaults[key] for key in PRESETS["cpu"]} == PRESETS["cpu"]
+    assert PRESETS["cpu"] == {}   # the defaults are the cpu preset
+    for name, changes in PRESETS.items():
+        assert {key: value for key, value in changes.items() if defaults[key] != value} == changes, name
+        assert preset_settings(name) == {**defaults, **changes}
 
 
 def test_resumable_settings_are_declared_on_the_fields() -> None:
@@ -563,7 +566,7 @@ def test_ddp_two_cpu_ranks_keep_a_trainable_map_identical(data_dir: Path, tiny: 
 @pytest.mark.parametrize("preset", ["cpu", "eleuther", "paper"])
 def test_presets_never_redraw_favor(preset: str) -> None:
     """The study measured that redraws cost accuracy (docs/results/study.md): the map's default."""
-    assert PRESETS[preset]["feature_map_options"]["redraw_interval"] == 0
+    assert preset_settings(preset)["feature_map_options"]["redraw_interval"] == 0
 
 
 def test_resume_needs_only_where_the_run_is(tiny_run: Path, tmp_path: Path, run_main) -> None:
