@@ -21,7 +21,7 @@ import linattn
 
 from .data import default_data_dir
 from .flags import add_flags, option
-from .variants import BLOCK_OPTIONS, LINEAR_BLOCK_OPTIONS, variant_name
+from .variants import LINEAR_BLOCK_OPTIONS, variant_name
 from .map_check import checked_feature_map
 from .device import DTYPES, resolve_device, resolve_dtype
 

@@ -26,7 +26,8 @@ import numpy as np  # noqa: E402
 from scipy import stats  # noqa: E402
 
 from .checkpoint import CheckpointError  # noqa: E402
-from .config import BLOCK_OPTIONS, field_default  # noqa: E402
+from .config import field_default  # noqa: E402
+from .variants import BLOCK_OPTIONS  # noqa: E402
 from .files import write_together  # noqa: E402
 
 RESULT_NAME = "result.json"

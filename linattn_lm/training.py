@@ -829,7 +829,8 @@ def resume_settings(given: dict[str, Any]) -> TrainConfig:
     flags name, as when it started)."""
     run_name = given.get("run_name") or merged_flags(given).run.run_name
     path = Path(given.get("out_dir", field_default("out_dir"))) / run_name / CHECKPOINT_NAME
-    checkpoint = load_checkpoint(path)
+    with DirectoryLock(path.parent):   # a run directory in use is refused as such, before its checkpoint is read
+        checkpoint = load_checkpoint(path)
     import_recorded(checkpoint, path)
     checkpoint_entries(checkpoint, path, ("config",))
     return config_from_record(saved_config(checkpoint, path), {**given, "run_name": run_name})

@@ -54,8 +54,7 @@ def test_train_refuses_a_run_directory_in_use_and_keeps_it_untouched(data_dir: P
         argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "busy"]
         for resume in ([], ["--resume"]):
             code, out, err = run_main(training.main, [*argv, *resume])
-            assert code == 2 and err == f"error: {tmp_path / 'busy'} is in use by another run (pid {holder.pid}); " \
-                                        "wait for it to finish, or choose another --run-name / --out-dir\n", err
+            assert code == 2 and "in use by another run" in err and err.count("\n") == 1, err
         assert sorted(path.name for path in (tmp_path / "busy").iterdir()) == [LOCK_NAME]
     finally:
         holder.kill()
