@@ -132,9 +132,10 @@ def make_feature_map(feature_map: str | FeatureMap, head_dim: int, *, heads: int
     structural = {"heads": heads} if takes_heads(cls) and heads is not None else {}
     check_weights_fit(cls, feature_map, head_dim, heads, options)
     try:
-        return cls(head_dim, **options, **structural)
+        built = cls(head_dim, **options, **structural)
     except (TypeError, ValueError, OverflowError) as error:
         raise ValueError(f"feature map {feature_map!r} rejected options {options}: {error}") from None
+    return check_feature_map(built, head_dim, heads=heads)   # a registered map may be the user's
 
 
 def check_weights_fit(cls: type, name, head_dim: int, heads: int | None, options: dict) -> None:
@@ -159,7 +160,7 @@ PROBE_TOKENS = 3   # the probe input of `check_feature_map`: (1, heads, PROBE_TO
 
 
 def check_feature_map(feature_map, head_dim: int | None = None, *, heads: int | None = None):
-    """A map given as an instance, checked once where it enters (a block's constructor, the harness):
+    """A map checked once where it enters (`make_feature_map`, so a block's constructor; the harness):
     made for `head_dim` (and `heads`, for a map with weights per head), and its forward (and, for a
     log-space map, log_features and log_projection) gives (..., num_features) on a small probe input.
     The probe runs in eval mode without gradients, from a generator of its own: it moves no redraw
@@ -421,12 +422,6 @@ class FavorFeatureMap(FeatureMap):
         return f"{super().extra_repr()}, redraw_interval={self.redraw_interval}, seed={self.seed}"
 
 
-def check_heads(heads) -> int:
-    if not is_integer(heads) or heads < 1:
-        raise ValueError(f"heads must be a positive integer (the block's head count), got {heads!r}")
-    return int(heads)
-
-
 def per_head_projection(heads: int, head_dim: int, out_dim: int) -> nn.Parameter:
     """A (heads, head_dim, out_dim) weight, each head's slice the identity where out_dim = head_dim,
     else a random semi-orthogonal matrix drawn from torch's generator (torch.manual_seed fixes it).
@@ -449,7 +444,7 @@ class PerHeadFeatureMap(FeatureMap):
 
     def __init__(self, head_dim: int, out_dim: int, heads: int):
         super().__init__(head_dim)
-        self.heads = check_heads(heads)
+        self.heads = check_positive_integer("heads", heads)
         self.weight = per_head_projection(self.heads, head_dim, out_dim)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
