@@ -14,7 +14,7 @@ from torch import nn
 
 from .checks import (check_flags, check_positive_integer, check_real_floating, check_return_state, check_rope_base,
                      check_state_position, check_state_tensors, is_integer, is_real)
-from .feature_maps import FeatureMap, make_feature_map
+from .feature_maps import FeatureMap, check_feature_map, make_feature_map
 from .functional import DEFAULT_CHUNK_SIZE, LinearState, check_chunk_size, check_state, run_linear_attention
 from .ops.linear_attention import dispatch
 from .ops.linear_attention.common import feature_tensors
@@ -142,6 +142,8 @@ class LinearAttention(_Projections):
         check_rope_base(rope_base)
         self.feature_map = make_feature_map(feature_map, self.head_dim, heads=self.heads,
                                             options=feature_map_options)
+        if not isinstance(feature_map, FeatureMap):   # an instance was checked above; a registered map may be the user's
+            check_feature_map(self.feature_map, self.head_dim, heads=self.heads)
         self.normalization = normalization
         self.norm = nn.RMSNorm(self.head_dim, eps=RMSNORM_EPS) if normalization == "rmsnorm" else None
         if rope != "none":

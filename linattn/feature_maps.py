@@ -132,10 +132,9 @@ def make_feature_map(feature_map: str | FeatureMap, head_dim: int, *, heads: int
     structural = {"heads": heads} if takes_heads(cls) and heads is not None else {}
     check_weights_fit(cls, feature_map, head_dim, heads, options)
     try:
-        built = cls(head_dim, **options, **structural)
+        return cls(head_dim, **options, **structural)
     except (TypeError, ValueError, OverflowError) as error:
         raise ValueError(f"feature map {feature_map!r} rejected options {options}: {error}") from None
-    return check_feature_map(built, head_dim, heads=heads)   # a registered map may be the user's
 
 
 def check_weights_fit(cls: type, name, head_dim: int, heads: int | None, options: dict) -> None:
@@ -160,7 +159,7 @@ PROBE_TOKENS = 3   # the probe input of `check_feature_map`: (1, heads, PROBE_TO
 
 
 def check_feature_map(feature_map, head_dim: int | None = None, *, heads: int | None = None):
-    """A map checked once where it enters (`make_feature_map`, so a block's constructor; the harness):
+    """A map checked once where it enters (a block's constructor, `make_feature_map` given an instance):
     made for `head_dim` (and `heads`, for a map with weights per head), and its forward (and, for a
     log-space map, log_features and log_projection) gives (..., num_features) on a small probe input.
     The probe runs in eval mode without gradients, from a generator of its own: it moves no redraw
