@@ -291,7 +291,7 @@ class LinearAttention(_Projections):
         q, k, v = self._qkv(x_t, 2)
         position = 0 if state is None else check_window_state(
             state, (q.shape[0], self.heads), self.head_dim, self.feature_map.num_features, v.device,
-            self._step_dtype(q), self.feature_map.log_space, self.window)
+            self._step_dtype(q), self.feature_map.log_space)
         phi_q, phi_k = self._features(q, k, position)
         q_hat, k_hat = self._scored(q, k, position)
         out, state = window_decay_step(q_hat[:, :, 0], k_hat[:, :, 0], phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0],

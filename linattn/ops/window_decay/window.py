@@ -265,11 +265,10 @@ def combine(scores, values, lin_log, ratio) -> torch.Tensor:
 # ---- decoding -------------------------------------------------------------------------------------
 
 def check_window_state(state, batch_heads: tuple, head_dim: int, num_features: int, device, dtype: torch.dtype,
-                       log_space: bool, window: int) -> int:
-    """A WindowState for a block's step: (B, H) = `batch_heads`, keys and values of head_dim, key features of
-    num_features, at most `window` cached tokens, on `device` in the step's `dtype`, and its linear state's
-    sums (plain maps; log-space ones are checked as `linear_attention_step` checks a state).  Returns
-    its position as a plain int."""
+                       log_space: bool) -> int:
+    """A WindowState for a block's step (checked there, once): (B, H) = `batch_heads`, keys and values of
+    head_dim, key features of num_features, on `device` in the step's `dtype`, and a linear state of the
+    same kind of features (`log_space`) and sizes.  Returns its position as a plain int."""
     if not isinstance(state, WindowState):
         raise ValueError(f"state must be the WindowState returned by forward(..., return_state=True) or step() "
                          f"of a block with a window or decay, got {type(state).__name__}")
