@@ -12,21 +12,21 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .checks import (check_flags, check_positive_integer, check_real_floating, check_rope_base, check_state_position,
-                     check_state_tensors, is_integer, is_real)
-from .feature_maps import FeatureMap, make_feature_map
-from .functional import DEFAULT_CHUNK_SIZE, LinearState, linear_attention, linear_attention_step
+from .checks import (check_flags, check_positive_integer, check_real_floating, check_return_state, check_rope_base,
+                     check_state_position, check_state_tensors, is_integer, is_real)
+from .feature_maps import FeatureMap, check_feature_map, make_feature_map
+from .functional import DEFAULT_CHUNK_SIZE, LinearState, check_chunk_size, check_state, run_linear_attention
 from .ops.linear_attention import dispatch
-from .ops.linear_attention.common import check_chunk_size, feature_tensors
-from .ops.linear_attention.recurrent import state_position
+from .ops.linear_attention.common import feature_tensors
+from .ops.linear_attention.recurrent import recurrent_step
 from .ops.window_decay import WindowState, retnet_decay, window_decay_attention, window_decay_step
-from .ops.window_decay.window import window_state_position
-from .rotary import DEFAULT_BASE, apply_rotary, check_offset
+from .ops.window_decay.window import check_window_state
+from .rotary import DEFAULT_BASE, check_positions, check_rotated_dim, rotate
 
 ROPE_PLACEMENTS = ("post", "pre", "none")
 NORMALIZATIONS = ("denominator", "rmsnorm")
 RMSNORM_EPS = 1e-5   # flash-linear-attention's layers' default norm_eps
-SOFTMAX_BACKENDS = ("sdpa", "xformers")
+SOFTMAX_BACKENDS = ("auto", "sdpa", "xformers")   # auto = sdpa
 WINDOW_DECAY_BACKENDS = ("auto", "torch", "cpp")   # the window runs in torch; the linear op on these
 
 
@@ -98,6 +98,13 @@ class _Projections(nn.Module):
         if not self.causal:
             raise ValueError("step() decodes autoregressively and needs causal=True")
 
+    def _check_call(self, offset, return_state: bool, tokens: int) -> int:
+        """forward's and attend's options: the offset (as a plain int) and whether to return the state."""
+        check_flags(return_state=return_state)
+        check_positions(offset, tokens)
+        check_return_state(return_state, self.causal)
+        return int(offset)
+
     def _merge(self, out: torch.Tensor) -> torch.Tensor:
         return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
 
@@ -135,13 +142,14 @@ class LinearAttention(_Projections):
         check_rope_base(rope_base)
         self.feature_map = make_feature_map(feature_map, self.head_dim, heads=self.heads,
                                             options=feature_map_options)
+        if not isinstance(feature_map, FeatureMap):   # an instance was checked above; a registered map may be the user's
+            check_feature_map(self.feature_map, self.head_dim, heads=self.heads)
         self.normalization = normalization
         self.norm = nn.RMSNorm(self.head_dim, eps=RMSNORM_EPS) if normalization == "rmsnorm" else None
-        rotated_dim = {"post": self.feature_map.num_features, "pre": self.head_dim}.get(rope, 0)
-        if rotated_dim % 2:
+        if rope != "none":
             what = "num_features M" if rope == "post" else "head_dim"
-            raise ValueError(f"rope={rope!r} rotates pairs of coordinates, so {what} must be even, "
-                             f"got {rotated_dim}; pick an even value or rope='none'")
+            check_rotated_dim(self.feature_map.num_features if rope == "post" else self.head_dim, what,
+                              f"an even {what} or rope='none'")
         self.rope, self.causal, self.chunk_size, self.rope_base = rope, causal, chunk_size, rope_base
         self.backend = backend
         self._init_window_decay(window, decay)
@@ -171,8 +179,8 @@ class LinearAttention(_Projections):
         LogProjection where it has one and `projected` (the torch backend's causal op then never
         holds the (B, H, N, M) log-features)."""
         if self.rope == "pre":
-            q = apply_rotary(q, offset=offset, base=self.rope_base)
-            k = apply_rotary(k, offset=offset, base=self.rope_base)
+            q = rotate(q, offset=offset, base=self.rope_base)
+            k = rotate(k, offset=offset, base=self.rope_base)
         if not self.feature_map.log_space:
             return self.feature_map(q, is_query=True), self.feature_map(k, is_query=False)
         if projected and (q_proj := self.feature_map.log_projection(q, is_query=True)) is not None:
@@ -182,7 +190,8 @@ class LinearAttention(_Projections):
 
     def forward(self, x: torch.Tensor, *, offset: int = 0, return_state: bool = False):
         q, k, v = self._qkv(x, 3)
-        result = self.attend(q, k, v, offset=offset, return_state=return_state)
+        offset = self._check_call(offset, return_state, q.shape[-2])
+        result = self._attend(q, k, v, offset, return_state)
         if return_state:
             return self._merge(result[0]), result[1]
         return self._merge(result)
@@ -192,6 +201,10 @@ class LinearAttention(_Projections):
         """The attention between the projections: (B, H, N, head_dim) queries, keys and values ->
         (B, H, N, head_dim), with this block's map, placement and backend (what forward runs)."""
         self._check_heads(q, k, v)
+        offset = self._check_call(offset, return_state, q.shape[-2])
+        return self._attend(q, k, v, offset, return_state)
+
+    def _attend(self, q, k, v, offset: int, return_state: bool):
         result = self._weighted_values(q, k, v, offset, return_state)
         # Rounded to v's dtype before the norm, as the op rounds its output under autocast.
         if return_state:
@@ -211,6 +224,7 @@ class LinearAttention(_Projections):
         try:
             with torch.no_grad():
                 q, k, v = self._qkv(x, 3)
+                offset = self._check_call(offset, False, q.shape[-2])
                 sums = self._weighted_values(q, k, torch.ones_like(v), offset, False)[..., 0]
         finally:
             self.train(was_training)
@@ -221,11 +235,11 @@ class LinearAttention(_Projections):
         if self.window or self.decay:
             return self._window_decay_values(q, k, v, offset, return_state)
         phi_q, phi_k, values = self._op_inputs(*self._features(q, k, offset, projected=self.causal), v)
-        return linear_attention(phi_q, phi_k, values, causal=self.causal, rotary=self.rope == "post",
-                                offset=offset, chunk_size=self.chunk_size, rope_base=self.rope_base,
-                                return_state=return_state, backend=self.backend,
-                                log_space=self.feature_map.log_space,
-                                nonnegative_features=self.feature_map.nonnegative_features)
+        return run_linear_attention(phi_q, phi_k, values, causal=self.causal, rotary=self.rope == "post",
+                                    offset=offset, chunk_size=self.chunk_size, rope_base=self.rope_base,
+                                    return_state=return_state, backend=self.backend,
+                                    log_space=self.feature_map.log_space,
+                                    nonnegative_features=self.feature_map.nonnegative_features)
 
     def _op_inputs(self, phi_q, phi_k, v: torch.Tensor):
         """Features and values in a form the op takes.  Maps compute in float32 (float64 stays), while
@@ -254,21 +268,19 @@ class LinearAttention(_Projections):
 
     def _window_decay_values(self, q, k, v, offset: int, return_state: bool):
         """`_weighted_values` with a window or a decay (ops/window_decay), in float32 (float64 stays)."""
-        check_offset(offset)
-        check_flags(return_state=return_state)
         phi_q, phi_k = self._features(q, k, offset)
         q_hat, k_hat = self._scored(q, k, offset)
         backend = self.backend if self.backend != "auto" or v.device.type == "cpu" else "torch"
         return window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, **self._window_decay_options(),
-                                      offset=int(offset), rope_base=self.rope_base, chunk_size=self.chunk_size,
+                                      offset=offset, rope_base=self.rope_base, chunk_size=self.chunk_size,
                                       backend=backend, return_state=return_state)
 
     def _scored(self, q, k, position: int):
         """What the window's scores take: q and k, rotated unless rope='none'."""
         if self.rope == "none":
             return q, k
-        return (apply_rotary(q, offset=position, base=self.rope_base),
-                apply_rotary(k, offset=position, base=self.rope_base))
+        return (rotate(q, offset=position, base=self.rope_base),
+                rotate(k, offset=position, base=self.rope_base))
 
     def _window_decay_options(self) -> dict:
         return dict(window=self.window, log_decay=self.log_decay if self.decay else None,
@@ -277,7 +289,9 @@ class LinearAttention(_Projections):
 
     def _window_decay_step(self, x_t: torch.Tensor, state):
         q, k, v = self._qkv(x_t, 2)
-        position = 0 if state is None else window_state_position(state)
+        position = 0 if state is None else check_window_state(
+            state, (q.shape[0], self.heads), self.head_dim, self.feature_map.num_features, v.device,
+            self._step_dtype(q), self.feature_map.log_space)
         phi_q, phi_k = self._features(q, k, position)
         q_hat, k_hat = self._scored(q, k, position)
         out, state = window_decay_step(q_hat[:, :, 0], k_hat[:, :, 0], phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0],
@@ -303,16 +317,22 @@ class LinearAttention(_Projections):
         if self.window or self.decay:
             return self._window_decay_step(x_t, state)
         q, k, v = self._qkv(x_t, 2)
-        # the position is needed before the features; linear_attention_step checks the rest of the state
-        position = 0 if state is None else state_position(state)
-        phi_q, phi_k = self._features(q, k, position)
+        if state is not None:
+            shape = (q.shape[0], self.heads, self.feature_map.num_features, self.head_dim)
+            state = check_state(state, shape, v.device, self._step_dtype(q), self.feature_map.log_space)
+        phi_q, phi_k = self._features(q, k, 0 if state is None else state.position)
         # The step computes in the features' dtype (float32 for bf16/fp16 blocks, as under autocast).
         values = v[:, :, 0] if self.feature_map.log_space else v[:, :, 0].to(phi_k.dtype)
-        out, state = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], values, state,
-                                           rotary=self.rope == "post", rope_base=self.rope_base,
-                                           log_space=self.feature_map.log_space,
-                                           nonnegative_features=self.feature_map.nonnegative_features)
+        out, state = recurrent_step(phi_q[:, :, 0], phi_k[:, :, 0], values, state,
+                                    rotary=self.rope == "post", rope_base=self.rope_base,
+                                    log_space=self.feature_map.log_space,
+                                    nonnegative_features=self.feature_map.nonnegative_features)
         return self._merge(self._normalize(out.unsqueeze(2).to(v.dtype)))[:, 0], state
+
+    @staticmethod
+    def _step_dtype(q: torch.Tensor) -> torch.dtype:
+        """What a step computes in: float64 for float64 blocks, else float32 (maps give float32 features)."""
+        return torch.float64 if q.dtype == torch.float64 else torch.float32
 
     def extra_repr(self) -> str:
         return (f"heads={self.heads}, rope={self.rope!r}, causal={self.causal}, "
@@ -350,8 +370,7 @@ def resolve_backend(backend: str, device: torch.device | str, *, attention: str 
         return dispatch.resolve(backend, device, log_space=log_space, causal=causal)
     if attention != "softmax":
         raise ValueError(f"attention must be 'linear' or 'softmax', got {attention!r}")
-    if backend not in SOFTMAX_BACKENDS:
-        raise ValueError(f"softmax attention's backend must be one of {SOFTMAX_BACKENDS}, got {backend!r}")
+    backend = softmax_backend(backend)
     if backend == "xformers":
         if device.type != "cuda":
             raise ValueError(f"backend='xformers' runs on CUDA only, got {device}; use backend='sdpa'")
@@ -360,6 +379,13 @@ def resolve_backend(backend: str, device: torch.device | str, *, attention: str 
         except ImportError as err:
             raise ValueError(str(err)) from None
     return backend
+
+
+def softmax_backend(backend: str) -> str:
+    """A softmax backend's name checked, "auto" resolved (sdpa)."""
+    if backend not in SOFTMAX_BACKENDS:
+        raise ValueError(f"softmax attention's backend must be one of {SOFTMAX_BACKENDS}, got {backend!r}")
+    return "sdpa" if backend == "auto" else backend
 
 
 def as_device(device) -> torch.device:
@@ -402,8 +428,7 @@ class SoftmaxAttention(_Projections):
     def __init__(self, dim: int, heads: int, *, rope: bool = True, causal: bool = True,
                  backend: str = "sdpa", rope_base: float = DEFAULT_BASE, bias: bool = False, window: int = 0):
         super().__init__(dim, heads, bias, causal)
-        if backend not in SOFTMAX_BACKENDS:
-            raise ValueError(f"backend must be one of {SOFTMAX_BACKENDS}, got {backend!r}")
+        backend = softmax_backend(backend)
         if not is_integer(window) or window < 0:
             raise ValueError(f"window must be a non-negative integer number of tokens (0: no window), got {window!r}")
         if window and not causal:
@@ -412,9 +437,8 @@ class SoftmaxAttention(_Projections):
             raise ValueError(f"backend={backend!r} does not support window; use backend='sdpa'")
         if not isinstance(rope, bool):
             raise ValueError(f"rope must be True or False for softmax attention, got {rope!r}")
-        if rope and self.head_dim % 2:
-            raise ValueError(f"rope=True rotates pairs of coordinates, so head_dim must be even, "
-                             f"got {self.head_dim}")
+        if rope:
+            check_rotated_dim(self.head_dim, "head_dim", "an even head_dim or rope=False")
         check_rope_base(rope_base)
         self._xops = _xformers_ops() if backend == "xformers" else None
         self.rope, self.causal, self.backend, self.rope_base = rope, causal, backend, rope_base
@@ -423,14 +447,14 @@ class SoftmaxAttention(_Projections):
     def _rotate(self, q, k, offset: int):
         if not self.rope:
             return q, k
-        return (apply_rotary(q, offset=offset, base=self.rope_base),
-                apply_rotary(k, offset=offset, base=self.rope_base))
+        return (rotate(q, offset=offset, base=self.rope_base),
+                rotate(k, offset=offset, base=self.rope_base))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, offset: int = 0) -> torch.Tensor:
         """The attention between the projections: (B, H, N, head_dim) queries, keys and values ->
         (B, H, N, head_dim), with this block's RoPE, mask and backend (what forward runs)."""
-        check_offset(offset)
         self._check_heads(q, k, v)
+        offset = self._check_call(offset, False, q.shape[-2])
         q, k = self._rotate(q, k, offset)
         return self._parallel(q, k, v)
 
@@ -453,18 +477,15 @@ class SoftmaxAttention(_Projections):
         return self._xops.memory_efficient_attention(q, k, v, attn_bias=bias).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, *, offset: int = 0, return_state: bool = False):
-        check_offset(offset)
-        check_flags(return_state=return_state)
-        if return_state and not self.causal:   # as the linear block's op says
-            raise ValueError("return_state=True needs causal=True: a non-causal pass has no decoding state")
         q, k, v = self._qkv(x, 3)
+        offset = self._check_call(offset, return_state, q.shape[-2])
         q, k = self._rotate(q, k, offset)   # the cache holds rotated keys
         out = self._merge(self._parallel(q, k, v))
         if not return_state:
             return out
         # Detached as the linear block's state is: a prefill's cache is for decoding, not training.
         k, v = self._last_window(k), self._last_window(v)
-        return out, KVCache(k.detach(), v.detach(), int(offset) + x.shape[1])
+        return out, KVCache(k.detach(), v.detach(), offset + x.shape[1])
 
     def _last_window(self, t: torch.Tensor) -> torch.Tensor:
         """The last W tokens of (B, H, T, D) cached keys or values (all of them without a window)."""

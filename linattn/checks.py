@@ -55,6 +55,11 @@ def check_flags(**flags) -> None:
             raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
+def check_return_state(return_state: bool, causal: bool) -> None:
+    if return_state and not causal:
+        raise ValueError("return_state=True needs causal=True: a non-causal pass has no decoding state")
+
+
 def check_positive_integer(name: str, value) -> int:
     """A size (a count of dimensions, heads, ...) as a plain int: 2.0 would reach torch's layers and
     fail there with a message that names neither the argument nor the fix."""

@@ -2,9 +2,9 @@
 
 The backends' computation (`dispatch.compute_linear_attention`: torch ops with custom autograd,
 the C++ kernel through ctypes, fla's Triton kernels) takes decisions from the data (exact rows, wide
-pairs; the data checks in debug mode) and calls code dynamo cannot trace.  Under torch.compile,
-`functional.linear_attention` checks its arguments as in eager mode and then calls one opaque op
-instead, so the model compiles with fullgraph=True on every backend:
+pairs; the data checks in debug mode) and calls code dynamo cannot trace.  Under torch.compile, the
+entry points check their arguments as in eager mode and `functional.run_linear_attention` then calls one
+opaque op instead, so the model compiles with fullgraph=True on every backend:
 
 * `linattn::linear_attention` runs the eager computation on the real tensors and returns the output
   and the state's tensors (empty where there is none); its fake gives their shapes and dtypes.

@@ -11,7 +11,6 @@ option can never take the place of what the block sets.  Writing a map: docs/fea
 """
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 import os
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 from performer_pytorch.performer_pytorch import gaussian_orthogonal_random_matrix
 from torch import nn
 
-from .checks import check_flags, check_positive_integer, check_real_floating, is_integer
+from .checks import check_positive_integer, is_integer
 from .ops.linear_attention.common import LogProjection
 
 FEATURE_MAPS: dict[str, type["FeatureMap"]] = {}
@@ -122,14 +121,7 @@ def make_feature_map(feature_map: str | FeatureMap, head_dim: int, *, heads: int
         if options:
             raise ValueError("feature-map options apply only when the map is given by name, "
                              f"got an instance together with {sorted(options)}")
-        if feature_map.head_dim != head_dim:
-            raise ValueError(f"the feature map was made for head_dim {feature_map.head_dim} but this block's "
-                             f"heads have head_dim {head_dim} (dim / heads); make it with {head_dim}")
-        map_heads = getattr(feature_map, "heads", None)
-        if heads is not None and map_heads is not None and map_heads != heads:
-            raise ValueError(f"the feature map has weights for {map_heads} heads but this block has {heads}; "
-                             f"make it with heads={heads}")
-        return feature_map
+        return check_feature_map(feature_map, head_dim, heads=heads)
     cls = feature_map_class(feature_map)
     accepted = feature_map_options(cls)
     check_option_names(feature_map, options)
@@ -163,31 +155,52 @@ def check_weights_fit(cls: type, name, head_dim: int, heads: int | None, options
                          "GiB; choose a smaller num_features")
 
 
-MAP_METHODS = ("forward", "log_features", "log_projection")
+PROBE_TOKENS = 3   # the probe input of `check_feature_map`: (1, heads, PROBE_TOKENS, head_dim)
 
 
-def checked_map_method(method):
-    """`method` (a map's forward, log_features or log_projection) with its input checked (a real
-    floating tensor (..., head_dim) on a device that computes, is_query a bool) and its result's M."""
-    @functools.wraps(method)
-    def checked(self, x, *args, **kwargs):
-        check_map_input(self, x, kwargs.get("is_query", False))
-        result = method(self, x, *args, **kwargs)
-        check_map_result(self, method.__name__, result)
-        return result
-    checked.checks_its_call = True
-    return checked
+def check_feature_map(feature_map, head_dim: int | None = None, *, heads: int | None = None):
+    """A map checked once where it enters (a block's constructor, `make_feature_map` given an instance):
+    made for `head_dim` (and `heads`, for a map with weights per head), and its forward (and, for a
+    log-space map, log_features and log_projection) gives (..., num_features) on a small probe input.
+    The probe runs in eval mode without gradients, from a generator of its own: it moves no redraw
+    schedule and draws nothing from torch's global generator.  The map's calls are not checked after this.
 
+    Args:
+        feature_map: the FeatureMap instance.
+        head_dim: the head dimension its inputs have (None: the map's own).
+        heads: the block's head count, or None.
 
-def check_map_input(feature_map: FeatureMap, x, is_query) -> None:
+    Returns:
+        feature_map, unchanged.
+    """
     name = type(feature_map).__name__
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{name} maps a tensor (..., head_dim={feature_map.head_dim}), got {type(x).__name__}")
-    check_real_floating("a feature map's input", x)
-    if x.dim() == 0 or x.shape[-1] != feature_map.head_dim or x.device.type == "meta":
-        raise ValueError(f"{name} maps tensors (..., head_dim={feature_map.head_dim}) on a device that computes, "
-                         f"got shape {tuple(x.shape)} on {x.device}")
-    check_flags(is_query=is_query)
+    if not isinstance(feature_map, FeatureMap):
+        raise ValueError(f"a feature map must be a linattn.FeatureMap, got {name}")
+    head_dim = feature_map.head_dim if head_dim is None else head_dim
+    if feature_map.head_dim != head_dim:
+        raise ValueError(f"the feature map was made for head_dim {feature_map.head_dim} but this block's "
+                         f"heads have head_dim {head_dim} (dim / heads); make it with {head_dim}")
+    map_heads = getattr(feature_map, "heads", None)
+    if heads is not None and map_heads is not None and map_heads != heads:
+        raise ValueError(f"the feature map has weights for {map_heads} heads but this block has {heads}; "
+                         f"make it with heads={heads}")
+    if not is_integer(feature_map.num_features) or feature_map.num_features < 1:
+        raise ValueError(f"{name} declares num_features = {feature_map.num_features!r}; set self.num_features "
+                         "in its __init__ to the positive number of features it computes")
+    probe_heads = map_heads or heads or 1
+    x = torch.randn(1, probe_heads, PROBE_TOKENS, head_dim, generator=torch.Generator().manual_seed(0))
+    x = x.to(next(iter((*feature_map.parameters(), *feature_map.buffers())), x).device)
+    methods = ("forward", "log_features", "log_projection") if feature_map.log_space else ("forward",)
+    was_training = feature_map.training
+    feature_map.eval()
+    try:
+        with torch.no_grad():
+            for method in methods:
+                for is_query in (True, False):
+                    check_map_result(feature_map, method, getattr(feature_map, method)(x, is_query=is_query))
+    finally:
+        feature_map.train(was_training)
+    return feature_map
 
 
 def check_map_result(feature_map: FeatureMap, method: str, result) -> None:
@@ -219,16 +232,6 @@ class FeatureMap(nn.Module):
     log_space = False
     nonnegative_features = True
 
-    def __init_subclass__(cls, **kwargs):
-        """Each map's own forward, log_features and log_projection check their call and their result
-        (`checked_map_method`), so a map called directly answers a wrong input where it is made, and
-        a map whose M is not the `num_features` it declares is caught before the op sizes anything by it."""
-        super().__init_subclass__(**kwargs)
-        for name in MAP_METHODS:
-            method = cls.__dict__.get(name)
-            if callable(method) and not getattr(method, "checks_its_call", False):
-                setattr(cls, name, checked_map_method(method))
-
     def __init__(self, head_dim: int):
         super().__init__()
         self.head_dim = check_positive_integer("head_dim", head_dim)
@@ -241,16 +244,13 @@ class FeatureMap(nn.Module):
         the two agree.  Options the constructor would refuse may give any value."""
         return head_dim
 
-    @checked_map_method
     def forward(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement forward(x, *, is_query)")
 
-    @checked_map_method
     def log_features(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} sets log_space = True, so it must implement "
                                   "log_features(x, *, is_query)")
 
-    @checked_map_method
     def log_projection(self, x: torch.Tensor, *, is_query: bool) -> LogProjection | None:
         """Optionally, the log-features as LogProjection(inputs, weight, shift), log_features =
         inputs @ weight^T + shift: the causal op then projects chunk by chunk and never holds the
@@ -421,12 +421,6 @@ class FavorFeatureMap(FeatureMap):
         return f"{super().extra_repr()}, redraw_interval={self.redraw_interval}, seed={self.seed}"
 
 
-def check_heads(heads) -> int:
-    if not is_integer(heads) or heads < 1:
-        raise ValueError(f"heads must be a positive integer (the block's head count), got {heads!r}")
-    return int(heads)
-
-
 def per_head_projection(heads: int, head_dim: int, out_dim: int) -> nn.Parameter:
     """A (heads, head_dim, out_dim) weight, each head's slice the identity where out_dim = head_dim,
     else a random semi-orthogonal matrix drawn from torch's generator (torch.manual_seed fixes it).
@@ -449,14 +443,11 @@ class PerHeadFeatureMap(FeatureMap):
 
     def __init__(self, head_dim: int, out_dim: int, heads: int):
         super().__init__(head_dim)
-        self.heads = check_heads(heads)
+        self.heads = check_positive_integer("heads", heads)
         self.weight = per_head_projection(self.heads, head_dim, out_dim)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """(B, heads, N, head_dim) -> (B, heads, N, out_dim), in float32 (float64 stays)."""
-        if x.dim() != 4 or x.shape[1] != self.heads:
-            raise ValueError(f"{type(self).__name__} has weights for {self.heads} heads and takes (B, {self.heads}, "
-                             f"N, {self.head_dim}) inputs, got shape {tuple(x.shape)}")
         x = _float(x)
         return x @ self.weight.to(x.dtype).unsqueeze(0)
 

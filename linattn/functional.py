@@ -20,14 +20,15 @@ from __future__ import annotations
 import torch
 
 from . import custom_ops
+from .checks import (check_flags, check_real_floating, check_return_state, check_rope_base, check_state_position,
+                     check_state_tensors, debug_enabled, is_integer, is_real)
 from .ops.linear_attention import dispatch
-from .ops.linear_attention.common import (DEFAULT_CHUNK_SIZE, LogProjection, check_chunk_size, check_device,
-                                          check_dtypes, check_feature_kind, check_features, check_log_features,
-                                          check_not_projection)
-from .ops.linear_attention.naive import linear_attention_reference, softmax_attention_reference
-from .ops.linear_attention.recurrent import LinearState, initial_state, linear_attention_step
-from .checks import check_flags, check_rope_base
-from .rotary import DEFAULT_BASE, check_offset, check_positions, check_rotated_dim
+from .ops.linear_attention.common import (DEFAULT_CHUNK_SIZE, LogProjection, check_nonnegative, compute_dtype,
+                                          feature_tensors)
+from .ops.linear_attention.naive import reference_attention, softmax_attention_reference
+from .ops.linear_attention import recurrent
+from .ops.linear_attention.recurrent import LinearState, recurrent_step
+from .rotary import DEFAULT_BASE, check_positions, check_rotated_dim
 
 BACKENDS = dispatch.BACKENDS
 
@@ -69,17 +70,233 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     check_device(phi_q, phi_k, v)
     check_dtypes(phi_q, phi_k, v, log_space)
     check_chunk_size(chunk_size)
-    check_offset(offset)
+    check_positions(offset, v.shape[-2])
     check_rope_base(rope_base)
-    offset = int(offset)   # numpy's integers too: the state's position is a plain int
     if rotary:
         check_rotated_dim(phi_k.shape[-1])
-        check_positions(offset, v.shape[-2])
-    if return_state and not causal:
-        raise ValueError("return_state=True needs causal=True: a non-causal pass has no decoding state")
-    options = dict(causal=causal, rotary=rotary, offset=offset, chunk_size=chunk_size, rope_base=rope_base,
-                   return_state=return_state, backend=backend, log_space=log_space,
-                   nonnegative_features=nonnegative_features)
+    check_return_state(return_state, causal)
+    return run_linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=int(offset),
+                                chunk_size=chunk_size, rope_base=rope_base, return_state=return_state,
+                                backend=backend, log_space=log_space, nonnegative_features=nonnegative_features)
+
+
+def run_linear_attention(phi_q, phi_k, v: torch.Tensor, **options):
+    """`linear_attention` for callers that checked its arguments (the blocks, the window's linear part);
+    `options` are its keywords, all given, offset a plain int."""
     if torch.compiler.is_compiling():   # one opaque op: the computation below branches on the data
         return custom_ops.linear_attention(phi_q, phi_k, v, **options)
     return dispatch.compute_linear_attention(phi_q, phi_k, v, **options)
+
+
+def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
+                          state: LinearState | None, *, rotary: bool,
+                          rope_base: float = DEFAULT_BASE, log_space: bool = False,
+                          nonnegative_features: bool = True):
+    """One token of causal linear attention: (B, H, M) features and (B, H, Dv) values at position
+    `state.position`.  O(M * Dv) time and memory, whatever the context length.  With
+    `log_space=True`, phi_q and phi_k hold log-features and the state carries their running max.
+    `nonnegative_features=False`: single features may be negative (see `linear_attention`)."""
+    check_flags(rotary=rotary, log_space=log_space, nonnegative_features=nonnegative_features)
+    check_features(phi_q, phi_k, v, rank=3)
+    check_feature_kind(log_space, nonnegative_features)
+    check_device(phi_q, phi_k, v)
+    check_dtypes(phi_q, phi_k, v, log_space)
+    check_rope_base(rope_base)
+    if rotary:
+        check_rotated_dim(phi_k.shape[-1])
+    if state is not None:
+        dtype = compute_dtype(phi_q, phi_k, v)
+        state = check_state(state, (*phi_q.shape, v.shape[-1]), v.device, dtype, log_space)
+        check_positions(state.position, 1)
+    return recurrent_step(phi_q, phi_k, v, state, rotary=rotary, rope_base=rope_base, log_space=log_space,
+                          nonnegative_features=nonnegative_features)
+
+
+def linear_attention_reference(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *,
+                               causal: bool, rotary: bool, offset: int = 0,
+                               rope_base: float = DEFAULT_BASE, nonnegative_features: bool = True,
+                               numerator_only: bool = False) -> torch.Tensor:
+    """The same maths as `linear_attention` with explicit N x N weight matrices, for tests.
+    `nonnegative_features=False`: single features may be negative (see `linear_attention`);
+    `numerator_only=True`: the numerator alone, undivided (what normalization="rmsnorm" normalises)."""
+    check_flags(causal=causal, rotary=rotary, nonnegative_features=nonnegative_features,
+                numerator_only=numerator_only)
+    check_features(phi_q, phi_k, v, rank=4)
+    if nonnegative_features:
+        check_nonnegative(phi_q, phi_k)
+    check_positions(offset, v.shape[-2])
+    check_rope_base(rope_base)
+    if rotary:
+        check_rotated_dim(phi_k.shape[-1])
+    return reference_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=int(offset),
+                               rope_base=rope_base, nonnegative_features=nonnegative_features,
+                               numerator_only=numerator_only)
+
+
+def initial_state(batch: int, heads: int, num_features: int, value_dim: int, *,
+                  device=None, dtype=torch.float32, log_space: bool = False) -> LinearState:
+    """The state before the first token (what `state=None` starts from).
+
+    Args:
+        batch, heads, num_features, value_dim: the sizes of (B, H, M) features and (B, H, Dv) values.
+        device, dtype: where and in what the state's sums are kept.
+        log_space: a state for log-features.
+
+    Returns:
+        the LinearState at position 0.
+    """
+    sizes = {"batch": batch, "heads": heads, "num_features": num_features, "value_dim": value_dim}
+    for name, size in sizes.items():
+        if not is_integer(size) or size < 0:
+            raise ValueError(f"initial_state's {name} must be a non-negative integer, got {size!r}")
+    check_flags(log_space=log_space)
+    return recurrent.initial_state(*(int(size) for size in sizes.values()), device=device, dtype=dtype,
+                                   log_space=log_space)
+
+
+# ---- argument checks of the functional calls (the blocks check their own inputs) -------------------
+
+def check_chunk_size(chunk_size) -> None:
+    if not is_integer(chunk_size) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer number of tokens, got {chunk_size!r}")
+
+
+def check_features(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *, rank: int) -> None:
+    names = "(B, H, N, M) features and (B, H, N, Dv) values" if rank == 4 else \
+        "(B, H, M) features and (B, H, Dv) values for one token"
+    for name, t in (("phi_q", phi_q), ("phi_k", phi_k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        check_real_floating(name, t)
+        if t.dim() != rank:
+            raise ValueError(f"{name} must have {rank} dimensions, got shape {tuple(t.shape)}; "
+                             f"linear attention takes {names}")
+    if phi_q.shape != phi_k.shape:
+        raise ValueError(f"phi_q and phi_k must have the same shape, got {tuple(phi_q.shape)} and "
+                         f"{tuple(phi_k.shape)}; map queries and keys with the same feature map")
+    if phi_q.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"features {tuple(phi_q.shape)} and values {tuple(v.shape)} disagree before "
+                         f"the last dimension; expected {names}")
+    if phi_q.shape[-1] == 0:   # no features: every denominator is 0, so no weighting of the values exists
+        raise ValueError(f"features need at least one feature, got shape {tuple(phi_q.shape)} (M = 0)")
+
+
+def check_log_features(phi_q, phi_k, v: torch.Tensor) -> None:
+    """Log-features for log_space=True: each a (B, H, N, M) tensor or a LogProjection of
+    (B, H, N, D) inputs, an (M, D) weight and a (B, H, N, 1) shift; M and D at least 1 (a feature
+    map gives some features, and a projection reads some inputs)."""
+    if not any(isinstance(x, LogProjection) for x in (phi_q, phi_k)):
+        check_features(phi_q, phi_k, v, rank=4)
+        return
+    shapes = []
+    for name, x in (("phi_q", phi_q), ("phi_k", phi_k)):
+        if not isinstance(x, LogProjection):
+            check_features(x, x, v, rank=4)
+            shapes.append(tuple(x.shape))
+            continue
+        inputs, weight, shift, square_scale = x
+        check_projection_parts(name, inputs, weight, shift, square_scale)
+        shift_shape = tuple(shift.shape) if isinstance(shift, torch.Tensor) else (*inputs.shape[:-1], 1)
+        if inputs.dim() != 4 or weight.dim() != 2 or weight.shape[-1] != inputs.shape[-1] \
+                or shift_shape != (*inputs.shape[:-1], 1):
+            raise ValueError(f"{name}: a LogProjection takes (B, H, N, D) inputs, an (M, D) weight and a "
+                             f"(B, H, N, 1) shift (or a number), got {tuple(inputs.shape)}, {tuple(weight.shape)} "
+                             f"and {shift_shape}")
+        if inputs.shape[:-1] != v.shape[:-1]:
+            raise ValueError(f"{name}: inputs {tuple(inputs.shape)} and values {tuple(v.shape)} disagree "
+                             f"before the last dimension")
+        if 0 in weight.shape:
+            raise ValueError(f"{name}: a LogProjection projects D >= 1 inputs onto M >= 1 features, got a weight "
+                             f"of shape {tuple(weight.shape)}")
+        shapes.append(x.shape)
+    if shapes[0] != shapes[1]:
+        raise ValueError(f"phi_q and phi_k give log-features of shapes {shapes[0]} and {shapes[1]}; map "
+                         f"queries and keys with the same feature map")
+
+
+def check_projection_parts(name: str, inputs, weight, shift, square_scale) -> None:
+    """Each part of a LogProjection has its type; the error names the part that has not."""
+    def kind(x):
+        return f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else f"{x!r}"
+    for part, t in (("inputs", inputs), ("weight", weight)):
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+            raise ValueError(f"{name}: a LogProjection's {part} must be a floating-point tensor, got {kind(t)}")
+    if not (isinstance(shift, torch.Tensor) and shift.is_floating_point() or is_real(shift)):
+        raise ValueError(f"{name}: a LogProjection's shift must be a floating-point tensor or a finite number, "
+                         f"got {kind(shift)}")
+    if not is_real(square_scale):
+        raise ValueError(f"{name}: a LogProjection's square_scale must be a finite number, got {kind(square_scale)}")
+
+
+def check_dtypes(phi_q, phi_k, v: torch.Tensor, log_space: bool = False) -> None:
+    """Queries' and keys' features (every tensor of a LogProjection too) share one dtype, and v has it,
+    so that no input is silently promoted or rounded.  Two mixes are the documented forms:
+    * under autocast v may be in the autocast dtype: the block's q, k, v come out in it together, and
+      feature maps compute in float32;
+    * float32 log-features with bf16/fp16 values, autocast or not: log-features are kept in float32
+      (in half precision their exponents would round), and the values multiply in their own dtype
+      (on tensor cores on the fla backend)."""
+    features = feature_tensors(phi_q, phi_k)
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in features})
+    if len(dtypes) > 1:
+        raise ValueError(f"phi_q and phi_k must share one dtype, got {' and '.join(dtypes)}; convert them "
+                         f"with .to(dtype)")
+    dtype = features[0].dtype
+    autocast = torch.is_autocast_enabled(v.device.type) and v.dtype == torch.get_autocast_dtype(v.device.type)
+    half_values = log_space and dtype == torch.float32 and v.dtype in (torch.bfloat16, torch.float16)
+    if v.dtype != dtype and not (autocast or half_values):
+        raise ValueError(f"v is {v.dtype} but the features are {dtype}; convert one to the other with "
+                         f".to(dtype), or run under autocast")
+
+
+def check_device(phi_q, phi_k, v: torch.Tensor) -> None:
+    """Every input on one device, and one that holds data: a meta tensor has none to attend over, and
+    torch would only say that autocast does not know its device type."""
+    devices = sorted({str(t.device) for t in (*feature_tensors(phi_q, phi_k), v)})
+    if len(devices) > 1:
+        raise ValueError(f"phi_q, phi_k and v must be on one device, got tensors on {' and '.join(devices)}; "
+                         f"move them with .to(device)")
+    if v.device.type == "meta":
+        raise ValueError("linear attention computes on data, and tensors on the meta device hold none; "
+                         "pass CPU or CUDA tensors")
+
+
+def check_not_projection(phi_q, phi_k) -> None:
+    if any(isinstance(x, LogProjection) for x in (phi_q, phi_k)):
+        raise ValueError("a LogProjection holds log-features: pass log_space=True")
+
+
+def check_feature_kind(log_space: bool, nonnegative_features: bool) -> None:
+    """Log-features are logarithms of positive features: they cannot be features that may be negative."""
+    if log_space and not nonnegative_features:
+        raise ValueError("log_space=True takes log-features, the logarithms of positive features, so "
+                         "nonnegative_features=False (features that may be negative) does not apply: pass one")
+
+
+def state_position(state) -> int:
+    """The position of a LinearState (tokens seen), as a plain int: what a block needs before it maps
+    the token (rope="pre" rotates at it); `check_state` checks the rest."""
+    if not isinstance(state, LinearState):
+        raise ValueError(f"state must be the LinearState returned by a causal pass with return_state=True "
+                         f"or by a step, got {type(state).__name__}")
+    return check_state_position(state)
+
+
+def check_state(state, shape: tuple, device, dtype: torch.dtype, log_space: bool) -> LinearState:
+    """A LinearState for (B, H, M, Dv) = `shape` on `device` in the step's compute `dtype`, from the same
+    kind of features, returned with its position as a plain int.  In debug mode also with no NaN or inf
+    (log_scale is -inf only for features not seen yet): a read of the state on the host."""
+    position = state_position(state)
+    if (state.log_scale is not None) != log_space:
+        raise ValueError(f"the state was made from {'log-' if state.log_scale is not None else 'plain '}"
+                         f"features but this step has log_space={log_space}; continue a sequence with "
+                         "the kind of features that started it")
+    shapes = {"kv": shape, "k_sum": shape[:3]} | ({"log_scale": shape[:3]} if log_space else {})
+    check_state_tensors(state, device, shapes, dtype, " (its inputs' dtype; float32 for lower precisions)")
+    for name in shapes if debug_enabled() else ():
+        t = getattr(state, name)
+        finite = (t != float("inf")) & ~t.isnan() if name == "log_scale" else t.isfinite()
+        if not bool(finite.all()):
+            raise ValueError(f"state.{name} holds NaN or inf; the state is damaged (a non-finite input "
+                             f"earlier in the sequence?): start again with state=None")
+    return state._replace(position=position)

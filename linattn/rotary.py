@@ -21,16 +21,16 @@ _DIGIT_BITS = 16
 _MAX_POSITION = 2 ** 63 - 1          # positions are int64
 
 
-def check_rotated_dim(dim: int) -> None:
+def check_rotated_dim(dim: int, what: str = "the rotated dimension", fix: str = "an even head_dim / num_features (M)"
+                      ) -> None:
+    """RoPE rotates pairs (2i, 2i+1): `what`, of size `dim`, must be even (`fix` says how)."""
     if dim % 2:
-        raise ValueError(
-            f"rotary embedding rotates pairs (2i, 2i+1), so the rotated dimension must be even, "
-            f"got {dim}; use an even head_dim / num_features (M) or turn rotation off")
+        raise ValueError(f"rotary embedding rotates pairs (2i, 2i+1), so {what} must be even, got {dim}; "
+                         f"use {fix} or turn rotation off")
 
 
 def rotary_frequencies(dim: int, base: float = DEFAULT_BASE) -> list[float]:
     """theta_i = base^(-2i/dim) in float64, i = 0..dim/2-1."""
-    check_rope_base(base)
     return [base ** (-2 * i / dim) for i in range(dim // 2)]
 
 
@@ -61,9 +61,6 @@ def rotary_angles(length: int, dim: int, *, offset: int = 0, base: float = DEFAU
                   device: torch.device | str = "cpu") -> torch.Tensor:
     """p * theta_i up to multiples of 2 pi, float64 of shape (length, dim/2) and below 2^21, for
     positions p = offset..offset+length-1 (no final fmod: float64's 2 pi would cost more than it saves)."""
-    check_rotated_dim(dim)
-    check_positions(offset, length)
-    check_rope_base(base)     # before float(): '1e4' or True would convert
     offset = int(offset)
     positions = torch.arange(length, dtype=torch.int64, device=device) + offset
     angles = torch.zeros(length, dim // 2, dtype=torch.float64, device=device)
@@ -87,11 +84,7 @@ def rotary_phases(length: int, dim: int, *, offset: int = 0, base: float = DEFAU
                   device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """e^(i p theta_j) of shape (length, dim/2) for positions offset..offset+length-1, complex of
     `dtype`'s precision.  Read-only: the last few are cached."""
-    check_rotated_dim(dim)
-    check_rope_base(base)
     complex_dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
-    if is_integer(offset):
-        offset = int(offset)          # one cache entry per position, whatever integer type gave it
     if torch.compiler.is_compiling():   # a constant of the shapes, computed outside the graph
         return phases_op(length, dim, offset, float(base), torch.device(device), dtype == torch.float64)
     return _phases(length, dim, offset, float(base), str(torch.device(device)), complex_dtype)
@@ -111,8 +104,25 @@ def _(length, dim, offset, base, device, double):
 
 
 def apply_rotary(x: torch.Tensor, *, offset: int = 0, base: float = DEFAULT_BASE) -> torch.Tensor:
-    """Rotate the last dimension of x (..., N, dim) at positions offset..offset+N-1."""
+    """Rotate the last dimension of x (..., N, dim) at positions offset..offset+N-1.
+
+    Args:
+        x: a real floating tensor (..., N, dim), dim even.
+        offset: the position of x's first row, a non-negative integer.
+        base: RoPE's base, a finite number > 0.
+
+    Returns:
+        the rotated x, in x's dtype.
+    """
     check_rotary_input(x)
+    check_rotated_dim(x.shape[-1])
+    check_positions(offset, x.shape[-2])
+    check_rope_base(base)
+    return rotate(x, offset=int(offset), base=base)
+
+
+def rotate(x: torch.Tensor, *, offset: int = 0, base: float = DEFAULT_BASE) -> torch.Tensor:
+    """`apply_rotary` for callers that checked its arguments."""
     real_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     phases = rotary_phases(x.shape[-2], x.shape[-1], offset=offset, base=base, device=x.device,
                            dtype=real_dtype)

@@ -27,7 +27,7 @@ from .device import DTYPES, resolve_device, resolve_dtype
 
 ATTENTIONS = ("softmax", "linear")
 SOFTMAX_ROPE = ("post", "none")     # softmax has no feature map: "post" = RoPE on q and k
-SOFTMAX_BACKENDS = ("auto",) + linattn.SOFTMAX_BACKENDS   # auto = sdpa
+SOFTMAX_BACKENDS = linattn.SOFTMAX_BACKENDS   # the library's: auto (= sdpa), sdpa, xformers
 ATTENTION_BACKENDS = {"linear": linattn.functional.BACKENDS, "softmax": SOFTMAX_BACKENDS}
 PLAIN_OPTION_TYPES = (bool, int, float, str, type(None))
 

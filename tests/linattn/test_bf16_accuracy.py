@@ -62,8 +62,8 @@ def test_gpu_bf16_autocast_block_is_within_2e_2_of_float64_at_64k_tokens(capsys)
 @pytest.mark.parametrize("backend", ["torch", "cpp", "auto"])
 def test_plain_features_stay_float32_for_the_cpu_backends_under_autocast(backend, monkeypatch):
     import linattn.attention as attention
-    seen, run = [], attention.linear_attention
-    monkeypatch.setattr(attention, "linear_attention", lambda phi_q, phi_k, v, **kw: seen.append(phi_q.dtype) or run(phi_q, phi_k, v, **kw))
+    seen, run = [], attention.run_linear_attention
+    monkeypatch.setattr(attention, "run_linear_attention", lambda phi_q, phi_k, v, **kw: seen.append(phi_q.dtype) or run(phi_q, phi_k, v, **kw))
     block = LinearAttention(32, heads=2, feature_map="elu", rope="post", backend=backend)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         block(torch.randn(1, 16, 32))
@@ -161,7 +161,7 @@ def test_a_bf16_block_hands_the_fla_kernels_what_autocast_does(feature_map, monk
     float32 beside bf16 values (the factors made from them go to fla in bf16)."""
     pytest.importorskip("fla")
     import linattn.attention as attention
-    seen, run = [], attention.linear_attention
+    seen, run = [], attention.run_linear_attention
     monkeypatch.setattr(attention, "linear_attention", lambda phi_q, phi_k, v, **kw: seen.append(
         ((phi_q.inputs if isinstance(phi_q, LogProjection) else phi_q).dtype, v.dtype)) or run(phi_q, phi_k, v, **kw))
     device = "cuda"
@@ -192,7 +192,7 @@ def test_plain_features_go_to_the_autocast_dtype_for_the_fla_backend_when_causal
     sums in float32, so its features are not rounded (the call is recorded, not run: fla is CUDA-only)."""
     import linattn.attention as attention
     seen = []
-    monkeypatch.setattr(attention, "linear_attention",
+    monkeypatch.setattr(attention, "run_linear_attention",
                         lambda phi_q, phi_k, v, **kw: seen.append((phi_q.dtype, phi_k.dtype, v.dtype)) or v)
     block = LinearAttention(32, heads=2, feature_map="elu", rope="post", backend="fla", causal=causal)
     with torch.autocast("cpu", dtype=torch.bfloat16):

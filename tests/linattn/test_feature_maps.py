@@ -374,12 +374,6 @@ def test_heads_must_be_a_positive_integer(heads):
         make_feature_map("hedgehog", 8, heads=heads)
 
 
-def test_per_head_maps_refuse_inputs_with_another_head_count():
-    fm = make_feature_map("taylor", 8, heads=2, options={"dim": 4})
-    with pytest.raises(ValueError, match=r"weights for 2 heads and takes \(B, 2, N, 8\) inputs, got shape \(1, 3, 4, 8\)"):
-        fm(torch.randn(1, 3, 4, 8), is_query=True)
-
-
 @pytest.mark.parametrize("dim, num_features, padding", [(16, 154, 1), (4, 16, 1), (2, 6, 0), (1, 4, 1)])
 def test_taylor_size_is_one_plus_d_plus_the_upper_triangle_padded_to_even(dim, num_features, padding):
     fm = make_feature_map("taylor", 32, heads=1, options={"dim": dim})
@@ -475,38 +469,47 @@ def test_a_maps_class_knows_its_num_features_before_it_is_built(name: str) -> No
     assert linattn.HedgehogFeatureMap.num_features_for(64, {}) == 128
 
 
-MAP_CALLS = [(name, method) for name in ("elu", "favor", "softmax", "hedgehog", "taylor")
-             for method in ("__call__", "log_features", "log_projection")
-             if method == "__call__" or FEATURE_MAPS[name].log_space]
+def test_map_methods_run_unwrapped_and_a_given_map_is_checked_once_where_it_enters():
+    """Maps are checked when a block takes them (check_feature_map), not on every call."""
+    for cls in FEATURE_MAPS.values():
+        assert not hasattr(cls.forward, "__wrapped__")
 
-
-@pytest.mark.parametrize("name, method", MAP_CALLS)
-@pytest.mark.parametrize("x, is_query, message", [
-    (torch.randn(1, 2, 3, 5), True, r"maps tensors \(..., head_dim=4\) on a device that computes, got shape \(1, 2, 3, 5\)"),
-    (torch.randn(1, 2, 3, 4), "no", r"is_query must be True or False, got 'no'"),
-    (torch.randn(1, 2, 3, 4, dtype=torch.complex64), True, r"input must be a real floating-point tensor"),
-    (torch.ones(1, 2, 3, 4, dtype=torch.int64), True, r"input must be floating point, got torch.int64"),
-    (torch.randn(1, 2, 3, 4, device="meta"), True, r"on a device that computes, got shape \(1, 2, 3, 4\) on meta"),
-    ([[1.0] * 4], True, r"maps a tensor \(..., head_dim=4\), got list"),
-])
-def test_a_map_called_directly_refuses_a_bad_input_in_one_line(name, method, x, is_query, message):
-    """Maps called directly did no checks: a wrong head_dim came back as that many features (elu), or
-    failed deep in a matmul; 'no' took the query path; complex inputs lost their imaginary part."""
-    fm = make_feature_map(name, 4, heads=2)
-    call = getattr(fm, method)
-    with pytest.raises(ValueError, match=message):
-        call(x, is_query=is_query)
-
-
-def test_a_map_that_computes_another_m_than_it_declares_is_caught_where_it_runs():
     class Doubled(FeatureMap):
         def forward(self, x, *, is_query):
             return torch.cat([x.relu(), (-x).relu()], -1)   # 2D features; num_features left at D
 
-    block = LinearAttention(16, 2, feature_map=Doubled(8), rope="post")
-    with pytest.raises(ValueError, match=r"Doubled.forward gave 16 features but the map declares num_features=8; "
-                                         r"set self.num_features"):
-        block(torch.randn(1, 3, 16))
+    with pytest.raises(ValueError, match="num_features"):
+        LinearAttention(16, 2, feature_map=Doubled(8), rope="post")
+    with pytest.raises(ValueError, match="num_features"):
+        linattn.check_feature_map(Doubled(8))
+
+
+@pytest.mark.parametrize("name", ["favor", "softmax", "hedgehog"])
+def test_check_feature_map_checks_every_method_of_a_log_space_map(name, monkeypatch):
+    fm = make_feature_map(name, 8, heads=2)
+    assert linattn.check_feature_map(fm, 8, heads=2) is fm
+    real = type(fm).log_features
+    monkeypatch.setattr(type(fm), "log_features", lambda self, x, *, is_query: real(self, x, is_query=is_query)[..., :3])
+    with pytest.raises(ValueError, match="gave 3 features"):
+        linattn.check_feature_map(fm)
+
+
+def test_check_feature_map_refuses_a_map_made_for_another_block():
+    fm = make_feature_map("taylor", 8, heads=2, options={"dim": 4})
+    with pytest.raises(ValueError, match="heads"):
+        linattn.check_feature_map(fm, 8, heads=3)
+    with pytest.raises(ValueError, match="head_dim"):
+        linattn.check_feature_map(fm, 16)
+    with pytest.raises(ValueError, match="FeatureMap"):
+        linattn.check_feature_map(torch.nn.Identity(), 8)
+
+
+def test_check_feature_map_draws_nothing_and_moves_no_redraw_schedule():
+    fm = make_feature_map("favor", 8, options={"redraw_interval": 1}).train()
+    projection, state = fm.projection.clone(), torch.random.get_rng_state()
+    linattn.check_feature_map(fm, 8)
+    assert torch.equal(torch.random.get_rng_state(), state) and fm.training
+    assert fm.training_calls == 0 and torch.equal(fm.projection, projection)
 
 
 def test_the_registry_helpers_refuse_what_they_cannot_answer():

@@ -110,8 +110,7 @@ class ShiftedLogs(FeatureMap):
 
 
 @pytest.mark.parametrize("cls, message", [
-    (ExtraFeatures, "ExtraFeatures.forward gave 21 features but the map declares num_features=16; set "
-                    "self.num_features"),
+    (ExtraFeatures, "num_features"),
     (Negative, "forward(x, is_query=True) returned negative features"),
     (NotANumber, "forward(x, is_query=True) returned NaN or inf values"),
     (RaisesInForward, "forward(x, is_query=True) raised RuntimeError: boom"),

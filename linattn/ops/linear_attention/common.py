@@ -1,5 +1,5 @@
-"""What every implementation of linear attention shares: log-features given as a projection, input
-checks, compute dtype, the guarded division and the numerator's rotation."""
+"""What every implementation of linear attention shares: log-features given as a projection, the
+debug-mode data checks, compute dtype, the guarded division and the numerator's rotation."""
 from __future__ import annotations
 
 import functools
@@ -7,8 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...checks import check_real_floating, is_integer, is_real
-from ...rotary import apply_rotary
+from ...rotary import rotate
 
 DEFAULT_CHUNK_SIZE = 64   # tokens per chunk of the torch backend's causal passes
 
@@ -62,111 +61,6 @@ def source_from_parts(inputs, weight, shift, square_scale):
     return inputs if weight is None else LogProjection(inputs, weight, shift, square_scale)
 
 
-def check_chunk_size(chunk_size) -> None:
-    if not is_integer(chunk_size) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive integer number of tokens, got {chunk_size!r}")
-
-
-def check_features(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *, rank: int) -> None:
-    names = "(B, H, N, M) features and (B, H, N, Dv) values" if rank == 4 else \
-        "(B, H, M) features and (B, H, Dv) values for one token"
-    for name, t in (("phi_q", phi_q), ("phi_k", phi_k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        check_real_floating(name, t)
-        if t.dim() != rank:
-            raise ValueError(f"{name} must have {rank} dimensions, got shape {tuple(t.shape)}; "
-                             f"linear attention takes {names}")
-    if phi_q.shape != phi_k.shape:
-        raise ValueError(f"phi_q and phi_k must have the same shape, got {tuple(phi_q.shape)} and "
-                         f"{tuple(phi_k.shape)}; map queries and keys with the same feature map")
-    if phi_q.shape[:-1] != v.shape[:-1]:
-        raise ValueError(f"features {tuple(phi_q.shape)} and values {tuple(v.shape)} disagree before "
-                         f"the last dimension; expected {names}")
-    if phi_q.shape[-1] == 0:   # no features: every denominator is 0, so no weighting of the values exists
-        raise ValueError(f"features need at least one feature, got shape {tuple(phi_q.shape)} (M = 0)")
-
-
-def check_log_features(phi_q, phi_k, v: torch.Tensor) -> None:
-    """Log-features for log_space=True: each a (B, H, N, M) tensor or a LogProjection of
-    (B, H, N, D) inputs, an (M, D) weight and a (B, H, N, 1) shift; M and D at least 1 (a feature
-    map gives some features, and a projection reads some inputs)."""
-    if not any(isinstance(x, LogProjection) for x in (phi_q, phi_k)):
-        check_features(phi_q, phi_k, v, rank=4)
-        return
-    shapes = []
-    for name, x in (("phi_q", phi_q), ("phi_k", phi_k)):
-        if not isinstance(x, LogProjection):
-            check_features(x, x, v, rank=4)
-            shapes.append(tuple(x.shape))
-            continue
-        inputs, weight, shift, square_scale = x
-        check_projection_parts(name, inputs, weight, shift, square_scale)
-        shift_shape = tuple(shift.shape) if isinstance(shift, torch.Tensor) else (*inputs.shape[:-1], 1)
-        if inputs.dim() != 4 or weight.dim() != 2 or weight.shape[-1] != inputs.shape[-1] \
-                or shift_shape != (*inputs.shape[:-1], 1):
-            raise ValueError(f"{name}: a LogProjection takes (B, H, N, D) inputs, an (M, D) weight and a "
-                             f"(B, H, N, 1) shift (or a number), got {tuple(inputs.shape)}, {tuple(weight.shape)} "
-                             f"and {shift_shape}")
-        if inputs.shape[:-1] != v.shape[:-1]:
-            raise ValueError(f"{name}: inputs {tuple(inputs.shape)} and values {tuple(v.shape)} disagree "
-                             f"before the last dimension")
-        if 0 in weight.shape:
-            raise ValueError(f"{name}: a LogProjection projects D >= 1 inputs onto M >= 1 features, got a weight "
-                             f"of shape {tuple(weight.shape)}")
-        shapes.append(x.shape)
-    if shapes[0] != shapes[1]:
-        raise ValueError(f"phi_q and phi_k give log-features of shapes {shapes[0]} and {shapes[1]}; map "
-                         f"queries and keys with the same feature map")
-
-
-def check_projection_parts(name: str, inputs, weight, shift, square_scale) -> None:
-    """Each part of a LogProjection has its type; the error names the part that has not."""
-    def kind(x):
-        return f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else f"{x!r}"
-    for part, t in (("inputs", inputs), ("weight", weight)):
-        if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
-            raise ValueError(f"{name}: a LogProjection's {part} must be a floating-point tensor, got {kind(t)}")
-    if not (isinstance(shift, torch.Tensor) and shift.is_floating_point() or is_real(shift)):
-        raise ValueError(f"{name}: a LogProjection's shift must be a floating-point tensor or a finite number, "
-                         f"got {kind(shift)}")
-    if not is_real(square_scale):
-        raise ValueError(f"{name}: a LogProjection's square_scale must be a finite number, got {kind(square_scale)}")
-
-
-def check_dtypes(phi_q, phi_k, v: torch.Tensor, log_space: bool = False) -> None:
-    """Queries' and keys' features (every tensor of a LogProjection too) share one dtype, and v has it,
-    so that no input is silently promoted or rounded.  Two mixes are the documented forms:
-    * under autocast v may be in the autocast dtype: the block's q, k, v come out in it together, and
-      feature maps compute in float32;
-    * float32 log-features with bf16/fp16 values, autocast or not: log-features are kept in float32
-      (in half precision their exponents would round), and the values multiply in their own dtype
-      (on tensor cores on the fla backend)."""
-    features = feature_tensors(phi_q, phi_k)
-    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in features})
-    if len(dtypes) > 1:
-        raise ValueError(f"phi_q and phi_k must share one dtype, got {' and '.join(dtypes)}; convert them "
-                         f"with .to(dtype)")
-    dtype = features[0].dtype
-    autocast = torch.is_autocast_enabled(v.device.type) and v.dtype == torch.get_autocast_dtype(v.device.type)
-    half_values = log_space and dtype == torch.float32 and v.dtype in (torch.bfloat16, torch.float16)
-    if v.dtype != dtype and not (autocast or half_values):
-        raise ValueError(f"v is {v.dtype} but the features are {dtype}; convert one to the other with "
-                         f".to(dtype), or run under autocast")
-
-
-def check_device(phi_q, phi_k, v: torch.Tensor) -> None:
-    """Every input on one device, and one that holds data: a meta tensor has none to attend over, and
-    torch would only say that autocast does not know its device type."""
-    devices = sorted({str(t.device) for t in (*feature_tensors(phi_q, phi_k), v)})
-    if len(devices) > 1:
-        raise ValueError(f"phi_q, phi_k and v must be on one device, got tensors on {' and '.join(devices)}; "
-                         f"move them with .to(device)")
-    if v.device.type == "meta":
-        raise ValueError("linear attention computes on data, and tensors on the meta device hold none; "
-                         "pass CPU or CUDA tensors")
-
-
 def log_feature_limit(dtype: torch.dtype) -> float:
     """The largest |log-feature| the log-space path takes: 1/eps (2^23 ~ 8.4e6 in float32, 2^52 ~ 4.5e15
     in float64).  Beyond it the dtype holds a log-feature only to within 1 or worse, so the weights
@@ -212,11 +106,6 @@ def _largest_log_feature(x) -> float:
         return max(-low.item(), high.item())
 
 
-def check_not_projection(phi_q, phi_k) -> None:
-    if any(isinstance(x, LogProjection) for x in (phi_q, phi_k)):
-        raise ValueError("a LogProjection holds log-features: pass log_space=True")
-
-
 def check_nonnegative(phi_q: torch.Tensor, phi_k: torch.Tensor) -> None:
     """The denominator sums phi_q . phi_k and is only safe to divide by when every term is >= 0.
     One min() per tensor: a read of N x M against the op's O(N M (Dv + chunk)) work (measured on
@@ -227,13 +116,6 @@ def check_nonnegative(phi_q: torch.Tensor, phi_k: torch.Tensor) -> None:
                              f"non-negative features, since the denominator is a sum of phi_q . phi_k: "
                              f"use a feature map such as elu(x)+1 or favor (or, for features whose kernel "
                              f"phi_q . phi_k is positive by construction, pass nonnegative_features=False)")
-
-
-def check_feature_kind(log_space: bool, nonnegative_features: bool) -> None:
-    """Log-features are logarithms of positive features: they cannot be features that may be negative."""
-    if log_space and not nonnegative_features:
-        raise ValueError("log_space=True takes log-features, the logarithms of positive features, so "
-                         "nonnegative_features=False (features that may be negative) does not apply: pass one")
 
 
 def guard_log_features(x, dtype: torch.dtype):
@@ -302,7 +184,7 @@ def numerator_features(phi_q, phi_k, *, rotary: bool, offset: int, base: float):
 
 def numerator_feature(phi, *, rotary: bool, offset: int, base: float):
     """Eq. 19's R_n phi_n (phi itself when unrotated): one side of `numerator_features`."""
-    return apply_rotary(phi, offset=offset, base=base) if rotary else phi
+    return rotate(phi, offset=offset, base=base) if rotary else phi
 
 
 def without_autocast(backward):

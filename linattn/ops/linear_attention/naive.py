@@ -3,24 +3,18 @@ from __future__ import annotations
 
 import torch
 
-from ...checks import check_flags
 from ...rotary import DEFAULT_BASE, check_offset, rotary_phases
-from .common import check_features, check_nonnegative, compute_dtype, divide, numerator_features
+from .common import compute_dtype, divide, numerator_features
 
 
-def linear_attention_reference(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *,
+def reference_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *,
                                causal: bool, rotary: bool, offset: int = 0,
                                rope_base: float = DEFAULT_BASE, nonnegative_features: bool = True,
                                numerator_only: bool = False) -> torch.Tensor:
-    """The same maths as `linear_attention` with explicit N x N weight matrices.
+    """`functional.linear_attention_reference` after its argument checks: the same maths as
+    `linear_attention` with explicit N x N weight matrices.
     `nonnegative_features=False`: single features may be negative (see `linear_attention`);
     `numerator_only=True`: the numerator alone, undivided (what normalization="rmsnorm" normalises)."""
-    check_flags(causal=causal, rotary=rotary, nonnegative_features=nonnegative_features,
-                numerator_only=numerator_only)
-    check_features(phi_q, phi_k, v, rank=4)
-    if nonnegative_features:
-        check_nonnegative(phi_q, phi_k)
-    check_offset(offset)
     dtype = compute_dtype(phi_q, phi_k, v)
     phi_q, phi_k, v_c = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
     q_num, k_num = numerator_features(phi_q, phi_k, rotary=rotary, offset=offset, base=rope_base)

@@ -5,11 +5,10 @@ from typing import NamedTuple
 
 import torch
 
-from ...rotary import DEFAULT_BASE, apply_rotary
-from ...checks import (check_flags, check_rope_base, check_state_position, check_state_tensors, debug_enabled,
-                        is_integer)
-from .common import (check_device, check_dtypes, check_feature_kind, check_features, check_log_feature_range, check_nonnegative,
-                     compute_dtype, divide, guard_log_features, nan_where_negative)
+from ...checks import debug_enabled
+from ...rotary import rotate
+from .common import (check_log_feature_range, check_nonnegative, compute_dtype, divide, guard_log_features,
+                     nan_where_negative)
 from .stable import numerator_query, numerator_scale
 
 
@@ -29,31 +28,15 @@ def initial_state(batch: int, heads: int, num_features: int, value_dim: int, *,
                   device=None, dtype=torch.float32, log_space: bool = False) -> LinearState:
     """The state before the first token (what `state=None` starts from), for (B, H, M) features and
     (B, H, value_dim) values."""
-    sizes = {"batch": batch, "heads": heads, "num_features": num_features, "value_dim": value_dim}
-    for name, size in sizes.items():
-        if not is_integer(size) or size < 0:
-            raise ValueError(f"initial_state's {name} must be a non-negative integer, got {size!r}")
-    check_flags(log_space=log_space)
     zeros = torch.zeros(batch, heads, num_features, value_dim, device=device, dtype=dtype)
     k_sum = zeros.new_zeros(batch, heads, num_features)
     log_scale = torch.full_like(k_sum, float("-inf")) if log_space else None
     return LinearState(zeros, k_sum, 0, log_scale)
 
 
-def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
-                          state: LinearState | None, *, rotary: bool,
-                          rope_base: float = DEFAULT_BASE, log_space: bool = False,
-                          nonnegative_features: bool = True):
-    """One token of causal linear attention: (B, H, M) features and (B, H, Dv) values at position
-    `state.position`.  O(M * Dv) time and memory, whatever the context length.  With
-    `log_space=True`, phi_q and phi_k hold log-features and the state carries their running max.
-    `nonnegative_features=False`: single features may be negative (see `linear_attention`)."""
-    check_flags(rotary=rotary, log_space=log_space, nonnegative_features=nonnegative_features)
-    check_features(phi_q, phi_k, v, rank=3)
-    check_feature_kind(log_space, nonnegative_features)
-    check_device(phi_q, phi_k, v)
-    check_dtypes(phi_q, phi_k, v, log_space)
-    check_rope_base(rope_base)
+def recurrent_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, state: LinearState | None, *,
+                   rotary: bool, rope_base: float, log_space: bool, nonnegative_features: bool):
+    """`functional.linear_attention_step` after its argument checks (the state's too)."""
     dtype = compute_dtype(phi_q, phi_k, v)
     if log_space:
         if debug_enabled():
@@ -66,7 +49,6 @@ def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Ten
     b, h, m = phi_q.shape
     if state is None:
         state = initial_state(b, h, m, v.shape[-1], device=v.device, dtype=dtype, log_space=log_space)
-    state = check_state(state, (b, h, m, v.shape[-1]), v.device, dtype, log_space)
     with torch.autocast(phi_q.device.type, enabled=False):
         phi_q, phi_k, v_c = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
         if log_space:
@@ -81,37 +63,8 @@ def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Ten
     return out.to(v.dtype), LinearState(kv, k_sum, state.position + 1)
 
 
-def state_position(state) -> int:
-    """The position of a LinearState (tokens seen), as a plain int: what a block needs before it maps
-    the token (rope="pre" rotates at it); linear_attention_step checks the rest of the state."""
-    if not isinstance(state, LinearState):
-        raise ValueError(f"state must be the LinearState returned by a causal pass with return_state=True "
-                         f"or by a step, got {type(state).__name__}")
-    return check_state_position(state)
-
-
-def check_state(state, shape: tuple, device, dtype: torch.dtype, log_space: bool) -> LinearState:
-    """A LinearState for (B, H, M, Dv) = `shape` on `device` in the step's compute `dtype`, from the same
-    kind of features, returned with its position as a plain int.  In debug mode also with no NaN or inf
-    (log_scale is -inf only for features not seen yet): a read of the state on the host."""
-    position = state_position(state)
-    if (state.log_scale is not None) != log_space:
-        raise ValueError(f"the state was made from {'log-' if state.log_scale is not None else 'plain '}"
-                         f"features but this step has log_space={log_space}; continue a sequence with "
-                         "the kind of features that started it")
-    shapes = {"kv": shape, "k_sum": shape[:3]} | ({"log_scale": shape[:3]} if log_space else {})
-    check_state_tensors(state, device, shapes, dtype, " (its inputs' dtype; float32 for lower precisions)")
-    for name in shapes if debug_enabled() else ():
-        t = getattr(state, name)
-        finite = (t != float("inf")) & ~t.isnan() if name == "log_scale" else t.isfinite()
-        if not bool(finite.all()):
-            raise ValueError(f"state.{name} holds NaN or inf; the state is damaged (a non-finite input "
-                             f"earlier in the sequence?): start again with state=None")
-    return state._replace(position=position)
-
-
 def _rotate_token(x: torch.Tensor, position: int, base: float) -> torch.Tensor:
-    return apply_rotary(x.unsqueeze(-2), offset=position, base=base).squeeze(-2)
+    return rotate(x.unsqueeze(-2), offset=position, base=base).squeeze(-2)
 
 
 def _log_step(b, a, v, state: LinearState, *, rotary: bool, rope_base: float, out_dtype):

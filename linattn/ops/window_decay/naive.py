@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ...rotary import DEFAULT_BASE, apply_rotary
+from ...rotary import DEFAULT_BASE, rotate
 
 
 def window_decay_reference(q_hat: torch.Tensor, k_hat: torch.Tensor, phi_q: torch.Tensor, phi_k: torch.Tensor,
@@ -27,7 +27,7 @@ def window_decay_reference(q_hat: torch.Tensor, k_hat: torch.Tensor, phi_q: torc
     kappa = phi_q @ phi_k.transpose(-1, -2)
     nu = kappa
     if rotary:
-        nu = apply_rotary(phi_q, offset=offset, base=rope_base) @ apply_rotary(phi_k, offset=offset,
+        nu = rotate(phi_q, offset=offset, base=rope_base) @ rotate(phi_k, offset=offset,
                                                                              base=rope_base).transpose(-1, -2)
     scores = torch.exp(q_hat @ k_hat.transpose(-1, -2) * q_hat.shape[-1] ** -0.5)
     positions = torch.arange(n, dtype=torch.float64)

@@ -29,8 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from ...checks import check_state_position, check_state_tensors
-from ...functional import LinearState, initial_state, linear_attention, linear_attention_step
-from ...rotary import apply_rotary, rotary_phases
+from ...functional import LinearState, run_linear_attention
+from ..linear_attention.recurrent import initial_state, recurrent_step
+from ...rotary import rotary_phases, rotate
 
 FLOOR = -1e30    # a log-weight that is exactly 0 beside any real one, finite so that no inf - inf appears
 MIN_BLOCK = 32   # the window's query blocks have at least this many rows (fewer, larger products)
@@ -105,8 +106,8 @@ def plain_linear_part(phi_q, phi_k, v, *, window, rate, rotary, offset, rope_bas
     bounded as the op's are: they must fit the dtype."""
     q_num, k_num = phi_q, phi_k
     if rotary:
-        q_num = apply_rotary(phi_q, offset=offset + window, base=rope_base)
-        k_num = apply_rotary(phi_k, offset=offset, base=rope_base)
+        q_num = rotate(phi_q, offset=offset + window, base=rope_base)
+        k_num = rotate(phi_k, offset=offset, base=rope_base)
     num, den, kv, k_sum = decayed_chunks(q_num, k_num, phi_q, phi_k, v, rate, chunk_size)
     log_den, safe = guarded_log(den)
     state = LinearState(kv.detach(), k_sum.detach(), offset + v.shape[-2]) if return_state else None
@@ -158,14 +159,14 @@ def log_linear_part(b, a, v, *, window, rate, rotary, offset, rope_base, chunk_s
         b, a = b + steps, a - steps   # (H, N, 1): as many queries as keys
     log_sums = torch.logcumsumexp(a, dim=-2)    # log sum_{n<=j} e^(a_n), per feature
     call = dict(causal=True, rotary=rotary, offset=offset, chunk_size=chunk_size, rope_base=rope_base,
-                backend=backend, log_space=True, return_state=return_state)
+                backend=backend, log_space=True, return_state=return_state, nonnegative_features=True)
     if rotary and window:
         (pos_op, pos), (neg_op, neg) = rotated_query_parts(b, window, rope_base)
-        result = linear_attention(pos_op, a, v, **call)
+        result = run_linear_attention(pos_op, a, v, **call)
         out_pos, state = result if return_state else (result, None)
-        out_neg = linear_attention(neg_op, a, v, **(call | {"return_state": False}))
+        out_neg = run_linear_attention(neg_op, a, v, **(call | {"return_state": False}))
         return (*rotated_ratio(b, pos, neg, out_pos, out_neg, log_sums), state)
-    result = linear_attention(b, a, v, **call)
+    result = run_linear_attention(b, a, v, **call)
     ratio, state = result if return_state else (result, None)
     return (row_log_sums(b, log_sums) if window else None), ratio, state
 
@@ -263,12 +264,28 @@ def combine(scores, values, lin_log, ratio) -> torch.Tensor:
 
 # ---- decoding -------------------------------------------------------------------------------------
 
-def window_state_position(state) -> int:
-    """The position of a WindowState (tokens seen), as a plain int."""
+def check_window_state(state, batch_heads: tuple, head_dim: int, num_features: int, device, dtype: torch.dtype,
+                       log_space: bool) -> int:
+    """A WindowState for a block's step (checked there, once): (B, H) = `batch_heads`, keys and values of
+    head_dim, key features of num_features, on `device` in the step's `dtype`, and a linear state of the
+    same kind of features (`log_space`) and sizes.  Returns its position as a plain int."""
     if not isinstance(state, WindowState):
         raise ValueError(f"state must be the WindowState returned by forward(..., return_state=True) or step() "
                          f"of a block with a window or decay, got {type(state).__name__}")
-    return check_state_position(state)
+    position = check_state_position(state)
+    cached = state.keys.shape[-2] if isinstance(state.keys, torch.Tensor) and state.keys.dim() == 4 else -1
+    shapes = {name: (*batch_heads, cached, width) for name, width in
+              (("keys", head_dim), ("values", head_dim), ("features", num_features))}
+    check_state_tensors(state, device, shapes, dtype)
+    if state.linear is not None:
+        shape = (*batch_heads, num_features, head_dim)
+        if not isinstance(state.linear, LinearState) or (state.linear.log_scale is not None) != log_space:
+            kind = "log-" if log_space else "plain "
+            raise ValueError(f"state.linear must be a LinearState of {kind}features, got {type(state.linear).__name__}; "
+                             "pass the state returned for the same model (or None to start)")
+        sums = {"kv": shape, "k_sum": shape[:3]} | ({"log_scale": shape[:3]} if log_space else {})
+        check_state_tensors(state.linear, device, sums, dtype)
+    return position
 
 
 def window_decay_step(q_hat, k_hat, phi_q, phi_k, v, state: WindowState | None, *, window: int, log_decay,
@@ -282,11 +299,7 @@ def window_decay_step(q_hat, k_hat, phi_q, phi_k, v, state: WindowState | None, 
         empty = v.new_zeros(*v.shape[:2], 0, 1)
         state = WindowState(None, empty.expand(-1, -1, -1, k_hat.shape[-1]), empty.expand(-1, -1, -1, v.shape[-1]),
                             empty.expand(-1, -1, -1, phi_k.shape[-1]), 0, 0)
-    position = window_state_position(state)
-    cached = state.keys.shape[-2] if isinstance(state.keys, torch.Tensor) and state.keys.dim() == 4 else -1
-    shapes = {name: (*v.shape[:2], cached, t.shape[-1]) for name, t in
-              (("keys", k_hat), ("values", v), ("features", phi_k))}
-    check_state_tensors(state, v.device, shapes, dtype)
+    position = int(state.position)
     keys, values, features = (torch.cat((cache, t.unsqueeze(-2)), -2) for cache, t in
                               ((state.keys, k_hat), (state.values, v), (state.features, phi_k)))
     rate = None if log_decay is None else log_decay.to(dtype)
@@ -318,11 +331,10 @@ def plain_linear_step(phi_q, phi_k, v, linear, *, position, origin, window, rate
     shape = (*v.shape[:2], phi_k.shape[-1], v.shape[-1])
     if linear is None:
         linear = LinearState(v.new_zeros(shape), v.new_zeros(shape[:3]), position - window)
-    check_linear_state(linear, shape, v.device, v.dtype)
     q_num, k_num = phi_q, phi_k
     if rotary:
-        q_num = apply_rotary(phi_q.unsqueeze(-2), offset=position, base=rope_base).squeeze(-2)
-        k_num = apply_rotary(phi_k.unsqueeze(-2), offset=position - window, base=rope_base).squeeze(-2)
+        q_num = rotate(phi_q.unsqueeze(-2), offset=position, base=rope_base).squeeze(-2)
+        k_num = rotate(phi_k.unsqueeze(-2), offset=position - window, base=rope_base).squeeze(-2)
     kv, k_sum = linear.kv, linear.k_sum
     if rate is not None:
         decay = torch.exp(rate)[:, None]   # (H, 1)
@@ -334,29 +346,21 @@ def plain_linear_step(phi_q, phi_k, v, linear, *, position, origin, window, rate
     return log_den, num / safe.unsqueeze(-1), LinearState(kv, k_sum, position - window + 1)
 
 
-def check_linear_state(linear, shape: tuple, device, dtype) -> None:
-    """The plain maps' linear state: a LinearState of plain sums for (B, H, M, Dv) = `shape`."""
-    if not isinstance(linear, LinearState) or linear.log_scale is not None:
-        raise ValueError(f"state.linear must be a LinearState of plain features, got {type(linear).__name__}; "
-                         "pass the state returned for the same model (or None to start)")
-    check_state_tensors(linear, device, {"kv": shape, "k_sum": shape[:3]}, dtype)
-
-
 def log_linear_step(b, a, v, linear, *, position, origin, window, rate, rotary, rope_base):
-    """`plain_linear_step` from log-features, through `linear_attention_step` (the op's exact recurrence)."""
+    """`plain_linear_step` from log-features, through the op's exact recurrence (`recurrent_step`)."""
     if rate is not None:   # the leaving key's index (and the query's) from the origin, as in log_linear_part
         steps = (position - window - origin) * rate[:, None]
         b, a = b + steps, a - steps
     if linear is None:   # the op's state puts the query and the leaving key at the key's position
         linear = initial_state(*v.shape[:2], a.shape[-1], v.shape[-1], device=v.device, dtype=v.dtype,
                                log_space=True)._replace(position=position - window)
-    call = dict(rotary=rotary, rope_base=rope_base, log_space=True)
+    call = dict(rotary=rotary, rope_base=rope_base, log_space=True, nonnegative_features=True)
     if rotary and window:
         (pos_op, pos), (neg_op, neg) = rotated_query_parts(b, window, rope_base)
-        out_pos, new = linear_attention_step(pos_op, a, v, linear, **call)
-        out_neg, _ = linear_attention_step(neg_op, a, v, linear, **call)
+        out_pos, new = recurrent_step(pos_op, a, v, linear, **call)
+        out_neg, _ = recurrent_step(neg_op, a, v, linear, **call)
         return (*rotated_ratio(b, pos, neg, out_pos, out_neg, state_log_sums(new)), new)
-    ratio, new = linear_attention_step(b, a, v, linear, **call)
+    ratio, new = recurrent_step(b, a, v, linear, **call)
     return row_log_sums(b, state_log_sums(new)), ratio, new
 
 
