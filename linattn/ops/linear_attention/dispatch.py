@@ -27,6 +27,7 @@ from . import cpp_logspace, fla_kernels, torch_logspace, torch_plain
 from .backends import cpp_runs_here, cpp_unavailable, fla_installed
 from .common import (check_log_feature_range, check_nonnegative, compute_dtype, feature_tensors, guard_log_features,
                      nan_where_negative)
+from .plain_scale import scale_plain_features
 
 BACKENDS = ("auto", "torch", "cpp", "fla")
 
@@ -102,7 +103,8 @@ def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rot
                              nonnegative_features: bool = True, check_range: bool = True):
     """`functional.linear_attention` after its argument checks: the inputs guarded (values out of
     range made NaN, -inf log-features raised to a floor; in debug mode checked, which reads them on
-    the host), then the implementation the table holds for the call.  What the custom op
+    the host), plain features brought to unit size (plain_scale.py: every backend computes at any
+    scale of them), then the implementation the table holds for the call.  What the custom op
     `linattn::linear_attention` runs under torch.compile.  `check_range=False`: the caller's forward
     checked these very features already (the compiled backward, which runs the computation again)."""
     dtype = compute_dtype(*feature_tensors(phi_q, phi_k), v)
@@ -115,8 +117,15 @@ def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rot
         if debug_enabled():
             check_nonnegative(phi_q, phi_k)
         v = nan_where_negative(phi_q, phi_k, v)
-    tokens = v.shape[-2]
-    attend = implementation(log_space, resolved, causal, v.shape[:-1].numel())
-    return attend(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset, rope_base=rope_base,
-                  chunk_size=max(1, min(chunk_size, tokens)),   # a short sequence is one chunk, unpadded
-                  return_state=return_state)
+    tokens, rows = v.shape[-2], v.shape[:-1].numel()
+    scaled = not log_space and rows
+    if scaled:   # plain features at unit size: the output does not depend on their scale
+        phi_q, phi_k, key_scale = scale_plain_features(phi_q, phi_k, causal=causal)
+    attend = implementation(log_space, resolved, causal, rows)
+    result = attend(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset, rope_base=rope_base,
+                    chunk_size=max(1, min(chunk_size, tokens)),   # a short sequence is one chunk, unpadded
+                    return_state=return_state)
+    if scaled and return_state:   # the state in the features' own scale, as a step continues it
+        out, state = result
+        return out, state._replace(kv=state.kv * key_scale, k_sum=state.k_sum * key_scale.squeeze(-1))
+    return result
