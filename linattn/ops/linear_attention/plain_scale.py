@@ -33,38 +33,43 @@ def power_of_two_below(largest: torch.Tensor) -> torch.Tensor:
 
 
 def query_scale(phi_q: torch.Tensor) -> torch.Tensor:
-    """Per query row (..., N, 1)."""
+    """One per query row: (..., 1) for (..., M) features."""
     return power_of_two_below(largest_finite(phi_q, -1))
 
 
 def key_scale(phi_k: torch.Tensor) -> torch.Tensor:
-    """Per (batch, head) (..., 1, 1) for (..., N, M) keys, or (..., 1) for one token's (..., M)."""
+    """One per (batch, head): (B, H, 1) for (B, H, M) features (the step's), (B, H, 1, 1) for (B, H, N, M)."""
     return power_of_two_below(largest_finite(phi_k, tuple(range(2, phi_k.dim()))))
 
 
 def scale_plain_features(phi_q: torch.Tensor, phi_k: torch.Tensor, *, causal: bool):
-    """(phi_q, phi_k, key scale): both divided by their scales, and for causal attention NaN in the
-    query rows whose keys are all lost to underflow beside a much larger later key (see
-    `rows_without_keys`).  The key scale multiplies a returned state back to the features' own scale."""
-    k_scale, q_scale = key_scale(phi_k), query_scale(phi_q)
+    """(phi_q, phi_k, key scale) for (B, H, N, M) features: both divided by their scales, and for causal
+    attention NaN in the query rows whose keys are all lost to underflow beside a much larger later key
+    (see `rows_without_keys`).  The key scale (B, H, 1, 1) multiplies a returned state back to the
+    features' own scale."""
+    key_rows = largest_finite(phi_k, -1)                                     # (B, H, N, 1)
+    k_scale, q_scale = power_of_two_below(key_rows.amax(-2, keepdim=True)), query_scale(phi_q)
     if causal:   # + NaN: the row divides by NaN
-        q_scale = q_scale + rows_without_keys(phi_k, k_scale)
+        q_scale = q_scale + rows_without_keys(key_rows, k_scale)
     return phi_q / q_scale, phi_k / k_scale, k_scale
 
 
-def rows_without_keys(phi_k: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
-    """(B, H, N, 1): NaN at causal rows m that have a key with a non-zero feature at n <= m but none
-    that stays a normal number once scaled (every such key is below tiny times the largest key of the
-    sequence, 2^-126 ~ 1.2e-38 in float32); 0 elsewhere.  Such a row would read 0 / 0 and come out 0,
-    finite and wrong.  Found by two reductions over the (B, H, N) row maxima, no scan."""
+def rows_without_keys(key_rows: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:
+    """(B, H, N, 1), from each key's largest finite |feature| (B, H, N, 1): NaN at causal rows m that
+    have a key with a non-zero feature at n <= m but none that stays a normal number once scaled (every
+    such key is below tiny times the largest key of the sequence, 2^-126 ~ 1.2e-38 in float32); 0
+    elsewhere.  Such a row would read 0 / 0 and come out 0, finite and wrong.  Two reductions over the
+    (B, H, N) row maxima find the first of each kind of key, no scan along the sequence."""
     with torch.no_grad():
-        row_largest = largest_finite(phi_k, -1).squeeze(-1)                     # (B, H, N)
-        nonzero = row_largest > 0
-        normal = row_largest / k_scale.squeeze(-1) >= torch.finfo(phi_k.dtype).tiny
-        first_nonzero = torch.where(nonzero.any(-1, keepdim=True), nonzero.byte().argmax(-1, keepdim=True),
-                                    row_largest.shape[-1])
-        first_normal = normal.byte().argmax(-1, keepdim=True)      # argmax gives the first of equal maxima
-        first_normal = torch.where(normal.any(-1, keepdim=True), first_normal, row_largest.shape[-1])
-        position = torch.arange(row_largest.shape[-1], device=phi_k.device)
+        rows = key_rows.squeeze(-1)
+        position = torch.arange(rows.shape[-1], device=rows.device)
+        first_nonzero, first_normal = (first_true(found, rows.shape[-1])
+                                       for found in (rows > 0, rows / k_scale.squeeze(-1) >= torch.finfo(rows.dtype).tiny))
         lost = (position >= first_nonzero) & (position < first_normal)
-        return torch.where(lost, float("nan"), 0.0).to(phi_k.dtype).unsqueeze(-1)
+        return torch.where(lost, float("nan"), 0.0).to(rows.dtype).unsqueeze(-1)
+
+
+def first_true(found: torch.Tensor, none: int) -> torch.Tensor:
+    """The first index along the last dimension where `found` holds (kept), `none` where it never does
+    (argmax gives the first of equal maxima)."""
+    return torch.where(found.any(-1, keepdim=True), found.byte().argmax(-1, keepdim=True), none)
