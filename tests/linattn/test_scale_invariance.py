@@ -152,3 +152,18 @@ def test_the_reference_refuses_n_whose_n_by_n_matrices_cannot_fit():
     v = torch.rand(1, 1, 1, DV, dtype=torch.float64).expand(1, 1, 2 ** 21, DV)
     with pytest.raises(ValueError, match="memory"):
         linear_attention_reference(q, q, v, causal=True, rotary=False)
+
+
+def test_decoding_past_the_range_of_the_key_sums_gives_nan_not_finite_values():
+    """The state holds sum_n phi(k_n) in the features' own scale: float32 keys near its largest number
+    overflow that sum, and every output from then on is NaN (before: some rows finite and wrong)."""
+    q, k, v = inputs()
+    state, outs = None, []
+    for t in range(N):
+        out, state = linear_attention_step(q[:, :, t], k[:, :, t] * 1e38, v[:, :, t], state, rotary=False)
+        outs.append(out)
+    out = torch.stack(outs, dim=2).double()
+    ref = linear_attention_reference(q.double(), k.double(), v.double(), causal=True, rotary=False)
+    finite = out.isfinite().all(-1)
+    assert finite[:, :, 0].all() and not finite[:, :, -1].any()
+    assert ((out - ref).abs().amax(-1)[finite] < 1e-5 * ref.abs().amax()).all()

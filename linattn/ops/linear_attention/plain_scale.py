@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 # The exponent bits of each floating dtype: x's bits & mask are those of the largest power of two <= x
-# (0 for a subnormal x), for a finite x >= 0.
+# (0 for a subnormal x, inf for inf or NaN), for x >= 0.
 EXPONENT_BITS = {torch.float64: (torch.int64, 0x7FF0000000000000), torch.float32: (torch.int32, 0x7F800000),
                  torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00)}
 
@@ -25,8 +25,8 @@ def largest_finite(x: torch.Tensor, dim) -> torch.Tensor:
 
 
 def power_of_two_below(largest: torch.Tensor) -> torch.Tensor:
-    """The largest power of two <= `largest` (finite, >= 0), at least the dtype's smallest normal
-    number (so a zero row divides by that and stays zero)."""
+    """The largest power of two <= `largest` (>= 0), at least the dtype's smallest normal number (so a
+    zero row divides by that and stays zero); inf for inf or NaN."""
     int_dtype, mask = EXPONENT_BITS[largest.dtype]
     power = (largest.view(int_dtype) & mask).view(largest.dtype)
     return power.clamp_min_(torch.finfo(largest.dtype).tiny)
@@ -35,11 +35,6 @@ def power_of_two_below(largest: torch.Tensor) -> torch.Tensor:
 def query_scale(phi_q: torch.Tensor) -> torch.Tensor:
     """One per query row: (..., 1) for (..., M) features."""
     return power_of_two_below(largest_finite(phi_q, -1))
-
-
-def key_scale(phi_k: torch.Tensor) -> torch.Tensor:
-    """One per (batch, head): (B, H, 1) for (B, H, M) features (the step's), (B, H, 1, 1) for (B, H, N, M)."""
-    return power_of_two_below(largest_finite(phi_k, tuple(range(2, phi_k.dim()))))
 
 
 def scale_plain_features(phi_q: torch.Tensor, phi_k: torch.Tensor, *, causal: bool):

@@ -10,7 +10,7 @@ from ...checks import (check_flags, check_rope_base, check_state_position, check
                         is_integer)
 from .common import (check_device, check_dtypes, check_feature_kind, check_features, check_log_feature_range, check_nonnegative,
                      compute_dtype, divide, guard_log_features, nan_where_negative)
-from .plain_scale import key_scale, query_scale
+from .plain_scale import power_of_two_below, query_scale
 from .stable import numerator_query, numerator_scale
 
 
@@ -112,8 +112,10 @@ def _plain_step(q, k, v, state: LinearState, *, rotary: bool, rope_base: float, 
     """The parallel pass's sums one token on, at plain_scale.py's scales: the query row by its own, the
     state and the token's key by one power of two per (batch, head) from both (k_sum bounds the keys
     seen, or for taylor holds their squares), so the output does not depend on the features' scale
-    either; the state is kept in the features' own scale."""
-    scale = key_scale(torch.cat((state.k_sum, k), dim=-1))             # (B, H, 1)
+    either; the state is kept in the features' own scale.  A state or key that holds inf or NaN (sums
+    of keys past the dtype's range) makes the scale inf and the output NaN, never finite and wrong."""
+    with torch.no_grad():
+        scale = power_of_two_below(torch.cat((state.k_sum, k), dim=-1).abs().amax(-1, keepdim=True))   # (B, H, 1)
     q, k = q / query_scale(q), k / scale
     kv, k_sum = state.kv / scale.unsqueeze(-1), state.k_sum / scale
     q_num, k_num = q, k
