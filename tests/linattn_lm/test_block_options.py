@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from linattn_lm import ByteLM, config_from_flags, evaluate, training
-from linattn_lm.config import BLOCK_OPTIONS, config_differences
+from linattn_lm.config import config_differences
+from linattn_lm.variants import BLOCK_OPTIONS
 from linattn_lm.grid_report import comparable_pairs, softmax_baseline
 from linattn_lm.lm import state_size
 from linattn_lm.variants import variant_flags

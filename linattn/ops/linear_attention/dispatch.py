@@ -27,6 +27,8 @@ from . import cpp_logspace, fla_kernels, torch_logspace, torch_plain
 from .backends import cpp_runs_here, cpp_unavailable, fla_installed
 from .common import (check_log_feature_range, check_nonnegative, compute_dtype, feature_tensors, guard_log_features,
                      nan_where_negative)
+from .memory import check_fits
+from .plain_scale import scale_plain_features
 
 BACKENDS = ("auto", "torch", "cpp", "fla")
 
@@ -102,10 +104,12 @@ def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rot
                              nonnegative_features: bool = True, check_range: bool = True):
     """`functional.linear_attention` after its argument checks: the inputs guarded (values out of
     range made NaN, -inf log-features raised to a floor; in debug mode checked, which reads them on
-    the host), then the implementation the table holds for the call.  What the custom op
+    the host), plain features brought to unit size (plain_scale.py: every backend computes at any
+    scale of them), then the implementation the table holds for the call.  What the custom op
     `linattn::linear_attention` runs under torch.compile.  `check_range=False`: the caller's forward
     checked these very features already (the compiled backward, which runs the computation again)."""
     dtype = compute_dtype(*feature_tensors(phi_q, phi_k), v)
+    check_output_fits(phi_k.shape[-1], v, dtype)
     resolved = resolve(backend, v.device, float64=dtype == torch.float64, log_space=log_space, causal=causal)
     if log_space:   # the bound first: -inf (a feature that is exactly 0) is raised to a floor below it
         if check_range and debug_enabled():
@@ -115,8 +119,26 @@ def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rot
         if debug_enabled():
             check_nonnegative(phi_q, phi_k)
         v = nan_where_negative(phi_q, phi_k, v)
-    tokens = v.shape[-2]
-    attend = implementation(log_space, resolved, causal, v.shape[:-1].numel())
-    return attend(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset, rope_base=rope_base,
-                  chunk_size=max(1, min(chunk_size, tokens)),   # a short sequence is one chunk, unpadded
-                  return_state=return_state)
+    tokens, rows = v.shape[-2], v.shape[:-1].numel()
+    scaled = not log_space and rows
+    if scaled:   # plain features at unit size: the output does not depend on their scale
+        phi_q, phi_k, key_scale = scale_plain_features(phi_q, phi_k, causal=causal)
+    attend = implementation(log_space, resolved, causal, rows)
+    result = attend(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset, rope_base=rope_base,
+                    chunk_size=max(1, min(chunk_size, tokens)),   # a short sequence is one chunk, unpadded
+                    return_state=return_state)
+    if scaled and return_state:   # the state in the features' own scale, as a step continues it
+        out, state = result
+        return out, state._replace(kv=state.kv * key_scale, k_sum=state.k_sum * key_scale.squeeze(-1))
+    return result
+
+
+def check_output_fits(num_features: int, v: torch.Tensor, dtype: torch.dtype) -> None:
+    """The output and the (B, H, N, M) features each backend makes of q and k, in the compute dtype, fit the
+    device's memory: inputs that hold their numbers already take that much, so only expanded views of
+    a huge N (or B, H) are refused, before any allocation."""
+    rows = v.shape[:-1].numel()
+    needed = rows * (2 * num_features + v.shape[-1]) * torch.finfo(dtype).bits // 8
+    check_fits(f"linear attention over {tuple(v.shape[:-1])} (B, H, N) rows", needed, v.device,
+               "attend over fewer tokens at a time (a shorter sequence, or chunks of it carried on with "
+               "return_state and linear_attention_step)")

@@ -5,6 +5,8 @@ import torch
 
 from ...rotary import DEFAULT_BASE, check_offset, rotary_phases
 from .common import compute_dtype, divide, numerator_features
+from .memory import check_fits
+from .plain_scale import scale_plain_features
 
 
 def reference_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *,
@@ -16,7 +18,13 @@ def reference_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tenso
     `nonnegative_features=False`: single features may be negative (see `linear_attention`);
     `numerator_only=True`: the numerator alone, undivided (what normalization="rmsnorm" normalises)."""
     dtype = compute_dtype(phi_q, phi_k, v)
+    n = v.shape[-2]
+    check_fits(f"linear_attention_reference's two N x N weight matrices at N = {n}",
+               2 * v.shape[:-2].numel() * n * n * torch.finfo(dtype).bits // 8, v.device,
+               "the reference is O(N^2) in memory: use linear_attention for long sequences")
     phi_q, phi_k, v_c = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
+    if not numerator_only and v.shape[:-1].numel():   # at unit size, as linear_attention (the ratio allows it)
+        phi_q, phi_k, _ = scale_plain_features(phi_q, phi_k, causal=causal)
     q_num, k_num = numerator_features(phi_q, phi_k, rotary=rotary, offset=offset, base=rope_base)
     numerator_weights = q_num @ k_num.transpose(-1, -2)
     denominator_weights = phi_q @ phi_k.transpose(-1, -2)

@@ -9,6 +9,7 @@ from ...checks import debug_enabled
 from ...rotary import rotate
 from .common import (check_log_feature_range, check_nonnegative, compute_dtype, divide, guard_log_features,
                      nan_where_negative)
+from .plain_scale import power_of_two_below, query_scale
 from .stable import numerator_query, numerator_scale
 
 
@@ -53,18 +54,31 @@ def recurrent_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, st
         phi_q, phi_k, v_c = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
         if log_space:
             return _log_step(phi_q, phi_k, v_c, state, rotary=rotary, rope_base=rope_base, out_dtype=v.dtype)
-        q_num, k_num = phi_q, phi_k
-        if rotary:
-            q_num, k_num = (_rotate_token(t, state.position, rope_base) for t in (phi_q, phi_k))
-        kv = state.kv + k_num.unsqueeze(-1) * v_c.unsqueeze(-2)
-        k_sum = state.k_sum + phi_k
-        numerator = (q_num.unsqueeze(-2) @ kv).squeeze(-2)
-        out = divide(numerator, (phi_q * k_sum).sum(-1))
-    return out.to(v.dtype), LinearState(kv, k_sum, state.position + 1)
+        return _plain_step(phi_q, phi_k, v_c, state, rotary=rotary, rope_base=rope_base, out_dtype=v.dtype)
 
 
 def _rotate_token(x: torch.Tensor, position: int, base: float) -> torch.Tensor:
     return rotate(x.unsqueeze(-2), offset=position, base=base).squeeze(-2)
+
+
+def _plain_step(q, k, v, state: LinearState, *, rotary: bool, rope_base: float, out_dtype):
+    """The parallel pass's sums one token on, at plain_scale.py's scales: the query row by its own, the
+    state and the token's key by one power of two per (batch, head) from both (k_sum bounds the keys
+    seen, or for taylor holds their squares), so the output does not depend on the features' scale
+    either; the state is kept in the features' own scale.  A state or key that holds inf or NaN (sums
+    of keys past the dtype's range) makes the scale inf and the output NaN, never finite and wrong."""
+    with torch.no_grad():
+        scale = power_of_two_below(torch.cat((state.k_sum, k), dim=-1).abs().amax(-1, keepdim=True))   # (B, H, 1)
+    q, k = q / query_scale(q), k / scale
+    kv, k_sum = state.kv / scale.unsqueeze(-1), state.k_sum / scale
+    q_num, k_num = q, k
+    if rotary:
+        q_num, k_num = (_rotate_token(t, state.position, rope_base) for t in (q, k))
+    kv = kv + k_num.unsqueeze(-1) * v.unsqueeze(-2)
+    k_sum = k_sum + k
+    numerator = (q_num.unsqueeze(-2) @ kv).squeeze(-2)
+    out = divide(numerator, (q * k_sum).sum(-1))
+    return out.to(out_dtype), LinearState(kv * scale.unsqueeze(-1), k_sum * scale, state.position + 1)
 
 
 def _log_step(b, a, v, state: LinearState, *, rotary: bool, rope_base: float, out_dtype):
