@@ -159,11 +159,24 @@ class _Scales(NamedTuple):
 def _exp(x: torch.Tensor) -> torch.Tensor:
     """e^x with x clamped from below to the smallest normal float's log (exp is ~40x slower where it
     returns subnormals, and such terms are below 1e-37 of a denominator >= 1); in place where no
-    gradient is recorded."""
+    gradient is recorded.  Its gradient is e^x's own, also where clamped (a term that small weighs
+    nothing), which saves backward a mask."""
     low = math.log(torch.finfo(x.dtype).tiny) + 1
     if torch.is_grad_enabled():
-        return x.clamp_min(low).exp()
+        return _ClampedExp.apply(x, low)
     return x.clamp_min_(low).exp_()
+
+
+class _ClampedExp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, low):
+        y = x.clamp_min(low).exp_()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.saved_tensors[0], None
 
 
 def _factors(x: torch.Tensor, phases) -> torch.Tensor:
@@ -187,7 +200,7 @@ def _chunks(b_j, a_j, v_j, state, key_sum, scales: _Scales, phases, query_scale=
     Q per row if given (it need only be at least the row's own Q minus JUMP_LIMIT), else the row's own."""
     rotary = phases is not None
     with torch.no_grad():   # the scales cancel exactly: no gradient
-        feat_rows = torch.maximum(a_j, scales.feat).cummax(-2).values       # F_m, (B, H, G, L, M)
+        feat_rows = _running_max(torch.maximum(a_j, scales.feat))           # F_m, (B, H, G, L, M)
         pair_rows = numerator_scale(feat_rows, rotary)
         if query_scale is None:
             query_scale = (b_j + feat_rows).amax(-1)
@@ -205,51 +218,71 @@ def _chunks(b_j, a_j, v_j, state, key_sum, scales: _Scales, phases, query_scale=
 def _within_chunks(shifted, a_j, v_j, feat_rows, pair_rows, phases):
     """3. of the module docstring: the sums over n <= m within each chunk, (B, H, G, L, Dv) and
     (B, H, G, L).  The pair (n, m), n < m, is taken at the level of the highest bit in which n and m
-    differ (positions within the chunk), with the scales at the last token of n's half as reference:
-    between n and m, so that both factors are <= 1 (queries: b + F_e - Q <= b + F_m - Q <= 0; keys:
-    a_n - F_e <= 0).  n = m is its own term."""
+    differ (positions within the chunk): n in the left half of a block of 2 x half rows, m in its right
+    half, with the scales at the left half's last token as reference, between n and m, so that both
+    factors are <= 1 (queries: b + F_e - Q <= b + F_m - Q <= 0; keys: a_n - F_e <= 0).  n = m is its
+    own term."""
     rotary = phases is not None
-    den_terms = _exp(shifted + a_j)
-    denominator = den_terms.sum(-1)
+    denominator = _exp(shifted + a_j).sum(-1)
     if rotary:   # (R_m x)^T (R_m y) = x^T y: the diagonal is unrotated, its query factor capped
         own = _exp((shifted + pair_rows).clamp_max(NUMERATOR_CAP) + a_j - pair_rows).sum(-1)
     else:
         own = denominator
     numerator = own.unsqueeze(-1) * v_j
     length = a_j.shape[-2]
-    positions = torch.arange(length, device=a_j.device)
-    for level in range((length - 1).bit_length()):
+    levels = (length - 1).bit_length()
+    if not levels:
+        return numerator, denominator
+    # Padded to 2^levels rows: keys and queries of factor e^(-inf) (clamped: tiny), zero values, and the
+    # last row's scales, so that every factor stays finite and a padded row weighs nothing real.
+    padded = [_pad(x, 1 << levels, fill) for x, fill in ((shifted, -math.inf), (a_j, -math.inf), (v_j, 0.0),
+                                                          (feat_rows, None), (pair_rows, None))]
+    phases = None if not rotary else _pad(phases, 1 << levels, 0.0)
+    numerator_levels = torch.zeros_like(padded[2])
+    denominator_levels = torch.zeros_like(padded[0][..., 0])
+    for level in range(levels):
         half = 1 << level
-        queries = ((positions >> level) & 1).bool().unsqueeze(-1)               # the right halves
-        reference = ((positions >> (level + 1) << (level + 1)) + half - 1).clamp_max(length - 1)
-        feat_ref = feat_rows.index_select(-2, reference)
-        den = _exp(torch.where(queries, shifted + feat_ref, a_j - feat_ref))
+        (_, q), (k, _), (v_left, _), (feat, _), (pair, _) = (
+            x.unflatten(-2, (-1, 2, half)).unbind(-3) for x in padded)
+        feat_ref, pair_ref = feat[..., -1:, :], pair[..., -1:, :]     # (..., blocks, 1, M)
+        k_den, q_den = _exp(k - feat_ref), _exp(q + feat_ref)
         if rotary:
-            pair_ref = pair_rows.index_select(-2, reference)
-            num = _factors(torch.where(queries, (shifted + pair_ref).clamp_max(NUMERATOR_CAP), a_j - pair_ref),
-                           phases)
+            ph_k, ph_q = phases.unflatten(-2, (-1, 2, half)).unbind(-3)
+            k_num = rotate_pairs(_exp(k - pair_ref), ph_k)
+            q_num = rotate_pairs(_exp((q + pair_ref).clamp_max(NUMERATOR_CAP)), ph_q)
         else:
-            num = den
-        (k_den, q_den), (k_num, q_num), (v_left, _) = (_halves(x, half) for x in (den, num, v_j))
-        numerator = numerator + _right_halves((q_num @ k_num.transpose(-1, -2)) @ v_left, length)
-        level_den = (q_den * k_den.sum(-2, keepdim=True)).sum(-1, keepdim=True)
-        denominator = denominator + _right_halves(level_den, length).squeeze(-1)
-    return numerator, denominator
+            k_num, q_num = k_den, q_den
+        # (half 1: the products of 1 x 1 matrices as elementwise ops)
+        scores = (q_num * k_num).sum(-1, keepdim=True) if half == 1 else q_num @ k_num.transpose(-1, -2)
+        numerator_levels = _add_right(numerator_levels, scores * v_left if half == 1 else scores @ v_left, half)
+        denominator_levels = _add_right(denominator_levels.unsqueeze(-1),
+                                        (q_den * k_den.sum(-2, keepdim=True)).sum(-1, keepdim=True), half).squeeze(-1)
+    return numerator + numerator_levels[..., :length, :], denominator + denominator_levels[..., :length]
 
 
-def _halves(x: torch.Tensor, half: int):
-    """x (..., L, .) zero-padded to blocks of 2 half rows: its left halves (keys) and right halves (queries),
-    (..., blocks, half, .)."""
-    length = x.shape[-2]
-    pad = -length % (2 * half)
-    blocks = torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
-    return blocks.unflatten(-2, (-1, 2, half)).unbind(-3)
+def _running_max(x: torch.Tensor) -> torch.Tensor:
+    """cummax along the rows of x (..., L, M), by doubling (log2 L maxima over x: torch's cummax along
+    a non-last dimension walks the rows one at a time)."""
+    step = 1
+    while step < x.shape[-2]:
+        x = torch.cat([x[..., :step, :], torch.maximum(x[..., step:, :], x[..., :-step, :])], -2)
+        step *= 2
+    return x
 
 
-def _right_halves(x: torch.Tensor, length: int) -> torch.Tensor:
-    """Values for the right halves (..., blocks, half, .) placed at their rows of (..., L, .), zero on the left."""
-    placed = torch.nn.functional.pad(x.unsqueeze(-3), (0, 0, 0, 0, 1, 0))
-    return placed.flatten(-4, -2)[..., :length, :]
+def _pad(x: torch.Tensor, rows: int, fill: float | None) -> torch.Tensor:
+    """x (..., L, .) with rows L..rows-1 added: `fill`, or the last row repeated (None)."""
+    extra = rows - x.shape[-2]
+    if not extra:
+        return x
+    tail = x[..., -1:, :] if fill is None else x.new_full((*x.shape[:-2], 1, x.shape[-1]), fill)
+    return torch.cat([x, tail.expand(*x.shape[:-2], extra, x.shape[-1])], -2)
+
+
+def _add_right(total: torch.Tensor, right: torch.Tensor, half: int) -> torch.Tensor:
+    """total (..., R, .) plus `right` (..., R / (2 half), half, .) on the right half of each block."""
+    blocks = total.unflatten(-2, (-1, 2, half))
+    return torch.stack([blocks.select(-3, 0), blocks.select(-3, 1) + right], -3).flatten(-4, -2)
 
 
 def _run_states(state, key_sum, a_j, v_j, scales: _Scales, phases):
