@@ -4,68 +4,53 @@ any device, in dispatch.py's call shape: the `torch` backend's entry for log-fea
 
 
 Log-features (b = log phi_q, a = log phi_k, with stable.py's running maxima F, P and Q).
-Causal, in chunks of L tokens (L = chunk_size), the structure of gated linear attention kernels,
-with the decay applied between chunks only.  Chunk k works relative to the scales r_k = F, P at its
-first token s_k, a past position for every row of the chunk (1.-3. say how; 4. gives the backward):
+Causal, in chunks of L tokens (L = chunk_size), the structure of gated linear attention kernels.
+Every exponential is formed relative to the scales at a position between its key n and its query m,
+so that each factor is <= 1 (numerator queries: <= e^NUMERATOR_CAP) and no decision is taken from the
+data: the same ops run whatever the inputs, and nothing is read on the host (a GPU synchronisation).
 
-1. the scales F_k, P_k (B, H, M) per chunk, and per row Q_m = max_j (b_mj + F_k,j): the scale
-   factors cancel exactly in the output, so no gradient flows through them.  The denominator still
-   holds the term e^(b_mj* + a_n*j* - Q_m) = 1 of the feature j* reaching Q_m (n* <= s_k <= m);
-2. inter-chunk: the state before chunk k+1 is kept scaled to r_{k+1}:
-       S_{k+1} = e^{P_k - P_{k+1}} (S_k + sum_{n in k} R_n e^{a_n - P_k} v_n^T)
-   (the decay is constant over a rotation pair, so it commutes with R_n), likewise
-   Z_{k+1} = e^{F_k - F_{k+1}} (Z_k + sum_{n in k} e^{a_n - F_k}).  Query m in chunk k reads
-   (R_m e^{b_m + P_k - Q_m})^T S_k and e^{b_m + F_k - Q_m} . Z_k;
-3. intra-chunk (n <= m, both in the chunk), separable with the same scales: query factors
-   e^{b_m + r - Q_m} (<= 1 for the denominator) times key factors e^{a_n - r}, which is safe while
-   the running max of row m grew by at most JUMP_LIMIT (30) since s_k: no factor overflows, and a
-   term lost to underflow is below e^-57 of the denominator.  Rows whose max jumped further (early
-   tokens and outliers) take Q_m from their own running max F_m and are recomputed exactly, every
-   term exponentiated on its own:
-       den(m, n) = sum_j e^{b_mj + a_nj - Q_m}
-       num(m, n) = sum_i cos(phi) (e^{b_m,2i + a_n,2i - Q_m} + e^{b_m,2i+1 + a_n,2i+1 - Q_m})
-                       + sin(phi) (e^{b_m,2i + a_n,2i+1 - Q_m} - e^{b_m,2i+1 + a_n,2i - Q_m})
-   with phi = (m - n) theta_i, since (R_m x)^T (R_n y) = Re((x_1 + i x_2)(y_1 - i y_2) e^{i phi});
-   that costs 2 L M exps per such row.  Key factors are capped at e^JUMP_LIMIT, which only touches
-   keys that are masked or in rows computed exactly, and such a chunk feeds the next state with
-   e^{a_n - P_{k+1}} <= 1 directly instead of through the capped factors of 2.
-4. backward (custom autograd, as the plain path's `_CausalAttention` below): the loop runs again in reverse,
-   recomputing each chunk's factors rather than saving them.  What is saved is the inputs, the
-   output, the denominators, Q, the scales and one state every STATE_GROUP chunks; a group's
-   states are recomputed before it is walked in reverse.  With g = d loss / d out, the output
-   gives g_num = g / den and g_den = -(g . out) / den per row; then, per chunk, with A the masked
-   scores (R q_num)(R k_num)^T and G = d loss / d S_{k+1} carried from the chunk after:
-       G~ = e^{P_k - P_{k+1}} G                           (d loss / d (S_k + K^T v))
-       d(R q_num) = g_num S_k^T + tril(g_num v^T) (R k_num)
-       d(R k_num) = tril(g_num v^T)^T (R q_num) + v G~^T,     dv = A^T g_num + (R k_num) G~
-       d q_den = g_den (Z_k + running sums of k_den),    d k_den = suffix sums of g_den q_den + H~
-       d S_k = G~ + (R q_num)^T g_num,                    d Z_k = H~ + sum_m g_den_m q_den_m
-   (H~ = e^{F_k - F_{k+1}} H for Z), rotated back by R^T, and through the exponentials
-   d b = d q_num q_num + d q_den q_den, d a = d k_num k_num + d k_den k_den (zero where capped).
-   A chunk with exactly computed rows is rare; its backward is autograd through its recomputed
-   forward.
-5. cost: per chunk a handful of (L x M) exponentials (numerator factors are the denominator's
-   times e^(P - F) while a pair's scales stay within PAIR_SPREAD; exponents below the normal
-   range are clamped, since exp is ~40x slower where it returns subnormals) and (L x M) @ (M x Dv)
+1. the scales: F_k, P_k (B, H, M) at each chunk's first token s_k; per row the running maxima F_m, P_m
+   (log2 L maxima by doubling) and Q_m = max_j (b_mj + F_mj).  They cancel exactly in the output, so
+   no gradient flows through them.  The denominator holds the term e^(b_mj* + a_n*j* - Q_m) = 1 of the
+   feature j* reaching Q_m, so it is >= 1;
+2. inter-chunk: the state before chunk k is kept scaled to r_k = F_k, P_k:
+       S_{k+1} = e^{P_k - P_{k+1}} S_k + sum_{n in k} R_n e^{a_n - P_{k+1}} v_n^T
+   (the decay is constant over a rotation pair, so it commutes with R_n; every key factor <= 1),
+   likewise Z_{k+1} = e^{F_k - F_{k+1}} Z_k + sum_{n in k} e^{a_n - F_{k+1}}.  Query m in chunk k reads
+   (R_m min(e^{b_m + P_k - Q_m}, e^NUMERATOR_CAP))^T S_k and e^{b_m + F_k - Q_m} . Z_k;
+3. intra-chunk (n < m, both in the chunk), by halves: the pair is taken at the level of the highest bit
+   in which the positions n and m differ, where n lies in the left half and m in the right half of a
+   block of 2^(level+1) positions.  With e the last position of that left half (n <= e < m), query
+   factors e^{b_m + F_e - Q_m} <= e^{b_m + F_m - Q_m} <= 1 and key factors e^{a_n - F_e} <= 1 (P_e for the
+   numerator, the query factor capped), so nothing overflows and a term lost to underflow is below
+   e^-57 of the denominator, however far the maxima jump inside the chunk.  Each level is one
+   batched product over its blocks ((half x M) @ (M x half), then @ (half x Dv)); the diagonal n = m
+   is its own elementwise term ((R_m x)^T (R_m y) = x^T y).  A chunk is padded to 2^levels rows with
+   keys and queries of factor ~0 and zero values;
+4. backward: autograd through each run's recomputed forward, the runs walked in reverse with
+   d loss / d S, d loss / d Z carried from the run after.  What is saved is the inputs, the output, the
+   denominators, Q, the scales and one state every STATE_GROUP chunks; a group's states are
+   recomputed before it is walked in reverse.  Q is a constant to autograd (exact wherever the cap
+   does not act); e^x's gradient is e^x also where x was clamped from below (a term of 1e-38).
+5. cost: per chunk (3 + log2 L) (L x M) exponentials, twice that with rotation (exponents below the normal range are clamped, since exp is ~40x slower where it returns
+   subnormals), L^2 (M + Dv) / 2 multiply-adds within chunks and the (L x M) @ (M x Dv) state
    products.  Log-features may come as a `LogProjection` (inputs @ W^T + shift, FAVOR+'s form):
    each chunk then projects its own rows, so neither the (B, H, N, M) log-features nor their
    gradients are ever held, and backward hands back the gradients of the (B, H, N, D) inputs.
 6. runs: chunks are computed G at a time as (B, H, G, L, .) tensors (up to RUN_ELEMENTS elements
    each, within one group of STATE_GROUP chunks), so that one op serves G chunks: only the state
-   sums S_{k+1} = e^{P_k - P_{k+1}} S_k + U_k, and their reverse in backward, run chunk by chunk.
-   Every run is first computed whole as if no chunk had exact rows or wide pairs, so that its
-   shapes and paths depend on N alone (a batched product or the complex rotation may round a chunk
-   differently when the batch differs); from the first chunk that has them on, chunks are redone
-   one at a time, and in that chunk the rows before the jump keep the run's values.  So a later
-   token that jumps changes no earlier output's bits (test_stable checks shapes where it did).
+   sums S_{k+1} = e^{P_k - P_{k+1}} S_k + U_k, and their reverse in backward, run chunk by chunk.  The
+   runs depend on N alone (a batched product or the complex rotation may round a chunk differently
+   when the batch differs).
 
-Nothing at position m reads a position after m (the keys after m in its chunk are masked, and
-their factors are capped so that nothing masked is inf), and every reduction has the same shape
-whatever comes later, so past outputs are bitwise unchanged when future tokens change.
+Nothing at position m reads a position after m (within a chunk a query meets only the keys of the
+left halves before it, each level's product is row by row), and every op has the same shape whatever
+the data, so past outputs are bitwise unchanged when future tokens change.
 
-On CPU the C++ kernel (cpp_logspace.py, stable_cpu.cpp) runs the regular chunks of the causal
-log-space pass one (head, chunk) at a time, and hands the chunks with exact rows or wide pairs back to this module
-(`irregular_chunk_forward`, `irregular_chunk_backward`).
+On CPU the C++ kernel (cpp_logspace.py, stable_cpu.cpp) runs the chunks of the causal log-space pass
+one (head, chunk) at a time with the separable form at the chunk's first-token scales, and hands the
+chunks where that is not safe (a row's running max jumped past JUMP_LIMIT, or a pair's scales spread
+past PAIR_SPREAD) back to this module (`irregular_chunk_forward`, `irregular_chunk_backward`).
 """
 from __future__ import annotations
 
@@ -92,7 +77,7 @@ def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope
     """Eq. 19 from log-features b = log phi_q, a = log phi_k, each a tensor or a `LogProjection`
     (the causal op then projects chunk by chunk), in float32 (float64 stays float64) with autocast
     off; outputs in v's dtype.  The state (if asked) carries F.  Under torch.compile it runs eagerly
-    (a graph break): its chunk loop takes decisions from the data, and inductor failed on a ragged
+    (a graph break): its loop over chunks is Python's, and inductor failed on a ragged
     last chunk ("Exponent must be non-negative").  `causal_pass`: what computes the causal pass, with
     `causal_log_attention`'s arguments and results (None: that function; cpp_logspace.py gives its C++ kernel's)."""
     out_dtype, dtype = v.dtype, compute_dtype(*feature_tensors(b, a), v)
