@@ -32,10 +32,11 @@ data: the same ops run whatever the inputs, and nothing is read on the host (a G
    denominators, Q, the scales and one state every STATE_GROUP chunks; a group's states are
    recomputed before it is walked in reverse.  Q is a constant to autograd (exact wherever the cap
    does not act); e^x's gradient is e^x also where x was clamped from below (a term of 1e-38).
-5. cost: per chunk (3 + log2 L) (L x M) exponentials, twice that with rotation (exponents below the normal range are clamped, since exp is ~40x slower where it returns
-   subnormals), L^2 (M + Dv) / 2 multiply-adds within chunks and the (L x M) @ (M x Dv) state
-   products.  Log-features may come as a `LogProjection` (inputs @ W^T + shift, FAVOR+'s form):
-   each chunk then projects its own rows, so neither the (B, H, N, M) log-features nor their
+5. cost: per chunk (3 + log2 L) (L x M) exponentials, twice that with rotation (exponents below
+   the normal range are clamped, since exp is ~40x slower where it returns subnormals), about
+   L^2 (M + Dv) / 2 multiply-adds within chunks and the (L x M) @ (M x Dv) state products.
+   Log-features may come as a `LogProjection` (inputs @ W^T + shift, FAVOR+'s form): each chunk
+   then projects its own rows, so neither the (B, H, N, M) log-features nor their
    gradients are ever held, and backward hands back the gradients of the (B, H, N, D) inputs.
 6. runs: chunks are computed G at a time as (B, H, G, L, .) tensors (up to RUN_ELEMENTS elements
    each, within one group of STATE_GROUP chunks), so that one op serves G chunks: only the state
@@ -153,6 +154,8 @@ def _exp(x: torch.Tensor) -> torch.Tensor:
 
 
 class _ClampedExp(torch.autograd.Function):
+    """`_exp` where a gradient is recorded."""
+
     @staticmethod
     def forward(ctx, x, low):
         y = x.clamp_min(low).exp_()
@@ -283,15 +286,14 @@ def _run_states(state, key_sum, a_j, v_j, scales: _Scales, phases):
     return states, key_sums, state, key_sum
 
 
-def _decayed_sums(x, updates, decays, reverse: bool = False):
-    """x <- decays_k x + updates_k over a run's chunks k (dim 2), from the last back with `reverse`:
-    x before each chunk's update, stacked (B, H, G, ...) in chunk order, and x after the last."""
-    chunks = range(updates.shape[2])
+def _decayed_sums(x, updates, decays):
+    """x <- decays_k x + updates_k over a run's chunks k (dim 2): x before each chunk's update, stacked
+    (B, H, G, ...), and x after the last."""
     befores = []
-    for g in reversed(chunks) if reverse else chunks:
+    for g in range(updates.shape[2]):
         befores.append(x)
         x = torch.addcmul(updates[:, :, g], decays[:, :, g], x)
-    return torch.stack(befores[::-1] if reverse else befores, 2), x
+    return torch.stack(befores, 2), x
 
 
 class _Run(NamedTuple):
