@@ -304,7 +304,7 @@ def check_methods_build(settings: Settings, device: torch.device) -> None:
             except (ValueError, TypeError, RuntimeError, MemoryError) as error:   # RuntimeError: an allocation
                 raise BadSetting(f"method {method.name} ({mask}) cannot run with these settings: "
                                  f"{first_line(error)}") from None
-    for section, flag_name, chosen in (("block", "--block-methods", settings.block_methods),
+    for section, flag, chosen in (("block", "--block-methods", settings.block_methods),
                                        ("model", "--model-methods", settings.model_methods)):
         for name in chosen if section in settings.sections else ():
             if name in SOFTMAX_BLOCKS:
@@ -313,7 +313,7 @@ def check_methods_build(settings: Settings, device: torch.device) -> None:
                 block = build_block(name, settings.head_dim, 1, settings.num_features)
                 linattn.resolve_backend(block.backend, device, log_space=block.feature_map.log_space)
             except (ValueError, TypeError, RuntimeError, MemoryError) as error:
-                raise BadSetting(f"{flag_name} {name} cannot run with these settings: {first_line(error)}") from None
+                raise BadSetting(f"{flag} {name} cannot run with these settings: {first_line(error)}") from None
     odd = [m for m in settings.kernel_features if m % 2]
     if "kernels" in settings.sections and odd:
         raise BadSetting(f"--kernel-features {','.join(map(str, odd))}: the kernels section's op rotates pairs of "
