@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .lm import lm_loss
-from .device import autocast
+from .scoring import summed_over_batches
 
 POWER_A = 0.01   # Zoology's default exponent of the query gaps' power law
 IGNORED = -100   # the target of a position that is no query (F.cross_entropy's ignore_index)
@@ -88,28 +88,18 @@ class MqarBatches:
         self.batches_drawn = state["batches_drawn"]
 
 
-@torch.no_grad()
 def query_scores(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
                  dtype: str = "auto") -> tuple[float, int, int]:
     """(loss in nats summed over the query positions, queries answered right by the most likely
     token, query positions) over (x, y) batches, in eval mode."""
-    was_training = model.training
-    model.eval()
-    nats = torch.zeros((), dtype=torch.float64, device=device)
-    correct = torch.zeros((), dtype=torch.int64, device=device)
-    count = 0
-    try:
-        for x, y in batches:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with autocast(device, dtype):
-                logits = model(x)
-            nats += lm_loss(logits, y, reduction="sum").double()   # the ignored targets add nothing
-            queries = y != IGNORED
-            correct += (logits.argmax(dim=-1) == y)[queries].sum()
-            count += int(queries.sum())
-    finally:
-        model.train(was_training)
-    return nats.item(), int(correct.item()), count
+    def measure(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        queries = y != IGNORED   # the ignored targets add nothing to the loss
+        return (lm_loss(logits, y, reduction="sum").double(), (logits.argmax(dim=-1) == y)[queries].sum(),
+                queries.sum())
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    nats, correct, count = summed_over_batches(model, batches, device, dtype, measure,
+                                               (torch.zeros((), dtype=torch.float64, device=device), zero, zero))
+    return nats.item(), int(correct.item()), int(count.item())
 
 
 HELD_OUT_BATCHES = 64   # batches of each held-out stream a finished run is scored on (grid.py)

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import torch
 
+from ...checks import debug_enabled
 from ...rotary import rotate
 
 DEFAULT_CHUNK_SIZE = 64   # tokens per chunk of the torch backend's causal passes
@@ -149,6 +150,22 @@ def nan_where_negative(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor
         low = torch.minimum(phi_q.amin(-1, keepdim=True), phi_k.amin(-1, keepdim=True))
         poison = torch.where(low < 0, float("nan"), 0.0).to(v.dtype)
     return v + poison
+
+
+def guard_features(phi_q, phi_k, v: torch.Tensor, dtype: torch.dtype, *, log_space: bool,
+                   nonnegative_features: bool, check_range: bool = True):
+    """(phi_q, phi_k, v) as the computation takes them: log-features raised to their floor (the range
+    checked first in debug mode), or for non-negative plain features a negative one made NaN in the
+    values it reaches (checked in debug mode), so that bad features never give a finite wrong output."""
+    if log_space:   # the bound first: -inf (a feature that is exactly 0) is raised to a floor below it
+        if check_range and debug_enabled():
+            check_log_feature_range(phi_q, phi_k, dtype)
+        return guard_log_features(phi_q, dtype), guard_log_features(phi_k, dtype), v
+    if nonnegative_features:
+        if debug_enabled():
+            check_nonnegative(phi_q, phi_k)
+        v = nan_where_negative(phi_q, phi_k, v)
+    return phi_q, phi_k, v
 
 
 def feature_tensors(*features) -> list[torch.Tensor]:

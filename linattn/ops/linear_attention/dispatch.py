@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from ...checks import debug_enabled
 from . import cpp_logspace, fla_kernels, torch_logspace, torch_plain
 from .backends import cpp_runs_here, cpp_unavailable, fla_installed
-from .common import (check_log_feature_range, check_nonnegative, compute_dtype, feature_tensors, guard_log_features,
-                     nan_where_negative)
+from .common import compute_dtype, feature_tensors, guard_features
 from .memory import check_fits
 from .plain_scale import scale_plain_features
 
@@ -111,14 +109,8 @@ def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rot
     dtype = compute_dtype(*feature_tensors(phi_q, phi_k), v)
     check_output_fits(phi_k.shape[-1], v, dtype)
     resolved = resolve(backend, v.device, float64=dtype == torch.float64, log_space=log_space, causal=causal)
-    if log_space:   # the bound first: -inf (a feature that is exactly 0) is raised to a floor below it
-        if check_range and debug_enabled():
-            check_log_feature_range(phi_q, phi_k, dtype)
-        phi_q, phi_k = guard_log_features(phi_q, dtype), guard_log_features(phi_k, dtype)
-    elif nonnegative_features:
-        if debug_enabled():
-            check_nonnegative(phi_q, phi_k)
-        v = nan_where_negative(phi_q, phi_k, v)
+    phi_q, phi_k, v = guard_features(phi_q, phi_k, v, dtype, log_space=log_space,
+                                     nonnegative_features=nonnegative_features, check_range=check_range)
     tokens, rows = v.shape[-2], v.shape[:-1].numel()
     scaled = not log_space and rows
     if scaled:   # plain features at unit size: the output does not depend on their scale

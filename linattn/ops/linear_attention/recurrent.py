@@ -5,10 +5,8 @@ from typing import NamedTuple
 
 import torch
 
-from ...checks import debug_enabled
 from ...rotary import rotate
-from .common import (check_log_feature_range, check_nonnegative, compute_dtype, divide, guard_log_features,
-                     nan_where_negative)
+from .common import compute_dtype, divide, guard_features
 from .plain_scale import power_of_two_below, query_scale
 from .stable import numerator_query, numerator_scale
 
@@ -39,14 +37,8 @@ def recurrent_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, st
                    rotary: bool, rope_base: float, log_space: bool, nonnegative_features: bool):
     """`functional.linear_attention_step` after its argument checks (the state's too)."""
     dtype = compute_dtype(phi_q, phi_k, v)
-    if log_space:
-        if debug_enabled():
-            check_log_feature_range(phi_q, phi_k, dtype)
-        phi_q, phi_k = guard_log_features(phi_q, dtype), guard_log_features(phi_k, dtype)
-    elif nonnegative_features:
-        if debug_enabled():
-            check_nonnegative(phi_q, phi_k)
-        v = nan_where_negative(phi_q, phi_k, v)
+    phi_q, phi_k, v = guard_features(phi_q, phi_k, v, dtype, log_space=log_space,
+                                     nonnegative_features=nonnegative_features)
     b, h, m = phi_q.shape
     if state is None:
         state = initial_state(b, h, m, v.shape[-1], device=v.device, dtype=dtype, log_space=log_space)
