@@ -3,7 +3,6 @@ names (built and parsed by one codec) and in the blocks the model builds; a hybr
 end to end."""
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
 import linattn
@@ -18,7 +17,21 @@ from linattn_lm.lm import state_size
 from linattn_lm.variants import variant_flags
 
 FAVOR = {"num_features": 16, "redraw_interval": 1000}
-LIBRARY_HAS_WINDOW = "window" in inspect.signature(linattn.LinearAttention).parameters
+
+
+def assert_decodes_as_parallel(model: ByteLM, tokens: int = 20, prefill: int = 7):
+    """A prefill of `prefill` tokens, then steps, give the parallel pass's logits; returns the tokens,
+    the parallel pass's logits and the last state."""
+    idx = torch.randint(0, 256, (2, tokens))
+    with torch.no_grad():
+        full = model(idx)
+        logits, state = model.prefill(idx[:, :prefill])
+        stepped = [logits]
+        for position in range(prefill, tokens):
+            step_logits, state = model.step(idx[:, position], state)
+            stepped.append(step_logits[:, None])
+    torch.testing.assert_close(torch.cat(stepped, dim=1), full, atol=2e-5, rtol=1e-4)
+    return idx, full, state
 
 
 @pytest.fixture(autouse=True)
@@ -47,6 +60,8 @@ def block_kwargs(monkeypatch):
     ("linear-taylor-pre+window=8+decay=0.5_0.9_0.99_1.0", {"window": 8, "decay": "0.5,0.9,0.99,1.0"}),
     ("linear-favor-none+softmax_layers=1_3+redraw_interval=0", {"softmax_layers": "1,3"}),
 ])
+
+
 def test_block_options_in_variant_names_round_trip(name: str, block: dict) -> None:
     flags = variant_flags(name)
     assert {key: flags[key] for key in BLOCK_OPTIONS if key in flags} == block
@@ -149,15 +164,7 @@ def test_hybrid_layers_are_softmax_rope_blocks(block_kwargs) -> None:
 def test_a_hybrid_decodes_as_its_parallel_pass(small_config) -> None:
     torch.manual_seed(0)
     model = ByteLM(small_config(softmax_layers="1", feature_map_options=FAVOR, seq_len=32)).eval()
-    idx = torch.randint(0, 256, (2, 20))
-    with torch.no_grad():
-        full = model(idx)
-        logits, state = model.prefill(idx[:, :7])
-        stepped = [logits]
-        for position in range(7, 20):
-            step_logits, state = model.step(idx[:, position], state)
-            stepped.append(step_logits[:, None])
-    torch.testing.assert_close(torch.cat(stepped, dim=1), full, atol=2e-5, rtol=1e-4)
+    assert_decodes_as_parallel(model)
 
 
 def test_a_hybrid_trains_saves_and_scores(data_dir: Path, tiny: list[str], tmp_path: Path, run_main) -> None:
@@ -183,20 +190,11 @@ def test_window_and_decay_variants_are_paired_by_their_factors() -> None:
         ("linear-favor-post+decay=retnet", "linear-favor-post", "decay")]
 
 
-@pytest.mark.skipif(not LIBRARY_HAS_WINDOW, reason="LinearAttention takes no window yet (the library side of issue 36)")
 def test_window_and_decay_train_and_decode_end_to_end(data_dir: Path, tiny: list[str], tmp_path: Path,
                                                       run_main, small_config) -> None:
     torch.manual_seed(0)
     model = ByteLM(small_config(window=4, decay="retnet", rope="pre", feature_map_options=FAVOR, seq_len=32)).eval()
-    idx = torch.randint(0, 256, (2, 20))
-    with torch.no_grad():
-        full = model(idx)
-        logits, state = model.prefill(idx[:, :7])
-        stepped = [logits]
-        for position in range(7, 20):
-            step_logits, state = model.step(idx[:, position], state)
-            stepped.append(step_logits[:, None])
-    torch.testing.assert_close(torch.cat(stepped, dim=1), full, atol=2e-5, rtol=1e-4)
+    assert_decodes_as_parallel(model)
     argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--window", "8", "--decay", "retnet",
             "--steps", "4", "--eval-interval", "4", "--ckpt-interval", "4", "--sample-interval", "0"]
     code, _, err = run_main(training.main, argv)
@@ -259,15 +257,7 @@ def test_the_window_control_builds_windowed_softmax_blocks_that_decode_as_they_r
     assert [(type(block.attn).__name__, block.attn.window) for block in model.blocks] == \
         [("SoftmaxAttention", 4)] * config.n_layer
     assert state_size(config) == f"4 x 2 x {config.head_dim} KV cache"
-    idx = torch.randint(0, 256, (2, 20))
-    with torch.no_grad():
-        full = model(idx)
-        logits, state = model.prefill(idx[:, :7])
-        stepped = [logits]
-        for position in range(7, 20):
-            step_logits, state = model.step(idx[:, position], state)
-            stepped.append(step_logits[:, None])
-    torch.testing.assert_close(torch.cat(stepped, dim=1), full, atol=2e-5, rtol=1e-4)
+    idx, full, state = assert_decodes_as_parallel(model)
     assert all(layer.k.shape[-2] == 4 for layer in state.layers)
     # the window changes the model: a window as long as the context is plain causal softmax
     plain = ByteLM(small_config(attention="softmax", feature_map="", feature_map_options={}, seq_len=32)).eval()
