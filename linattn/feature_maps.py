@@ -268,7 +268,8 @@ def _float(x: torch.Tensor) -> torch.Tensor:
 
 @register_feature_map("elu")
 class EluFeatureMap(FeatureMap):
-    """elu(x) + 1 (Katharopoulos et al., 2020)."""
+    """elu(x) + 1 (Katharopoulos et al., 2020).  Input bound: none past float's own (the op computes
+    plain features at any scale); below x = -17.3 a float32 feature rounds to exactly 0."""
 
     def forward(self, x, *, is_query):
         with torch.autocast(x.device.type, enabled=False):
@@ -526,7 +527,11 @@ class TaylorFeatureMap(PerHeadFeatureMap):
     are not positive have no logarithm.  With rope="post" (Eq. 19) the numerator's features are
     rotated pair by pair, an orthogonal map per position pair, so the numerator's weights are a
     rotated Taylor kernel (which may be negative, as Eq. 19's always may), and the denominator keeps
-    the positive unrotated kernel."""
+    the positive unrotated kernel.
+
+    Input bound: the quadratic features overflow once a projected coordinate passes about 1.8e19
+    (float32; 1.3e154 in float64); beyond it the outputs are NaN, below it exact at any input scale.
+    """
 
     nonnegative_features = False
 
