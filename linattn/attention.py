@@ -367,6 +367,7 @@ def resolve_backend(backend: str, device: torch.device | str, *, attention: str 
     device = as_device(device)
     check_flags(log_space=log_space, causal=causal)
     if attention == "linear":
+        dispatch.check_backend(backend)
         return dispatch.resolve(backend, device, log_space=log_space, causal=causal)
     if attention != "softmax":
         raise ValueError(f"attention must be 'linear' or 'softmax', got {attention!r}")

@@ -75,6 +75,8 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     if rotary:
         check_rotated_dim(phi_k.shape[-1])
     check_return_state(return_state, causal)
+    dispatch.check_backend(backend)
+    dispatch.check_output_fits(phi_k.shape[-1], v, compute_dtype(*feature_tensors(phi_q, phi_k), v))
     return run_linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=int(offset),
                                 chunk_size=chunk_size, rope_base=rope_base, return_state=return_state,
                                 backend=backend, log_space=log_space, nonnegative_features=nonnegative_features)

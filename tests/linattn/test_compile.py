@@ -204,10 +204,10 @@ def test_the_compiled_backward_does_not_check_the_log_range_again(monkeypatch) -
     """In debug mode the forward op checks the log-features' range (a read of the data and a sync);
     the backward op runs the computation again on the same features and skips it."""
     import linattn
-    from linattn.ops.linear_attention import dispatch
+    from linattn.ops.linear_attention import common
     calls = []
-    check = dispatch.check_log_feature_range
-    monkeypatch.setattr(dispatch, "check_log_feature_range", lambda *args: (calls.append(1), check(*args))[1])
+    check = common.check_log_feature_range
+    monkeypatch.setattr(common, "check_log_feature_range", lambda *args: (calls.append(1), check(*args))[1])
     linattn.set_debug(True)
     try:
         block = torch.compile(_block("favor", "post", "torch"), fullgraph=True, backend="aot_eager")

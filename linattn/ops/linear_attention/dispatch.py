@@ -72,8 +72,7 @@ def resolve(backend: str, device: torch.device, float64: bool = False, *, log_sp
     """The backend that runs on `device` (for float64 inputs if `float64`), or a ValueError that says how to
     get the one asked for.  "auto": fla on CUDA where fla-core imports (not for float64: fla computes in
     float32 at most), the C++ kernel on CPU where the table has one for the call (it is built then), else
-    torch."""
-    check_backend(backend)
+    torch.  The name itself is checked where it comes in (check_backend)."""
     if backend == "auto":
         if device.type == "cuda" and fla_installed() and not float64:
             return "fla"
@@ -107,7 +106,6 @@ def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rot
     `linattn::linear_attention` runs under torch.compile.  `check_range=False`: the caller's forward
     checked these very features already (the compiled backward, which runs the computation again)."""
     dtype = compute_dtype(*feature_tensors(phi_q, phi_k), v)
-    check_output_fits(phi_k.shape[-1], v, dtype)
     resolved = resolve(backend, v.device, float64=dtype == torch.float64, log_space=log_space, causal=causal)
     phi_q, phi_k, v = guard_features(phi_q, phi_k, v, dtype, log_space=log_space,
                                      nonnegative_features=nonnegative_features, check_range=check_range)
