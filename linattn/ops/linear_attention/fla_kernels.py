@@ -1,43 +1,7 @@
 """Eq. 19 on flash-linear-attention's chunk kernels: the `fla` backend (causal calls on CUDA; `pip
 install 'linattn[gpu]'`), the default of backend="auto" on CUDA.  fla computes gated linear attention,
 
-    o_m = sum_{n<=m} (q_m * e^{G_m - G_n})^T k_n v_n,   G_m = sum_{t<=m} g_t  (per feature, g <= 0),
-
-forming only factors e^{G_m - G_n} <= 1 inside its chunks, so nothing it computes overflows.  Eq. 19
-maps onto it exactly; numerator and denominator are each one kernel call, and the glue around them is
-elementwise torch work with no scan along the sequence and no read of a value on the host.
-
-* Plain features: the numerator is `chunk_linear_attn` on q = R_m phi(q_m), k = R_n phi(k_n); the
-  denominator the same kernel on the unrotated features with values of ones (its state's column is
-  the state's k_sum).
-* Log-features b = log phi(q), a = log phi(k) (stable.py's numerics and names): with the running
-  maxima F (per feature), P (per rotation pair, so that the scale commutes with R) and the row scale
-  Q_m = max_j (b_mj + F_mj),
-      numerator (`chunk_gla`):   k_n = R_n e^{a_n - P_n} (<= 1),  g_n = P_{n-1} - P_n,
-                                 q_m = R_m min(e^{b_m + P_m - Q_m}, e^NUMERATOR_CAP);
-      denominator (`chunk_gla`, values of ones): k_n = e^{a_n - F_n}, g_n = F_{n-1} - F_n,
-                                 q_m = e^{b_m + F_m - Q_m} (<= 1),
-  so q_m e^{G_m - G_n} k_n = e^{b_m} e^{a_n} e^{-Q_m} per term (rotated in the numerator): Eq. 19 scaled
-  by e^{-Q_m}.  The denominator holds the term of the feature and key that reach Q_m, which is 1, so no
-  row is zero.  Unrotated, the two calls share q, k and g.  F is `running_max.running_max`: a small
-  Triton kernel per chunk of 64 tokens and a torch cummax over the N / 64 chunk maxima.
-* Layout: everything is computed in fla's (B, T, H, .) layout.  The blocks hand over (B, H, N, .)
-  views of (B, N, H, .) projections, so the transposes are views and nothing is copied for fla; the
-  output comes back as such a view, which the block's head merge takes without a copy.
-* Dtypes: both calls' dots run in the values' half dtype (bf16 under autocast; fp16 for plain
-  features only, since the capped query factors exceed fp16's range), otherwise float32 (float64 stays
-  float64: only the tests call it so, `resolve` refuses float64 on this backend); fla sums in float32.
-  The scales and decays are float32, the decays floored at DECAY_FLOOR (why: below).
-* Gradients: fla's backward and autograd through the elementwise glue.  The scales F, P, Q are
-  constants to autograd (they cancel exactly).  The factors are recomputed in backward
-  (torch.utils.checkpoint) instead of kept, log-features given as a `LogProjection` (FAVOR+'s block)
-  too: what a layer holds until its backward is the features (for a projection its (B, H, N, D)
-  inputs), what fla keeps, the values and the two outputs for the division.
-* State (`return_state`): the numerator's final state is kv, sum_n R_n e^{a_n - P_N} v_n (log-features:
-  at the last token's scales, log_scale F_N); the denominator's final state gives k_sum.
-
-A non-causal call takes the torch backend's entry (torch's matrix products), as the table says.
-"""
+Derivation: docs/derivations.md, "Eq. 19 on fla's kernels (fla_kernels.py)"."""
 from __future__ import annotations
 
 import torch
@@ -149,7 +113,7 @@ def plain_factors(phi_q, phi_k, phases, *, work: torch.dtype, dot: torch.dtype):
 
 def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope_base: float,
                        chunk_size: int, return_state: bool):
-    """Log-features b, a (tensors or `LogProjection`s); see the module docstring."""
+    """Log-features b, a (tensors or `LogProjection`s); see docs/derivations.md."""
     del causal, chunk_size
     n, m = v.shape[-2], a.shape[-1]
     # fp16 would overflow: query factors reach e^NUMERATOR_CAP = e^30 (fp16's largest is e^11)

@@ -2,57 +2,7 @@
 any device, in dispatch.py's call shape: the `torch` backend's entry for log-features,
 `logspace_attention`.
 
-
-Log-features (b = log phi_q, a = log phi_k, with stable.py's running maxima F, P and Q).
-Causal, in chunks of L tokens (L = chunk_size), the structure of gated linear attention kernels.
-Every exponential is formed relative to the scales at a position between its key n and its query m,
-so that each factor is <= 1 (numerator queries: <= e^NUMERATOR_CAP) and no decision is taken from the
-data: the same ops run whatever the inputs, and nothing is read on the host (a GPU synchronisation).
-
-1. the scales: F_k, P_k (B, H, M) at each chunk's first token s_k; per row the running maxima F_m, P_m
-   (log2 L maxima by doubling) and Q_m = max_j (b_mj + F_mj).  They cancel exactly in the output, so
-   no gradient flows through them.  The denominator holds the term e^(b_mj* + a_n*j* - Q_m) = 1 of the
-   feature j* reaching Q_m, so it is >= 1;
-2. inter-chunk: the state before chunk k is kept scaled to r_k = F_k, P_k:
-       S_{k+1} = e^{P_k - P_{k+1}} S_k + sum_{n in k} R_n e^{a_n - P_{k+1}} v_n^T
-   (the decay is constant over a rotation pair, so it commutes with R_n; every key factor <= 1),
-   likewise Z_{k+1} = e^{F_k - F_{k+1}} Z_k + sum_{n in k} e^{a_n - F_{k+1}}.  Query m in chunk k reads
-   (R_m min(e^{b_m + P_k - Q_m}, e^NUMERATOR_CAP))^T S_k and e^{b_m + F_k - Q_m} . Z_k;
-3. intra-chunk (n < m, both in the chunk), by halves: the pair is taken at the level of the highest bit
-   in which the positions n and m differ, where n lies in the left half and m in the right half of a
-   block of 2^(level+1) positions.  With e the last position of that left half (n <= e < m), query
-   factors e^{b_m + F_e - Q_m} <= e^{b_m + F_m - Q_m} <= 1 and key factors e^{a_n - F_e} <= 1 (P_e for the
-   numerator, the query factor capped), so nothing overflows and a term lost to underflow is below
-   e^-57 of the denominator, however far the maxima jump inside the chunk.  Each level is one
-   batched product over its blocks ((half x M) @ (M x half), then @ (half x Dv)); the diagonal n = m
-   is its own elementwise term ((R_m x)^T (R_m y) = x^T y).  A chunk is padded to 2^levels rows with
-   keys and queries of factor ~0 and zero values;
-4. backward: autograd through each run's recomputed forward, the runs walked in reverse with
-   d loss / d S, d loss / d Z carried from the run after.  What is saved is the inputs, the output, the
-   denominators, Q, the scales and one state every STATE_GROUP chunks; a group's states are
-   recomputed before it is walked in reverse.  Q is a constant to autograd (exact wherever the cap
-   does not act); e^x's gradient is e^x also where x was clamped from below (a term of 1e-38).
-5. cost: per chunk (3 + log2 L) (L x M) exponentials, twice that with rotation (exponents below
-   the normal range are clamped, since exp is ~40x slower where it returns subnormals), about
-   L^2 (M + Dv) / 2 multiply-adds within chunks and the (L x M) @ (M x Dv) state products.
-   Log-features may come as a `LogProjection` (inputs @ W^T + shift, FAVOR+'s form): each chunk
-   then projects its own rows, so neither the (B, H, N, M) log-features nor their
-   gradients are ever held, and backward hands back the gradients of the (B, H, N, D) inputs.
-6. runs: chunks are computed G at a time as (B, H, G, L, .) tensors (up to RUN_ELEMENTS elements
-   each, within one group of STATE_GROUP chunks), so that one op serves G chunks: only the state
-   sums S_{k+1} = e^{P_k - P_{k+1}} S_k + U_k, and their reverse in backward, run chunk by chunk.  The
-   runs depend on N alone (a batched product or the complex rotation may round a chunk differently
-   when the batch differs).
-
-Nothing at position m reads a position after m (within a chunk a query meets only the keys of the
-left halves before it, each level's product is row by row), and every op has the same shape whatever
-the data, so past outputs are bitwise unchanged when future tokens change.
-
-On CPU the C++ kernel (cpp_logspace.py, stable_cpu.cpp) runs the chunks of the causal log-space pass
-one (head, chunk) at a time with the separable form at the chunk's first-token scales, and hands the
-chunks where that is not safe (a row's running max jumped past JUMP_LIMIT, or a pair's scales spread
-past PAIR_SPREAD) back to this module (`irregular_chunk_forward`, `irregular_chunk_backward`).
-"""
+Derivation: docs/derivations.md, "The torch log-space pass (torch_logspace.py)"."""
 from __future__ import annotations
 
 import itertools
@@ -184,7 +134,7 @@ class _Chunks(NamedTuple):
 
 def _chunks(b_j, a_j, v_j, state, key_sum, scales: _Scales, phases, query_scale=None) -> _Chunks:
     """A run of chunks (B, H, G, L, .) given the state before it, with the same ops whatever the data
-    (1.-3. of the module docstring).  Differentiable: backward is autograd through it.  `query_scale`:
+    (1.-3. of its derivation, docs/derivations.md).  Differentiable: backward is autograd through it.  `query_scale`:
     Q per row if given (it need only be at least the row's own Q minus JUMP_LIMIT), else the row's own."""
     rotary = phases is not None
     with torch.no_grad():   # the scales cancel exactly: no gradient
@@ -204,7 +154,7 @@ def _chunks(b_j, a_j, v_j, state, key_sum, scales: _Scales, phases, query_scale=
 
 
 def _within_chunks(shifted, a_j, v_j, feat_rows, pair_rows, phases):
-    """3. of the module docstring: the sums over n <= m within each chunk, (B, H, G, L, Dv) and
+    """3. of the derivation (docs/derivations.md): the sums over n <= m within each chunk, (B, H, G, L, Dv) and
     (B, H, G, L).  The pair (n, m), n < m, is taken at the level of the highest bit in which n and m
     differ (positions within the chunk): n in the left half of a block of 2 x half rows, m in its right
     half, with the scales at the left half's last token as reference, between n and m, so that both
@@ -452,7 +402,7 @@ class _CausalLogAttention(torch.autograd.Function):
 
 def causal_log_attention(b, a, v, phases, chunk_size: int, base: float):
     """Causal Eq. 19 from log-features (tensors or `LogProjection`s) in torch ops: (out, state, key sum,
-    F after the last token), the state scaled as the module docstring says."""
+    F after the last token), the state scaled as docs/derivations.md says."""
     return _CausalLogAttention.apply(*source_parts(b), *source_parts(a), v, phases, chunk_size, base)
 
 
@@ -463,7 +413,7 @@ def _run_scales(feat, run: _Run, phases):
 
 
 def _chunk_backward(inputs, state, key_sum, scales, phases, query_scale, grad, later, later_sum):
-    """4. of the module docstring: autograd through a run's recomputed forward, given the state before
+    """4. of the derivation (docs/derivations.md): autograd through a run's recomputed forward, given the state before
     it and d loss / d S, d loss / d Z after it: the gradients of b, a, v, and d loss / d S, d loss / d Z
     before the run."""
     with torch.enable_grad():
