@@ -322,11 +322,27 @@ def baseline_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> l
     """Every linear variant against softmax + RoPE on the same seeds, closest first: how far each is
     from the attention it replaces (a comparison across families, which paired_table leaves out)."""
     baseline = softmax_baseline(variants)
-    if baseline is None:
-        return []
-    diffs = [(name, diff) for name, runs in variants.items() if runs[0]["config"]["attention"] == "linear"
-             and (diff := paired_difference(runs, variants[baseline], seq_len)) is not None]
-    rows = [paired_row(name, baseline, "attention", diff) for name, diff in sorted(diffs, key=lambda x: x[1]["mean"])]
+    return against_table(variants, seq_len, [(name, baseline) for name, runs in variants.items()
+                                             if baseline and runs[0]["config"]["attention"] == "linear"], "attention")
+
+
+def window_control_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> list[str]:
+    """Every linear variant with a window against the window-only control of the same window (softmax
+    over the last W keys, no linear term), on the same seeds: what the linear term adds to the window."""
+    controls = {runs[0]["config"].get("window"): name for name, runs in variants.items()
+                if runs[0]["config"]["attention"] == "softmax" and runs[0]["config"].get("window")}
+    return against_table(variants, seq_len, [
+        (name, controls[window]) for name, runs in variants.items()
+        if runs[0]["config"]["attention"] == "linear" and (window := runs[0]["config"].get("window")) in controls],
+        "linear term")
+
+
+def against_table(variants: dict[str, list[dict[str, Any]]], seq_len: int, pairs: list[tuple[str, str]],
+                  factor: str) -> list[str]:
+    """Paired differences of each (variant, baseline) pair on their common seeds, closest first."""
+    diffs = [(name, baseline, diff) for name, baseline in pairs
+             if (diff := paired_difference(variants[name], variants[baseline], seq_len)) is not None]
+    rows = [paired_row(name, baseline, factor, diff) for name, baseline, diff in sorted(diffs, key=lambda x: x[2]["mean"])]
     return [*PAIRED_HEADER, *rows] if rows else []
 
 
@@ -444,6 +460,10 @@ def results_markdown(grid_dir: Path, records: Records, variants: dict[str, list[
     if against_softmax:
         markdown += ["", "## Against softmax attention with RoPE (whole val split, bpc; paired by seed, closest "
                      "first)", "", *against_softmax]
+    against_control = window_control_table(variants, seq_len)
+    if against_control:
+        markdown += ["", "## Against the window-only control (whole val split, bpc; paired by seed, closest first)",
+                     "", *against_control]
     fit = fit_table(variants)
     if fit:
         markdown += ["", "## Fit: passes over the training split and the train-val gap (last evaluation)", "",

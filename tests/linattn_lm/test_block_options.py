@@ -12,7 +12,7 @@ import torch
 from linattn_lm import ByteLM, config_from_flags, evaluate, training
 from linattn_lm.config import config_differences
 from linattn_lm.variants import BLOCK_OPTIONS
-from linattn_lm.grid_report import comparable_pairs, softmax_baseline
+from linattn_lm.grid_report import comparable_pairs, softmax_baseline, window_control_table
 from linattn_lm.lm import state_size
 from linattn_lm.variants import variant_flags
 
@@ -248,6 +248,19 @@ def test_the_window_control_pairs_with_softmax_by_its_window() -> None:
     # softmax + RoPE stays the linear variants' yardstick, whichever order the grid lists them in
     variants = {name: [{"config": configs[name]}] for name in reversed(names)}
     assert softmax_baseline(variants) == "softmax-rope"
+
+
+def test_windowed_linear_variants_are_paired_with_the_control_of_their_window() -> None:
+    names = ["softmax-rope", "softmax-rope+window=64", "linear-favor-pre+window=64", "linear-favor-pre+window=8",
+             "linear-favor-pre"]
+    configs = {name: config_from_flags({**variant_flags(name), "preset": "cpu"}).flat() for name in names}
+    val = {"softmax-rope": 2.4, "softmax-rope+window=64": 2.6, "linear-favor-pre+window=64": 2.5,
+           "linear-favor-pre+window=8": 2.7, "linear-favor-pre": 2.8}
+    variants = {name: [{"config": configs[name], "seed": seed, "scores": {"val": {"256": val[name] + seed / 100}}}
+                       for seed in (0, 1)] for name in names}
+    rows = window_control_table(variants, 256)[2:]
+    assert len(rows) == 1 and rows[0].startswith("| linear-favor-pre+window=64 | softmax-rope+window=64 | linear term |")
+    assert "-0.100" in rows[0]
 
 
 def test_the_window_control_builds_windowed_softmax_blocks_that_decode_as_they_run(small_config) -> None:
