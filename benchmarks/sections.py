@@ -157,7 +157,7 @@ def run_attention(settings: Settings, device: torch.device, runner: ChildRunner,
 
 def causal_favor_flops(n: int, shape: Shape, chunk_size: int) -> tuple[float, float]:
     """Matmul FLOPs (forward, forward+backward) of causal favor-post as the torch backend computes it
-    (chunk.py's log-space chunks, which recompute in backward what they do not save).  Per head, with
+    (torch_logspace.py's log-space chunks, which recompute in backward what they do not save).  Per head, with
     C = chunk_size, M features, D = Dv = head_dim:
         forward:  projections x @ W^T of q and k 2 * 2NDM, rotated and unrotated chunk scores
                   2 * 2NCM, scores @ v 2NCDv, q @ state before the chunk 2NMDv, k^T v 2NMDv

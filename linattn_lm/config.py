@@ -659,6 +659,9 @@ class TrainConfig:
         missing = [name for name in SECTIONS if isinstance(values, dict) and name not in values]
         if missing:
             raise ValueError(f"the config lacks section(s) {missing}")
+        if isinstance(values, dict) and isinstance(values["model"], dict) and values["model"].get("backend") == "triton":
+            # the retired Triton kernels: a speed-only setting, so a run saved with it goes on with auto's choice
+            values = {**values, "model": {**values["model"], "backend": "auto"}}
         config = cls.parsed(values)
         config.optim.validate()
         config.log.validate()

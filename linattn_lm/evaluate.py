@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         import_recorded(checkpoint, path)
         model = model_from_checkpoint(checkpoint, path, backend=args.backend).to(device).eval()
         config = model.config
-        check_backend_runs_on(config, device)   # before any output: --backend triton on CPU, say
+        check_backend_runs_on(config, device)   # before any output: --backend fla on CPU, say
         args.dtype = args.dtype or recorded_dtype(checkpoint, path)
         resolve_dtype(args.dtype, device)
         print(f"checkpoint: {path} (step {checkpoint['step']}, {config.variant}, "

@@ -65,7 +65,7 @@ def run_configs(given: dict[str, Any], variants: list[str], seeds: list[int]) ->
     """One TrainConfig per (seed, variant), seed-major, all checked before anything trains.  Each
     variant takes the grid's feature-map options its map accepts, then its own; an option of the
     grid that no variant's map takes is an error.  --backend goes to the variants of the attention
-    it names a kernel of (torch/triton: linear; sdpa/xformers: softmax; auto: both)."""
+    it names a kernel of (torch/cpp/fla: linear; sdpa/xformers: softmax; auto: both)."""
     shared_options = given.get("feature_map_options", {})
     used: set[str] = set()
     configs = {}

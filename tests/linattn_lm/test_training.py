@@ -2,6 +2,7 @@
 (exact resume, refusals), DDP on CPU, settings from presets and flags."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -621,3 +622,9 @@ def test_a_checkpoint_from_before_the_digest_resumes_with_a_warning_and_is_seale
                                             "--resume", "--steps", "31", "--sample-interval", "0"])
     assert code == 0 and err.count("carries no digest") == 1, err
     assert recorded_digest(tmp_path / "old" / "ckpt.pt") is not None and load_checkpoint(tmp_path / "old")["step"] == 31
+
+
+def test_a_record_of_the_retired_triton_backend_reads_as_auto() -> None:
+    record = dataclasses.asdict(config_from_flags({"preset": "tiny"}))
+    record["model"]["backend"] = "triton"
+    assert TrainConfig.from_record(record).model.backend == "auto"

@@ -1,5 +1,7 @@
 """Eq. 19 on flash-linear-attention's chunk kernels: the `fla` backend (causal calls on CUDA; `pip
-install 'linattn[gpu]'`), the default of backend="auto" on CUDA.  fla computes gated linear attention,
+install 'linattn[gpu]'`), the default of backend="auto" on CUDA.  Eq. 19's numerator and denominator are one call each
+of fla's gated linear attention, with glue that scans nothing along the sequence and reads nothing
+on the host.
 
 Derivation: docs/derivations.md, "Eq. 19 on fla's kernels (fla_kernels.py)"."""
 from __future__ import annotations
@@ -8,7 +10,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ...rotary import rotary_phases, rotate_pairs
-from .common import LogProjection, compute_dtype, feature_tensors
+from .common import LogProjection, compute_dtype, divide, feature_tensors
 from .recurrent import LinearState
 from .stable import numerator_query
 
@@ -77,8 +79,7 @@ def step_decays(scale: torch.Tensor) -> torch.Tensor:
 def finish(numerator, denominator, v, *, kv, sums, work: torch.dtype, position: int, log_scale=None):
     """out = numerator / denominator (the first of its columns of ones) in v's dtype, as a (B, H, N, Dv)
     view; with the final states kv and sums (return_state), also the LinearState in `work`."""
-    guard = torch.finfo(denominator.dtype).tiny ** 0.5   # as common.divide's
-    out = fla_layout((numerator / denominator[..., :1].clamp_min(guard)).to(v.dtype))
+    out = fla_layout(divide(numerator, denominator[..., 0]).to(v.dtype))
     if kv is None:
         return out
     return out, LinearState(kv.detach().to(work), sums.detach()[..., 0].to(work), position, log_scale)

@@ -7,7 +7,11 @@
 // past JUMP_LIMIT) or wide pairs is handed back to chunk.py (rare: first tokens, outliers), and
 // this code carries on from the chunk after it.
 //
-// Built by cpp.py with the system's C++ compiler and OpenMP.  It runs in torch's own OpenMP runtime
+// "chunk.py" and its helpers (chunk._keys, chunk._queries, ...) below name the chunked torch algorithm
+// this kernel was written against; it lives on in torch_logspace.py, rewritten without data-dependent
+// branches, which takes the irregular chunks handed back (cpp_logspace.py).
+//
+// Built by cpp_logspace.py with the system's C++ compiler and OpenMP.  It runs in torch's own OpenMP runtime
 // (libgomp is already loaded when it is), so BLAS runs on one thread inside the loop over heads.
 // Plain C entry points, called through ctypes: no torch headers, a build of a few seconds.
 #include <algorithm>
