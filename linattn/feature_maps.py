@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +21,7 @@ from torch import nn
 
 from .checks import check_positive_integer, is_integer
 from .ops.linear_attention.common import LogProjection
+from .ops.linear_attention.memory import check_fits
 
 FEATURE_MAPS: dict[str, type["FeatureMap"]] = {}
 
@@ -143,16 +143,11 @@ def check_weights_fit(cls: type, name, head_dim: int, heads: int | None, options
     process is killed).  Options the map refuses are left to its constructor."""
     try:
         num_features = cls.num_features_for(head_dim, options)
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except Exception:   # a registered map's num_features_for is user code; sysconf is POSIX's
+    except Exception:   # a registered map's num_features_for is user code
         return
-    if not is_integer(num_features):
-        return
-    needed = 4 * num_features * head_dim * (heads or 1)
-    if needed > memory:
-        raise ValueError(f"feature map {name!r} with num_features={num_features} and head_dim {head_dim} needs "
-                         f"{needed / 2**30:,.0f} GiB for its weights, more than this machine's {memory / 2**30:,.0f} "
-                         "GiB; choose a smaller num_features")
+    if is_integer(num_features):
+        check_fits(f"feature map {name!r} with num_features={num_features} and head_dim {head_dim}",
+                   4 * num_features * head_dim * (heads or 1), torch.device("cpu"), "choose a smaller num_features")
 
 
 PROBE_TOKENS = 3   # the probe input of `check_feature_map`: (1, heads, PROBE_TOKENS, head_dim)
