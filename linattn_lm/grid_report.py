@@ -279,18 +279,25 @@ def paired_difference(a: list[dict[str, Any]], b: list[dict[str, Any]], seq_len:
     return result
 
 
+def variant_table(columns: list[str], variants: dict[str, list[dict[str, Any]]],
+                  cells: Callable[[list[dict[str, Any]]], list[str]]) -> list[str]:
+    """A row per variant: its name, its seeds, then cells(its runs); no table where no variant is given."""
+    lines = ["| variant | seeds | " + " | ".join(columns) + " |", "|---|---|" + "---|" * len(columns)]
+    lines += [f"| {name} | {','.join(str(r['seed']) for r in runs)} | " + " | ".join(cells(runs)) + " |"
+              for name, runs in variants.items()]
+    return lines if variants else []
+
+
 def summary_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> list[str]:
-    lines = ["| variant | seeds | val bpc (whole split) | test bpc (whole split) | final val bpc (estimate) | "
-             "best val bpc (estimate) | wall time per run (s) | tokens/s | peak memory (MB) |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for name, runs in variants.items():
-        test = [r["scores"].get("test", {}).get(str(seq_len), math.nan) for r in runs]
-        lines.append(f"| {name} | {','.join(str(r['seed']) for r in runs)} | "
-                     f"{mean_std(headline(r, seq_len) for r in runs)} | {mean_std(test)} | "
-                     f"{mean_std(r['final_val_bpc'] for r in runs)} | {mean_std(r['best_val_bpc'] for r in runs)} | "
-                     f"{np.mean([r['wall_time_s'] for r in runs]):,.0f} | {np.mean([r['tokens_per_s'] for r in runs]):,.0f} | "
-                     f"{np.mean([r['peak_memory_mb'] for r in runs]):,.0f} |")
-    return lines
+    return variant_table(
+        ["val bpc (whole split)", "test bpc (whole split)", "final val bpc (estimate)", "best val bpc (estimate)",
+         "wall time per run (s)", "tokens/s", "peak memory (MB)"], variants,
+        lambda runs: [mean_std(headline(r, seq_len) for r in runs),
+                      mean_std(r["scores"].get("test", {}).get(str(seq_len), math.nan) for r in runs),
+                      mean_std(r["final_val_bpc"] for r in runs), mean_std(r["best_val_bpc"] for r in runs),
+                      f"{np.mean([r['wall_time_s'] for r in runs]):,.0f}",
+                      f"{np.mean([r['tokens_per_s'] for r in runs]):,.0f}",
+                      f"{np.mean([r['peak_memory_mb'] for r in runs]):,.0f}"])
 
 
 PAIRED_HEADER = ["| A | B | factor | per-seed A - B | mean | std | 95% CI | paired t-test p |",
@@ -365,41 +372,35 @@ def last_train_estimate(record: dict[str, Any]) -> float:
 def fit_table(variants: dict[str, list[dict[str, Any]]]) -> list[str]:
     """Passes over the training split and the gap between val and train estimates at the last
     evaluation (the same fixed-window measurement on both splits); variants whose records have them."""
-    rows = [(name, runs) for name, runs in variants.items() if all("train_bytes" in r for r in runs)]
-    if not rows:
-        return []
-    lines = ["| variant | seeds | passes over the train split | train bpc (estimate) | val bpc (estimate) | "
-             "val - train |", "|---|---|---|---|---|---|"]
-    for name, runs in rows:
-        gaps = [r["final_val_bpc"] - last_train_estimate(r) for r in runs]
-        lines.append(f"| {name} | {','.join(str(r['seed']) for r in runs)} | {np.mean([passes(r) for r in runs]):.3g} | "
-                     f"{mean_std(map(last_train_estimate, runs))} | {mean_std(r['final_val_bpc'] for r in runs)} | "
-                     f"{mean_std(gaps)} |")
-    return lines
+    return variant_table(
+        ["passes over the train split", "train bpc (estimate)", "val bpc (estimate)", "val - train"],
+        {name: runs for name, runs in variants.items() if all("train_bytes" in r for r in runs)},
+        lambda runs: [f"{np.mean([passes(r) for r in runs]):.3g}", mean_std(map(last_train_estimate, runs)),
+                      mean_std(r["final_val_bpc"] for r in runs),
+                      mean_std(r["final_val_bpc"] - last_train_estimate(r) for r in runs)])
 
 
 def ar_split_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> list[str]:
     """eval.py --ar-split's whole-val-split scores at the training length, for the variants whose
     every run has them."""
-    scored = {name: [r["ar_split"]["val"][str(seq_len)] for r in runs] for name, runs in variants.items()
-              if all(str(seq_len) in r.get("ar_split", {}).get("val", {}) for r in runs)}
-    lines = ["| variant | seeds | AR-hit bpc | rest bpc | hit share of the bytes |", "|---|---|---|---|---|"]
-    for name, splits in scored.items():
-        lines.append(f"| {name} | {','.join(str(r['seed']) for r in variants[name])} | "
-                     f"{mean_std(s['hit_bpc'] for s in splits)} | {mean_std(s['rest_bpc'] for s in splits)} | "
-                     f"{np.mean([s['hit_fraction'] for s in splits]):.1%} |")
-    return lines if scored else []
+    def split(record: dict[str, Any]) -> dict[str, float]:
+        return record["ar_split"]["val"][str(seq_len)]
+
+    return variant_table(
+        ["AR-hit bpc", "rest bpc", "hit share of the bytes"],
+        {name: runs for name, runs in variants.items()
+         if all(str(seq_len) in r.get("ar_split", {}).get("val", {}) for r in runs)},
+        lambda runs: [mean_std(split(r)["hit_bpc"] for r in runs), mean_std(split(r)["rest_bpc"] for r in runs),
+                      f"{np.mean([split(r)['hit_fraction'] for r in runs]):.1%}"])
 
 
 def mqar_table(variants: dict[str, list[dict[str, Any]]]) -> list[str]:
     """--task mqar's accuracy at the query positions (held-out streams) beside each variant's decoding state."""
-    scored = {name: runs for name, runs in variants.items() if all("mqar" in r for r in runs)}
-    lines = ["| variant | seeds | val accuracy | test accuracy | state per head and layer |", "|---|---|---|---|---|"]
-    for name, runs in scored.items():
-        lines.append(f"| {name} | {','.join(str(r['seed']) for r in runs)} | "
-                     f"{mean_std(r['mqar']['val']['accuracy'] for r in runs)} | "
-                     f"{mean_std(r['mqar']['test']['accuracy'] for r in runs)} | {runs[0]['mqar']['state_size']} |")
-    return lines if scored else []
+    return variant_table(
+        ["val accuracy", "test accuracy", "state per head and layer"],
+        {name: runs for name, runs in variants.items() if all("mqar" in r for r in runs)},
+        lambda runs: [mean_std(r["mqar"]["val"]["accuracy"] for r in runs),
+                      mean_std(r["mqar"]["test"]["accuracy"] for r in runs), str(runs[0]["mqar"]["state_size"])])
 
 
 def extrapolation_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> list[str]:
