@@ -4,7 +4,7 @@ splits, and compare them with error bars (`python grid.py`).
     python grid.py --preset cpu                                        # the 17 default variants, seed 0
     python grid.py --preset cpu --seeds 0,1,2 --eval-multiples 1,2,4,8 \\
         --variants softmax-rope,linear-favor-post,linear-favor-pre,linear-favor-none
-    python grid.py --preset cpu --seeds 0,1,2 ... --resume            # continue an interrupted grid
+    python grid.py --run-name grid-cpu --resume                        # continue it as it started
     tensorboard --logdir runs/grid-cpu
 
 Variants: softmax-rope, softmax-abs, softmax-none, softmax-rope-abs and linear-<map>-<post|pre|none>
@@ -21,7 +21,9 @@ variants whose map takes it, --chunk-size to linear ones.  Each run lives in
 <out-dir>/<run-name>/<variant>/seed-<s> (default run-name grid-<preset>) with its TensorBoard log,
 checkpoint and result.json (the curve and the whole-split scores); results.md, results.csv and
 val_bpc.png (grid_report.py) are rewritten from those after every run, so an interrupted grid
-loses at most the run in progress and --resume continues it.
+loses at most the run in progress and --resume continues it.  The grid's directory records its flags,
+variants, seeds and --eval-multiples (GRID_MARKER): --resume and --report-only need only --out-dir and
+--run-name, and --variants / --seeds given on --resume add to the grid.
 """
 from __future__ import annotations
 
@@ -36,8 +38,9 @@ import linattn
 from . import training
 from .checkpoint import CHECKPOINT_NAME, CheckpointError, recorded_digest
 from .flags import comma_items
-from .config import (ATTENTION_BACKENDS, DEFAULT_PRESET, TASK_PRESETS, TrainConfig, check_run_name, config_differences,
-                     config_from_flags, variant_skip)
+from .cli import import_user_code
+from .config import (ATTENTION_BACKENDS, DEFAULT_PRESET, RESUMABLE, TASK_PRESETS, TrainConfig, check_run_name,
+                     config_differences, config_from_flags, field_default, merged_flags, variant_skip)
 from .data import check_window_fits, load_split
 from .errors import UsageError
 from .evaluate import bpc_table
@@ -261,21 +264,78 @@ def listed(text: str | None, default: list[Any], convert: type, flag: str, what:
     return values
 
 
-def parse_grid_flags(given: dict[str, Any], args: Any) -> tuple[dict[tuple[int, str], TrainConfig], list[int], Path]:
+def parse_grid_flags(given: dict[str, Any], args: Any) -> tuple[dict[tuple[int, str], TrainConfig],
+                                                               dict[tuple[int, str], TrainConfig], list[int], Path,
+                                                               dict[str, Any]]:
+    """The runs, the earlier ones to report beside them, the scoring multiples, the grid's directory, and
+    the settings its marker records.  --resume and --report-only take what the grid's marker recorded
+    where the flags leave it out (continued_flags); --variants and --seeds given on --resume add to it."""
     if args.report_only and args.resume:
         raise ValueError("--report-only trains nothing, so --resume does not apply: drop one of them")
     if args.seeds is not None and "seed" in given:
         raise ValueError("give either --seed or --seeds, not both")
-    seeds = listed(args.seeds, [given.get("seed", 0)], int, "--seeds", "integer seeds")
-    multiples = sorted({1, *listed(args.eval_multiples, [1], int, "--eval-multiples", "integers")})
+    check_run_name(grid_name(given))   # as itself: each run's name holds it, in a message about the run
+    grid_dir = Path(given.get("out_dir", field_default("out_dir"))) / grid_name(given)
+    started = started_settings(grid_dir) if args.resume or args.report_only else None
+    if started:
+        given = continued_flags(started["flags"], given)
+    seeds = listed(args.seeds, started["seeds"] if started else [given.get("seed", 0)], int, "--seeds", "integer seeds")
+    multiples = sorted({1, *listed(args.eval_multiples, started["eval_multiples"] if started else [1], int,
+                                   "--eval-multiples", "integers")})
     if any(seed < 0 for seed in seeds) or any(multiple < 1 for multiple in multiples):
         raise ValueError(f"--seeds must be >= 0 and --eval-multiples >= 1, got {seeds} and {multiples}")
-    variants = listed(args.variants, default_variants(), str, "--variants", "variant names")
-    check_run_name(grid_name(given))   # as itself: each run's name holds it, in a message about the run
+    variants = listed(args.variants, started["variants"] if started else default_variants(), str, "--variants",
+                      "variant names")
     configs = run_configs(given, variants, seeds)
-    grid_dir = Path(next(iter(configs.values())).run.out_dir) / grid_name(given)
     earlier = run_configs(given, variants, earlier_seeds(grid_dir, variants, seeds)) if args.resume else {}
-    return configs, earlier, multiples, grid_dir
+    settings = {"flags": {key: value for key, value in given.items() if key not in LOCATION | {"seed"}},
+                "variants": list(dict.fromkeys([*(started["variants"] if started else []), *variants])),
+                "seeds": sorted({*(started["seeds"] if started else []), *seeds}), "eval_multiples": multiples}
+    return configs, earlier, multiples, grid_dir, settings
+
+
+LOCATION = {"out_dir", "run_name"}   # where the marker is found: never taken from it
+
+
+def started_settings(grid_dir: Path) -> dict[str, Any] | None:
+    """The settings a grid's marker records (flags, variants, seeds, eval_multiples); None for a grid
+    without them (started before markers recorded them, or no grid at all: main says so)."""
+    path = grid_dir / GRID_MARKER
+    if not path.is_file():
+        return None
+    try:
+        marker = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path} is damaged ({error}); write {{}} into it and give the grid's flags again")
+    if not isinstance(marker, dict) or "flags" not in marker:
+        return None
+    shapes = {"flags": dict, "variants": list, "seeds": list, "eval_multiples": list}
+    wrong_key = next((key for key, kind in shapes.items() if not isinstance(marker.get(key), kind)), None)
+    if wrong_key:
+        raise CheckpointError(f"{path} is damaged: its {wrong_key!r} is {marker.get(wrong_key)!r}; write {{}} into it "
+                              "and give the grid's flags again")
+    return marker
+
+
+def continued_flags(recorded: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """The flags the grid started with, and those given now: a setting that may change on --resume
+    (RESUMABLE: steps, threads, device, ...) takes the new value; any other must repeat the one the
+    grid started with (its flag, else its preset's or the default), and every one that contradicts it
+    is named."""
+    started = {**merged_flags(recorded).flat(), "feature_map_options": recorded.get("feature_map_options", {})}
+    contradicting = [f"--{key.replace('_', '-')}: started with {started.get(key)!r}, given {value!r}"
+                     for key, value in given.items()
+                     if key not in LOCATION | {"imports"} and (key not in RESUMABLE or key == "preset")
+                     and started.get(key) != value]
+    if contradicting:
+        raise ValueError(f"the grid continues as it started, and these flags contradict its settings: "
+                         f"{'; '.join(contradicting)}; drop them, or start a new grid with another --run-name")
+    imports = list(dict.fromkeys([*recorded.get("imports", []), *given.get("imports", [])]))
+    try:
+        import_user_code([name for name in imports if name not in given.get("imports", [])])
+    except UsageError as error:
+        raise UsageError(f"the grid's recorded --import: {error}") from None
+    return {**recorded, **given, **({"imports": imports} if imports else {})}
 
 
 def earlier_seeds(grid_dir: Path, variants: list[str], seeds: list[int]) -> list[int]:
@@ -290,18 +350,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = training.build_parser("Train a grid of attention variants x seeds (same data, steps) and compare "
                                    "them.  --run-name names the grid directory under --out-dir (default: "
                                    "grid-<preset>).", skip=variant_skip(),
-                                   resume_help="continue the grid in <out-dir>/<run-name>: finished runs are "
-                                               "kept, interrupted ones resume from their checkpoints")
+                                   resume_help="continue the grid in <out-dir>/<run-name> with the flags, variants "
+                                               "and seeds it started with (--variants / --seeds add to them): "
+                                               "finished runs are kept, interrupted ones resume from their "
+                                               "checkpoints")
     parser.add_argument("--variants", help="comma-separated variants (default: softmax-rope, softmax-abs and "
                                            "linear-<map>-<post|pre|none> for every registered map)")
     parser.add_argument("--seeds", help="comma-separated seeds, each trains every variant (default: --seed)")
     parser.add_argument("--report-only", action="store_true",
-                        help="train nothing: rewrite results.md, results.csv and val_bpc.png from the listed "
-                             "variants' and seeds' finished runs (those with a complete result.json)")
+                        help="train nothing: rewrite results.md, results.csv and val_bpc.png from the finished "
+                             "runs (those with a complete result.json) of the listed variants and seeds (default: "
+                             "the grid's own)")
     parser.add_argument("--eval-multiples", help="score each finished run on the whole val and test splits in "
                                                  "windows of these multiples of --seq-len, e.g. 1,2,4,8 for a "
                                                  "length-extrapolation table (1 is always scored)")
-    args, (configs, earlier, multiples, grid_dir) = training.parse_config(parser, argv, resolve=parse_grid_flags)
+    args, (configs, earlier, multiples, grid_dir, settings) = training.parse_config(parser, argv,
+                                                                                    resolve=parse_grid_flags)
     keep_freed_memory()   # large CPU temporaries reuse freed memory instead of page-faulting
 
     def run() -> int:
@@ -314,9 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         check_eval_windows(configs.values(), multiples)
         main_process = training.launched_rank() == 0   # the job's other ranks write nothing here
         with DirectoryLock(grid_dir) if main_process else contextlib.nullcontext():   # each run locks its own too
-            if main_process and not args.report_only and not (grid_dir / GRID_MARKER).exists():
+            if main_process and not args.report_only:   # what a later --resume or --report-only continues
                 write_atomically(grid_dir / GRID_MARKER, lambda path: path.write_text(
-                    json.dumps({"written_by": "grid.py", "grid": grid_dir.name}) + "\n"))
+                    json.dumps({"written_by": "grid.py", "grid": grid_dir.name, **settings}, indent=1) + "\n"))
             if args.report_only:
                 return report_finished(configs, grid_dir, multiples)
             return run_grid(configs, grid_dir, args.resume, multiples, earlier)

@@ -102,6 +102,33 @@ def test_grid_resumes_and_adds_seeds_without_retraining(data_dir: Path, tiny: li
     assert (grid_dir / "softmax-abs" / "seed-5" / "ckpt.pt").exists()
 
 
+@pytest.mark.slow
+def test_resume_and_report_take_the_grids_recorded_settings(data_dir: Path, tiny: list[str], tmp_path: Path,
+                                                            run_main) -> None:
+    where = ["--out-dir", str(tmp_path), "--run-name", "g"]
+    started = [*tiny, *where, "--data-dir", str(data_dir), "--steps", "4", "--eval-interval", "2",
+               "--variants", "linear-elu-post", "--seeds", "0", "--eval-multiples", "2"]
+    assert run_main(grid.main, started)[0] == 0
+    code, out, _ = run_main(grid.main, [*where, "--resume"])   # the flags, variants and seeds as recorded
+    assert code == 0 and "linear-elu-post seed 0 (done before)" in out, out
+
+    code, out, _ = run_main(grid.main, [*where, "--resume", "--variants", "linear-elu-none", "--seeds", "1"])
+    assert code == 0 and "linear-elu-none seed 1" in out, out
+    marker = json.loads((tmp_path / "g" / grid.GRID_MARKER).read_text())
+    assert marker["variants"] == ["linear-elu-post", "linear-elu-none"] and marker["seeds"] == [0, 1]
+    assert marker["flags"]["steps"] == 4 and "out_dir" not in marker["flags"]
+
+    code, out, _ = run_main(grid.main, [*where, "--report-only"])
+    assert code == 0 and "2 of 4 runs finished" in out, out   # elu-post seed 1 and elu-none seed 0 never trained
+    assert "| 128 (2x) |" in (tmp_path / "g" / "results.md").read_text()   # the recorded --eval-multiples
+
+    code, _, err = run_main(grid.main, [*where, "--resume", "--lr", "0.5", "--preset", "cpu", "--threads", "2"])
+    assert code == 2 and "contradict" in err and "--lr" in err and "--preset" in err and "--threads" not in err
+    (tmp_path / "g" / grid.GRID_MARKER).write_text('{"flags": {}, "variants": "x"}')
+    code, _, err = run_main(grid.main, [*where, "--resume"])
+    assert code == 2 and "damaged" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_each_run_gets_its_seed_and_the_options_its_map_takes(data_dir: Path) -> None:
     given = dict(preset="tiny", data_dir=str(data_dir), feature_map_options={"num_features": 16})
     configs = grid.run_configs(given, ["linear-favor-pre", "linear-elu-none",
