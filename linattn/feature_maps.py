@@ -150,15 +150,20 @@ def check_weights_fit(cls: type, name, head_dim: int, heads: int | None, options
                    4 * num_features * head_dim * (heads or 1), torch.device("cpu"), "choose a smaller num_features")
 
 
-PROBE_TOKENS = 3   # the probe input of `check_feature_map`: (1, heads, PROBE_TOKENS, head_dim)
+PROBE_TOKENS = 8            # the probe input of `check_feature_map`: (1, heads, PROBE_TOKENS, head_dim)
+LOG_TOLERANCE = 1e-3        # how far log(forward) - log_features may vary along a row (float32)
+SMALLEST_COMPARED = 1e-30   # features below this underflow in log(); they are left out of that comparison
 
 
 def check_feature_map(feature_map, head_dim: int | None = None, *, heads: int | None = None):
-    """A map checked once where it enters (a block's constructor, `make_feature_map` given an instance):
-    made for `head_dim` (and `heads`, for a map with weights per head), and its forward (and, for a
-    log-space map, log_features and log_projection) gives (..., num_features) on a small probe input.
-    The probe runs in eval mode without gradients, from a generator of its own: it moves no redraw
-    schedule and draws nothing from torch's global generator.  The map's calls are not checked after this.
+    """A map checked once where it enters (a block's constructor, `make_feature_map` given an instance,
+    the harness's config): made for `head_dim` (and `heads`, for a map with weights per head), and on a
+    small probe input its forward (and, for a log-space map, log_features and log_projection) gives
+    finite (..., num_features) floats that are not all zero, non-negative (or, where the map sets
+    `nonnegative_features = False`, a non-negative kernel phi(q).phi(k)), with log_features equal to
+    log(forward) up to a per-row constant.  The probe runs in eval mode without gradients, from a
+    generator of its own: it moves no redraw schedule and draws nothing from torch's global generator.
+    The map's calls are not checked after this.
 
     Args:
         feature_map: the FeatureMap instance.
@@ -167,6 +172,10 @@ def check_feature_map(feature_map, head_dim: int | None = None, *, heads: int | 
 
     Returns:
         feature_map, unchanged.
+
+    Raises:
+        ValueError: one line naming the map's class, the call and what was wrong; an exception the
+            map's own code raises is the cause of one that names the call.
     """
     name = type(feature_map).__name__
     if not isinstance(feature_map, FeatureMap):
@@ -182,32 +191,79 @@ def check_feature_map(feature_map, head_dim: int | None = None, *, heads: int | 
     if not is_integer(feature_map.num_features) or feature_map.num_features < 1:
         raise ValueError(f"{name} declares num_features = {feature_map.num_features!r}; set self.num_features "
                          "in its __init__ to the positive number of features it computes")
-    probe_heads = map_heads or heads or 1
-    x = torch.randn(1, probe_heads, PROBE_TOKENS, head_dim, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(1, map_heads or heads or 1, PROBE_TOKENS, head_dim, generator=torch.Generator().manual_seed(0))
     x = x.to(next(iter((*feature_map.parameters(), *feature_map.buffers())), x).device)
-    methods = ("forward", "log_features", "log_projection") if feature_map.log_space else ("forward",)
     was_training = feature_map.training
     feature_map.eval()
     try:
         with torch.no_grad():
-            for method in methods:
+            features = {is_query: probed(feature_map, "forward", x, is_query) for is_query in (True, False)}
+            check_signs(feature_map, features)
+            if feature_map.log_space:
                 for is_query in (True, False):
-                    check_map_result(feature_map, method, getattr(feature_map, method)(x, is_query=is_query))
+                    check_logs_match(feature_map, features[is_query], probed(feature_map, "log_features", x, is_query),
+                                     is_query)
+                    probed(feature_map, "log_projection", x, is_query)
     finally:
         feature_map.train(was_training)
     return feature_map
 
 
-def check_map_result(feature_map: FeatureMap, method: str, result) -> None:
-    """forward and log_features give (..., M) tensors, log_projection a LogProjection of M or None."""
+def probed(feature_map: FeatureMap, method: str, x: torch.Tensor, is_query: bool):
+    """One call of the map's `method` on the probe input, its result checked: forward and log_features
+    give finite (..., M) float tensors, log_projection a LogProjection of M or None."""
+    call = f"{type(feature_map).__name__}.{method}(x, is_query={is_query})"
+    try:
+        result = getattr(feature_map, method)(x, is_query=is_query)
+    except Exception as error:   # the map's own code: the cause is kept for its traceback
+        first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+        raise ValueError(f"{call} raised {type(error).__name__}" + (f": {first}" if first else "")) from error
     if result is None and method == "log_projection":
-        return
+        return result
     kind = LogProjection if method == "log_projection" else torch.Tensor
-    width = result.shape[-1] if isinstance(result, kind) else None
-    if width != feature_map.num_features:
-        got = f"{width} features" if width is not None else type(result).__name__
-        raise ValueError(f"{type(feature_map).__name__}.{method} gave {got} but the map declares num_features="
+    if not isinstance(result, kind) or (kind is torch.Tensor and not result.is_floating_point()):
+        found = result.dtype if isinstance(result, torch.Tensor) else type(result).__name__
+        expected = "a LogProjection" if kind is LogProjection else "a floating-point tensor"
+        raise ValueError(f"{call} returned {found}, not {expected}")
+    if result.shape[-1] != feature_map.num_features:
+        raise ValueError(f"{call} gave {result.shape[-1]} features but the map declares num_features="
                          f"{feature_map.num_features}; set self.num_features in its __init__ to the M it computes")
+    if kind is torch.Tensor:
+        if result.shape[:-1] != x.shape[:-1]:
+            raise ValueError(f"{call} returned shape {tuple(result.shape)} for inputs of shape {tuple(x.shape)}: "
+                             "return (..., num_features) with the inputs' leading dimensions")
+        if not torch.isfinite(result).all():
+            raise ValueError(f"{call} returned NaN or inf values for a standard normal input")
+    return result
+
+
+def check_signs(feature_map: FeatureMap, features: dict[bool, torch.Tensor]) -> None:
+    """Linear attention divides by sum_n phi(q).phi(k_n): it must be made of non-negative terms."""
+    name = type(feature_map).__name__
+    for is_query, values in features.items():
+        if not values.any():
+            raise ValueError(f"{name}.forward(x, is_query={is_query}) returned all zeros, so attention has "
+                             "nothing to weigh")
+        if feature_map.nonnegative_features and values.min() < 0:
+            raise ValueError(f"{name}.forward(x, is_query={is_query}) returned negative features (down to "
+                             f"{values.min().item():.3g}); features must be >= 0, or the map sets "
+                             "nonnegative_features = False and keeps phi(q).phi(k) >= 0")
+    if not feature_map.nonnegative_features:
+        kernel = torch.einsum("bhnm,bhkm->bhnk", features[True], features[False])
+        if kernel.min() < 0:
+            raise ValueError(f"{name} sets nonnegative_features = False, but phi(q).phi(k) is negative (down to "
+                             f"{kernel.min().item():.3g}); the kernel must be >= 0")
+
+
+def check_logs_match(feature_map: FeatureMap, values: torch.Tensor, logs: torch.Tensor, is_query: bool) -> None:
+    """log_features = log(forward) up to a per-row constant (FeatureMap's contract)."""
+    compared = values > SMALLEST_COMPARED
+    difference = torch.where(compared, values.clamp_min(SMALLEST_COMPARED).log() - logs, torch.nan)
+    spread = difference.nan_to_num(-torch.inf).amax(-1) - difference.nan_to_num(torch.inf).amin(-1)
+    spread = spread[compared.sum(-1) > 1]
+    if spread.numel() and spread.max() > LOG_TOLERANCE:
+        raise ValueError(f"{type(feature_map).__name__}.log_features(x, is_query={is_query}) is not log(forward(x)) "
+                         f"up to a per-row constant (it differs by up to {spread.max().item():.3g} within a row)")
 
 
 class FeatureMap(nn.Module):

@@ -494,6 +494,45 @@ def test_check_feature_map_checks_every_method_of_a_log_space_map(name, monkeypa
         linattn.check_feature_map(fm)
 
 
+class Probed(FeatureMap):
+    """A map whose forward (and log_features, when log_space) is given per test."""
+    def __init__(self, head_dim, forward, logs=None, nonnegative=True):
+        super().__init__(head_dim)
+        self.compute, self.logs, self.log_space, self.nonnegative_features = forward, logs, logs is not None, nonnegative
+
+    def forward(self, x, *, is_query):
+        return self.compute(x)
+
+    def log_features(self, x, *, is_query):
+        return self.logs(x)
+
+
+@pytest.mark.parametrize("forward, logs, nonnegative, word", [
+    (lambda x: x, None, True, "negative features"),
+    (lambda x: x * torch.nan, None, True, "NaN"),
+    (torch.zeros_like, None, True, "all zeros"),
+    (lambda x: x.long(), None, True, "floating-point"),
+    (lambda x: x[..., :1, :], None, True, "shape"),
+    (lambda x: 1 / 0, None, True, "ZeroDivisionError"),
+    (lambda x: x, None, False, "phi(q).phi(k) is negative"),
+    (torch.exp, lambda x: 2 * x, True, "per-row constant"),
+])
+def test_check_feature_map_refuses_what_linear_attention_cannot_divide_by(forward, logs, nonnegative, word):
+    with pytest.raises(ValueError, match=re.escape(word)):
+        LinearAttention(16, 2, feature_map=Probed(8, forward, logs, nonnegative), rope="post")
+
+
+@pytest.mark.parametrize("forward, logs, nonnegative", [
+    (torch.exp, lambda x: x + x.sum(-1, keepdim=True), True),   # log(forward) up to a per-row constant
+    (lambda x: torch.cat([torch.ones_like(x[..., :1]), x, (x[..., :, None] * x[..., None, :]).flatten(-2) / 2 ** 0.5],
+                         -1), None, False),   # 1 + q.k + (q.k)^2 / 2 >= 1/2: Taylor's kernel
+])
+def test_check_feature_map_passes_maps_that_keep_the_contract(forward, logs, nonnegative):
+    fm = Probed(8, forward, logs, nonnegative)
+    fm.num_features = forward(torch.zeros(1, 8)).shape[-1]
+    assert linattn.check_feature_map(fm) is fm
+
+
 def test_check_feature_map_refuses_a_map_made_for_another_block():
     fm = make_feature_map("taylor", 8, heads=2, options={"dim": 4})
     with pytest.raises(ValueError, match="heads"):

@@ -56,6 +56,11 @@ class KeyErrorInInit(FeatureMap):
         {}["missing"]
 
 
+class ReturnsAList(FeatureMap):
+    def forward(self, x, *, is_query):
+        return [x]
+
+
 class AllZero(FeatureMap):
     def forward(self, x, *, is_query):
         return torch.zeros_like(x)
@@ -114,8 +119,9 @@ class ShiftedLogs(FeatureMap):
     (Negative, "forward(x, is_query=True) returned negative features"),
     (NotANumber, "forward(x, is_query=True) returned NaN or inf values"),
     (RaisesInForward, "forward(x, is_query=True) raised RuntimeError: boom"),
-    (ExitsInForward, "forward(x, is_query=True) raised SystemExit: 0"),
+    (ExitsInForward, "its probe raised SystemExit: 0"),
     (KeyErrorInInit, "cannot be built: KeyError: 'missing'"),
+    (ReturnsAList, "forward(x, is_query=True) returned list, not a floating-point tensor"),
     (AllZero, "forward(x, is_query=True) returned all zeros"),
     (LogSpaceWithoutLogs, "log_features(x, is_query=True) raised NotImplementedError: LogSpaceWithoutLogs sets "
                           "log_space = True, so it must implement log_features"),
@@ -150,7 +156,7 @@ def test_train_refuses_a_broken_map_before_loading_data(tmp_path: Path, tiny: li
 
 
 class NanOnLongInputs(FeatureMap):
-    """Passes the probe (5 tokens), gives NaN on the model's sequences."""
+    """Passes the probe (a few tokens), gives NaN on the model's sequences."""
 
     def forward(self, x, *, is_query):
         return (torch.relu(x) + 1e-6) * (torch.nan if x.shape[-2] > 8 else 1.0)
