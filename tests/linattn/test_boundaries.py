@@ -31,13 +31,15 @@ def check_calls(run) -> collections.Counter:
     return calls
 
 
-@pytest.mark.parametrize("options", [dict(), dict(feature_map="elu"), dict(feature_map="taylor", rope="pre"),
-                                     dict(window=2, decay="retnet")], ids=["favor", "elu", "taylor", "window"])
-def test_forward_and_step_check_their_arguments_a_few_times_only(options):
+@pytest.mark.parametrize("options, step_bound", [
+    (dict(), 8), (dict(feature_map="elu"), 8), (dict(feature_map="taylor", rope="pre"), 8),
+    (dict(window=2, decay="retnet"), 10),   # its state holds a linear state too, checked as a plain step checks it
+], ids=["favor", "elu", "taylor", "window"])
+def test_forward_and_step_check_their_arguments_a_few_times_only(options, step_bound):
     """Before: 41 check calls per forward of the default block and 56 per step."""
     block = linattn.LinearAttention(16, 2, backend="torch", **options)
     x = torch.randn(1, 5, 16)
     _, state = block(x, return_state=True)
     forward, step = check_calls(lambda: block(x)), check_calls(lambda: block.step(x[:, 0], state))
     assert sum(forward.values()) <= 10, forward
-    assert sum(step.values()) <= 8, step
+    assert sum(step.values()) <= step_bound, step

@@ -144,6 +144,13 @@ def test_step_takes_its_own_state():
     _, state = b(x, return_state=True)
     with pytest.raises(ValueError, match="state.keys"):
         b.step(x[:, 0], state._replace(keys=state.keys[:, :1]))
+    assert state.linear is not None   # 5 tokens, a window of 4: one key is in the linear state
+    with pytest.raises(ValueError, match="kv"):
+        b.step(x[:, 0], state._replace(linear=state.linear._replace(kv=state.linear.kv[..., :1])))
+    with pytest.raises(ValueError, match="LinearState"):
+        b.step(x[:, 0], state._replace(linear=state.keys))
+    with pytest.raises(ValueError, match="log_space"):
+        b.step(x[:, 0], state._replace(linear=state.linear._replace(log_scale=None)))
 
 
 @pytest.mark.parametrize("fm", ["elu", "taylor"])

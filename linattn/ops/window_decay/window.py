@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ...checks import check_state_position, check_state_tensors
-from ...functional import LinearState, run_linear_attention
+from ...functional import LinearState, check_state, run_linear_attention
 from ..linear_attention.recurrent import initial_state, recurrent_step
 from ...rotary import rotary_phases, rotate
 
@@ -277,14 +277,8 @@ def check_window_state(state, batch_heads: tuple, head_dim: int, num_features: i
     shapes = {name: (*batch_heads, cached, width) for name, width in
               (("keys", head_dim), ("values", head_dim), ("features", num_features))}
     check_state_tensors(state, device, shapes, dtype)
-    if state.linear is not None:
-        shape = (*batch_heads, num_features, head_dim)
-        if not isinstance(state.linear, LinearState) or (state.linear.log_scale is not None) != log_space:
-            kind = "log-" if log_space else "plain "
-            raise ValueError(f"state.linear must be a LinearState of {kind}features, got {type(state.linear).__name__}; "
-                             "pass the state returned for the same model (or None to start)")
-        sums = {"kv": shape, "k_sum": shape[:3]} | ({"log_scale": shape[:3]} if log_space else {})
-        check_state_tensors(state.linear, device, sums, dtype)
+    if state.linear is not None:   # the linear attention's own state, checked as its step checks it
+        check_state(state.linear, (*batch_heads, num_features, head_dim), device, dtype, log_space)
     return position
 
 
