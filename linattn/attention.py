@@ -27,7 +27,6 @@ ROPE_PLACEMENTS = ("post", "pre", "none")
 NORMALIZATIONS = ("denominator", "rmsnorm")
 RMSNORM_EPS = 1e-5   # flash-linear-attention's layers' default norm_eps
 SOFTMAX_BACKENDS = ("auto", "sdpa", "xformers")   # auto = sdpa
-WINDOW_DECAY_BACKENDS = ("auto", "torch", "cpp")   # the window runs in torch; the linear op on these
 
 
 class KVCache(NamedTuple):
@@ -166,9 +165,6 @@ class LinearAttention(_Projections):
         if (self.window or self.decay) and not self.causal:
             raise ValueError("window and decay are defined for causal attention only: pass causal=True "
                              "(or window=0, decay=None)")
-        if (self.window or self.decay) and self.backend not in WINDOW_DECAY_BACKENDS:
-            raise ValueError(f"backend={self.backend!r} does not support window or decay; use one of "
-                             f"{WINDOW_DECAY_BACKENDS}")
         if self.decay:
             self.register_buffer("log_decay", torch.tensor(self.decay, dtype=torch.float64).log(), persistent=False)
         if self.window:
@@ -270,7 +266,9 @@ class LinearAttention(_Projections):
         """`_weighted_values` with a window or a decay (ops/window_decay), in float32 (float64 stays)."""
         phi_q, phi_k = self._features(q, k, offset)
         q_hat, k_hat = self._scored(q, k, offset)
-        backend = self.backend if self.backend != "auto" or v.device.type == "cpu" else "torch"
+        # the window's band runs in torch; its linear part on the backend the op would take (fla on CUDA)
+        backend = dispatch.resolve(self.backend, v.device, float64=torch.float64 in (v.dtype, phi_q.dtype),
+                                   log_space=self.feature_map.log_space, causal=True)
         return window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, **self._window_decay_options(),
                                       offset=offset, rope_base=self.rope_base, chunk_size=self.chunk_size,
                                       backend=backend, return_state=return_state)

@@ -38,6 +38,32 @@ def plain_linear_attention(q, k, v, *, return_state: bool):
                                                      normalize=False), q, k, v)
 
 
+def decayed_linear_attention(q, k, v, log_decay, *, return_state: bool):
+    """fla's `chunk_simple_gla` with a constant decay per head, g_gamma = log gamma (H,), scale 1, on
+    (B, T, H, K) tensors: S_n = gamma S_{n-1} + k_n v_n^T, o_n = q_n^T S_n.  (o, final state or None)."""
+    from fla.ops.simple_gla import chunk_simple_gla
+    return _padded(lambda q, k, v: chunk_simple_gla(q, k, v, g_gamma=log_decay, scale=1.0,
+                                                    output_final_state=return_state), q, k, v)
+
+
+def decayed_attention(q_num, k_num, q_den, k_den, v, log_decay, *, return_state: bool):
+    """The window's plain linear part (ops/window_decay) on fla, (B, H, N, .) tensors in and out:
+    sum_{n<=m} gamma^(m-n) (q_num_m . k_num_n) v_n and sum_{n<=m} gamma^(m-n) q_den_m . k_den_n, with the
+    states after the last token (kv, k_sum; None without return_state).  log_decay: (H,) log gamma, or
+    None for no decay.  One kernel call each, no scan along the sequence."""
+    def attend(q, k, values):
+        q, k = fla_layout(q), fla_layout(k)
+        if log_decay is None:
+            return plain_linear_attention(q, k, values, return_state=return_state)
+        return decayed_linear_attention(q, k, values, log_decay.float(), return_state=return_state)
+
+    values = fla_layout(v)
+    numerator, kv = attend(q_num, k_num, values)
+    denominator, sums = attend(q_den, k_den, values.new_ones(*values.shape[:-1], ONES))
+    return (fla_layout(numerator), fla_layout(denominator)[..., 0], kv,
+            None if sums is None else sums[..., 0])
+
+
 def _padded(kernel, q, k, v, *gates, multiple: int = 16):
     """`kernel` with K and V padded with zeros to multiples of 16: tl.dot takes tiles of at least 16, and
     fla's bf16 backward asserts even K and V (chunk_bwd_dv).  A zero feature adds nothing to any product

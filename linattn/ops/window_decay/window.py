@@ -14,6 +14,7 @@ For query m and key n <= m at distance d = m - n (docs/gap-closers.md has the de
     (`post`) the queries go in as R_W e^b, split into two non-negative parts (two calls);
   - plain features: the chunked decayed form (`decayed_chunks`: an intra-chunk decay matrix, the state
     decayed per chunk, as RetNet and fla's simple_gla), which keeps numerator and denominator apart;
+    on the fla backend, fla's own kernels (`fla_kernels.decayed_attention`);
 * one stabiliser per row, c_m = max(max_window (s + d log gamma), l_m):
       out_m = (sum_window e^(s + d log gamma - c) v_n + e^(l - c) r_m) / (sum_window e^(... - c) + e^(l - c)),
   every exponential <= 1 and the largest 1, so nothing overflows and the normaliser is >= 1.
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 from ...checks import check_state_position, check_state_tensors
 from ...functional import LinearState, check_state, run_linear_attention
+from ..linear_attention.fla_kernels import decayed_attention
 from ..linear_attention.recurrent import initial_state, recurrent_step
 from ...rotary import rotary_phases, rotate
 
@@ -108,7 +110,10 @@ def plain_linear_part(phi_q, phi_k, v, *, window, rate, rotary, offset, rope_bas
     if rotary:
         q_num = rotate(phi_q, offset=offset + window, base=rope_base)
         k_num = rotate(phi_k, offset=offset, base=rope_base)
-    num, den, kv, k_sum = decayed_chunks(q_num, k_num, phi_q, phi_k, v, rate, chunk_size)
+    if backend == "fla":   # fla's chunk kernels: no loop over chunks
+        num, den, kv, k_sum = decayed_attention(q_num, k_num, phi_q, phi_k, v, rate, return_state=return_state)
+    else:
+        num, den, kv, k_sum = decayed_chunks(q_num, k_num, phi_q, phi_k, v, rate, chunk_size)
     log_den, safe = guarded_log(den)
     state = LinearState(kv.detach(), k_sum.detach(), offset + v.shape[-2]) if return_state else None
     return log_den, num / safe.unsqueeze(-1), state
@@ -157,9 +162,10 @@ def log_linear_part(b, a, v, *, window, rate, rotary, offset, rope_base, chunk_s
     if rate is not None:
         steps = torch.arange(v.shape[-2], device=v.device, dtype=v.dtype)[:, None] * rate[:, None, None]
         b, a = b + steps, a - steps   # (H, N, 1): as many queries as keys
-    log_sums = torch.logcumsumexp(a, dim=-2)    # log sum_{n<=j} e^(a_n), per feature
     call = dict(causal=True, rotary=rotary, offset=offset, chunk_size=chunk_size, rope_base=rope_base,
                 backend=backend, log_space=True, return_state=return_state, nonnegative_features=True)
+    # a window weighs the linear part against it by each row's sum of kappa: log sum_{n<=j} e^(a_n), per feature
+    log_sums = torch.logcumsumexp(a, dim=-2) if window else None
     if rotary and window:
         (pos_op, pos), (neg_op, neg) = rotated_query_parts(b, window, rope_base)
         result = run_linear_attention(pos_op, a, v, **call)
@@ -349,6 +355,8 @@ def log_linear_step(b, a, v, linear, *, position, origin, window, rate, rotary, 
         linear = initial_state(*v.shape[:2], a.shape[-1], v.shape[-1], device=v.device, dtype=v.dtype,
                                log_space=True)._replace(position=position - window)
     call = dict(rotary=rotary, rope_base=rope_base, log_space=True, nonnegative_features=True)
+    # a window weighs the linear part against it by each row's sum of kappa: log sum_{n<=j} e^(a_n), per feature
+    log_sums = torch.logcumsumexp(a, dim=-2) if window else None
     if rotary and window:
         (pos_op, pos), (neg_op, neg) = rotated_query_parts(b, window, rope_base)
         out_pos, new = recurrent_step(pos_op, a, v, linear, **call)

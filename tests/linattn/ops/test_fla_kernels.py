@@ -20,6 +20,7 @@ from linattn.functional import linear_attention, linear_attention_step
 from linattn.ops.linear_attention import dispatch, fla_kernels, torch_logspace, torch_plain
 from linattn.ops.linear_attention.common import LogProjection, guard_log_features
 from linattn.ops.linear_attention.stable import NUMERATOR_CAP, pair_max
+from linattn.ops.window_decay import window as window_decay
 
 B, H = 2, 2
 CUDA = torch.cuda.is_available()
@@ -55,9 +56,17 @@ def fake_fla(monkeypatch, chunk_cumsum=False):
         assert not normalize, "the stand-in covers normalize=False, the call fla_kernels makes"
         return chunk_gla(q, k, v, torch.zeros_like(q), scale, initial_state, output_final_state)
 
-    modules = {name: types.ModuleType(name) for name in ("fla", "fla.ops", "fla.ops.gla", "fla.ops.linear_attn")}
+    def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False,
+                         state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs):
+        assert g is None and g_gamma is not None and g_gamma.dtype == torch.float32, "a constant decay per head"
+        gates = g_gamma.to(q.dtype)[:, None].expand(q.shape[2:])   # (H, K): fla's g_gamma, for every step
+        return chunk_gla(q, k, v, gates.expand_as(q), scale, initial_state, output_final_state)
+
+    names = ("fla", "fla.ops", "fla.ops.gla", "fla.ops.linear_attn", "fla.ops.simple_gla")
+    modules = {name: types.ModuleType(name) for name in names}
     modules["fla.ops.gla"].chunk_gla = chunk_gla
     modules["fla.ops.linear_attn"].chunk_linear_attn = chunk_linear_attn
+    modules["fla.ops.simple_gla"].chunk_simple_gla = chunk_simple_gla
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
 
@@ -119,6 +128,34 @@ def test_state_equals_torch_backends_and_decoding_continues_from_it(fla_referenc
     for n in range(20, 24):
         step, state = linear_attention_step(*(t[..., n, :] for t in tensors), state, rotary=True, log_space=log_space)
         torch.testing.assert_close(step, whole[..., n, :], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("log_space", [True, False], ids=["log", "plain"])
+@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("rotary", [True, False], ids=["post", "unrotated"])
+def test_window_and_decay_run_their_linear_part_on_flas_kernels(fla_reference, monkeypatch, log_space, window, rotary):
+    """The window's band stays in torch; its linear part (and a decay alone) takes fla's kernels: the same
+    outputs, gradients and state as the torch backend, and no loop over chunks."""
+    monkeypatch.setattr(dispatch, "resolve", lambda backend, *args, **kwargs: backend)   # CPU float64: the stand-in
+    n, d = 21, 8
+    phi_q, phi_k, v = features(n, d, 4, log_space=log_space)
+    gen = torch.Generator().manual_seed(3)
+    q_hat, k_hat = (torch.randn(B, H, n, d, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2))
+    log_decay = torch.tensor([-2.0 ** -5, -2.0 ** -6], dtype=torch.float64)   # exact in fla's float32 g_gamma
+    options = dict(window=window, log_decay=log_decay,
+                   log_gain=torch.tensor([0.3, -0.2], dtype=torch.float64) if window else None, rotary=rotary,
+                   log_space=log_space, offset=2, rope_base=10000.0, chunk_size=4, return_state=True)
+    inputs, weights = (q_hat, k_hat, phi_q, phi_k, v), torch.randn(B, H, n, 4, dtype=torch.float64)
+    runs = {}
+    for backend in ("torch", "fla"):
+        if backend == "fla":   # the torch loop over chunks must not run on the fla route
+            monkeypatch.setattr(window_decay, "decayed_chunks", None)
+        out, state = window_decay.window_decay_attention(*inputs, backend=backend, **options)
+        runs[backend] = [out, *torch.autograd.grad((out * weights).sum(), inputs, materialize_grads=True), state.linear.kv,
+                         state.linear.k_sum]
+    for name, got, want in zip(("out", "d q_hat", "d k_hat", "d phi_q", "d phi_k", "dv", "kv", "k_sum"),
+                               runs["fla"], runs["torch"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11, msg=name)
 
 
 def favor_like(n, m, scale, seed=0):
@@ -336,6 +373,30 @@ def test_flas_own_kernels_give_the_torch_backends_outputs_gradients_and_state(fl
         assert state.position == n + 3 and (state.log_scale is None) != log_space
     names = ("out", "d q", "d k", "dv", "kv", "k_sum", "log_scale")[:len(runs[1])]
     for name, got, want in zip(names, *runs, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5 * max(want.abs().max().item(), 1.0),
+                                   msg=name)
+
+
+@pytest.mark.slow
+def test_flas_own_decayed_kernel_gives_the_windows_torch_loop(fla_in_the_interpreter):
+    """chunk_simple_gla with a decay per head over two of fla's chunks, float32, against the window's
+    torch loop over chunks (decayed_chunks) in float64: numerator, denominator, states and gradients."""
+    n, m, dv = 70, 16, 24
+    q, k, v = (t.detach()[:1] for t in features(n, m, dv, log_space=False, scale=0.5))
+    rate = torch.tensor([-2.0 ** -5, -2.0 ** -6], dtype=torch.float64)
+    weights = torch.randn(1, H, n, dv, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    runs = []
+    for dtype in (torch.float32, torch.float64):
+        inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        if dtype == torch.float32:
+            num, den, kv, k_sum = fla_kernels.decayed_attention(inputs[0], inputs[1], inputs[0], inputs[1], inputs[2],
+                                                               rate, return_state=True)
+        else:
+            num, den, kv, k_sum = window_decay.decayed_chunks(inputs[0], inputs[1], inputs[0], inputs[1], inputs[2],
+                                                              rate, 16)
+        loss = (num * weights.to(dtype)).sum() + den.sum()
+        runs.append([num, den, kv, k_sum, *torch.autograd.grad(loss, inputs)])
+    for name, got, want in zip(("num", "den", "kv", "k_sum", "d q", "d k", "dv"), *runs, strict=True):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5 * max(want.abs().max().item(), 1.0),
                                    msg=name)
 
