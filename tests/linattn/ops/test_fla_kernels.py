@@ -482,6 +482,22 @@ def test_gpu_block_with_fla_backend_under_bf16_autocast_matches_torch(feature_ma
     torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("feature_map,window", [("favor", 0), ("favor", 64), ("elu", 0), ("elu", 64)])
+def test_gpu_window_and_decay_blocks_on_fla_match_torch(feature_map, window):
+    """The linear part of a window or decay on fla's kernels, float32, against the torch backend: outputs
+    and the input's gradient."""
+    pytest.importorskip("fla")
+    torch.manual_seed(0)
+    blocks = [LinearAttention(512, 8, feature_map=feature_map, rope="post", window=window, decay="retnet",
+                              backend=backend).cuda() for backend in ("torch", "fla")]
+    blocks[1].load_state_dict(blocks[0].state_dict())
+    x = torch.randn(1, 1024, 512, device="cuda")
+    runs = [(out := block(x), torch.autograd.grad(out.square().sum(), x.requires_grad_())[0]) for block in blocks]
+    for want, got in zip(*runs):
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("feature_map", ["favor", "elu"])
 def test_compiled_block_on_the_fla_backend_gives_eager_outputs_and_gradients(monkeypatch, feature_map):
