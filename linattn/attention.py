@@ -18,6 +18,7 @@ from .feature_maps import FeatureMap, check_feature_map, make_feature_map
 from .functional import DEFAULT_CHUNK_SIZE, LinearState, check_chunk_size, check_state, run_linear_attention
 from .ops.linear_attention import dispatch
 from .ops.linear_attention.common import feature_tensors
+from .ops.linear_attention.memory import check_fits
 from .ops.linear_attention.recurrent import recurrent_step
 from .ops.window_decay import WindowState, retnet_decay, window_decay_attention, window_decay_step
 from .ops.window_decay.window import check_window_state
@@ -70,6 +71,9 @@ class _Projections(nn.Module):
                              f"convert one to the other (block.to(dtype) or x.to(dtype)), or use autocast")
         if expected_rank == 2:
             x = x.unsqueeze(1)
+        else:   # before the projection allocates: an expanded view's size would surface as the allocator's error
+            check_fits(f"{type(self).__name__}'s projections of an input of shape {tuple(x.shape)}",
+                       3 * x.numel() * x.element_size(), x.device, "pass fewer or shorter sequences")
         q, k, v = self.to_qkv(x).chunk(3, dim=-1)
         return (rearrange(t, "b n (h d) -> b h n d", h=self.heads) for t in (q, k, v))
 

@@ -5,7 +5,7 @@ number.  Sizes that cannot fit in memory are refused before allocation."""
 import pytest
 import torch
 
-from linattn import LinearAttention
+from linattn import LinearAttention, SoftmaxAttention
 from linattn.functional import linear_attention, linear_attention_reference, linear_attention_step
 
 B, H, N, M, DV = 2, 2, 24, 8, 4
@@ -145,6 +145,14 @@ def test_an_absurd_sequence_length_is_refused_before_allocation():
         linear_attention(q, q, v, causal=True, rotary=False)
     with pytest.raises(ValueError, match="memory"):
         linear_attention(q, q, v, causal=False, rotary=True)
+
+
+@pytest.mark.parametrize("block", [lambda: LinearAttention(16, 2), lambda: SoftmaxAttention(16, 2)],
+                         ids=["linear", "softmax"])
+def test_a_block_refuses_an_absurd_sequence_length_before_its_projection(block):
+    x = torch.rand(1, 1, 16).expand(1, 2 ** 40, 16)
+    with pytest.raises(ValueError, match="memory"):
+        block()(x)
 
 
 def test_the_reference_refuses_n_whose_n_by_n_matrices_cannot_fit():
