@@ -630,8 +630,8 @@ class TrainConfig:
 
     @classmethod
     def parsed(cls, values: Any) -> "TrainConfig":
-        """A checkpoint's config as sections, the one way every command reads one (--resume through
-        `from_dict`, eval.py directly): unknown sections and settings are errors, each setting has its
+        """A checkpoint's config as sections, the one way every command reads one (--resume, eval.py and
+        grid.py through `from_record`): unknown sections and settings are errors, each setting has its
         type, and a section or setting it lacks (written before that setting existed) takes the
         default.  Not validated: settings of the machine it ran on (device, paths) may not fit this one."""
         return cls(**{name: cls.saved_section(values, name) for name in SECTIONS})
@@ -667,13 +667,6 @@ class TrainConfig:
         config.log.validate()
         config.run.check_fields()
         config.model.validate()
-        return config
-
-    @classmethod
-    def from_dict(cls, values: Any) -> "TrainConfig":
-        """A checkpoint's config (`parsed`), validated like any other."""
-        config = cls.parsed(values)
-        config.validate()
         return config
 
 
