@@ -355,8 +355,6 @@ def log_linear_step(b, a, v, linear, *, position, origin, window, rate, rotary, 
         linear = initial_state(*v.shape[:2], a.shape[-1], v.shape[-1], device=v.device, dtype=v.dtype,
                                log_space=True)._replace(position=position - window)
     call = dict(rotary=rotary, rope_base=rope_base, log_space=True, nonnegative_features=True)
-    # a window weighs the linear part against it by each row's sum of kappa: log sum_{n<=j} e^(a_n), per feature
-    log_sums = torch.logcumsumexp(a, dim=-2) if window else None
     if rotary and window:
         (pos_op, pos), (neg_op, neg) = rotated_query_parts(b, window, rope_base)
         out_pos, new = recurrent_step(pos_op, a, v, linear, **call)
