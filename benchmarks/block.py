@@ -85,6 +85,8 @@ def judge(rows: list[dict]) -> list[dict]:
             continue
         speed_target = SPEEDUP_TARGETS[row["block"]].get(row["n"])
         memory_judged = row["block"] == MEMORY_JUDGED and row["n"] >= MEMORY_FROM_N
+        if speed_target is None and not memory_judged:   # a length without a target for this block
+            continue
         judged.append({**row, "speedup_target": speed_target,
                        "speed_met": None if speed_target is None else row["speedup"] >= speed_target,
                        "memory_met": row["memory_ratio"] <= MEMORY_LIMIT if memory_judged else None})

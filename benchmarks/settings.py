@@ -181,7 +181,7 @@ PRESETS: dict[str, dict[str, object]] = {
     # Issue 8's CPU table: causal favor+post and favor+none beside torch SDPA, fwd+bwd, 2 threads.
     "cpu-targets": dict(sections=("attention",), device="cpu", threads=2, methods=("sdpa", "favor-post", "favor-none"),
                         masks=("causal",), passes=("fwd+bwd",), lengths=(2048, 8192, 16384), budget_s=600.0),
-    # Issue 21's GPU tables in one run (a few minutes on an H100): the blocks as imported, the op beside
+    # Issue 34's GPU tables in one run (a few minutes on an H100): the blocks as imported, the op beside
     # fla's chunk kernels, and eleuther-size LM training in bf16 at ctx 1024 (batch 32) and 8192 (batch 4).
     "gpu-targets": dict(sections=("block", "kernels", "model"), device="cuda", dtypes=("bf16",),
                         lengths=(4096, 16384, 65536), model_size="eleuther", model_contexts=(1024, 8192),

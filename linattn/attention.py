@@ -270,12 +270,9 @@ class LinearAttention(_Projections):
         """`_weighted_values` with a window or a decay (ops/window_decay), in float32 (float64 stays)."""
         phi_q, phi_k = self._features(q, k, offset)
         q_hat, k_hat = self._scored(q, k, offset)
-        # the window's band runs in torch; its linear part on the backend the op would take (fla on CUDA)
-        backend = dispatch.resolve(self.backend, v.device, float64=torch.float64 in (v.dtype, phi_q.dtype),
-                                   log_space=self.feature_map.log_space, causal=True)
         return window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, **self._window_decay_options(),
                                       offset=offset, rope_base=self.rope_base, chunk_size=self.chunk_size,
-                                      backend=backend, return_state=return_state)
+                                      backend=self.backend, return_state=return_state)
 
     def _scored(self, q, k, position: int):
         """What the window's scores take: q and k, rotated unless rope='none'."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import math
 import os
 from pathlib import Path
@@ -800,6 +801,23 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[s
     return [f"{key}: checkpoint {before!r}, now {now!r}" for key, before, now in differing if before != now]
 
 
+def contradictions(recorded: dict[str, Any], given: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(setting, recorded value, given value) for every setting given on a resume that may not change
+    (not RESUMABLE, or the preset, whose values the record already holds) and differs from the
+    record (flat settings); feature-map options one by one.  Values compare as JSON writes them (a
+    tuple given against the list a JSON record holds is the same value)."""
+    def same(a: Any, b: Any) -> bool:
+        return json.loads(json.dumps(a, default=repr)) == json.loads(json.dumps(b, default=repr))
+
+    options = recorded.get("feature_map_options", {})
+    found = [(key, recorded.get(key, ABSENT), value) for key, value in given.items()
+             if key != "feature_map_options" and (key not in RESUMABLE or key == "preset")
+             and not same(recorded.get(key, ABSENT), value)]
+    return found + [(f"feature_map_options[{key!r}]", options.get(key, ABSENT), value)
+                    for key, value in given.get("feature_map_options", {}).items()
+                    if not same(options.get(key, ABSENT), value)]
+
+
 def config_from_record(saved: TrainConfig, given: dict[str, Any]) -> TrainConfig:
     """--resume's settings: the checkpoint's record, with the flags given on resume.  A flag that may
     change on --resume (RESUMABLE: steps, intervals, paths, device, ...) replaces the recorded value;
@@ -807,11 +825,7 @@ def config_from_record(saved: TrainConfig, given: dict[str, Any]) -> TrainConfig
     (--preset too: the record holds what the preset gave).  Validated like flags, on this machine."""
     given = {key: value for key, value in given.items() if value is not None}
     recorded = saved.flat()
-    options = given.pop("feature_map_options", {})
-    contradicting = [(key, recorded.get(key, ABSENT), value) for key, value in given.items()
-                     if (key not in RESUMABLE or key == "preset") and recorded.get(key, ABSENT) != value]
-    contradicting += [(f"feature_map_options[{key!r}]", saved.model.feature_map_options.get(key, ABSENT), value)
-                      for key, value in options.items() if saved.model.feature_map_options.get(key, ABSENT) != value]
+    contradicting = contradictions(recorded, given)
     if contradicting:
         listed = "; ".join(f"{key}: checkpoint {before!r}, given {now!r}" for key, before, now in contradicting)
         raise ValueError(f"--resume continues the run as its checkpoint records it, and these flags contradict the "

@@ -39,8 +39,9 @@ from . import training
 from .checkpoint import CHECKPOINT_NAME, CheckpointError, recorded_digest
 from .flags import comma_items
 from .cli import import_user_code
-from .config import (ATTENTION_BACKENDS, DEFAULT_PRESET, RESUMABLE, TASK_PRESETS, TrainConfig, check_run_name,
-                     config_differences, config_from_flags, field_default, merged_flags, variant_skip)
+from .config import (ATTENTION_BACKENDS, DEFAULT_PRESET, TASK_PRESETS, TrainConfig, check_run_name,
+                     config_differences, config_from_flags, contradictions, field_default, merged_flags,
+                     variant_skip)
 from .data import check_window_fits, load_split
 from .errors import UsageError
 from .evaluate import bpc_table
@@ -279,7 +280,8 @@ def parse_grid_flags(given: dict[str, Any], args: Any) -> tuple[dict[tuple[int, 
     started = started_settings(grid_dir) if args.resume or args.report_only else None
     if started:
         given = continued_flags(started["flags"], given)
-    seeds = listed(args.seeds, started["seeds"] if started else [given.get("seed", 0)], int, "--seeds", "integer seeds")
+    default_seeds = [given["seed"]] if "seed" in given else started["seeds"] if started else [0]
+    seeds = listed(args.seeds, default_seeds, int, "--seeds", "integer seeds")
     multiples = sorted({1, *listed(args.eval_multiples, started["eval_multiples"] if started else [1], int,
                                    "--eval-multiples", "integers")})
     if any(seed < 0 for seed in seeds) or any(multiple < 1 for multiple in multiples):
@@ -288,7 +290,10 @@ def parse_grid_flags(given: dict[str, Any], args: Any) -> tuple[dict[tuple[int, 
                       "variant names")
     configs = run_configs(given, variants, seeds)
     earlier = run_configs(given, variants, earlier_seeds(grid_dir, variants, seeds)) if args.resume else {}
-    settings = {"flags": {key: value for key, value in given.items() if key not in LOCATION | {"seed"}},
+    flags = {key: value for key, value in given.items() if key not in LOCATION | {"seed"}}
+    if "data_dir" in flags:   # as a checkpoint records it: a --resume from another directory finds the same data
+        flags["data_dir"] = str(Path(flags["data_dir"]).expanduser().resolve())
+    settings = {"flags": flags,
                 "variants": list(dict.fromkeys([*(started["variants"] if started else []), *variants])),
                 "seeds": sorted({*(started["seeds"] if started else []), *seeds}), "eval_multiples": multiples}
     return configs, earlier, multiples, grid_dir, settings
@@ -321,12 +326,12 @@ def continued_flags(recorded: dict[str, Any], given: dict[str, Any]) -> dict[str
     """The flags the grid started with, and those given now: a setting that may change on --resume
     (RESUMABLE: steps, threads, device, ...) takes the new value; any other must repeat the one the
     grid started with (its flag, else its preset's or the default), and every one that contradicts it
-    is named."""
+    is named (config.contradictions, as train.py's --resume names them).  --seed picks seeds, as
+    --seeds does."""
     started = {**merged_flags(recorded).flat(), "feature_map_options": recorded.get("feature_map_options", {})}
-    contradicting = [f"--{key.replace('_', '-')}: started with {started.get(key)!r}, given {value!r}"
-                     for key, value in given.items()
-                     if key not in LOCATION | {"imports"} and (key not in RESUMABLE or key == "preset")
-                     and started.get(key) != value]
+    compared = {key: value for key, value in given.items() if key not in LOCATION | {"imports", "seed"}}
+    contradicting = [f"{flag_name(key)}: started with {before!r}, given {now!r}"
+                     for key, before, now in contradictions(started, compared)]
     if contradicting:
         raise ValueError(f"the grid continues as it started, and these flags contradict its settings: "
                          f"{'; '.join(contradicting)}; drop them, or start a new grid with another --run-name")
@@ -335,7 +340,15 @@ def continued_flags(recorded: dict[str, Any], given: dict[str, Any]) -> dict[str
         import_user_code([name for name in imports if name not in given.get("imports", [])])
     except UsageError as error:
         raise UsageError(f"the grid's recorded --import: {error}") from None
-    return {**recorded, **given, **({"imports": imports} if imports else {})}
+    return {**recorded, **given, "feature_map_options": started["feature_map_options"],
+            **({"imports": imports} if imports else {})}
+
+
+def flag_name(key: str) -> str:
+    """The flag of a setting contradictions() names: --lr, or --feature-map-option num_features."""
+    if key.startswith("feature_map_options["):
+        return f"--feature-map-option {key.split(chr(39))[1]}"
+    return f"--{key.replace('_', '-')}"
 
 
 def earlier_seeds(grid_dir: Path, variants: list[str], seeds: list[int]) -> list[int]:

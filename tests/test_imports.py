@@ -42,7 +42,8 @@ def imports(module: str, source: str):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name in MODULES:
-                    bound = alias.asname if alias.asname else None   # `import a.b` binds a, not a.b
+                    # `import a` binds a; `import a.b` binds a, not a.b; `import a.b as c` binds c
+                    bound = alias.asname or (alias.name if "." not in alias.name else None)
                     found.append((node.lineno, alias.name, None, bound))
         elif isinstance(node, ast.ImportFrom):
             base = absolute(module, node)
@@ -170,6 +171,7 @@ def test_a_type_only_import_counts():
     "import linattn.ops.linear_attention.stable as st\nst._parts(x)",
     "from linattn.ops.linear_attention.torch_logspace import _chunks",
     "def f():\n    from . import torch_logspace\n    return torch_logspace._runs",
+    "import linattn\nlinattn._debug",
 ])
 def test_each_kind_of_private_access_is_caught(source):
     assert private_uses("linattn.ops.linear_attention.cpp_logspace", source)

@@ -77,6 +77,27 @@ def test_compiled_blocks_give_eager_outputs_and_gradients():
     _assert_compiled_matches_eager(Blocks(CASES), torch.randn(2, 10, 16))
 
 
+class WindowDecayBlocks(torch.nn.Module):
+    """A window with a decay on the log-space path (favor, `post`: two op calls) and the plain one (elu),
+    on the auto backend, which resolves to the cpp kernel for favor when it runs."""
+    names = ["favor-post-window-decay", "elu-pre-window-decay"]
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            LinearAttention(16, heads=2, feature_map=fm, rope=rope, chunk_size=4, window=3, decay="retnet",
+                            feature_map_options={"num_features": 8} if fm == "favor" else {})
+            for fm, rope in (("favor", "post"), ("elu", "pre")))
+
+    def forward(self, x):
+        return [block(x) for block in self.blocks]
+
+
+@pytest.mark.slow
+def test_compiled_window_and_decay_blocks_give_eager_outputs_and_gradients():
+    _assert_compiled_matches_eager(WindowDecayBlocks(), torch.randn(2, 10, 16))
+
+
 @pytest.mark.slow
 def test_compiled_prefill_returns_eager_state_and_future_outputs_do_not_change_the_past():
     blocks = [_block(feature_map, "post", "auto").eval() for feature_map in ("favor", "elu")]

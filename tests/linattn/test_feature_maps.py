@@ -524,6 +524,7 @@ def test_check_feature_map_refuses_what_linear_attention_cannot_divide_by(forwar
 
 @pytest.mark.parametrize("forward, logs, nonnegative", [
     (torch.exp, lambda x: x + x.sum(-1, keepdim=True), True),   # log(forward) up to a per-row constant
+    (torch.relu, lambda x: x.relu().log(), True),   # features of exactly 0: log-features of -inf
     (lambda x: torch.cat([torch.ones_like(x[..., :1]), x, (x[..., :, None] * x[..., None, :]).flatten(-2) / 2 ** 0.5],
                          -1), None, False),   # 1 + q.k + (q.k)^2 / 2 >= 1/2: Taylor's kernel
 ])

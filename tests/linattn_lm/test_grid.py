@@ -118,6 +118,10 @@ def test_resume_and_report_take_the_grids_recorded_settings(data_dir: Path, tiny
     assert marker["variants"] == ["linear-elu-post", "linear-elu-none"] and marker["seeds"] == [0, 1]
     assert marker["flags"]["steps"] == 4 and "out_dir" not in marker["flags"]
 
+    assert marker["flags"]["data_dir"] == str(data_dir.resolve())   # absolute, as a checkpoint records it
+    code, out, _ = run_main(grid.main, [*where, "--resume", "--seed", "1", "--variants", "linear-elu-none"])
+    assert code == 0 and "linear-elu-none seed 1 (done before)" in out and "seed 0" not in out, out
+
     code, out, _ = run_main(grid.main, [*where, "--report-only"])
     assert code == 0 and "2 of 4 runs finished" in out, out   # elu-post seed 1 and elu-none seed 0 never trained
     assert "| 128 (2x) |" in (tmp_path / "g" / "results.md").read_text()   # the recorded --eval-multiples
@@ -127,6 +131,14 @@ def test_resume_and_report_take_the_grids_recorded_settings(data_dir: Path, tiny
     (tmp_path / "g" / grid.GRID_MARKER).write_text('{"flags": {}, "variants": "x"}')
     code, _, err = run_main(grid.main, [*where, "--resume"])
     assert code == 2 and "damaged" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_resume_may_repeat_the_grids_options_one_by_one_but_not_change_them() -> None:
+    recorded = {"preset": "tiny", "feature_map_options": {"num_features": 16, "shape": [1, 2]}}
+    flags = grid.continued_flags(recorded, {"feature_map_options": {"num_features": 16, "shape": (1, 2)}, "seed": 3})
+    assert flags["feature_map_options"] == {"num_features": 16, "shape": [1, 2]} and flags["seed"] == 3
+    with pytest.raises(ValueError, match="--feature-map-option num_features"):
+        grid.continued_flags(recorded, {"feature_map_options": {"num_features": 8}})
 
 
 def test_each_run_gets_its_seed_and_the_options_its_map_takes(data_dir: Path) -> None:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ...checks import check_state_position, check_state_tensors
 from ...functional import LinearState, check_state, run_linear_attention
+from ..linear_attention.dispatch import resolve
 from ..linear_attention.fla_kernels import decayed_attention
 from ..linear_attention.recurrent import initial_state, recurrent_step
 from ...rotary import rotary_phases, rotate
@@ -60,8 +61,14 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
     """The parallel pass: (B, H, N, D) score inputs q_hat, k_hat, (B, H, N, M) features (log-features
     if `log_space`), (B, H, N, Dv) values -> (B, H, N, Dv) in float32 (float64 stays), and the
     `WindowState` with `return_state`.  log_decay (H,) log gamma or None; log_gain (H,) log g or None
-    (used only with a window); rotary: Eq. 19's numerator; backend: the linear op's."""
+    (used only with a window); rotary: Eq. 19's numerator; backend: the block's, for the linear part (the
+    window's band runs in torch).  It is resolved here, as the op resolves it: "auto" is fla on CUDA where
+    installed.  While torch.compile traces, names decide instead (resolving asks the machine, and fla's
+    kernels are no graph ops): the log-space op is a custom op that resolves when it runs, and plain
+    features take the torch loop."""
     dtype = torch.float64 if v.dtype == torch.float64 or phi_q.dtype == torch.float64 else torch.float32
+    if not torch.compiler.is_compiling():
+        backend = resolve(backend, v.device, float64=dtype == torch.float64, log_space=log_space, causal=True)
     with torch.autocast(v.device.type, enabled=False):
         q_hat, k_hat, phi_q, phi_k, v = (t.to(dtype) for t in (q_hat, k_hat, phi_q, phi_k, v))
         rate = None if log_decay is None else log_decay.to(dtype)
@@ -110,7 +117,7 @@ def plain_linear_part(phi_q, phi_k, v, *, window, rate, rotary, offset, rope_bas
     if rotary:
         q_num = rotate(phi_q, offset=offset + window, base=rope_base)
         k_num = rotate(phi_k, offset=offset, base=rope_base)
-    if backend == "fla":   # fla's chunk kernels: no loop over chunks
+    if backend == "fla" and not torch.compiler.is_compiling():   # fla's chunk kernels: no loop over chunks
         num, den, kv, k_sum = decayed_attention(q_num, k_num, phi_q, phi_k, v, rate, return_state=return_state)
     else:
         num, den, kv, k_sum = decayed_chunks(q_num, k_num, phi_q, phi_k, v, rate, chunk_size)

@@ -136,7 +136,8 @@ def test_state_equals_torch_backends_and_decoding_continues_from_it(fla_referenc
 def test_window_and_decay_run_their_linear_part_on_flas_kernels(fla_reference, monkeypatch, log_space, window, rotary):
     """The window's band stays in torch; its linear part (and a decay alone) takes fla's kernels: the same
     outputs, gradients and state as the torch backend, and no loop over chunks."""
-    monkeypatch.setattr(dispatch, "resolve", lambda backend, *args, **kwargs: backend)   # CPU float64: the stand-in
+    for module in (dispatch, window_decay):   # fla on CPU in float64: the stand-in
+        monkeypatch.setattr(module, "resolve", lambda backend, *args, **kwargs: backend)
     n, d = 21, 8
     phi_q, phi_k, v = features(n, d, 4, log_space=log_space)
     gen = torch.Generator().manual_seed(3)
