@@ -28,18 +28,29 @@ class ScaledRelu(FeatureMap):
 '''
 
 
+def long_run_flags(data_dir: Path, tmp_path: Path, run_name: str) -> list[str]:
+    """A tiny run that estimates every 5 steps and saves only at the end or on a signal."""
+    return [*TINY, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", run_name,
+            "--eval-interval", "5", "--eval-iters", "1", "--ckpt-interval", "0", "--sample-interval", "0"]
+
+
+def started_past_step_5(start_script, flags: list[str]):
+    """train.py with `flags` for 5,000 steps, returned once it has printed step 5 (the caller stops it)."""
+    process = start_script("train.py", *flags, "--steps", "5000")
+    for line in process.stdout:
+        if line.startswith("step 5/"):
+            break
+    return process
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_saves_a_checkpoint_and_exits_128_plus_it(signum: int, data_dir: Path, tmp_path: Path,
                                                             start_script, script) -> None:
-    flags = [*TINY, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "stop",
-             "--eval-interval", "5", "--eval-iters", "1", "--ckpt-interval", "0", "--sample-interval", "0"]
-    process = start_script("train.py", *flags, "--steps", "5000")
+    flags = long_run_flags(data_dir, tmp_path, "stop")
+    process = started_past_step_5(start_script, flags)
     try:
-        for line in process.stdout:
-            if line.startswith("step 5/"):
-                process.send_signal(signum)
-                break
+        process.send_signal(signum)
         out, err = process.communicate(timeout=120)
     finally:
         process.kill()
@@ -95,13 +106,9 @@ def test_a_user_feature_map_trains_resumes_and_evaluates(data_dir: Path, tmp_pat
 @pytest.mark.slow
 def test_two_runs_of_one_directory_the_second_is_refused_and_kill_9_frees_it(data_dir: Path, tmp_path: Path,
                                                                              start_script, script) -> None:
-    flags = [*TINY, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "shared",
-             "--eval-interval", "5", "--eval-iters", "1", "--ckpt-interval", "0", "--sample-interval", "0"]
-    first = start_script("train.py", *flags, "--steps", "5000")
+    flags = long_run_flags(data_dir, tmp_path, "shared")
+    first = started_past_step_5(start_script, flags)
     try:
-        for line in first.stdout:
-            if line.startswith("step 5/"):
-                break
         second = script("train.py", *flags, "--lr", "0.001", "--steps", "2")
         assert second.returncode == 2 and "model:" not in second.stdout, second.stderr   # refused before building it
         assert second.stderr == (f"error: {tmp_path / 'shared'} is in use by another run (pid {first.pid}); wait for "
