@@ -280,22 +280,21 @@ def parse_grid_flags(given: dict[str, Any], args: Any) -> tuple[dict[tuple[int, 
     started = started_settings(grid_dir) if args.resume or args.report_only else None
     if started:
         given = continued_flags(started["flags"], given)
-    default_seeds = [given["seed"]] if "seed" in given else started["seeds"] if started else [0]
+    before = started or {"variants": [], "seeds": [], "eval_multiples": [1]}
+    default_seeds = [given["seed"]] if "seed" in given else before["seeds"] or [0]
     seeds = listed(args.seeds, default_seeds, int, "--seeds", "integer seeds")
-    multiples = sorted({1, *listed(args.eval_multiples, started["eval_multiples"] if started else [1], int,
-                                   "--eval-multiples", "integers")})
+    multiples = sorted({1, *listed(args.eval_multiples, before["eval_multiples"], int, "--eval-multiples",
+                                   "integers")})
     if any(seed < 0 for seed in seeds) or any(multiple < 1 for multiple in multiples):
         raise ValueError(f"--seeds must be >= 0 and --eval-multiples >= 1, got {seeds} and {multiples}")
-    variants = listed(args.variants, started["variants"] if started else default_variants(), str, "--variants",
-                      "variant names")
+    variants = listed(args.variants, before["variants"] or default_variants(), str, "--variants", "variant names")
     configs = run_configs(given, variants, seeds)
     earlier = run_configs(given, variants, earlier_seeds(grid_dir, variants, seeds)) if args.resume else {}
     flags = {key: value for key, value in given.items() if key not in LOCATION | {"seed"}}
     if "data_dir" in flags:   # as a checkpoint records it: a --resume from another directory finds the same data
         flags["data_dir"] = str(Path(flags["data_dir"]).expanduser().resolve())
-    settings = {"flags": flags,
-                "variants": list(dict.fromkeys([*(started["variants"] if started else []), *variants])),
-                "seeds": sorted({*(started["seeds"] if started else []), *seeds}), "eval_multiples": multiples}
+    settings = {"flags": flags, "variants": list(dict.fromkeys([*before["variants"], *variants])),
+                "seeds": sorted({*before["seeds"], *seeds}), "eval_multiples": multiples}
     return configs, earlier, multiples, grid_dir, settings
 
 

@@ -67,7 +67,9 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
     kernels are no graph ops): the log-space op is a custom op that resolves when it runs, and plain
     features take the torch loop."""
     dtype = torch.float64 if v.dtype == torch.float64 or phi_q.dtype == torch.float64 else torch.float32
-    if not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        backend = backend if log_space else "torch"
+    else:
         backend = resolve(backend, v.device, float64=dtype == torch.float64, log_space=log_space, causal=True)
     with torch.autocast(v.device.type, enabled=False):
         q_hat, k_hat, phi_q, phi_k, v = (t.to(dtype) for t in (q_hat, k_hat, phi_q, phi_k, v))
@@ -117,7 +119,7 @@ def plain_linear_part(phi_q, phi_k, v, *, window, rate, rotary, offset, rope_bas
     if rotary:
         q_num = rotate(phi_q, offset=offset + window, base=rope_base)
         k_num = rotate(phi_k, offset=offset, base=rope_base)
-    if backend == "fla" and not torch.compiler.is_compiling():   # fla's chunk kernels: no loop over chunks
+    if backend == "fla":   # fla's chunk kernels: no loop over chunks
         num, den, kv, k_sum = decayed_attention(q_num, k_num, phi_q, phi_k, v, rate, return_state=return_state)
     else:
         num, den, kv, k_sum = decayed_chunks(q_num, k_num, phi_q, phi_k, v, rate, chunk_size)
