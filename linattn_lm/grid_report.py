@@ -472,8 +472,11 @@ def results_markdown(grid_dir: Path, records: Records, variants: dict[str, list[
                      "grows over training means the model has begun to memorise the training split.", "", *fit]
     mqar = mqar_table(variants)
     if mqar:
+        pairs = config.task.mqar_kv_pairs
         markdown += ["", "## Multi-query associative recall (train.py --task mqar; accuracy at the query positions)",
-                     "", "Held-out streams of the run's seed; the bpc columns above are bits per query.", "", *mqar]
+                     "", "Held-out streams of the run's seed; the bpc columns above are bits per query. A model "
+                     f"that answers with one of the sequence's {pairs} values, not the queried key's, scores 1/{pairs} = "
+                     f"{1 / pairs:.1%}: accuracy above that is recall.", "", *mqar]
     recall = ar_split_table(variants, seq_len)
     if recall:
         markdown += ["", "## Associative recall split (whole val split, bpc; eval.py --ar-split)", "",
