@@ -6,6 +6,8 @@ on the host.
 Derivation: docs/derivations.md, "Eq. 19 on fla's kernels (fla_kernels.py)"."""
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -57,11 +59,19 @@ def decayed_attention(q_num, k_num, q_den, k_den, v, log_decay, *, return_state:
             return plain_linear_attention(q, k, values, return_state=return_state)
         return decayed_linear_attention(q, k, values, log_decay.float(), return_state=return_state)
 
-    values = fla_layout(v)
-    numerator, kv = attend(q_num, k_num, values)
-    denominator, sums = attend(q_den, k_den, values.new_ones(*values.shape[:-1], ONES))
-    return (fla_layout(numerator), fla_layout(denominator)[..., 0], kv,
-            None if sums is None else sums[..., 0])
+    numerator, denominator, kv, sums = numerator_and_denominator(attend, (q_num, k_num), (q_den, k_den), fla_layout(v))
+    return fla_layout(numerator), denominator.transpose(1, 2), kv, sums
+
+
+def numerator_and_denominator(attend, numerator_inputs, denominator_inputs, values):
+    """attend(q, k, v, *gates) -> (o, final state or None) on the numerator's (q, k, *gates) with the
+    values, and on the denominator's with a block of ones for values (fla's smallest tile; every column
+    is the sum): (numerator, denominator, kv, sums), the last two None without a state."""
+    q, k, *gates = numerator_inputs
+    numerator, kv = attend(q, k, values, *gates)
+    q, k, *gates = denominator_inputs
+    denominator, sums = attend(q, k, values.new_ones(*values.shape[:-1], ONES), *gates)
+    return numerator, denominator[..., 0], kv, None if sums is None else sums[..., 0]
 
 
 def _padded(kernel, q, k, v, *gates, multiple: int = 16):
@@ -103,12 +113,12 @@ def step_decays(scale: torch.Tensor) -> torch.Tensor:
 
 
 def finish(numerator, denominator, v, *, kv, sums, work: torch.dtype, position: int, log_scale=None):
-    """out = numerator / denominator (the first of its columns of ones) in v's dtype, as a (B, H, N, Dv)
-    view; with the final states kv and sums (return_state), also the LinearState in `work`."""
-    out = fla_layout(divide(numerator, denominator[..., 0]).to(v.dtype))
+    """out = numerator / denominator in v's dtype, as a (B, H, N, Dv) view; with the final states kv and
+    sums (return_state), also the LinearState in `work`."""
+    out = fla_layout(divide(numerator, denominator).to(v.dtype))
     if kv is None:
         return out
-    return out, LinearState(kv.detach().to(work), sums.detach()[..., 0].to(work), position, log_scale)
+    return out, LinearState(kv.detach().to(work), sums.detach().to(work), position, log_scale)
 
 
 def plain_attention(phi_q, phi_k, v, *, causal: bool, rotary: bool, offset: int, rope_base: float,
@@ -121,10 +131,9 @@ def plain_attention(phi_q, phi_k, v, *, causal: bool, rotary: bool, offset: int,
         phases = rotary_phases(n, m, offset=offset, base=rope_base, device=v.device, dtype=work) if rotary else None
         q_num, k_num, q_den, k_den = checkpoint(plain_factors, phi_q, phi_k, phases, work=work, dot=dot,
                                                 use_reentrant=False, preserve_rng_state=False)
-        values = fla_layout(v).to(dot)
-        numerator, kv = plain_linear_attention(q_num, k_num, values, return_state=return_state)
-        ones = values.new_ones(*values.shape[:-1], ONES)
-        denominator, sums = plain_linear_attention(q_den, k_den, ones, return_state=return_state)
+        numerator, denominator, kv, sums = numerator_and_denominator(
+            partial(plain_linear_attention, return_state=return_state), (q_num, k_num), (q_den, k_den),
+            fla_layout(v).to(dot))
     return finish(numerator, denominator, v, kv=kv, sums=sums, work=work, position=int(offset) + n)
 
 
@@ -149,10 +158,9 @@ def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope
         phases = rotary_phases(n, m, offset=offset, base=rope_base, device=v.device, dtype=work) if rotary else None
         q_num, k_num, decay, q_den, k_den, den_decay, last_scale = checkpoint(
             log_factors, b, a, phases, work=work, dot=dot, use_reentrant=False, preserve_rng_state=False)
-        values = fla_layout(v).to(dot)
-        numerator, kv = gated_linear_attention(q_num, k_num, values, decay, return_state=return_state)
-        ones = values.new_ones(*values.shape[:-1], ONES)
-        denominator, sums = gated_linear_attention(q_den, k_den, ones, den_decay, return_state=return_state)
+        numerator, denominator, kv, sums = numerator_and_denominator(
+            partial(gated_linear_attention, return_state=return_state), (q_num, k_num, decay),
+            (q_den, k_den, den_decay), fla_layout(v).to(dot))
     return finish(numerator, denominator, v, kv=kv, sums=sums, work=work, position=int(offset) + n,
                   log_scale=last_scale.detach() if return_state else None)
 
