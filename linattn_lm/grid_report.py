@@ -211,9 +211,17 @@ def row(record: dict[str, Any]) -> dict[str, Any]:
     return {**{column: record[column] for column in COLUMNS}, **scores}
 
 
-def headline(record: dict[str, Any], seq_len: int) -> float:
-    """Whole-val-split bpc at the training length (always scored)."""
-    return record["scores"]["val"][str(seq_len)]
+Score = Callable[[dict[str, Any]], float]   # a number per run record, what paired differences compare
+
+
+def val_bpc(seq_len: int) -> Score:
+    """The headline score: whole-val-split bpc at the training length (always scored)."""
+    return lambda record: record["scores"]["val"][str(seq_len)]
+
+
+def mqar_accuracy(record: dict[str, Any]) -> float:
+    """--task mqar: the fraction of the held-out val stream's queries answered right."""
+    return record["mqar"]["val"]["accuracy"]
 
 
 def mean_std(values: Iterable[float], digits: int = 3) -> str:
@@ -261,10 +269,11 @@ def comparable_pairs(configs: dict[str, dict[str, Any]]) -> list[tuple[str, str,
     return pairs
 
 
-def paired_difference(a: list[dict[str, Any]], b: list[dict[str, Any]], seq_len: int) -> dict[str, Any] | None:
-    """a - b on the seeds both have: the differences, their mean, std, 95% t interval and paired t-test p."""
-    scores_b = {record["seed"]: headline(record, seq_len) for record in b}
-    diffs = {record["seed"]: headline(record, seq_len) - scores_b[record["seed"]]
+def paired_difference(a: list[dict[str, Any]], b: list[dict[str, Any]], score: Score) -> dict[str, Any] | None:
+    """score(a) - score(b) on the seeds both have: the differences, their mean, std, 95% t interval and
+    paired t-test p."""
+    scores_b = {record["seed"]: score(record) for record in b}
+    diffs = {record["seed"]: score(record) - scores_b[record["seed"]]
              for record in a if record["seed"] in scores_b}
     if not diffs:
         return None
@@ -292,7 +301,7 @@ def summary_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> li
     return variant_table(
         ["val bpc (whole split)", "test bpc (whole split)", "final val bpc (estimate)", "best val bpc (estimate)",
          "wall time per run (s)", "tokens/s", "peak memory (MB)"], variants,
-        lambda runs: [mean_std(headline(r, seq_len) for r in runs),
+        lambda runs: [mean_std(val_bpc(seq_len)(r) for r in runs),
                       mean_std(r["scores"].get("test", {}).get(str(seq_len), math.nan) for r in runs),
                       mean_std(r["final_val_bpc"] for r in runs), mean_std(r["best_val_bpc"] for r in runs),
                       f"{np.mean([r['wall_time_s'] for r in runs]):,.0f}",
@@ -311,10 +320,10 @@ def paired_row(a: str, b: str, factor: str, diff: dict[str, Any]) -> str:
     return f"| {a} | {b} | {factor} | {per_seed} | {signed(diff['mean'])} | {std} | {ci} | {p} |"
 
 
-def paired_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> list[str]:
+def paired_table(variants: dict[str, list[dict[str, Any]]], score: Score) -> list[str]:
     rows = [paired_row(a, b, factor, diff)
             for a, b, factor in comparable_pairs({name: runs[0]["config"] for name, runs in variants.items()})
-            if (diff := paired_difference(variants[a], variants[b], seq_len)) is not None]
+            if (diff := paired_difference(variants[a], variants[b], score)) is not None]
     return [*PAIRED_HEADER, *rows] if rows else []
 
 
@@ -325,30 +334,30 @@ def softmax_baseline(variants: dict[str, list[dict[str, Any]]]) -> str | None:
                                                                "normalization": "denominator"})), None)
 
 
-def baseline_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> list[str]:
+def baseline_table(variants: dict[str, list[dict[str, Any]]], score: Score) -> list[str]:
     """Every linear variant against softmax + RoPE on the same seeds, closest first: how far each is
     from the attention it replaces (a comparison across families, which paired_table leaves out)."""
     baseline = softmax_baseline(variants)
-    return against_table(variants, seq_len, [(name, baseline) for name, runs in variants.items()
+    return against_table(variants, score, [(name, baseline) for name, runs in variants.items()
                                              if baseline and runs[0]["config"]["attention"] == "linear"], "attention")
 
 
-def window_control_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> list[str]:
+def window_control_table(variants: dict[str, list[dict[str, Any]]], score: Score) -> list[str]:
     """Every linear variant with a window against the window-only control of the same window (softmax
     over the last W keys, no linear term), on the same seeds: what the linear term adds to the window."""
     controls = {runs[0]["config"].get("window"): name for name, runs in variants.items()
                 if runs[0]["config"]["attention"] == "softmax" and runs[0]["config"].get("window")}
-    return against_table(variants, seq_len, [
+    return against_table(variants, score, [
         (name, controls[window]) for name, runs in variants.items()
         if runs[0]["config"]["attention"] == "linear" and (window := runs[0]["config"].get("window")) in controls],
         "linear term")
 
 
-def against_table(variants: dict[str, list[dict[str, Any]]], seq_len: int, pairs: list[tuple[str, str]],
+def against_table(variants: dict[str, list[dict[str, Any]]], score: Score, pairs: list[tuple[str, str]],
                   factor: str) -> list[str]:
     """Paired differences of each (variant, baseline) pair on their common seeds, closest first."""
     diffs = [(name, baseline, diff) for name, baseline in pairs
-             if (diff := paired_difference(variants[name], variants[baseline], seq_len)) is not None]
+             if (diff := paired_difference(variants[name], variants[baseline], score)) is not None]
     rows = [paired_row(name, baseline, factor, diff) for name, baseline, diff in sorted(diffs, key=lambda x: x[2]["mean"])]
     return [*PAIRED_HEADER, *rows] if rows else []
 
@@ -453,15 +462,16 @@ def results_markdown(grid_dir: Path, records: Records, variants: dict[str, list[
         orders = next(iter(reference.values()), {})
         markdown += [f"| {order} | " + " | ".join(f"{lines[order]:.4f}" for lines in reference.values()) + " |"
                      for order in orders]
-    paired = paired_table(variants, seq_len)
+    bpc = val_bpc(seq_len)
+    paired = paired_table(variants, bpc)
     if paired:
         markdown += ["", "## Paired differences (whole val split, bpc; negative: A is better)", "",
                      "Variants that differ in one factor, compared on the same seeds.", "", *paired]
-    against_softmax = baseline_table(variants, seq_len)
+    against_softmax = baseline_table(variants, bpc)
     if against_softmax:
         markdown += ["", "## Against softmax attention with RoPE (whole val split, bpc; paired by seed, closest "
                      "first)", "", *against_softmax]
-    against_control = window_control_table(variants, seq_len)
+    against_control = window_control_table(variants, bpc)
     if against_control:
         markdown += ["", "## Against the window-only control (whole val split, bpc; paired by seed, closest first)",
                      "", *against_control]
@@ -477,6 +487,13 @@ def results_markdown(grid_dir: Path, records: Records, variants: dict[str, list[
                      "", "Held-out streams of the run's seed; the bpc columns above are bits per query. A model "
                      f"that answers with one of the sequence's {pairs} values, not the queried key's, scores 1/{pairs} = "
                      f"{1 / pairs:.1%}: accuracy above that is recall.", "", *mqar]
+        tables = (paired_table(variants, mqar_accuracy), baseline_table(variants, mqar_accuracy),
+                  window_control_table(variants, mqar_accuracy))
+        rows = [line for table in tables for line in table[len(PAIRED_HEADER):]]
+        if rows:
+            markdown += ["", "Paired differences in val accuracy (positive: A is better): variants that differ in "
+                         "one factor, then each against softmax + RoPE and against the window-only control.", "",
+                         *PAIRED_HEADER, *rows]
     recall = ar_split_table(variants, seq_len)
     if recall:
         markdown += ["", "## Associative recall split (whole val split, bpc; eval.py --ar-split)", "",

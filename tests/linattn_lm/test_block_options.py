@@ -12,7 +12,7 @@ import torch
 from linattn_lm import ByteLM, config_from_flags, evaluate, training
 from linattn_lm.config import config_differences
 from linattn_lm.variants import BLOCK_OPTIONS
-from linattn_lm.grid_report import comparable_pairs, softmax_baseline, window_control_table
+from linattn_lm.grid_report import comparable_pairs, softmax_baseline, val_bpc, window_control_table
 from linattn_lm.lm import state_size
 from linattn_lm.variants import variant_flags
 
@@ -258,7 +258,7 @@ def test_windowed_linear_variants_are_paired_with_the_control_of_their_window() 
            "linear-favor-pre+window=8": 2.7, "linear-favor-pre": 2.8}
     variants = {name: [{"config": configs[name], "seed": seed, "scores": {"val": {"256": val[name] + seed / 100}}}
                        for seed in (0, 1)] for name in names}
-    rows = window_control_table(variants, 256)[2:]
+    rows = window_control_table(variants, val_bpc(256))[2:]
     assert len(rows) == 1 and rows[0].startswith("| linear-favor-pre+window=64 | softmax-rope+window=64 | linear term |")
     assert "-0.100" in rows[0]
 

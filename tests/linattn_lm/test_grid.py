@@ -169,16 +169,16 @@ def record(seed: int, variant: str, val: float) -> dict:
 
 
 def test_paired_difference_is_a_t_interval_over_seeds() -> None:
-    from linattn_lm.grid_report import paired_difference
+    from linattn_lm.grid_report import paired_difference, val_bpc
     a = [record(s, "a", v) for s, v in enumerate([2.1, 2.2, 2.3])]
     b = [record(s, "b", 2.0) for s in range(3)] + [record(7, "b", 9.0)]   # seed 7 has no partner
-    diff = paired_difference(a, b, 256)
+    diff = paired_difference(a, b, val_bpc(256))
     assert diff["seeds"] == [0, 1, 2]
     assert diff["mean"] == pytest.approx(0.2) and diff["std"] == pytest.approx(0.1)
     half = 4.302652729911275 * 0.1 / 3 ** 0.5            # t(0.975, 2 dof)
     assert diff["ci"] == pytest.approx((0.2 - half, 0.2 + half))
     assert diff["p"] == pytest.approx(0.0742, abs=1e-3)  # two-sided, t = 0.2 / (0.1 / sqrt 3) = 3.46, 2 dof
-    single = paired_difference(a[:1], b, 256)
+    single = paired_difference(a[:1], b, val_bpc(256))
     assert single["mean"] == pytest.approx(0.1) and all(map(math.isnan, single["ci"]))   # one seed: no interval
 
 
@@ -198,14 +198,14 @@ def test_variants_whose_settings_differ_in_one_factor_are_paired() -> None:
 
 
 def test_a_score_that_is_not_a_number_shows_as_n_a() -> None:
-    from linattn_lm.grid_report import mean_std, paired_table
+    from linattn_lm.grid_report import mean_std, paired_table, val_bpc
     assert mean_std([2.0, 2.2]) == "2.100 ± 0.141" and mean_std([2.0]) == "2.000"
     assert mean_std([2.0, math.nan]) == "n/a" and mean_std([]) == "n/a"
     config = lambda rope: {"attention": "linear", "feature_map": "elu", "rope": rope, "abs_pos": False,
                            "feature_map_options": {}}
     runs = {rope: [{**record(seed, rope, value), "config": config(rope)} for seed, value in enumerate(values)]
             for rope, values in (("post", [2.0, math.nan]), ("none", [2.1, 2.2]))}
-    row = paired_table(runs, 256)[2]
+    row = paired_table(runs, val_bpc(256))[2]
     assert "| post | none | rope | -0.100 (s0), n/a (s1) | n/a | n/a | n/a | n/a |" == row
 
 
@@ -510,19 +510,19 @@ def test_report_only_refuses_what_it_cannot_report(extra: list[str], message: st
 
 
 def test_every_linear_variant_is_paired_with_softmax_rope_closest_first() -> None:
-    from linattn_lm.grid_report import baseline_table
+    from linattn_lm.grid_report import baseline_table, val_bpc
     configs = grid.run_configs({"preset": "cpu"}, ["softmax-rope", "softmax-abs", "linear-favor-post",
                                                    "linear-elu-pre"], [0, 1])
     values = {"softmax-rope": (2.4, 2.5), "softmax-abs": (2.0, 2.0), "linear-favor-post": (3.0, 3.2),
               "linear-elu-pre": (2.6, 2.6)}
     variants = {name: [{**record(seed, name, values[name][seed]), "config": configs[seed, name].flat()}
                        for seed in (0, 1)] for name in values}
-    rows = baseline_table(variants, 256)[2:]
+    rows = baseline_table(variants, val_bpc(256))[2:]
     assert [row.split(" | ")[:3] for row in rows] == [["| linear-elu-pre", "softmax-rope", "attention"],
                                                       ["| linear-favor-post", "softmax-rope", "attention"]]
     assert "+0.200 (s0), +0.100 (s1) | +0.150 |" in rows[0] and "+0.650 |" in rows[1]
     del variants["softmax-rope"]   # no softmax + RoPE in the grid: no such table
-    assert baseline_table(variants, 256) == []
+    assert baseline_table(variants, val_bpc(256)) == []
 
 
 def test_a_report_notices_a_run_that_changed_after_its_result(data_dir: Path, tiny: list[str], tmp_path: Path,

@@ -129,6 +129,10 @@ def test_a_grid_of_the_task_reports_recall_beside_the_state(tmp_path: Path, run_
     report = (tmp_path / "g" / "results.md").read_text()
     assert "## Multi-query associative recall" in report and "n-gram" not in report
     assert "scores 1/4 = 25.0%" in report   # mqar-tiny's 4 pairs: copying any of the sequence's values
+    hybrid = json.loads((tmp_path / "g" / "linear-favor-pre+softmax_layers=1" / "seed-0" / "result.json").read_text())
+    gain = hybrid["mqar"]["val"]["accuracy"] - record["mqar"]["val"]["accuracy"]
+    assert "Paired differences in val accuracy" in report
+    assert f"| linear-favor-pre+softmax_layers=1 | softmax-rope | attention | {gain:+.3f} (s0) |" in report
     assert "| linear-favor-pre+softmax_layers=1 | 0 |" in report and "| 16 x 16; 32 x 2 x 16 KV cache |" in report
     code, _, err = run_main(grid.main, [*argv, "--resume"])   # finished: kept as it is
     assert code == 0, err
