@@ -339,7 +339,8 @@ def continued_flags(recorded: dict[str, Any], given: dict[str, Any]) -> dict[str
         import_user_code([name for name in imports if name not in given.get("imports", [])])
     except UsageError as error:
         raise UsageError(f"the grid's recorded --import: {error}") from None
-    return {**recorded, **given, "feature_map_options": started["feature_map_options"],
+    options = started["feature_map_options"]   # the recorded ones (given ones must repeat them); none: no key
+    return {**recorded, **given, **({"feature_map_options": options} if options else {}),
             **({"imports": imports} if imports else {})}
 
 

@@ -117,6 +117,7 @@ def test_resume_and_report_take_the_grids_recorded_settings(data_dir: Path, tiny
     marker = json.loads((tmp_path / "g" / grid.GRID_MARKER).read_text())
     assert marker["variants"] == ["linear-elu-post", "linear-elu-none"] and marker["seeds"] == [0, 1]
     assert marker["flags"]["steps"] == 4 and "out_dir" not in marker["flags"]
+    assert "feature_map_options" not in marker["flags"]   # none given: the resume adds no empty record of them
 
     assert marker["flags"]["data_dir"] == str(data_dir.resolve())   # absolute, as a checkpoint records it
     code, out, _ = run_main(grid.main, [*where, "--resume", "--seed", "1", "--variants", "linear-elu-none"])
