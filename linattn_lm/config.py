@@ -136,7 +136,8 @@ class ModelConfig:
     """Everything needed to rebuild a model, as plain values (feature_map_options too), so
     checkpoints load with `torch.load(weights_only=True)`.  Defaults are the cpu preset's."""
 
-    vocab_size: int = setting(256, "vocabulary size (bytes)")
+    vocab_size: int = setting(256, "vocabulary size: at least 256 for enwik8 (one id per byte); any that its "
+                                   "key-value pairs fit for mqar")
     n_layer: int = setting(4, "number of Transformer blocks")
     d_model: int = setting(128, "model width")
     n_head: int = setting(4, "attention heads (must divide d-model)")
@@ -195,8 +196,6 @@ class ModelConfig:
         for name in ("vocab_size", "n_layer", "d_model", "n_head", "seq_len", "chunk_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.vocab_size < 256:
-            raise ValueError(f"vocab_size must be at least 256 (one id per byte), got {self.vocab_size}")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.window < 0:
@@ -616,6 +615,8 @@ class TrainConfig:
         self.task.validate()
         if self.task.task == "mqar":
             check_mqar_settings(self.model.vocab_size, self.model.seq_len, self.task.mqar_kv_pairs)
+        elif self.model.vocab_size < 256:
+            raise ValueError(f"vocab_size must be at least 256 for enwik8 (one id per byte), got {self.model.vocab_size}")
         device = resolve_device(self.run.device)
         self.model.check_fields()
         needed = 4 * self.model.parameter_bytes() + self.model.activation_bytes(self.optim.batch_size)

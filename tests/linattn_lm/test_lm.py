@@ -116,7 +116,7 @@ def test_favor_layer_seeds_differ_per_layer_and_reproduce(make_model) -> None:
     (dict(feature_map="nope"), "unknown feature map"),
     (dict(d_model=30, n_head=4), "multiple"),
     (dict(n_layer=0), "n_layer must be positive"),
-    (dict(vocab_size=100), "vocab_size must be at least 256"),
+    (dict(vocab_size=0), "vocab_size must be positive"),
     (dict(n_layer="2"), "n_layer must be int"),
     (dict(dropout=1.0), "dropout"),
     (dict(mlp_ratio=float("nan")), "mlp_ratio must be a finite number"),

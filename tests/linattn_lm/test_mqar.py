@@ -71,6 +71,12 @@ def test_settings_that_do_not_fit_are_refused(vocab: int, seq_len: int, pairs: i
         config_from_flags({"preset": "mqar", "vocab_size": vocab, "seq_len": seq_len, "mqar_kv_pairs": pairs})
 
 
+def test_the_task_takes_any_vocabulary_its_pairs_fit_and_enwik8_one_id_per_byte() -> None:
+    assert config_from_flags({"preset": "mqar", "vocab_size": 64}).model.vocab_size == 64
+    with pytest.raises(ValueError, match="per byte"):
+        config_from_flags({"preset": "cpu", "vocab_size": 64})
+
+
 class Oracle(nn.Module):
     """Logits that name each key's value from the pairs at the start of the row (uniform elsewhere)."""
 
