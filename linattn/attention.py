@@ -248,8 +248,9 @@ class LinearAttention(_Projections):
         * Log-features go as they are, with v in its own dtype: the op takes float32 log-features with
           half values (bf16 would round the exponents), and multiplies the values in their dtype (on
           tensor cores on the fla backend).
-        * Plain features on the fla route go to v's bf16/fp16: the kernels multiply on tensor cores
-          (float32 sums) only when every input is in that dtype, as flash-linear-attention's layers run.
+        * Plain features on the fla route go to bf16 with bf16 values: the kernels multiply on tensor
+          cores (float32 sums) only when every input is bf16, as flash-linear-attention's layers run.
+          Not fp16: fla writes the sums in that dtype, and they outgrow fp16's range.
           The route is backend "fla", or "auto" on CUDA, for causal blocks, decided from the names
           (which torch.compile traces; resolving would ask the machine).
         * Otherwise v goes to the features' dtype: the torch and cpp backends sum in float32 anyway
@@ -262,7 +263,7 @@ class LinearAttention(_Projections):
         device = v.device.type
         # fla's kernels are causal only: a non-causal call takes torch's entry, which sums in float32
         kernel_route = self.causal and (self.backend == "fla" or (self.backend == "auto" and device == "cuda"))
-        if kernel_route and v.dtype in (torch.bfloat16, torch.float16):
+        if kernel_route and v.dtype == torch.bfloat16:
             return phi_q.to(v.dtype), phi_k.to(v.dtype), v
         return phi_q, phi_k, v.to(dtype)
 

@@ -52,15 +52,20 @@ def decayed_attention(q_num, k_num, q_den, k_den, v, log_decay, *, return_state:
     """The window's plain linear part (ops/window_decay) on fla, (B, H, N, .) tensors in and out:
     sum_{n<=m} gamma^(m-n) (q_num_m . k_num_n) v_n and sum_{n<=m} gamma^(m-n) q_den_m . k_den_n, with the
     states after the last token (kv, k_sum; None without return_state).  log_decay: (H,) log gamma, or
-    None for no decay.  One kernel call each, no scan along the sequence."""
+    None for no decay.  One kernel call each, no scan along the sequence; the dots in bf16 where v is
+    bf16 (`dtypes`), the results in the features' dtype."""
+    work, dot = dtypes(v, q_num, k_num)
+
     def attend(q, k, values):
-        q, k = fla_layout(q), fla_layout(k)
+        q, k = fla_layout(q).to(dot), fla_layout(k).to(dot)
         if log_decay is None:
             return plain_linear_attention(q, k, values, return_state=return_state)
         return decayed_linear_attention(q, k, values, log_decay.float(), return_state=return_state)
 
-    numerator, denominator, kv, sums = numerator_and_denominator(attend, (q_num, k_num), (q_den, k_den), fla_layout(v))
-    return fla_layout(numerator), denominator.transpose(1, 2), kv, sums
+    numerator, denominator, kv, sums = numerator_and_denominator(attend, (q_num, k_num), (q_den, k_den),
+                                                                 fla_layout(v).to(dot))
+    states = (None, None) if kv is None else (kv.to(work), sums.to(work))
+    return fla_layout(numerator).to(work), denominator.transpose(1, 2).to(work), *states
 
 
 def numerator_and_denominator(attend, numerator_inputs, denominator_inputs, values):
@@ -87,11 +92,13 @@ def _padded(kernel, q, k, v, *gates, multiple: int = 16):
     return o[..., :dv], (state[..., :m, :dv] if state is not None else None)
 
 
-def dtypes(v: torch.Tensor, *features, halves=(torch.bfloat16, torch.float16)) -> tuple[torch.dtype, torch.dtype]:
-    """(scales and denominator, the numerator's dots): float32 (float64 stays float64), and the values'
-    dtype where it is one of `halves` (bf16 under autocast), else the first."""
+def dtypes(v: torch.Tensor, *features) -> tuple[torch.dtype, torch.dtype]:
+    """(scales and denominator, fla's dots): float32 (float64 stays float64), and bf16 where the values
+    are bf16 (under autocast), else the first.  Not fp16: fla writes its sums in the dots' dtype, and
+    they outgrow fp16's 65504 (the log-space query factors reach e^30; an elu block 512 wide sums to
+    1.75e5 at 2,048 tokens)."""
     work = compute_dtype(*feature_tensors(*features), v)
-    return work, (v.dtype if v.dtype in halves else work)
+    return work, (v.dtype if v.dtype == torch.bfloat16 else work)
 
 
 def fla_layout(x: torch.Tensor) -> torch.Tensor:
@@ -152,8 +159,7 @@ def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope
     """Log-features b, a (tensors or `LogProjection`s); see docs/derivations.md."""
     del causal, chunk_size
     n, m = v.shape[-2], a.shape[-1]
-    # fp16 would overflow: query factors reach e^NUMERATOR_CAP = e^30 (fp16's largest is e^11)
-    work, dot = dtypes(v, b, a, halves=(torch.bfloat16,))
+    work, dot = dtypes(v, b, a)
     with torch.autocast(v.device.type, enabled=False):
         phases = rotary_phases(n, m, offset=offset, base=rope_base, device=v.device, dtype=work) if rotary else None
         q_num, k_num, decay, q_den, k_den, den_decay, last_scale = checkpoint(

@@ -72,7 +72,10 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
     else:
         backend = resolve(backend, v.device, float64=dtype == torch.float64, log_space=log_space, causal=True)
     with torch.autocast(v.device.type, enabled=False):
+        # bf16 values stay bf16 for the linear part on fla's kernels, which multiply them on tensor cores
+        linear_values = v if backend == "fla" and v.dtype == torch.bfloat16 else None
         q_hat, k_hat, phi_q, phi_k, v = (t.to(dtype) for t in (q_hat, k_hat, phi_q, phi_k, v))
+        linear_values = v if linear_values is None else linear_values
         rate = None if log_decay is None else log_decay.to(dtype)
         n = v.shape[-2]
         linear_state, lin_log, ratio = None, None, None
@@ -81,7 +84,7 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
         if window < n:   # queries W.. against keys ..N-W-1: query m reads the keys n <= m - W
             part = log_linear_part if log_space else plain_linear_part
             lin_log, ratio, linear_state = part(phi_q[..., window:, :], phi_k[..., :n - window, :],
-                                                v[..., :n - window, :], window=window, rate=rate, rotary=rotary,
+                                                linear_values[..., :n - window, :], window=window, rate=rate, rotary=rotary,
                                                 offset=offset, rope_base=rope_base, chunk_size=chunk_size,
                                                 backend=backend, return_state=return_state)
             if window:
@@ -169,7 +172,7 @@ def log_linear_part(b, a, v, *, window, rate, rotary, offset, rope_base, chunk_s
     the log-features, b_j + j log gamma and a_n - n log gamma, j and n counted from the call's first
     token (the state's `origin`)."""
     if rate is not None:
-        steps = torch.arange(v.shape[-2], device=v.device, dtype=v.dtype)[:, None] * rate[:, None, None]
+        steps = torch.arange(v.shape[-2], device=v.device, dtype=b.dtype)[:, None] * rate[:, None, None]
         b, a = b + steps, a - steps   # (H, N, 1): as many queries as keys
     call = dict(causal=True, rotary=rotary, offset=offset, chunk_size=chunk_size, rope_base=rope_base,
                 backend=backend, log_space=True, return_state=return_state, nonnegative_features=True)
@@ -180,10 +183,10 @@ def log_linear_part(b, a, v, *, window, rate, rotary, offset, rope_base, chunk_s
         result = run_linear_attention(pos_op, a, v, **call)
         out_pos, state = result if return_state else (result, None)
         out_neg = run_linear_attention(neg_op, a, v, **(call | {"return_state": False}))
-        return (*rotated_ratio(b, pos, neg, out_pos, out_neg, log_sums), state)
+        return (*rotated_ratio(b, pos, neg, out_pos.to(b.dtype), out_neg.to(b.dtype), log_sums), state)
     result = run_linear_attention(b, a, v, **call)
     ratio, state = result if return_state else (result, None)
-    return (row_log_sums(b, log_sums) if window else None), ratio, state
+    return (row_log_sums(b, log_sums) if window else None), ratio.to(b.dtype), state
 
 
 def row_log_sums(b, log_sums) -> torch.Tensor:

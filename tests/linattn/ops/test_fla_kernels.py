@@ -263,18 +263,47 @@ def test_a_layer_keeps_its_inputs_and_flas_but_not_the_factors_for_backward(monk
 
 @pytest.mark.parametrize("log_space,values,dots", [
     (True, torch.bfloat16, torch.bfloat16), (True, torch.float16, torch.float32),   # e^30 > fp16's range
-    (True, torch.float32, torch.float32), (False, torch.float16, torch.float16), (False, torch.bfloat16, torch.bfloat16)])
-def test_fla_multiplies_in_the_values_half_dtype_where_the_factors_fit_it(monkeypatch, log_space, values, dots):
-    seen = []
-    monkeypatch.setattr(fla_kernels, "gated_linear_attention",
-                        lambda q, k, v, g, *, return_state: (seen.append((q.dtype, k.dtype, v.dtype)) or v, None))
-    monkeypatch.setattr(fla_kernels, "plain_linear_attention",
-                        lambda q, k, v, *, return_state: (seen.append((q.dtype, k.dtype, v.dtype)) or v, None))
+    (True, torch.float32, torch.float32), (False, torch.float16, torch.float32),   # sums beyond 65504
+    (False, torch.bfloat16, torch.bfloat16)])
+def test_fla_multiplies_bf16_values_in_bf16(monkeypatch, log_space, values, dots):
+    seen = record_kernel_dtypes(monkeypatch)
     q, k, v = (t.detach() for t in features(8, 8, 4, log_space=log_space, dtype=torch.float32))
     if not log_space:
         q, k = q.to(values), k.to(values)
     out = call("fla", log_space, [q, k, v.to(values)])
     assert seen == [(dots, dots, dots)] * 2 and out.dtype == values   # numerator, denominator
+
+
+@pytest.mark.parametrize("log_space", [True, False], ids=["log", "plain"])
+@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("values,dots", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
+                                         (torch.float32, torch.float32)])
+def test_the_window_and_decays_linear_part_multiplies_bf16_values_in_bf16(monkeypatch, log_space, window, values,
+                                                                          dots):
+    """Float32 features and scores beside the block's values, as under autocast: the linear part's
+    kernels get bf16 values as they are, the band and the result stay float32."""
+    seen = record_kernel_dtypes(monkeypatch)
+    for module in (dispatch, window_decay):   # the fla route on CPU
+        monkeypatch.setattr(module, "resolve", lambda backend, *args, **kwargs: backend)
+    phi_q, phi_k, v = (t.detach() for t in features(12, 8, 4, log_space=log_space, dtype=torch.float32))
+    q_hat, k_hat = torch.randn(2, B, H, 12, 8).unbind()
+    out = window_decay.window_decay_attention(
+        q_hat, k_hat, phi_q, phi_k, v.to(values), window=window, log_decay=torch.tensor([-0.1, -0.2]),
+        log_gain=torch.zeros(H) if window else None, rotary=True, log_space=log_space, offset=0, rope_base=10000.0,
+        chunk_size=4, backend="fla", return_state=False)
+    assert seen and set(seen) == {(dots, dots, dots)} and out.dtype == torch.float32
+
+
+def record_kernel_dtypes(monkeypatch) -> list:
+    """fla_kernels' calls of fla recorded as (q, k, v) dtypes, each answering with its values."""
+    seen = []
+
+    def kernel(q, k, v, *gates, return_state):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return v, None
+    for name in ("gated_linear_attention", "plain_linear_attention", "decayed_linear_attention"):
+        monkeypatch.setattr(fla_kernels, name, kernel)
+    return seen
 
 
 def test_non_causal_calls_take_the_torch_entry():
@@ -485,18 +514,24 @@ def test_gpu_block_with_fla_backend_under_bf16_autocast_matches_torch(feature_ma
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("feature_map,window", [("favor", 0), ("favor", 64), ("elu", 0), ("elu", 64)])
-def test_gpu_window_and_decay_blocks_on_fla_match_torch(feature_map, window):
-    """The linear part of a window or decay on fla's kernels, float32, against the torch backend: outputs
-    and the input's gradient."""
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16-autocast"])
+def test_gpu_window_and_decay_blocks_on_fla_match_torch(feature_map, window, bf16):
+    """The linear part of a window or decay on fla's kernels (bf16 dots under autocast) against the torch
+    backend: outputs and the input's gradient."""
     pytest.importorskip("fla")
     torch.manual_seed(0)
     blocks = [LinearAttention(512, 8, feature_map=feature_map, rope="post", window=window, decay="retnet",
                               backend=backend).cuda() for backend in ("torch", "fla")]
     blocks[1].load_state_dict(blocks[0].state_dict())
-    x = torch.randn(1, 1024, 512, device="cuda")
-    runs = [(out := block(x), torch.autograd.grad(out.square().sum(), x.requires_grad_())[0]) for block in blocks]
+    x = torch.randn(1, 1024, 512, device="cuda", requires_grad=True)
+    runs = []
+    for block in blocks:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            out = block(x).float()
+        runs.append((out, torch.autograd.grad(out.square().sum(), x)[0]))
+    tolerance = 3e-2 if bf16 else 1e-2
     for want, got in zip(*runs):
-        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance * want.abs().max().item())
 
 
 @pytest.mark.slow
