@@ -794,13 +794,13 @@ def field_default(key: str) -> Any:
     return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
 
 
-def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+def config_differences(saved: dict[str, Any], current: dict[str, Any], saved_as: str = "checkpoint") -> list[str]:
     """'key: checkpoint A, now B' for every differing setting that may not change on --resume.  A
     setting absent from a config was added after it was written, and it ran with the setting's
     default (normalization, say): checkpoints and results from before still match."""
     keys = sorted((set(saved) | set(current)) - RESUMABLE)
     differing = [(key, saved.get(key, field_default(key)), current.get(key, field_default(key))) for key in keys]
-    return [f"{key}: checkpoint {before!r}, now {now!r}" for key, before, now in differing if before != now]
+    return [f"{key}: {saved_as} {before!r}, now {now!r}" for key, before, now in differing if before != now]
 
 
 def contradictions(recorded: dict[str, Any], given: dict[str, Any]) -> list[tuple[str, Any, Any]]:

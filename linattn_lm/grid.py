@@ -279,6 +279,7 @@ def parse_grid_flags(given: dict[str, Any], args: Any) -> tuple[dict[tuple[int, 
     grid_dir = Path(given.get("out_dir", field_default("out_dir"))) / grid_name(given)
     started = started_settings(grid_dir) if args.resume or args.report_only else None
     if started:
+        check_resolved_unchanged(started, grid_dir)
         given = continued_flags(started["flags"], given)
     before = started or {"variants": [], "seeds": [], "eval_multiples": [1]}
     default_seeds = [given["seed"]] if "seed" in given else before["seeds"] or [0]
@@ -293,9 +294,29 @@ def parse_grid_flags(given: dict[str, Any], args: Any) -> tuple[dict[tuple[int, 
     flags = {key: value for key, value in given.items() if key not in LOCATION | {"seed"}}
     if "data_dir" in flags:   # as a checkpoint records it: a --resume from another directory finds the same data
         flags["data_dir"] = str(Path(flags["data_dir"]).expanduser().resolve())
-    settings = {"flags": flags, "variants": list(dict.fromkeys([*before["variants"], *variants])),
+    settings = {"flags": flags, "resolved": (started or {}).get("resolved") or resolved_settings(flags),
+                "variants": list(dict.fromkeys([*before["variants"], *variants])),
                 "seeds": sorted({*before["seeds"], *seeds}), "eval_multiples": multiples}
     return configs, earlier, multiples, grid_dir, settings
+
+
+def resolved_settings(flags: dict[str, Any]) -> dict[str, Any]:
+    """Every setting the grid's flags give, its preset's values and the defaults filled in, as JSON
+    holds them: what the marker records beside the flags."""
+    return json.loads(json.dumps(merged_flags(flags).flat(), default=repr))
+
+
+def check_resolved_unchanged(started: dict[str, Any], grid_dir: Path) -> None:
+    """A grid continues with the values it started with: its recorded flags must still resolve to the
+    settings its marker recorded (a preset or a default changed in the code since is refused here,
+    before anything trains).  Markers from before they recorded them cannot tell."""
+    if started.get("resolved") is None:
+        return
+    changed = config_differences(started["resolved"], resolved_settings(started["flags"]), saved_as="started with")
+    if changed:
+        raise ValueError(f"the grid in {grid_dir} started with other values of its preset or of the defaults "
+                         f"({'; '.join(changed)}); continue it with the code it started with, or start a new "
+                         "grid with another --run-name")
 
 
 LOCATION = {"out_dir", "run_name"}   # where the marker is found: never taken from it
@@ -313,7 +334,7 @@ def started_settings(grid_dir: Path) -> dict[str, Any] | None:
         raise CheckpointError(f"{path} is damaged ({error}); write {{}} into it and give the grid's flags again")
     if not isinstance(marker, dict) or "flags" not in marker:
         return None
-    shapes = {"flags": dict, "variants": list, "seeds": list, "eval_multiples": list}
+    shapes = {"flags": dict, "variants": list, "seeds": list, "eval_multiples": list, "resolved": (dict, type(None))}
     wrong_key = next((key for key, kind in shapes.items() if not isinstance(marker.get(key), kind)), None)
     if wrong_key:
         raise CheckpointError(f"{path} is damaged: its {wrong_key!r} is {marker.get(wrong_key)!r}; write {{}} into it "

@@ -10,7 +10,7 @@ from pathlib import Path
 import linattn
 import pytest
 
-from linattn_lm import grid, load_checkpoint, save_checkpoint
+from linattn_lm import config, grid, load_checkpoint, save_checkpoint
 from linattn_lm.checkpoint import CheckpointError, recorded_digest
 from linattn_lm.data import load_split
 from linattn_lm.ngram import reference_bpc
@@ -118,6 +118,7 @@ def test_resume_and_report_take_the_grids_recorded_settings(data_dir: Path, tiny
     assert marker["variants"] == ["linear-elu-post", "linear-elu-none"] and marker["seeds"] == [0, 1]
     assert marker["flags"]["steps"] == 4 and "out_dir" not in marker["flags"]
     assert "feature_map_options" not in marker["flags"]   # none given: the resume adds no empty record of them
+    assert marker["resolved"]["seq_len"] == 64 and marker["resolved"]["steps"] == 4   # the tiny preset's values
 
     assert marker["flags"]["data_dir"] == str(data_dir.resolve())   # absolute, as a checkpoint records it
     code, out, _ = run_main(grid.main, [*where, "--resume", "--seed", "1", "--variants", "linear-elu-none"])
@@ -132,6 +133,26 @@ def test_resume_and_report_take_the_grids_recorded_settings(data_dir: Path, tiny
     (tmp_path / "g" / grid.GRID_MARKER).write_text('{"flags": {}, "variants": "x"}')
     code, _, err = run_main(grid.main, [*where, "--resume"])
     assert code == 2 and "damaged" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("mode", ["--resume", "--report-only"])
+def test_a_grid_whose_preset_changed_since_it_started_is_refused_before_training(mode, tmp_path: Path, run_main,
+                                                                                 monkeypatch) -> None:
+    grid_dir = tmp_path / "g"
+    grid_dir.mkdir()
+    flags = {"preset": "tiny", "steps": 4}
+    marker = {"flags": flags, "resolved": grid.resolved_settings(flags), "variants": ["softmax-rope"], "seeds": [0],
+              "eval_multiples": [1]}
+    (grid_dir / grid.GRID_MARKER).write_text(json.dumps(marker))
+    where = ["--out-dir", str(tmp_path), "--run-name", "g", mode]
+    unchecked = "nothing to report"   # what --report-only answers past the check: no run finished
+    assert unchecked in run_main(grid.main, where[:-1] + ["--report-only"])[2]
+    monkeypatch.setitem(config.PRESETS, "tiny", {**config.PRESETS["tiny"], "seq_len": 32})
+    code, _, err = run_main(grid.main, where)
+    assert code == 2 and "seq_len" in err and len(err.strip().splitlines()) == 1, err
+    del marker["resolved"]   # a marker from before they recorded values: it cannot tell
+    (grid_dir / grid.GRID_MARKER).write_text(json.dumps(marker))
+    assert unchecked in run_main(grid.main, where[:-1] + ["--report-only"])[2]
 
 
 def test_a_resume_may_repeat_the_grids_options_one_by_one_but_not_change_them() -> None:
