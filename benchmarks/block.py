@@ -10,7 +10,7 @@ import torch
 
 from linattn_lm.device import autocast
 
-from .methods import SOFTMAX_BLOCKS, build_block
+from .methods import build_block, is_softmax
 from .report import Report, fmt, markdown_table, note, timed_line
 from .settings import Settings
 from .timing import MB, ChildRunner, History, median_time, one_call_peak, run_budgeted, time_call
@@ -45,7 +45,7 @@ def block_task(task: dict) -> dict:
 def block_sweep(settings: Settings, device: torch.device, runner: ChildRunner, report: Report) -> list[dict]:
     """Every block at every N and dtype, small N first; each config in a fresh process."""
     configs = [(name, dtype) for dtype in settings.dtypes for name in settings.block_methods]
-    histories = {config: History(assume_quadratic=config[0] in SOFTMAX_BLOCKS) for config in configs}
+    histories = {config: History(assume_quadratic=is_softmax(config[0])) for config in configs}
     records = []
     for n in settings.lengths:
         for name, dtype in configs:
@@ -65,11 +65,12 @@ def find(records: list[dict], name: str, dtype: str, n: int) -> dict | None:
 
 
 def comparisons(records: list[dict], softmax: str = "softmax") -> list[dict]:
-    """Per linear block, dtype and N: softmax's time over its time, and its peak over softmax's."""
+    """Per other block (linear, the window-only control, xformers), dtype and N: softmax's time over its
+    time, and its peak over softmax's."""
     rows = []
     for record in records:
         peer = find(records, softmax, record["dtype"], record["n"])
-        if record["block"] in SOFTMAX_BLOCKS or "train_s" not in record or peer is None:
+        if record["block"] == softmax or "train_s" not in record or peer is None:
             continue
         rows.append({"block": record["block"], "dtype": record["dtype"], "n": record["n"],
                      "speedup": peer["train_s"] / record["train_s"],

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 import linattn
+from linattn_lm.variants import block_option_from_name
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -26,6 +27,7 @@ LINATTN_ROPES = ("post", "none")
 SOFTMAX_BLOCKS = {"softmax": "sdpa", "softmax-xformers": "xformers"}   # name -> SoftmaxAttention backend
 ROPES = ("post", "pre", "none")
 LINEAR_BACKENDS = tuple(b for b in linattn.functional.BACKENDS if b != "auto")   # named as a suffix
+BLOCK_OPTIONS = ("window", "decay")   # after '+' in a block's or LM's name (block_parts)
 OURS = {"linattn-log": "fla-gla", "linattn-plain": "fla-linear",           # ours -> its fla peer (auto backend)
         "linattn-fla-log": "fla-gla", "linattn-fla-plain": "fla-linear"}   # backend="fla"
 FLA_METHODS = ("fla-gla", "fla-linear")
@@ -198,8 +200,9 @@ def train_call(attend: Attend, q, k, v, grad) -> Callable[[], None]:
 
 
 def block_names() -> tuple[str, ...]:
-    """Every block this section can build: the softmax ones, `<map>-<rope>` for each registered map
-    (backend auto), and `<map>-<rope>-<backend>` for the others (e.g. favor-post-fla)."""
+    """Every block this section can build, without options (`block_parts`): the softmax ones,
+    `<map>-<rope>` for each registered map (backend auto), and `<map>-<rope>-<backend>` for the others
+    (e.g. favor-post-fla)."""
     linear = tuple(f"{name}-{rope}{suffix}" for name in linattn.available_feature_maps() for rope in ROPES
                    for suffix in ("", *(f"-{backend}" for backend in LINEAR_BACKENDS)))
     return tuple(SOFTMAX_BLOCKS) + linear
@@ -214,12 +217,36 @@ def linear_parts(name: str) -> tuple[str, str, str]:
     return head, last, "auto"
 
 
+def block_parts(name: str) -> tuple[str, dict[str, int | str]]:
+    """(name without options, block options) of `<name>[+window=W][+decay=retnet|g1_g2_...]`, the options
+    as the training harness names them (docs/gap-closers.md): favor-pre+window=64, softmax+window=64 (the
+    window-only control), elu-post+decay=retnet.  Softmax blocks take the window only."""
+    base, *texts = name.split("+")
+    options: dict[str, int | str] = {}
+    for text in texts:
+        key, _, value = text.partition("=")
+        allowed = ("window",) if base in SOFTMAX_BLOCKS else BLOCK_OPTIONS
+        if key not in allowed or key in options:
+            raise ValueError(f"{name}: after its name a block takes {' and '.join(f'+{k}=...' for k in allowed)}, "
+                             f"each once, got +{text}")
+        options[key] = block_option_from_name(key, value)
+    return base, options
+
+
+def is_softmax(name: str) -> bool:
+    return block_parts(name)[0] in SOFTMAX_BLOCKS
+
+
 def build_block(name: str, dim: int, heads: int, num_features: int) -> torch.nn.Module:
     """A block as a user builds it: softmax attention with RoPE, or LinearAttention with the map's
-    M = num_features where the map has that option, on the backend its name gives."""
-    if name in SOFTMAX_BLOCKS:
-        return linattn.SoftmaxAttention(dim, heads, rope=True, causal=True, backend=SOFTMAX_BLOCKS[name])
-    feature_map, rope, backend = linear_parts(name)
-    options = {"num_features": num_features} if "num_features" in linattn.feature_map_options(feature_map) else {}
-    return linattn.LinearAttention(dim, heads, feature_map=feature_map, feature_map_options=options,
-                                   rope=rope, causal=True, backend=backend)
+    M = num_features where the map has that option, on the backend its name gives, with its window
+    and decay (`block_parts`)."""
+    base, options = block_parts(name)
+    if base in SOFTMAX_BLOCKS:
+        return linattn.SoftmaxAttention(dim, heads, rope=True, causal=True, backend=SOFTMAX_BLOCKS[base], **options)
+    feature_map, rope, backend = linear_parts(base)
+    if "decay" in options and options["decay"] != "retnet":   # one factor per head, joined with '_' in a name
+        options["decay"] = tuple(map(float, str(options["decay"]).split(",")))
+    map_options = {"num_features": num_features} if "num_features" in linattn.feature_map_options(feature_map) else {}
+    return linattn.LinearAttention(dim, heads, feature_map=feature_map, feature_map_options=map_options,
+                                   rope=rope, causal=True, backend=backend, **options)

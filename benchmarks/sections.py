@@ -21,8 +21,9 @@ from linattn_lm.lm import ByteLM, lm_loss
 from linattn_lm.device import autocast
 
 from . import report as tables
-from .methods import (DTYPES, MASKS, Method, Shape, build_attention, drop_grads, forward_call, linear_parts,
-                      make_inputs, method_table, runs_with, train_call, unavailable)
+from .methods import (DTYPES, MASKS, SOFTMAX_BLOCKS, Method, Shape, block_parts, build_attention, drop_grads,
+                      forward_call, is_softmax, linear_parts, make_inputs, method_table, runs_with, train_call,
+                      unavailable)
 from .report import Report, fmt, markdown_table, measured
 from .settings import PASSES, Settings, selected_methods
 from .timing import (MB, SLOW_RUN_REPEATS, SLOW_RUN_S, ChildRunner, History, PeakMemory, child_timeout,
@@ -310,15 +311,18 @@ def model_size(size: str) -> dict:
 
 
 def lm_config(kind: str, context: int, num_features: int, size: str = "small") -> ModelConfig:
-    """The same LM with softmax attention + RoPE or linear attention `<map>-<rope>[-<backend>]` (M =
-    num_features where the map has that option)."""
-    if kind == "softmax":
+    """The same LM with the block section's blocks: softmax attention + RoPE or linear attention
+    `<map>-<rope>[-<backend>]` (M = num_features where the map has that option), with the name's window
+    and decay."""
+    base, options = block_parts(kind)
+    options = {key: str(value) if key == "decay" else value for key, value in options.items()}
+    if base in SOFTMAX_BLOCKS:
         return ModelConfig(**model_size(size), seq_len=context, attention="softmax", feature_map="",
-                           feature_map_options={}, rope="post")
-    feature_map, rope, backend = linear_parts(kind)
-    options = {"num_features": num_features} if "num_features" in linattn.feature_map_options(feature_map) else {}
+                           feature_map_options={}, rope="post", backend=SOFTMAX_BLOCKS[base], **options)
+    feature_map, rope, backend = linear_parts(base)
+    map_options = {"num_features": num_features} if "num_features" in linattn.feature_map_options(feature_map) else {}
     return ModelConfig(**model_size(size), seq_len=context, attention="linear", feature_map=feature_map,
-                       feature_map_options=options, rope=rope, backend=backend)
+                       feature_map_options=map_options, rope=rope, backend=backend, **options)
 
 
 def model_task(task: dict) -> dict:
@@ -354,7 +358,8 @@ def run_model(settings: Settings, device: torch.device, runner: ChildRunner, rep
                f"{settings.model_tokens} tokens per batch at every context, M={settings.num_features} for maps with "
                f"that option; {'bf16 autocast' if device.type == 'cuda' else 'fp32'}; median of "
                f"{settings.model_steps} steps after 1 warm-up.\n")
-    kinds = {kind: "softmax + RoPE" if kind == "softmax" else f"linear {kind}" for kind in settings.model_methods}
+    kinds = {kind: ("softmax + RoPE" if kind == "softmax" else f"softmax + RoPE ({kind})") if is_softmax(kind)
+             else f"linear {kind}" for kind in settings.model_methods}
     # Same tokens per batch: a step's cost grows at most linearly with context, softmax included.
     histories = {kind: History(assume_quadratic=False) for kind in kinds}
     records = measure_each(

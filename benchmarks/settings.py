@@ -24,7 +24,7 @@ from linattn_lm import PRESETS as TRAINING_PRESETS
 from linattn_lm.flags import add_flags, comma_items, flag_name
 
 from .methods import (DTYPES, KERNEL_METHODS, LINEAR_BACKENDS, MASKS, ROPES, SOFTMAX_BLOCKS, Method, Shape,
-                      block_names, build_attention, build_block, method_table, unavailable)
+                      block_names, block_parts, build_attention, build_block, method_table, unavailable)
 
 SECTIONS = ("attention", "efficiency", "decode", "model", "block", "kernels")
 DEFAULT_SECTIONS = SECTIONS[:-1]   # kernels, beside fla's, is for GPUs: --sections kernels or --preset gpu-targets
@@ -103,15 +103,19 @@ def names(choices: tuple[str, ...] | None = None) -> Callable[[str], tuple[str, 
 
 
 def block_name_list(text: str) -> tuple[str, ...]:
-    """Block or LM names; an unknown one is named with the pattern, not the 77 names it could be."""
-    try:
-        return names(block_names())(text)
-    except ValueError:
-        known = set(block_names())
-        unknown = [item for item in comma_items(text) if item not in known] or [text]
+    """Block or LM names, each with its options (methods.block_parts); an unknown one is named with the
+    pattern, not the 77 names it could be."""
+    given = names()(text)
+    known = set(block_names())
+    unknown = [item for item in given if item.split("+")[0] not in known]
+    if unknown:
         raise ValueError(f"unknown name(s) {','.join(unknown)}: expected {', '.join(SOFTMAX_BLOCKS)} or "
                          f"<map>-<rope>[-<backend>] with map one of {', '.join(linattn.available_feature_maps())}, "
-                         f"rope one of {', '.join(ROPES)}, backend one of {', '.join(LINEAR_BACKENDS)}") from None
+                         f"rope one of {', '.join(ROPES)}, backend one of {', '.join(LINEAR_BACKENDS)}; then "
+                         f"+window=W and (linear) +decay=retnet if wanted")
+    for name in given:
+        block_parts(name)   # says what is wrong with an option
+    return given
 
 
 def one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
@@ -157,11 +161,14 @@ class Settings:
                                whole(1, MAX_LENGTH))
     model_steps: int = option(3, "timed LM optimizer steps", whole(1, MAX_STEPS))
     model_methods: tuple[str, ...] = option(("softmax", "favor-post"), "LMs of the model section: softmax "
-                                            "(+ RoPE) or <map>-<rope>[-<backend>]", block_name_list)
+                                            "(+ RoPE) or <map>-<rope>[-<backend>], with the blocks' options",
+                                            block_name_list)
     model_size: str = option("small", "the model section's LM: small (4 x 256, 4 heads) or a training preset's "
                              "layers, width and heads", one_of(MODEL_SIZES))
     block_methods: tuple[str, ...] = option(("softmax", "favor-post", "elu-post"), "blocks of the block section: "
-                                            "softmax, softmax-xformers or <map>-<rope>[-<backend>]", block_name_list)
+                                            "softmax, softmax-xformers or <map>-<rope>[-<backend>], each optionally "
+                                            "+window=W (softmax: the window-only control) and, linear, "
+                                            "+decay=retnet (e.g. favor-pre+window=64)", block_name_list)
     kernel_methods: tuple[str, ...] = option(KERNEL_METHODS, "ops of the kernels section", names(KERNEL_METHODS))
     kernel_features: tuple[int, ...] = option((64, 256), "feature counts M of the kernels section",
                                               lambda text: int_list(text, high=MAX_SIZE))
@@ -307,11 +314,10 @@ def check_methods_build(settings: Settings, device: torch.device) -> None:
     for section, flag, chosen in (("block", "--block-methods", settings.block_methods),
                                        ("model", "--model-methods", settings.model_methods)):
         for name in chosen if section in settings.sections else ():
-            if name in SOFTMAX_BLOCKS:
-                continue
-            try:   # the block, and its backend on this device (backend='fla' on CPU, say)
-                block = build_block(name, settings.head_dim, 1, settings.num_features)
-                linattn.resolve_backend(block.backend, device, log_space=block.feature_map.log_space)
+            try:   # the block, and a linear one's backend on this device (backend='fla' on CPU, say)
+                block = build_block(name, settings.heads * settings.head_dim, settings.heads, settings.num_features)
+                if isinstance(block, linattn.LinearAttention):
+                    linattn.resolve_backend(block.backend, device, log_space=block.feature_map.log_space)
             except (ValueError, TypeError, RuntimeError, MemoryError) as error:
                 raise BadSetting(f"{flag} {name} cannot run with these settings: {first_line(error)}") from None
     odd = [m for m in settings.kernel_features if m % 2]

@@ -24,7 +24,20 @@ def test_every_block_name_builds_the_block_a_user_would(name):
         assert built.feature_map.num_features == 16
 
 
-@pytest.mark.parametrize("name, dtype", [("favor-post", "fp32"), ("elu-post", "bf16"), ("softmax", "bf16")])
+def test_a_blocks_name_gives_its_window_and_decay_as_the_training_harness_names_them():
+    built = methods.build_block("favor-pre+window=8+decay=retnet", 32, 2, 16)
+    assert built.window == 8 and built.decay == (1 - 2 ** -5, 1 - 2 ** -6) and built.rope == "pre"   # RetNet's
+    assert methods.build_block("elu-post-torch+decay=0.5_0.25", 32, 2, 16).decay == (0.5, 0.25)
+    control = methods.build_block("softmax+window=8", 32, 2, 16)
+    assert isinstance(control, linattn.SoftmaxAttention) and control.window == 8
+    assert methods.is_softmax("softmax+window=8") and not methods.is_softmax("favor-pre+window=8")
+    config = lm_config("favor-post+window=64+decay=retnet", 256, 64)
+    assert (config.window, config.decay, config.feature_map, config.rope) == (64, "retnet", "favor", "post")
+    assert lm_config("softmax+window=64", 256, 64).window == 64
+
+
+@pytest.mark.parametrize("name, dtype", [("favor-post", "fp32"), ("elu-post", "bf16"), ("softmax", "bf16"),
+                                         ("favor-pre+window=8+decay=retnet", "fp32"), ("softmax+window=8", "fp32")])
 def test_a_block_task_times_forward_and_backward_and_reports_first_call_and_peak(name, dtype):
     result = block.block_task({**TINY, "block": name, "dtype": dtype, "n": 64})
     assert result["train_s"] > 0 and result["first_call_s"] > 0 and result["train_repeats"] == 2

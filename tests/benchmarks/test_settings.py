@@ -40,6 +40,11 @@ def test_lengths_default_to_the_device_and_run_small_to_large(tmp_path):
     (["--sections", "model", "--device", "cpu", "--model-methods", "favor-post-fla"],
      "--model-methods favor-post-fla cannot run with these settings: backend='fla' "),   # needs fla, or runs on CUDA only
     (["--sections", "block", "--block-methods", "favor-post", "--num-features", "7"], "--block-methods favor-post cannot run"),
+    (["--block-methods", "softmax+decay=retnet"], "+window"),   # softmax takes the window only
+    (["--block-methods", "favor-pre+window=wide"], "whole number"),
+    (["--model-methods", "favor-pre+window=8+window=8"], "once"),
+    (["--sections", "block", "--block-methods", "softmax-xformers+window=8"], "cannot run"),   # sdpa only
+    (["--sections", "block", "--block-methods", "elu-pre+decay=0.9"], "cannot run"),   # one factor per head
     (["--sections", "model", "--model-methods", "elu-post", "--head-dim", "5"], "--model-methods elu-post cannot run"),
     (["--sections", "kernels", "--kernel-features", "64,7"], "--kernel-features 7: the kernels section"),
     (["--model-size", "huge"], "--model-size"),
