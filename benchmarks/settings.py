@@ -193,6 +193,10 @@ PRESETS: dict[str, dict[str, object]] = {
     "gpu-targets": dict(sections=("block", "kernels", "model"), device="cuda", dtypes=("bf16",),
                         lengths=(4096, 16384, 65536), model_size="eleuther", model_contexts=(1024, 8192),
                         model_tokens=32768, model_methods=("softmax", "favor-post", "elu-post"), budget_s=60.0),
+    # Issue 36's blocks as imported, beside softmax and the window-only control (docs/gap-closers.md).
+    "gap-closers": dict(sections=("block",), lengths=(1024, 2048, 4096, 8192), repeats=3, budget_s=60.0,
+                        block_methods=("softmax", "softmax+window=64", "favor-pre", "favor-pre+window=64",
+                                       "favor-post+window=64", "favor-pre+decay=retnet", "elu-pre+window=64")),
 }
 
 
