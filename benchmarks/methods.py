@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 import linattn
+from linattn_lm.config import preset_settings
 from linattn_lm.variants import block_option_from_name
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -217,12 +218,23 @@ def linear_parts(name: str) -> tuple[str, str, str]:
     return head, last, "auto"
 
 
-def block_parts(name: str) -> tuple[str, dict[str, int | str]]:
+SMALL_MODEL = {"n_layer": 4, "d_model": 256, "n_head": 4}
+
+
+def model_size(size: str) -> dict:
+    """Layers, width and heads of the small LM or of a training preset."""
+    if size == "small":
+        return SMALL_MODEL
+    preset = preset_settings(size)
+    return {key: preset[key] for key in ("n_layer", "d_model", "n_head", "mlp_ratio", "dropout")}
+
+
+def block_parts(name: str) -> tuple[str, dict[str, int | str | tuple[float, ...]]]:
     """(name without options, block options) of `<name>[+window=W][+decay=retnet|g1_g2_...]`, the options
     as the training harness names them (docs/gap-closers.md): favor-pre+window=64, softmax+window=64 (the
     window-only control), elu-post+decay=retnet.  Softmax blocks take the window only."""
     base, *texts = name.split("+")
-    options: dict[str, int | str] = {}
+    options: dict[str, int | str | tuple[float, ...]] = {}
     for text in texts:
         key, _, value = text.partition("=")
         allowed = ("window",) if base in SOFTMAX_BLOCKS else BLOCK_OPTIONS
@@ -230,10 +242,16 @@ def block_parts(name: str) -> tuple[str, dict[str, int | str]]:
             raise ValueError(f"{name}: after its name a block takes {' and '.join(f'+{k}=...' for k in allowed)}, "
                              f"each once, got +{text}")
         options[key] = block_option_from_name(key, value)
+    if options.get("decay", "retnet") != "retnet":   # one factor per head, joined with '_' in a name
+        try:
+            options["decay"] = tuple(float(item) for item in str(options["decay"]).split(","))
+        except ValueError:
+            raise ValueError(f"{name}: decay is retnet or one factor per head joined with '_' (0.9_0.99)") from None
     return base, options
 
 
 def is_softmax(name: str) -> bool:
+    """Whether a block's or LM's name is softmax attention (the window-only control included)."""
     return block_parts(name)[0] in SOFTMAX_BLOCKS
 
 
@@ -245,8 +263,6 @@ def build_block(name: str, dim: int, heads: int, num_features: int) -> torch.nn.
     if base in SOFTMAX_BLOCKS:
         return linattn.SoftmaxAttention(dim, heads, rope=True, causal=True, backend=SOFTMAX_BLOCKS[base], **options)
     feature_map, rope, backend = linear_parts(base)
-    if "decay" in options and options["decay"] != "retnet":   # one factor per head, joined with '_' in a name
-        options["decay"] = tuple(map(float, str(options["decay"]).split(",")))
     map_options = {"num_features": num_features} if "num_features" in linattn.feature_map_options(feature_map) else {}
     return linattn.LinearAttention(dim, heads, feature_map=feature_map, feature_map_options=map_options,
                                    rope=rope, causal=True, backend=backend, **options)

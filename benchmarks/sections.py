@@ -16,14 +16,14 @@ from typing import Callable
 import torch
 
 import linattn
-from linattn_lm.config import ModelConfig, preset_settings
+from linattn_lm.config import ModelConfig
 from linattn_lm.lm import ByteLM, lm_loss
 from linattn_lm.device import autocast
 
 from . import report as tables
 from .methods import (DTYPES, MASKS, SOFTMAX_BLOCKS, Method, Shape, block_parts, build_attention, drop_grads,
-                      forward_call, is_softmax, linear_parts, make_inputs, method_table, runs_with, train_call,
-                      unavailable)
+                      forward_call, is_softmax, linear_parts, make_inputs, method_table, model_size, runs_with,
+                      train_call, unavailable)
 from .report import Report, fmt, markdown_table, measured
 from .settings import PASSES, Settings, selected_methods
 from .timing import (MB, SLOW_RUN_REPEATS, SLOW_RUN_S, ChildRunner, History, PeakMemory, child_timeout,
@@ -299,23 +299,13 @@ def run_decode(settings: Settings, device: torch.device, runner: ChildRunner, re
 # LM training throughput
 # ---------------------------------------------------------------------------------------------
 
-SMALL_MODEL = {"n_layer": 4, "d_model": 256, "n_head": 4}
-
-
-def model_size(size: str) -> dict:
-    """Layers, width and heads of the small LM or of a training preset."""
-    if size == "small":
-        return SMALL_MODEL
-    preset = preset_settings(size)
-    return {key: preset[key] for key in ("n_layer", "d_model", "n_head", "mlp_ratio", "dropout")}
-
-
 def lm_config(kind: str, context: int, num_features: int, size: str = "small") -> ModelConfig:
     """The same LM with the block section's blocks: softmax attention + RoPE or linear attention
     `<map>-<rope>[-<backend>]` (M = num_features where the map has that option), with the name's window
     and decay."""
     base, options = block_parts(kind)
-    options = {key: str(value) if key == "decay" else value for key, value in options.items()}
+    if isinstance(options.get("decay"), tuple):   # ModelConfig's text: one factor per head, comma-separated
+        options["decay"] = ",".join(map(str, options["decay"]))
     if base in SOFTMAX_BLOCKS:
         return ModelConfig(**model_size(size), seq_len=context, attention="softmax", feature_map="",
                            feature_map_options={}, rope="post", backend=SOFTMAX_BLOCKS[base], **options)

@@ -24,7 +24,8 @@ from linattn_lm import PRESETS as TRAINING_PRESETS
 from linattn_lm.flags import add_flags, comma_items, flag_name
 
 from .methods import (DTYPES, KERNEL_METHODS, LINEAR_BACKENDS, MASKS, ROPES, SOFTMAX_BLOCKS, Method, Shape,
-                      block_names, block_parts, build_attention, build_block, method_table, unavailable)
+                      block_names, block_parts, build_attention, build_block, method_table, model_size,
+                      unavailable)
 
 SECTIONS = ("attention", "efficiency", "decode", "model", "block", "kernels")
 DEFAULT_SECTIONS = SECTIONS[:-1]   # kernels, beside fla's, is for GPUs: --sections kernels or --preset gpu-targets
@@ -315,14 +316,16 @@ def check_methods_build(settings: Settings, device: torch.device) -> None:
             except (ValueError, TypeError, RuntimeError, MemoryError) as error:   # RuntimeError: an allocation
                 raise BadSetting(f"method {method.name} ({mask}) cannot run with these settings: "
                                  f"{first_line(error)}") from None
-    for section, flag, chosen in (("block", "--block-methods", settings.block_methods),
-                                       ("model", "--model-methods", settings.model_methods)):
+    lm = model_size(settings.model_size)
+    for section, flag, chosen, (dim, heads) in (
+            ("block", "--block-methods", settings.block_methods, (settings.heads * settings.head_dim, settings.heads)),
+            ("model", "--model-methods", settings.model_methods, (lm["d_model"], lm["n_head"]))):
         for name in chosen if section in settings.sections else ():
             try:   # the block, and a linear one's backend on this device (backend='fla' on CPU, say)
-                block = build_block(name, settings.heads * settings.head_dim, settings.heads, settings.num_features)
+                block = build_block(name, dim, heads, settings.num_features)
                 if isinstance(block, linattn.LinearAttention):
                     linattn.resolve_backend(block.backend, device, log_space=block.feature_map.log_space)
-            except (ValueError, TypeError, RuntimeError, MemoryError) as error:
+            except (ValueError, TypeError, RuntimeError, MemoryError, ImportError) as error:   # Import: xformers
                 raise BadSetting(f"{flag} {name} cannot run with these settings: {first_line(error)}") from None
     odd = [m for m in settings.kernel_features if m % 2]
     if "kernels" in settings.sections and odd:

@@ -294,7 +294,7 @@ def parse_grid_flags(given: dict[str, Any], args: Any) -> tuple[dict[tuple[int, 
     flags = {key: value for key, value in given.items() if key not in LOCATION | {"seed"}}
     if "data_dir" in flags:   # as a checkpoint records it: a --resume from another directory finds the same data
         flags["data_dir"] = str(Path(flags["data_dir"]).expanduser().resolve())
-    settings = {"flags": flags, "resolved": (started or {}).get("resolved") or resolved_settings(flags),
+    settings = {"flags": flags, "resolved": resolved_settings(flags),
                 "variants": list(dict.fromkeys([*before["variants"], *variants])),
                 "seeds": sorted({*before["seeds"], *seeds}), "eval_multiples": multiples}
     return configs, earlier, multiples, grid_dir, settings
@@ -309,8 +309,10 @@ def resolved_settings(flags: dict[str, Any]) -> dict[str, Any]:
 def check_resolved_unchanged(started: dict[str, Any], grid_dir: Path) -> None:
     """A grid continues with the values it started with: its recorded flags must still resolve to the
     settings its marker recorded (a preset or a default changed in the code since is refused here,
-    before anything trains).  Markers from before they recorded them cannot tell."""
-    if started.get("resolved") is None:
+    before anything trains).  Markers from before they recorded them cannot tell.  Each marker written
+    records the flags it continues with and what they resolve to (a --steps given on --resume moves
+    the derived decay_steps with it)."""
+    if not started.get("resolved"):
         return
     changed = config_differences(started["resolved"], resolved_settings(started["flags"]), saved_as="started with")
     if changed:

@@ -1,3 +1,5 @@
+import importlib.util
+
 import pytest
 
 from benchmarks.settings import DEFAULT_LENGTHS, parse_settings
@@ -45,7 +47,10 @@ def test_lengths_default_to_the_device_and_run_small_to_large(tmp_path):
     (["--model-methods", "favor-pre+window=8+window=8"], "once"),
     (["--sections", "block", "--block-methods", "softmax-xformers+window=8"], "cannot run"),   # sdpa only
     (["--sections", "block", "--block-methods", "elu-pre+decay=0.9"], "cannot run"),   # one factor per head
-    (["--sections", "model", "--model-methods", "elu-post", "--head-dim", "5"], "--model-methods elu-post cannot run"),
+    (["--block-methods", "favor-pre+decay=abc"], "decay"),
+    (["--sections", "model", "--model-methods", "elu-pre+decay=0.9_0.9_0.9_0.9_0.9_0.9_0.9_0.9"], "cannot run"),
+    (["--sections", "model", "--model-size", "eleuther", "--model-methods", "elu-pre+decay=0.9_0.9_0.9_0.9"],
+     "--model-methods elu-pre+decay=0.9_0.9_0.9_0.9 cannot run"),   # the LM's 8 heads, not --heads
     (["--sections", "kernels", "--kernel-features", "64,7"], "--kernel-features 7: the kernels section"),
     (["--model-size", "huge"], "--model-size"),
     (["--kernel-methods", "fla-delta"], "--kernel-methods"),
@@ -68,6 +73,21 @@ def test_bad_flags_exit_2_with_one_line_that_names_the_flag(flags, message, caps
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines   # the one line, without the 22-line usage block
+
+
+def test_the_model_sections_names_are_checked_with_the_lms_heads(tmp_path):
+    settings = parse_settings(["--sections", "model", "--model-methods", "elu-pre+decay=0.9_0.9_0.9_0.9",
+                               "--out", str(tmp_path / "bench")])   # the small LM: 4 heads (the block section: 8)
+    assert settings.model_methods == ("elu-pre+decay=0.9_0.9_0.9_0.9",)
+
+
+def test_a_softmax_block_whose_package_is_missing_is_refused_in_one_line(capsys, tmp_path):
+    if importlib.util.find_spec("xformers"):
+        pytest.skip("xformers is installed here")
+    with pytest.raises(SystemExit):
+        parse_settings(["--sections", "block", "--block-methods", "softmax-xformers", "--out", str(tmp_path / "b")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "xformers" in lines[0], lines
 
 
 def test_a_method_too_large_to_build_is_refused_in_one_line(monkeypatch, capsys, tmp_path):

@@ -1,6 +1,7 @@
 """grid.py: variants x seeds under one budget, whole-split scores, resuming, and bad flags."""
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import math
@@ -153,6 +154,22 @@ def test_a_grid_whose_preset_changed_since_it_started_is_refused_before_training
     del marker["resolved"]   # a marker from before they recorded values: it cannot tell
     (grid_dir / grid.GRID_MARKER).write_text(json.dumps(marker))
     assert unchecked in run_main(grid.main, where[:-1] + ["--report-only"])[2]
+
+
+def test_a_resume_with_more_steps_records_what_they_resolve_to_for_the_next_one(tmp_path: Path) -> None:
+    """decay_steps follows --steps when not given: the marker must record it with the new steps."""
+    grid_dir = tmp_path / "g"
+    grid_dir.mkdir()
+    flags = {"preset": "tiny", "steps": 4}
+    marker = {"flags": flags, "resolved": grid.resolved_settings(flags), "variants": ["softmax-rope"], "seeds": [0],
+              "eval_multiples": [1]}
+    (grid_dir / grid.GRID_MARKER).write_text(json.dumps(marker))
+    args = argparse.Namespace(report_only=False, resume=True, seeds=None, eval_multiples=None, variants=None)
+    where = {"out_dir": str(tmp_path), "run_name": "g"}
+    settings = grid.parse_grid_flags({**where, "steps": 8}, args)[-1]
+    assert settings["resolved"]["decay_steps"] == 8
+    (grid_dir / grid.GRID_MARKER).write_text(json.dumps(settings))
+    assert grid.parse_grid_flags(where, args)[-1]["flags"]["steps"] == 8   # the next resume is not refused
 
 
 def test_a_resume_may_repeat_the_grids_options_one_by_one_but_not_change_them() -> None:
