@@ -21,7 +21,7 @@ import torch
 import linattn
 
 from .data import default_data_dir
-from .flags import add_flags, option
+from .flags import add_flags, flag_name, option
 from .variants import LINEAR_BLOCK_OPTIONS, variant_name
 from .map_check import checked_feature_map
 from .device import DTYPES, resolve_device, resolve_dtype
@@ -804,7 +804,7 @@ def config_differences(saved: dict[str, Any], current: dict[str, Any], saved_as:
 
 
 def contradictions(recorded: dict[str, Any], given: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(setting, recorded value, given value) for every setting given on a resume that may not change
+    """(flag, recorded value, given value) for every setting given on a resume that may not change
     (not RESUMABLE, or the preset, whose values the record already holds) and differs from the
     record (flat settings); feature-map options one by one.  Values compare as JSON writes them (a
     tuple given against the list a JSON record holds is the same value)."""
@@ -812,10 +812,10 @@ def contradictions(recorded: dict[str, Any], given: dict[str, Any]) -> list[tupl
         return json.loads(json.dumps(a, default=repr)) == json.loads(json.dumps(b, default=repr))
 
     options = recorded.get("feature_map_options", {})
-    found = [(key, recorded.get(key, ABSENT), value) for key, value in given.items()
+    found = [(flag_name(key), recorded.get(key, ABSENT), value) for key, value in given.items()
              if key != "feature_map_options" and (key not in RESUMABLE or key == "preset")
              and not same(recorded.get(key, ABSENT), value)]
-    return found + [(f"feature_map_options[{key!r}]", options.get(key, ABSENT), value)
+    return found + [(f"--feature-map-option {key}", options.get(key, ABSENT), value)
                     for key, value in given.get("feature_map_options", {}).items()
                     if not same(options.get(key, ABSENT), value)]
 

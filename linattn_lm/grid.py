@@ -352,8 +352,8 @@ def continued_flags(recorded: dict[str, Any], given: dict[str, Any]) -> dict[str
     --seeds does."""
     started = {**merged_flags(recorded).flat(), "feature_map_options": recorded.get("feature_map_options", {})}
     compared = {key: value for key, value in given.items() if key not in LOCATION | {"imports", "seed"}}
-    contradicting = [f"{flag_name(key)}: started with {before!r}, given {now!r}"
-                     for key, before, now in contradictions(started, compared)]
+    contradicting = [f"{flag}: started with {before!r}, given {now!r}"
+                     for flag, before, now in contradictions(started, compared)]
     if contradicting:
         raise ValueError(f"the grid continues as it started, and these flags contradict its settings: "
                          f"{'; '.join(contradicting)}; drop them, or start a new grid with another --run-name")
@@ -365,13 +365,6 @@ def continued_flags(recorded: dict[str, Any], given: dict[str, Any]) -> dict[str
     options = started["feature_map_options"]   # the recorded ones (given ones must repeat them); none: no key
     return {**recorded, **given, **({"feature_map_options": options} if options else {}),
             **({"imports": imports} if imports else {})}
-
-
-def flag_name(key: str) -> str:
-    """The flag of a setting contradictions() names: --lr, or --feature-map-option num_features."""
-    if key.startswith("feature_map_options["):
-        return f"--feature-map-option {key.split(chr(39))[1]}"
-    return f"--{key.replace('_', '-')}"
 
 
 def earlier_seeds(grid_dir: Path, variants: list[str], seeds: list[int]) -> list[int]:

