@@ -25,3 +25,22 @@ def test_the_wheels_are_the_gpu_extras_fla_and_the_performer_stack_that_imports_
             "torch-einops-utils"} <= set(pins)
     assert ".whl/" in (ROOT / ".gitignore").read_text().split()   # they travel carried, never committed
 
+
+
+@pytest.mark.parametrize("limits,ran", [({}, ["-m pytest", "--preset gpu-targets"]),
+                                        ({"TESTS_S": "0", "BENCH_S": "0", "GAP_S": "9"}, ["--preset gap-closers"])])
+def test_the_session_runs_the_stages_whose_limit_is_not_0(tmp_path, limits, ran):
+    """With stand-ins for nvidia-smi and python3 that log their arguments: the first call runs the GPU
+    tests and the gpu-targets benchmark, a second call with GAP_S the gap-closers one alone; a failing
+    stage's status is the script's."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for name, body in (("nvidia-smi", "echo gpu"), ("python3", f'echo "$*" >> {tmp_path}/calls; [ "$2" = pip ] || exit ${{FAIL:-0}}')):
+        (tools / name).write_text(f"#!/bin/sh\n{body}\n")
+        (tools / name).chmod(0o755)
+    env = {"PATH": f"{tools}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), **limits}
+    assert subprocess.run(["bash", str(SESSION)], env=env, capture_output=True).returncode == 0
+    calls = [call for call in (tmp_path / "calls").read_text().splitlines()   # not the wheels' or versions'
+             if call.startswith(("-m pytest", "-m benchmarks"))]
+    assert len(calls) == len(ran) and all(want in call for want, call in zip(ran, calls)), calls
+    assert subprocess.run(["bash", str(SESSION)], env={**env, "FAIL": "3"}, capture_output=True).returncode == 3
