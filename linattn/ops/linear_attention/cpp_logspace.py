@@ -150,6 +150,8 @@ def _load(path: Path) -> ctypes.CDLL:
         "forward": (i64, [ctypes.c_int, call, i64, i64, *[ptr] * 7, i64, ptr]),
         "states": (i64, [ctypes.c_int, call, i64, i64, *[ptr] * 5]),
         "backward": (i64, [ctypes.c_int, call, i64, i64, ptr, ptr, ptr, i64, i64, *[ptr] * 6, grads, grads, ptr]),
+        "log_cumsum_exp": (i64, [ctypes.c_int, ptr, ptr, i64, i64, i64, i64]),
+        "log_cumsum_exp_backward": (i64, [ctypes.c_int, *[ptr] * 4, i64, i64, i64, i64]),
     }
     for name, (result, arguments) in signatures.items():
         function = getattr(lib, f"linattn_{name}")
@@ -244,6 +246,51 @@ class _Kernel:
         if result < -1:
             raise RuntimeError(f"the cpp backend's {name} failed (code {result}); use backend='torch'")
         return result
+
+
+def log_cumsum_exp(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """torch.logcumsumexp(x, dim) of a float32 or float64 CPU tensor in the C++ kernel, a scan along `dim`
+    over contiguous columns (torch's own took a third of the windowed FAVOR+ block's CPU time), with
+    its gradient.
+
+    Args:
+        x: a CPU tensor, float32 or float64.
+        dim: the dimension to scan.
+    Returns:
+        log sum_{n <= m} e^(x_n) along `dim`, contiguous."""
+    return _LogCumSumExp.apply(x, dim % x.dim())
+
+
+def _scan_shape(x: torch.Tensor, dim: int) -> tuple[int, int, int]:
+    """(outer, n, inner) of a contiguous x scanned along dim."""
+    return x.shape[:dim].numel(), x.shape[dim], x.shape[dim + 1:].numel()
+
+
+def _run_scan(name: str, *tensors: torch.Tensor, shape: tuple[int, int, int]) -> None:
+    result = getattr(library(), f"linattn_{name}")(int(tensors[0].dtype == torch.float64),
+                                                   *map(_pointer, tensors), *shape, torch.get_num_threads())
+    if result < -1:
+        raise (MemoryError if result == _OUT_OF_MEMORY else RuntimeError)(f"the cpp backend's {name} failed "
+                                                                          f"(code {result})")
+
+
+class _LogCumSumExp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        _run_scan("log_cumsum_exp", x, y, shape=_scan_shape(x, dim))
+        ctx.save_for_backward(x, y)
+        ctx.dim = dim
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        x, y = ctx.saved_tensors
+        dx = torch.empty_like(x)
+        _run_scan("log_cumsum_exp_backward", x, y, grad.contiguous(), dx, shape=_scan_shape(x, ctx.dim))
+        return dx, None
 
 
 def logspace_attention(b, a, v, **call):

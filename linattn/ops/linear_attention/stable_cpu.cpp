@@ -558,6 +558,56 @@ int64_t backward(const Call& c, int64_t hi, int64_t lo, const std::int32_t* flag
   return stop;
 }
 
+// ---- log-cumsum-exp along a sequence (the window's row sums, ops/window_decay) ----------------------
+// x, y: contiguous (outer, n, inner), scanned along n; each thread takes whole outer slices, and the
+// inner loop runs over contiguous columns.
+
+template <typename T> inline T log_add(T a, T b) {
+  const T hi = a > b ? a : b, lo = a > b ? b : a;
+  if (a != a || b != b) return std::numeric_limits<T>::quiet_NaN();
+  if (lo == -std::numeric_limits<T>::infinity() || hi == std::numeric_limits<T>::infinity()) return hi;
+  return hi + std::log1p(std::exp(lo - hi));
+}
+
+template <typename T> void log_cumsum_exp(const T* x, T* y, int64_t outer, int64_t n, int64_t inner, int64_t threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t o = 0; o < outer; ++o) {
+    const T* xo = x + o * n * inner;
+    T* yo = y + o * n * inner;
+    std::copy(xo, xo + inner, yo);
+    for (int64_t r = 1; r < n; ++r)
+      for (int64_t j = 0; j < inner; ++j) yo[r * inner + j] = log_add(yo[(r - 1) * inner + j], xo[r * inner + j]);
+  }
+}
+
+// dx_r = sum_{s >= r} g_s e^(x_r - y_s) = e^(x_r - y_r) t_r with t_r = g_r + e^(y_r - y_{r+1}) t_{r+1}: every
+// factor is <= 1 (y grows along the scan), so the reverse scan is stable; an x of -inf gets 0.
+template <typename T>
+void log_cumsum_exp_backward(const T* x, const T* y, const T* g, T* dx, int64_t outer, int64_t n, int64_t inner,
+                             int64_t threads) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<T> carry(inner);
+#pragma omp for schedule(static)
+    for (int64_t o = 0; o < outer; ++o) {
+      const int64_t base = o * n * inner;
+      for (int64_t r = n - 1; r >= 0; --r) {
+        for (int64_t j = 0; j < inner; ++j) {
+          const int64_t i = base + r * inner + j;
+          T t = g[i];
+          if (r + 1 < n) {
+            const T later = y[i + inner];
+            t += (y[i] == later ? T(1) : std::exp(y[i] - later)) * carry[j];
+          }
+          carry[j] = t;
+          dx[i] = x[i] == ninf ? T(0) : std::exp(x[i] - y[i]) * t;
+        }
+      }
+    }
+  }
+}
+
 // Results below -1 are errors (a C caller cannot catch C++ exceptions): the buffers did not fit in
 // memory, or something else failed.
 constexpr int64_t OUT_OF_MEMORY = -2, FAILED = -3;
@@ -621,6 +671,30 @@ int64_t linattn_backward(int dtype, const Call* c, int64_t hi, int64_t lo, const
     return backward<double>(*c, hi, lo, flags, (const double*)states_in, (const double*)sums_in, first, count,
                             (const double*)grad, (const double*)out, (const double*)den, (const double*)query_scale,
                             (double*)later, (double*)later_sum, *dq, *dk, (double*)dv);
+  });
+}
+
+int64_t linattn_log_cumsum_exp(int dtype, const void* x, void* y, int64_t outer, int64_t n, int64_t inner,
+                               int64_t threads) {
+  return guarded([&] {
+    if (dtype == 0)
+      log_cumsum_exp<float>((const float*)x, (float*)y, outer, n, inner, threads);
+    else
+      log_cumsum_exp<double>((const double*)x, (double*)y, outer, n, inner, threads);
+    return int64_t(0);
+  });
+}
+
+int64_t linattn_log_cumsum_exp_backward(int dtype, const void* x, const void* y, const void* g, void* dx,
+                                        int64_t outer, int64_t n, int64_t inner, int64_t threads) {
+  return guarded([&] {
+    if (dtype == 0)
+      log_cumsum_exp_backward<float>((const float*)x, (const float*)y, (const float*)g, (float*)dx, outer, n, inner,
+                                     threads);
+    else
+      log_cumsum_exp_backward<double>((const double*)x, (const double*)y, (const double*)g, (double*)dx, outer, n,
+                                      inner, threads);
+    return int64_t(0);
   });
 }
 

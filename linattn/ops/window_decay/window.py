@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ...checks import check_state_position, check_state_tensors
 from ...functional import LinearState, check_state, run_linear_attention
+from ..linear_attention.cpp_logspace import log_cumsum_exp
 from ..linear_attention.dispatch import resolve
 from ..linear_attention.fla_kernels import decayed_attention
 from ..linear_attention.recurrent import initial_state, recurrent_step
@@ -177,7 +178,7 @@ def log_linear_part(b, a, v, *, window, rate, rotary, offset, rope_base, chunk_s
     call = dict(causal=True, rotary=rotary, offset=offset, chunk_size=chunk_size, rope_base=rope_base,
                 backend=backend, log_space=True, return_state=return_state, nonnegative_features=True)
     # a window weighs the linear part against it by each row's sum of kappa: log sum_{n<=j} e^(a_n), per feature
-    log_sums = torch.logcumsumexp(a, dim=-2) if window else None
+    log_sums = running_log_sums(a, backend) if window else None
     if rotary and window:
         (pos_op, pos), (neg_op, neg) = rotated_query_parts(b, window, rope_base)
         result = run_linear_attention(pos_op, a, v, **call)
@@ -187,6 +188,14 @@ def log_linear_part(b, a, v, *, window, rate, rotary, offset, rope_base, chunk_s
     result = run_linear_attention(b, a, v, **call)
     ratio, state = result if return_state else (result, None)
     return (row_log_sums(b, log_sums) if window else None), ratio.to(b.dtype), state
+
+
+def running_log_sums(a, backend: str) -> torch.Tensor:
+    """log sum_{n<=j} e^(a_n) per feature: the C++ kernel's scan on the cpp backend (torch's logcumsumexp
+    was a third of the windowed block's CPU time), torch's elsewhere and while torch.compile traces."""
+    if backend == "cpp" and not torch.compiler.is_compiling():
+        return log_cumsum_exp(a, -2)
+    return torch.logcumsumexp(a, dim=-2)
 
 
 def row_log_sums(b, log_sums) -> torch.Tensor:
