@@ -136,11 +136,11 @@ def test_resume_and_report_take_the_grids_recorded_settings(data_dir: Path, tiny
     assert code == 2 and "damaged" in err and len(err.strip().splitlines()) == 1, err
 
 
-def started_grid(tmp_path: Path) -> tuple[Path, dict]:
+def started_grid(tmp_path: Path, data_dir: Path) -> tuple[Path, dict]:
     """A grid directory whose marker records a tiny grid of 4 steps (flags and what they resolve to)."""
     grid_dir = tmp_path / "g"
     grid_dir.mkdir()
-    flags = {"preset": "tiny", "steps": 4}
+    flags = {"preset": "tiny", "steps": 4, "data_dir": str(data_dir)}
     marker = {"flags": flags, "resolved": grid.resolved_settings(flags), "variants": ["softmax-rope"], "seeds": [0],
               "eval_multiples": [1]}
     (grid_dir / grid.GRID_MARKER).write_text(json.dumps(marker))
@@ -149,8 +149,8 @@ def started_grid(tmp_path: Path) -> tuple[Path, dict]:
 
 @pytest.mark.parametrize("mode", ["--resume", "--report-only"])
 def test_a_grid_whose_preset_changed_since_it_started_is_refused_before_training(mode, tmp_path: Path, run_main,
-                                                                                 monkeypatch) -> None:
-    grid_dir, marker = started_grid(tmp_path)
+                                                                                 monkeypatch, data_dir: Path) -> None:
+    grid_dir, marker = started_grid(tmp_path, data_dir)
     where = ["--out-dir", str(tmp_path), "--run-name", "g", mode]
     unchecked = "nothing to report"   # what --report-only answers past the check: no run finished
     assert unchecked in run_main(grid.main, where[:-1] + ["--report-only"])[2]
@@ -162,9 +162,10 @@ def test_a_grid_whose_preset_changed_since_it_started_is_refused_before_training
     assert unchecked in run_main(grid.main, where[:-1] + ["--report-only"])[2]
 
 
-def test_a_resume_with_more_steps_records_what_they_resolve_to_for_the_next_one(tmp_path: Path) -> None:
+def test_a_resume_with_more_steps_records_what_they_resolve_to_for_the_next_one(tmp_path: Path,
+                                                                                 data_dir: Path) -> None:
     """decay_steps follows --steps when not given: the marker must record it with the new steps."""
-    grid_dir, _ = started_grid(tmp_path)
+    grid_dir, _ = started_grid(tmp_path, data_dir)
     args = argparse.Namespace(report_only=False, resume=True, seeds=None, eval_multiples=None, variants=None)
     where = {"out_dir": str(tmp_path), "run_name": "g"}
     settings = grid.parse_grid_flags({**where, "steps": 8}, args)[-1]
