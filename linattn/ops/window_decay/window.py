@@ -85,9 +85,9 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
         if window < n:   # queries W.. against keys ..N-W-1: query m reads the keys n <= m - W
             part = log_linear_part if log_space else plain_linear_part
             lin_log, ratio, linear_state = part(phi_q[..., window:, :], phi_k[..., :n - window, :],
-                                                linear_values[..., :n - window, :], window=window, rate=rate, rotary=rotary,
-                                                offset=offset, rope_base=rope_base, chunk_size=chunk_size,
-                                                backend=backend, return_state=return_state)
+                                                linear_values[..., :n - window, :], window=window, rate=rate,
+                                                rotary=rotary, offset=offset, rope_base=rope_base,
+                                                chunk_size=chunk_size, backend=backend, return_state=return_state)
             if window:
                 lin_log = F.pad(lin_log + linear_log_factor(window, rate, log_gain, dtype), (window, 0), value=FLOOR)
                 ratio = F.pad(ratio, (0, 0, window, 0))
