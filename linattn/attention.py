@@ -18,6 +18,7 @@ from .feature_maps import FeatureMap, check_feature_map, make_feature_map
 from .functional import DEFAULT_CHUNK_SIZE, LinearState, check_chunk_size, check_state, run_linear_attention
 from .ops.linear_attention import dispatch
 from .ops.linear_attention.common import feature_tensors
+from .ops.linear_attention.fla_kernels import HALF_DOTS
 from .ops.linear_attention.memory import check_fits
 from .ops.linear_attention.recurrent import recurrent_step
 from .ops.window_decay import WindowState, retnet_decay, window_decay_attention, window_decay_step
@@ -263,7 +264,7 @@ class LinearAttention(_Projections):
         device = v.device.type
         # fla's kernels are causal only: a non-causal call takes torch's entry, which sums in float32
         kernel_route = self.causal and (self.backend == "fla" or (self.backend == "auto" and device == "cuda"))
-        if kernel_route and v.dtype == torch.bfloat16:
+        if kernel_route and v.dtype == HALF_DOTS:
             return phi_q.to(v.dtype), phi_k.to(v.dtype), v
         return phi_q, phi_k, v.to(dtype)
 

@@ -238,14 +238,19 @@ class _Kernel:
         function = getattr(self.lib, f"linattn_{name}")
         result = function(self.dtype, ctypes.byref(self.call),
                           *(_pointer(a) if isinstance(a, torch.Tensor) else a for a in args))
-        if result == _OUT_OF_MEMORY:
-            call = self.call
-            raise MemoryError(f"the cpp backend's buffers do not fit in memory (per thread about "
-                              f"{call.length}^2 + 8 x {call.length} x {call.m} values at chunk_size {call.length}); "
-                              "use a smaller chunk_size")
-        if result < -1:
-            raise RuntimeError(f"the cpp backend's {name} failed (code {result}); use backend='torch'")
-        return result
+        call = self.call
+        return _checked(result, name, f"per thread about {call.length}^2 + 8 x {call.length} x {call.m} values at "
+                                      f"chunk_size {call.length}", "use a smaller chunk_size")
+
+
+def _checked(result: int, name: str, buffers: str, remedy: str) -> int:
+    """An entry point's result, or the error that a result below -1 stands for (`buffers`: what they
+    hold; `remedy`: how to need less)."""
+    if result == _OUT_OF_MEMORY:
+        raise MemoryError(f"the cpp backend's buffers do not fit in memory ({buffers}); {remedy}")
+    if result < -1:
+        raise RuntimeError(f"the cpp backend's {name} failed (code {result}); use backend='torch'")
+    return result
 
 
 def log_cumsum_exp(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -269,9 +274,7 @@ def _scan_shape(x: torch.Tensor, dim: int) -> tuple[int, int, int]:
 def _run_scan(name: str, *tensors: torch.Tensor, shape: tuple[int, int, int]) -> None:
     result = getattr(library(), f"linattn_{name}")(int(tensors[0].dtype == torch.float64),
                                                    *map(_pointer, tensors), *shape, torch.get_num_threads())
-    if result < -1:
-        raise (MemoryError if result == _OUT_OF_MEMORY else RuntimeError)(f"the cpp backend's {name} failed "
-                                                                          f"(code {result})")
+    _checked(result, name, "a row of carries per thread", "use backend='torch'")
 
 
 class _LogCumSumExp(torch.autograd.Function):

@@ -23,6 +23,7 @@ from .stable import numerator_query
 # below e^(30 - 100) of its row's denominator (>= 1), so the floor changes no float32 result.
 DECAY_FLOOR = -100.0
 ONES = 16   # the denominator's values: a column of ones, as wide as fla's smallest tile
+HALF_DOTS = torch.bfloat16   # the half dtype fla's dots take from the values (not fp16: `dtypes`)
 
 
 def gated_linear_attention(q, k, v, g, *, return_state: bool):
@@ -98,7 +99,7 @@ def dtypes(v: torch.Tensor, *features) -> tuple[torch.dtype, torch.dtype]:
     they outgrow fp16's 65504 (the log-space query factors reach e^30; an elu block 512 wide sums to
     1.75e5 at 2,048 tokens)."""
     work = compute_dtype(*feature_tensors(*features), v)
-    return work, (v.dtype if v.dtype == torch.bfloat16 else work)
+    return work, (v.dtype if v.dtype == HALF_DOTS else work)
 
 
 def fla_layout(x: torch.Tensor) -> torch.Tensor:

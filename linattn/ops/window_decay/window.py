@@ -33,7 +33,7 @@ from ...checks import check_state_position, check_state_tensors
 from ...functional import LinearState, check_state, run_linear_attention
 from ..linear_attention.cpp_logspace import log_cumsum_exp
 from ..linear_attention.dispatch import resolve
-from ..linear_attention.fla_kernels import decayed_attention
+from ..linear_attention.fla_kernels import HALF_DOTS, decayed_attention
 from ..linear_attention.recurrent import initial_state, recurrent_step
 from ...rotary import rotary_phases, rotate
 
@@ -73,10 +73,10 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
     else:
         backend = resolve(backend, v.device, float64=dtype == torch.float64, log_space=log_space, causal=True)
     with torch.autocast(v.device.type, enabled=False):
-        # bf16 values stay bf16 for the linear part on fla's kernels, which multiply them on tensor cores
-        linear_values = v if backend == "fla" and v.dtype == torch.bfloat16 else None
+        values = v
         q_hat, k_hat, phi_q, phi_k, v = (t.to(dtype) for t in (q_hat, k_hat, phi_q, phi_k, v))
-        linear_values = v if linear_values is None else linear_values
+        # bf16 values stay bf16 for the linear part on fla's kernels, which multiply them on tensor cores
+        linear_values = values if backend == "fla" and values.dtype == HALF_DOTS else v
         rate = None if log_decay is None else log_decay.to(dtype)
         n = v.shape[-2]
         linear_state, lin_log, ratio = None, None, None
