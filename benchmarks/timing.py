@@ -11,6 +11,7 @@ import multiprocessing
 import statistics
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -82,18 +83,41 @@ def one_call_peak(call: Callable[[], object], device: torch.device) -> tuple[int
     return memory.baseline, memory.peak_above_baseline()
 
 
+class _Saved:
+    """What a node keeps in place of a saved tensor while it is measured: its storage and view, with no
+    reference back to the graph (a tensor saved by its own node would otherwise never be freed)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.storage = tensor.untyped_storage()
+        self.view = (tensor.dtype, tensor.storage_offset(), tensor.shape, tensor.stride())
+
+    def tensor(self) -> torch.Tensor:
+        dtype, offset, shape, stride = self.view
+        return torch.empty(0, dtype=dtype, device=self.storage.device).set_(self.storage, offset, shape, stride)
+
+
+def kept_for_backward(forward: Callable[[], torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors autograd keeps for backward of `forward()` (inputs it saves included), once forward
+    has returned: a node that only forward's own temporaries referred to is freed by then, and what it
+    saved does not count."""
+    saved: list[weakref.ref] = []
+
+    def pack(tensor: torch.Tensor) -> _Saved:
+        held = _Saved(tensor)
+        saved.append(weakref.ref(held))
+        return held
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, _Saved.tensor):
+        output = forward()
+    kept = [held.tensor() for ref in saved if (held := ref()) is not None]
+    del output
+    return kept
+
+
 def saved_tensor_bytes(forward: Callable[[], torch.Tensor]) -> int:
-    """Bytes of the distinct storages autograd keeps for backward of `forward()` (inputs it saves
-    included): a deterministic measure of activation memory, free of allocator and OS noise."""
-    storages: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        forward()
+    """Bytes of the distinct storages autograd keeps for backward of `forward()` (`kept_for_backward`):
+    a deterministic measure of activation memory, free of allocator and OS noise."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept_for_backward(forward)}
     return sum(storages.values())
 
 

@@ -49,3 +49,10 @@ def test_one_call_peak_is_not_hidden_by_what_earlier_calls_left_in_the_heap():
         make_and_free()
     baseline, peak = timing.one_call_peak(make_and_free, CPU)
     assert baseline > 0 and 7 * 2 ** 20 < peak < 40 * 2 ** 20
+
+
+def test_saved_bytes_count_what_backward_still_keeps():
+    """exp's node keeps its output, but only as long as that output is referred to: forward drops it,
+    so only sin's saved input (x) is kept for backward."""
+    x = torch.randn(64, 32, requires_grad=True)
+    assert timing.saved_tensor_bytes(lambda: (x.exp(), x.sin())[1]) == x.nbytes

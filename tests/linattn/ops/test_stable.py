@@ -7,6 +7,7 @@ from functools import partial
 import pytest
 import torch
 
+from benchmarks.timing import kept_for_backward
 from linattn import LinearAttention, functional
 from linattn.feature_maps import FavorFeatureMap
 from linattn.functional import linear_attention_reference, linear_attention_step
@@ -474,3 +475,13 @@ def test_the_favor_block_saves_nothing_of_size_n_by_m_for_backward():
     assert max(t.numel() for t in saved) < 4 * 512 * 128 / 4
     y.sum().backward()
     assert torch.isfinite(x.grad).all()
+
+
+def test_guard_keeps_a_mask_not_the_log_features_for_backward(attend):
+    """Raising -inf log-features to their floor keeps which entries were -inf for backward, not a copy
+    of the log-features: at most the op's own two (B, H, N, M) copies are kept."""
+    b = query_log_features(1, 2, 40, 8, scale=1).requires_grad_(True)
+    a = log_features(1, 2, 40, 8, scale=1, seed=1).requires_grad_(True)
+    v = log_features(1, 2, 40, 3, scale=1, seed=2).requires_grad_(True)
+    kept = kept_for_backward(lambda: attend(b, a, v, causal=True, rotary=True, log_space=True))
+    assert len({t.untyped_storage().data_ptr() for t in kept if t.is_floating_point() and t.numel() == b.numel()}) <= 2
