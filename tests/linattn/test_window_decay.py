@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch.func import functional_call
 
+from benchmarks.timing import kept_for_backward
 from linattn import LinearAttention, LinearState
 from linattn.functional import softmax_attention_reference
 from linattn.ops.window_decay import WindowState, window_decay_reference
@@ -167,3 +168,12 @@ def test_plain_maps_read_nothing_back_from_the_tensors(fm, monkeypatch):
     _, state = b(x, return_state=True)
     b.step(x[:, 0], state)
     assert reads == []
+
+
+def test_eq19_query_parts_are_recomputed_in_backward():
+    """`post` with a window splits R_W e^b into two non-negative parts through four logaddexps over half
+    the features; backward recomputes them from b rather than keep their inputs (190 MiB at N = 8192)."""
+    b = LinearAttention(16, 2, feature_map="favor", rope="post", window=4, feature_map_options={"num_features": 32})
+    x = torch.randn(1, 40, 16, requires_grad=True)
+    halves = 1 * 2 * 36 * 16   # B x H x (N - W) x M / 2: one coordinate of each pair, for the linear part's queries
+    assert not [t for t in kept_for_backward(lambda: b(x)) if t.is_floating_point() and t.numel() == halves]

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ...checks import check_state_position, check_state_tensors
 from ...functional import LinearState, check_state, run_linear_attention
@@ -179,8 +180,9 @@ def log_linear_part(b, a, v, *, window, rate, rotary, offset, rope_base, chunk_s
                 backend=backend, log_space=True, return_state=return_state, nonnegative_features=True)
     # a window weighs the linear part against it by each row's sum of kappa: log sum_{n<=j} e^(a_n), per feature
     log_sums = running_log_sums(a, backend) if window else None
-    if rotary and window:
-        (pos_op, pos), (neg_op, neg) = rotated_query_parts(b, window, rope_base)
+    if rotary and window:   # the parts are recomputed in backward: their logaddexps kept 4 (N, M) tensors
+        (pos_op, pos), (neg_op, neg) = checkpoint(rotated_query_parts, b, window, rope_base, use_reentrant=False,
+                                                  preserve_rng_state=False)
         result = run_linear_attention(pos_op, a, v, **call)
         out_pos, state = result if return_state else (result, None)
         out_neg = run_linear_attention(neg_op, a, v, **(call | {"return_state": False}))
