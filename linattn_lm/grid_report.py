@@ -29,6 +29,7 @@ from .checkpoint import CheckpointError  # noqa: E402
 from .config import field_default  # noqa: E402
 from .variants import BLOCK_OPTIONS  # noqa: E402
 from .files import write_together  # noqa: E402
+from .mqar import HELD_OUT_BATCHES, position_only_accuracy  # noqa: E402
 
 RESULT_NAME = "result.json"
 REPORT_TITLE = "# Grid "   # results.md's first line begins so: a report grid.py wrote
@@ -297,10 +298,11 @@ def variant_table(columns: list[str], variants: dict[str, list[dict[str, Any]]],
     return lines if variants else []
 
 
-def summary_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> list[str]:
+def summary_table(variants: dict[str, list[dict[str, Any]]], seq_len: int, unit: str, scope: str) -> list[str]:
+    """Scores in `unit` (bpc, or bits per query), over the whole split or held-out streams (`scope`)."""
     return variant_table(
-        ["val bpc (whole split)", "test bpc (whole split)", "final val bpc (estimate)", "best val bpc (estimate)",
-         "wall time per run (s)", "tokens/s", "peak memory (MB)"], variants,
+        [f"val {unit} ({scope})", f"test {unit} ({scope})", f"final val {unit} (estimate)",
+         f"best val {unit} (estimate)", "wall time per run (s)", "tokens/s", "peak memory (MB)"], variants,
         lambda runs: [mean_std(val_bpc(seq_len)(r) for r in runs),
                       mean_std(r["scores"].get("test", {}).get(str(seq_len), math.nan) for r in runs),
                       mean_std(r["final_val_bpc"] for r in runs), mean_std(r["best_val_bpc"] for r in runs),
@@ -358,7 +360,8 @@ def against_table(variants: dict[str, list[dict[str, Any]]], score: Score, pairs
     """Paired differences of each (variant, baseline) pair on their common seeds, closest first."""
     diffs = [(name, baseline, diff) for name, baseline in pairs
              if (diff := paired_difference(variants[name], variants[baseline], score)) is not None]
-    rows = [paired_row(name, baseline, factor, diff) for name, baseline, diff in sorted(diffs, key=lambda x: x[2]["mean"])]
+    closest_first = sorted(diffs, key=lambda x: abs(x[2]["mean"]))
+    rows = [paired_row(name, baseline, factor, diff) for name, baseline, diff in closest_first]
     return [*PAIRED_HEADER, *rows] if rows else []
 
 
@@ -447,13 +450,20 @@ def results_markdown(grid_dir: Path, records: Records, variants: dict[str, list[
     seq_len = config.model.seq_len
     seeds = sorted({seed for seed, _ in records})
     data = next(iter(records.values()))["data"]
+    if config.task.task == "mqar":
+        scored = (f"Held-out scores: the first {HELD_OUT_BATCHES} batches of the val and test streams of the run's "
+                  "seed, at the query positions")
+        unit, scope, split = "bits per query", "held-out", "held-out val stream, bits per query"
+    else:
+        scored = f"Whole-split scores: every byte of the split, windows of seq_len {seq_len} (eval.py)"
+        unit, scope, split = "bpc", "whole split", "whole val split, bpc"
     markdown = [f"{REPORT_TITLE}{grid_dir.name}", "",
                 f"preset {config.run.preset}: {config.model.n_layer} layers x {config.model.d_model}, "
                 f"{config.model.n_head} heads, seq_len {seq_len}, batch {config.optim.batch_size}, "
                 f"{config.optim.steps} steps, lr {config.optim.lr}; seeds {','.join(map(str, seeds))}; data: {data}.",
-                "", "Mean ± sample std over seeds. Whole-split scores: every byte of the split, windows of "
-                f"seq_len {seq_len} (eval.py); estimates: {config.log.eval_iters} fixed val batches during training.",
-                "", *summary_table(variants, seq_len)]
+                "", f"Mean ± sample std over seeds. {scored}; estimates: {config.log.eval_iters} fixed val batches "
+                "during training.",
+                "", *summary_table(variants, seq_len, unit, scope)]
     if reference:   # enwik8's n-gram lines (a --task mqar grid has none)
         markdown += ["", "Reference lines: smoothed byte n-gram count models (linattn_lm/ngram.py); a model above "
                      "the order-k line uses less than k bytes of context as well as a count table does.", "",
@@ -465,15 +475,15 @@ def results_markdown(grid_dir: Path, records: Records, variants: dict[str, list[
     bpc = val_bpc(seq_len)
     paired = paired_table(variants, bpc)
     if paired:
-        markdown += ["", "## Paired differences (whole val split, bpc; negative: A is better)", "",
+        markdown += ["", f"## Paired differences ({split}; negative: A is better)", "",
                      "Variants that differ in one factor, compared on the same seeds.", "", *paired]
     against_softmax = baseline_table(variants, bpc)
     if against_softmax:
-        markdown += ["", "## Against softmax attention with RoPE (whole val split, bpc; paired by seed, closest "
+        markdown += ["", f"## Against softmax attention with RoPE ({split}; paired by seed, closest "
                      "first)", "", *against_softmax]
     against_control = window_control_table(variants, bpc)
     if against_control:
-        markdown += ["", "## Against the window-only control (whole val split, bpc; paired by seed, closest first)",
+        markdown += ["", f"## Against the window-only control ({split}; paired by seed, closest first)",
                      "", *against_control]
     fit = fit_table(variants)
     if fit:
@@ -484,9 +494,12 @@ def results_markdown(grid_dir: Path, records: Records, variants: dict[str, list[
     if mqar:
         pairs = config.task.mqar_kv_pairs
         markdown += ["", "## Multi-query associative recall (train.py --task mqar; accuracy at the query positions)",
-                     "", "Held-out streams of the run's seed; the bpc columns above are bits per query. A model "
-                     f"that answers with one of the sequence's {pairs} values, not the queried key's, scores 1/{pairs} = "
-                     f"{1 / pairs:.1%}: accuracy above that is recall.", "", *mqar]
+                     "", "Held-out streams of the run's seed. A model "
+                     f"that answers with one of the sequence's {pairs} values at random scores 1/{pairs} = {1 / pairs:.1%}; "
+                     "one that answers by the query's position alone, never its key (the value of the pair a slot most "
+                     "often asks for: the gaps' power law gives the first slots to the first pairs, as in Zoology), "
+                     f"{position_only_accuracy(config.model.vocab_size, seq_len, pairs):.1%}. Accuracy above both "
+                     "needs recall.", "", *mqar]
         tables = (paired_table(variants, mqar_accuracy), baseline_table(variants, mqar_accuracy),
                   window_control_table(variants, mqar_accuracy))
         rows = [line for table in tables for line in table[len(PAIRED_HEADER):]]

@@ -46,6 +46,19 @@ def draw_batch(rng: np.random.Generator, rows: int, vocab_size: int, seq_len: in
     return torch.from_numpy(tokens), torch.from_numpy(targets)
 
 
+def position_only_accuracy(vocab_size: int, seq_len: int, kv_pairs: int, rows: int = 50_000) -> float:
+    """The accuracy of answering every query by its position alone, never by its key: the value of the
+    pair that a query slot most often asks for.  Above 1/kv_pairs, since the gaps' power law gives the
+    first slots to the first pairs (Gumbel top-k, as Zoology's draw does); a model must beat it to show
+    recall.  Counted over `rows` sequences of one fixed draw."""
+    x, y = (t.numpy() for t in draw_batch(np.random.default_rng(0), rows, vocab_size, seq_len, kv_pairs))
+    row, position = np.nonzero(y != IGNORED)
+    pair = (x[row, position][:, None] == x[row, 0:2 * kv_pairs:2]).argmax(axis=1)   # which pair it asks for
+    counts = np.zeros((seq_len, kv_pairs))
+    np.add.at(counts, (position, pair), 1)
+    return float(counts.max(axis=1).sum() / counts.sum())
+
+
 class MqarBatches:
     """Endless MQAR batches of one stream (train, val, test), drawn as RandomWindows draws windows:
     global batch i from np.random.default_rng([seed, stream, i]), rank r taking its rows; the state

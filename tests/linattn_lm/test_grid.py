@@ -553,15 +553,16 @@ def test_report_only_refuses_what_it_cannot_report(extra: list[str], message: st
 def test_every_linear_variant_is_paired_with_softmax_rope_closest_first() -> None:
     from linattn_lm.grid_report import baseline_table, val_bpc
     configs = grid.run_configs({"preset": "cpu"}, ["softmax-rope", "softmax-abs", "linear-favor-post",
-                                                   "linear-elu-pre"], [0, 1])
+                                                   "linear-elu-pre", "linear-favor-pre"], [0, 1])
     values = {"softmax-rope": (2.4, 2.5), "softmax-abs": (2.0, 2.0), "linear-favor-post": (3.0, 3.2),
-              "linear-elu-pre": (2.6, 2.6)}
+              "linear-elu-pre": (2.6, 2.6), "linear-favor-pre": (2.0, 2.0)}   # closest: by |mean|, either sign
     variants = {name: [{**record(seed, name, values[name][seed]), "config": configs[seed, name].flat()}
                        for seed in (0, 1)] for name in values}
     rows = baseline_table(variants, val_bpc(256))[2:]
     assert [row.split(" | ")[:3] for row in rows] == [["| linear-elu-pre", "softmax-rope", "attention"],
+                                                      ["| linear-favor-pre", "softmax-rope", "attention"],
                                                       ["| linear-favor-post", "softmax-rope", "attention"]]
-    assert "+0.200 (s0), +0.100 (s1) | +0.150 |" in rows[0] and "+0.650 |" in rows[1]
+    assert "+0.200 (s0), +0.100 (s1) | +0.150 |" in rows[0] and "-0.450 |" in rows[1] and "+0.650 |" in rows[2]
     del variants["softmax-rope"]   # no softmax + RoPE in the grid: no such table
     assert baseline_table(variants, val_bpc(256)) == []
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from linattn_lm import config_from_flags, evaluate, grid, load_checkpoint, training
 from linattn_lm.config import check_mqar_settings
-from linattn_lm.mqar import IGNORED, MqarBatches, draw_batch, query_scores
+from linattn_lm.mqar import IGNORED, MqarBatches, draw_batch, position_only_accuracy, query_scores
 
 VOCAB, SEQ_LEN, PAIRS = 256, 64, 6
 
@@ -103,6 +103,37 @@ def test_the_scorer_counts_the_query_positions_only() -> None:
     assert nats / count == pytest.approx(math.log(VOCAB)) and correct == 0   # argmax 0 is never a value
 
 
+class ByPosition(nn.Module):
+    """Answers every query with the value of a fixed pair per position (`pairs[p]`), never reading the key."""
+
+    def __init__(self, pairs: dict[int, int]):
+        super().__init__()
+        self.pairs = pairs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = torch.zeros(*x.shape, VOCAB)
+        for position, pair in self.pairs.items():
+            logits[torch.arange(len(x)), position, x[:, 2 * pair + 1]] = 100.0
+        return logits
+
+
+def test_position_only_accuracy_is_what_answering_by_position_scores() -> None:
+    """The pair each query position most often asks for, counted on one draw, scores on other sequences
+    what position_only_accuracy says, above the 1/P of a random value."""
+    seq_len, pairs = 32, 4
+    x, y = draw_batch(np.random.default_rng(5), 4000, VOCAB, seq_len, pairs)
+    asked = {}
+    for row, position in (y != IGNORED).nonzero().tolist():
+        pair = x[row, 0:2 * pairs:2].tolist().index(x[row, position].item())
+        asked.setdefault(position, [0] * pairs)[pair] += 1
+    model = ByPosition({position: counts.index(max(counts)) for position, counts in asked.items()})
+    batches = [draw_batch(np.random.default_rng(100 + i), 500, VOCAB, seq_len, pairs) for i in range(4)]
+    _, correct, count = query_scores(model, batches, torch.device("cpu"))
+    expected = position_only_accuracy(VOCAB, seq_len, pairs)
+    assert expected > 1 / pairs + 0.03 and correct / count == pytest.approx(expected, abs=0.02)
+    assert position_only_accuracy(VOCAB, seq_len, 1) == 1.0
+
+
 def test_a_run_logs_accuracy_and_resumes_exactly(tmp_path: Path, run_main, scalars) -> None:
     common = ["--preset", "mqar-tiny", "--threads", "1", "--out-dir", str(tmp_path), "--eval-interval", "6",
               "--ckpt-interval", "0", "--decay-steps", "12"]
@@ -135,6 +166,7 @@ def test_a_grid_of_the_task_reports_recall_beside_the_state(tmp_path: Path, run_
     report = (tmp_path / "g" / "results.md").read_text()
     assert "## Multi-query associative recall" in report and "n-gram" not in report
     assert "scores 1/4 = 25.0%" in report   # mqar-tiny's 4 pairs: copying any of the sequence's values
+    assert "position alone" in report and "held-out val stream, bits per query" in report and "bpc" not in report
     hybrid = json.loads((tmp_path / "g" / "linear-favor-pre+softmax_layers=1" / "seed-0" / "result.json").read_text())
     gain = hybrid["mqar"]["val"]["accuracy"] - record["mqar"]["val"]["accuracy"]
     assert "Paired differences in val accuracy" in report
