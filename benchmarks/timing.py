@@ -85,7 +85,8 @@ def one_call_peak(call: Callable[[], object], device: torch.device) -> tuple[int
 
 class _Saved:
     """What a node keeps in place of a saved tensor while it is measured: its storage and view, with no
-    reference back to the graph (a tensor saved by its own node would otherwise never be freed)."""
+    reference back to the graph (a tensor saved by its own node would otherwise never be freed).  For
+    counting: a conjugate or negative view's lazy bit is not restored, so no backward should run on it."""
 
     def __init__(self, tensor: torch.Tensor):
         self.storage = tensor.untyped_storage()

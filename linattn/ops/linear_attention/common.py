@@ -139,8 +139,9 @@ def guard_log_features(x, dtype: torch.dtype):
         poison = torch.where(largest <= limit, 0.0, float("nan")).to(feature_tensors(x)[0].dtype)
     if isinstance(x, LogProjection):
         return x._replace(shift=x.shift + poison)
-    # where, not clamp_min: its backward keeps a mask of the -inf entries, not a copy of the log-features
-    return torch.where(torch.isneginf(x), torch.finfo(x.dtype).min / 4, x).add_(poison)
+    # clamp_min as a where: its backward keeps a mask of the raised entries, not a copy of the log-features
+    floor = torch.finfo(x.dtype).min / 4
+    return torch.where(x < floor, floor, x).add_(poison)
 
 
 def nan_where_negative(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
