@@ -430,11 +430,11 @@ def extrapolation_table(variants: dict[str, list[dict[str, Any]]], seq_len: int)
 def write_report(grid_dir: Path, records: Records, config: Any, reference: dict[str, dict[int, float]]) -> None:
     """results.csv, results.md and val_bpc.png, all built before any replaces the one there (a
     failure leaves the earlier three, never a mix); `reference`: the n-gram lines, split -> order -> bpc."""
-    variants = by_variant(records)
+    variants, unit = by_variant(records), score_unit(config)
     table, markdown = results_csv(records), results_markdown(grid_dir, records, variants, config, reference)
     write_together({grid_dir / "results.csv": lambda path: path.write_text(table),
                     grid_dir / "results.md": lambda path: path.write_text(markdown),
-                    grid_dir / "val_bpc.png": lambda path: plot_curves(path, grid_dir.name, variants, reference)})
+                    grid_dir / "val_bpc.png": lambda path: plot_curves(path, grid_dir.name, variants, reference, unit)})
 
 
 def results_csv(records: Records) -> str:
@@ -445,18 +445,24 @@ def results_csv(records: Records) -> str:
     return buffer.getvalue()
 
 
+def score_unit(config: Any) -> str:
+    """What the grid's losses are in: bits per byte (enwik8) or bits per query (MQAR)."""
+    return "bits per query" if config.task.task == "mqar" else "bpc"
+
+
 def results_markdown(grid_dir: Path, records: Records, variants: dict[str, list[dict[str, Any]]], config: Any,
                      reference: dict[str, dict[int, float]]) -> str:
     seq_len = config.model.seq_len
     seeds = sorted({seed for seed, _ in records})
     data = next(iter(records.values()))["data"]
+    unit = score_unit(config)
     if config.task.task == "mqar":
         scored = (f"Held-out scores: the first {HELD_OUT_BATCHES} batches of the val and test streams of the run's "
                   "seed, at the query positions")
-        unit, scope, split = "bits per query", "held-out", "held-out val stream, bits per query"
+        scope, split = "held-out", "held-out val stream, bits per query"
     else:
         scored = f"Whole-split scores: every byte of the split, windows of seq_len {seq_len} (eval.py)"
-        unit, scope, split = "bpc", "whole split", "whole val split, bpc"
+        scope, split = "whole split", "whole val split, bpc"
     markdown = [f"{REPORT_TITLE}{grid_dir.name}", "",
                 f"preset {config.run.preset}: {config.model.n_layer} layers x {config.model.d_model}, "
                 f"{config.model.n_head} heads, seq_len {seq_len}, batch {config.optim.batch_size}, "
@@ -519,7 +525,7 @@ def results_markdown(grid_dir: Path, records: Records, variants: dict[str, list[
 
 
 def plot_curves(path: Path, title: str, variants: dict[str, list[dict[str, Any]]],
-                reference: dict[str, dict[int, float]]) -> None:
+                reference: dict[str, dict[int, float]], unit: str) -> None:
     """Mean validation curve per variant over the seeds that reached each step, the seeds' range as
     a band; the val n-gram lines in grey.  Where runs have train-split estimates, a second panel
     shows the mean val - train gap over training."""
@@ -540,12 +546,12 @@ def plot_curves(path: Path, title: str, variants: dict[str, list[dict[str, Any]]
         axes.axhline(bpc, color="grey", linewidth=0.8, alpha=0.6)
         axes.annotate(f"order-{order} n-gram", (1, bpc), xycoords=("axes fraction", "data"),
                       ha="right", va="bottom", fontsize=7, color="grey")
-    axes.set(xlabel="step", ylabel="val bpc (estimate)", title=f"{title}: validation bits per byte, "
+    axes.set(xlabel="step", ylabel=f"val {unit} (estimate)", title=f"{title}: validation {unit}, "
              "mean over seeds (band: seed range)")
     if with_gap:
         gap_axes = panels[0][1]
         gap_axes.axhline(0, color="grey", linewidth=0.8)
-        gap_axes.set(xlabel="step", ylabel="val - train bpc (estimates)", title="generalisation gap, mean over seeds")
+        gap_axes.set(xlabel="step", ylabel=f"val - train {unit} (estimates)", title="generalisation gap, mean over seeds")
         gap_axes.grid(alpha=0.3)
         gap_axes.legend(fontsize=8)
     axes.grid(alpha=0.3)
