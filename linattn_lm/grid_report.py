@@ -16,7 +16,7 @@ import json
 import math
 import reprlib
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import matplotlib
 
@@ -430,7 +430,7 @@ def extrapolation_table(variants: dict[str, list[dict[str, Any]]], seq_len: int)
 def write_report(grid_dir: Path, records: Records, config: Any, reference: dict[str, dict[int, float]]) -> None:
     """results.csv, results.md and val_bpc.png, all built before any replaces the one there (a
     failure leaves the earlier three, never a mix); `reference`: the n-gram lines, split -> order -> bpc."""
-    variants, unit = by_variant(records), score_unit(config)
+    variants, unit = by_variant(records), score_labels(config).unit
     table, markdown = results_csv(records), results_markdown(grid_dir, records, variants, config, reference)
     write_together({grid_dir / "results.csv": lambda path: path.write_text(table),
                     grid_dir / "results.md": lambda path: path.write_text(markdown),
@@ -445,9 +445,23 @@ def results_csv(records: Records) -> str:
     return buffer.getvalue()
 
 
-def score_unit(config: Any) -> str:
-    """What the grid's losses are in: bits per byte (enwik8) or bits per query (MQAR)."""
-    return "bits per query" if config.task.task == "mqar" else "bpc"
+class ScoreLabels(NamedTuple):
+    """How a grid's scores are named: enwik8's bits per byte over whole splits, or MQAR's bits per query
+    over held-out streams."""
+    unit: str      # what the losses are in
+    scope: str     # what the headline scores cover, for column names
+    split: str     # the paired tables' score, for their headings
+    scored: str    # how the headline scores were taken, for the report's opening
+
+
+def score_labels(config: Any) -> ScoreLabels:
+    if config.task.task == "mqar":
+        return ScoreLabels("bits per query", "held-out", "held-out val stream, bits per query",
+                           f"Held-out scores: the first {HELD_OUT_BATCHES} batches of the val and test streams of "
+                           "the run's seed, at the query positions")
+    return ScoreLabels("bpc", "whole split", "whole val split, bpc",
+                       f"Whole-split scores: every byte of the split, windows of seq_len {config.model.seq_len} "
+                       "(eval.py)")
 
 
 def results_markdown(grid_dir: Path, records: Records, variants: dict[str, list[dict[str, Any]]], config: Any,
@@ -455,14 +469,7 @@ def results_markdown(grid_dir: Path, records: Records, variants: dict[str, list[
     seq_len = config.model.seq_len
     seeds = sorted({seed for seed, _ in records})
     data = next(iter(records.values()))["data"]
-    unit = score_unit(config)
-    if config.task.task == "mqar":
-        scored = (f"Held-out scores: the first {HELD_OUT_BATCHES} batches of the val and test streams of the run's "
-                  "seed, at the query positions")
-        scope, split = "held-out", "held-out val stream, bits per query"
-    else:
-        scored = f"Whole-split scores: every byte of the split, windows of seq_len {seq_len} (eval.py)"
-        scope, split = "whole split", "whole val split, bpc"
+    unit, scope, split, scored = score_labels(config)
     markdown = [f"{REPORT_TITLE}{grid_dir.name}", "",
                 f"preset {config.run.preset}: {config.model.n_layer} layers x {config.model.d_model}, "
                 f"{config.model.n_head} heads, seq_len {seq_len}, batch {config.optim.batch_size}, "
