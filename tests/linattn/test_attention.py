@@ -14,6 +14,7 @@ import linattn
 from linattn import LinearAttention, SoftmaxAttention, make_feature_map
 from linattn.feature_maps import EluFeatureMap, FavorFeatureMap
 from linattn.functional import linear_attention_reference, softmax_attention_reference
+from linattn.ops.linear_attention import cpp_logspace
 from linattn.rotary import apply_rotary
 
 MAPS = ("elu", "favor", "softmax", "hedgehog", "taylor")
@@ -554,3 +555,40 @@ def test_resolve_backend_refuses_switches_that_are_not_bools():
 def test_a_rope_base_too_large_for_a_float_is_refused_as_a_value_error():
     with pytest.raises(ValueError, match=r"rope_base must be a finite number > 0"):
         LinearAttention(32, 4, rope_base=10 ** 400)
+
+
+
+def small_block(fm, rope, window=0, decay=None, backend="auto"):
+    return LinearAttention(8, 2, feature_map=fm, rope=rope, window=window, decay=decay, backend=backend,
+                           feature_map_options={"favor": {"num_features": 8}, "taylor": {"dim": 2}}.get(fm, {}),
+                           chunk_size=4).double()
+
+
+HAND_WRITTEN_BACKWARD = [(fm, rope, window, decay) for rope in ("post", "pre", "none")
+                         for fm, window, decay in (("favor", 0, None), ("favor", 3, None), ("favor", 0, "retnet"),
+                                                   ("taylor", 0, None), ("elu", 0, None))]
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("cpp", marks=pytest.mark.skipif(
+    cpp_logspace.unavailable() is not None, reason="the C++ kernel does not build here"))])
+@pytest.mark.parametrize("fm, rope, window, decay", HAND_WRITTEN_BACKWARD)
+@pytest.mark.parametrize("loss", [torch.sum, lambda y: y.square().sum()], ids=["linear", "square"])
+def test_second_derivatives_through_a_hand_written_backward_are_refused(fm, rope, window, decay, backend, loss):
+    """The op's passes (every log-space map, plain maps without window or decay) have a backward that
+    gives first derivatives: one that builds a graph of them stops, where it used to differentiate
+    the rest of the model and silently treat attention as constant."""
+    block = small_block(fm, rope, window, decay, backend)
+    x = torch.randn(1, 7, 8, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="first derivatives"):
+        torch.autograd.grad(loss(block(x)), x, create_graph=True)
+    (grad,) = torch.autograd.grad(loss(block(x)), x)   # first derivatives as before
+    assert grad.isfinite().all()
+
+
+@pytest.mark.parametrize("window, decay", [(3, None), (0, "retnet"), (2, (0.9, 0.6))])
+@pytest.mark.parametrize("fm, rope", [(fm, rope) for fm in ("taylor", "elu") for rope in ("post", "pre", "none")])
+def test_second_derivatives_of_plain_maps_with_a_window_or_decay_are_exact(fm, rope, window, decay):
+    """Plain features with a window or a decay take torch ops end to end on CPU: second derivatives hold."""
+    block = small_block(fm, rope, window, decay)
+    x = torch.randn(1, 6, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda x: block(x, offset=1), (x,))

@@ -215,3 +215,20 @@ def without_autocast(backward):
         with torch.autocast(grad.device.type, enabled=False):
             return backward(ctx, grad, *grads)
     return run
+
+
+def first_derivatives_only(out: torch.Tensor) -> torch.Tensor:
+    """`out` of a computation whose backward gives first derivatives only (a hand-written backward, a
+    kernel's): a backward through it that builds a graph (create_graph=True) stops with an error.
+    Such a backward would otherwise differentiate the rest of the model and treat this part as
+    constant, silently: once_differentiable's error node is pruned when autograd.grad asks only for
+    inputs it does not lead to."""
+    if out.requires_grad:
+        out.register_hook(_refuse_graph_of_gradient)
+    return out
+
+
+def _refuse_graph_of_gradient(grad: torch.Tensor) -> None:
+    if torch.is_grad_enabled():   # the engine enables grad mode in backward for create_graph=True only
+        raise RuntimeError("linear attention gives first derivatives only: a backward with create_graph=True "
+                           "(double backward, a gradient penalty, Hessian products) is not supported")

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from . import torch_logspace
-from .common import LogProjection, source_from_parts, source_parts, without_autocast
+from .common import LogProjection, first_derivatives_only, source_from_parts, source_parts, without_autocast
 from .stable import JUMP_LIMIT, PAIR_SPREAD
 
 SOURCE = Path(__file__).with_name("stable_cpu.cpp")
@@ -263,7 +263,7 @@ def log_cumsum_exp(x: torch.Tensor, dim: int) -> torch.Tensor:
         dim: the dimension to scan.
     Returns:
         log sum_{n <= m} e^(x_n) along `dim`, contiguous."""
-    return _LogCumSumExp.apply(x, dim % x.dim())
+    return first_derivatives_only(_LogCumSumExp.apply(x, dim % x.dim()))
 
 
 def _scan_shape(x: torch.Tensor, dim: int) -> tuple[int, int, int]:
@@ -304,7 +304,8 @@ def logspace_attention(b, a, v, **call):
 def causal(b, a, v, phases, length: int, base: float):
     """Causal Eq. 19 from log-features (tensors or `LogProjection`s) on CPU: (out, state, key sum, F
     after the last token), as torch_logspace.causal_log_attention gives them."""
-    return _FusedCausalLogAttention.apply(*source_parts(b), *source_parts(a), v, phases, length, base)
+    out, *state = _FusedCausalLogAttention.apply(*source_parts(b), *source_parts(a), v, phases, length, base)
+    return (first_derivatives_only(out), *state)
 
 
 class _FusedCausalLogAttention(torch.autograd.Function):

@@ -12,7 +12,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ...rotary import rotary_phases, rotate_pairs
-from .common import LogProjection, compute_dtype, divide, feature_tensors
+from .common import LogProjection, compute_dtype, divide, feature_tensors, first_derivatives_only
 from .recurrent import LinearState
 from .stable import numerator_query
 
@@ -89,6 +89,7 @@ def _padded(kernel, q, k, v, *gates, multiple: int = 16):
         short = -x.shape[-1] % multiple
         return torch.nn.functional.pad(x, (0, short)) if short else x
     o, state = kernel(*(pad(t) for t in (q, k, v, *gates)))
+    first_derivatives_only(o)   # fla's backward is kernels: no graph of the gradient
     m, dv = q.shape[-1], v.shape[-1]
     return o[..., :dv], (state[..., :m, :dv] if state is not None else None)
 

@@ -12,8 +12,8 @@ from typing import NamedTuple
 import torch
 
 from ...rotary import rotary_phases, rotate_pairs
-from .common import (LogProjection, compute_dtype, divide, feature_tensors, numerator_features,
-                     source_from_parts, source_parts, without_autocast)
+from .common import (LogProjection, compute_dtype, divide, feature_tensors, first_derivatives_only,
+                     numerator_features, source_from_parts, source_parts, without_autocast)
 from .recurrent import LinearState
 from .stable import JUMP_LIMIT, NUMERATOR_CAP, PAIR_SPREAD, numerator_query, numerator_scale
 from .torch_plain import nothing_to_attend
@@ -403,7 +403,8 @@ class _CausalLogAttention(torch.autograd.Function):
 def causal_log_attention(b, a, v, phases, chunk_size: int, base: float):
     """Causal Eq. 19 from log-features (tensors or `LogProjection`s) in torch ops: (out, state, key sum,
     F after the last token), the state scaled as docs/derivations.md says."""
-    return _CausalLogAttention.apply(*source_parts(b), *source_parts(a), v, phases, chunk_size, base)
+    out, *state = _CausalLogAttention.apply(*source_parts(b), *source_parts(a), v, phases, chunk_size, base)
+    return (first_derivatives_only(out), *state)
 
 
 def _run_scales(feat, run: _Run, phases):

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from ...rotary import rotary_phases, rotate_pairs
-from .common import compute_dtype, divide, numerator_features, output_gradients, without_autocast
+from .common import (compute_dtype, divide, first_derivatives_only, numerator_features, output_gradients,
+                     without_autocast)
 from .recurrent import LinearState, initial_state
 
 
@@ -138,4 +139,5 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phases: 
     """Causal Eq. 19 of (B, H, N, M) non-negative features and (B, H, N, Dv) values, the numerator
     rotated by `phases` (N, M/2) e^(i p theta) when given.  Returns the output and the state after
     the last token: sum_n (R_n k_n) v_n^T (B, H, M, Dv) and sum_n k_n (B, H, M)."""
-    return _CausalAttention.apply(q, k, v, phases, chunk)
+    out, state, k_sum = _CausalAttention.apply(q, k, v, phases, chunk)
+    return first_derivatives_only(out), state, k_sum

@@ -159,6 +159,17 @@ def test_window_and_decay_run_their_linear_part_on_flas_kernels(fla_reference, m
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11, msg=name)
 
 
+
+@pytest.mark.parametrize("log_space", [True, False], ids=["log", "plain"])
+def test_second_derivatives_through_flas_kernels_are_refused(fla_reference, log_space):
+    """fla's backward is kernels, with no graph of its gradients: a backward that builds one stops
+    (the stand-in is torch ops, so this tests the glue's refusal, on every call of fla)."""
+    tensors = features(9, 8, 4, log_space=log_space)
+    with pytest.raises(RuntimeError, match="first derivatives"):
+        torch.autograd.grad(call("fla", log_space, tensors).square().sum(), tensors, create_graph=True)
+    assert all(g.isfinite().all() for g in torch.autograd.grad(call("fla", log_space, tensors).sum(), tensors))
+
+
 def favor_like(n, m, scale, seed=0):
     """FAVOR+'s log-features w.x - |x|^2/2 of inputs x with |x| about `scale`."""
     gen = torch.Generator().manual_seed(seed)
