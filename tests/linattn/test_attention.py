@@ -592,3 +592,13 @@ def test_second_derivatives_of_plain_maps_with_a_window_or_decay_are_exact(fm, r
     block = small_block(fm, rope, window, decay)
     x = torch.randn(1, 6, 8, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradgradcheck(lambda x: block(x, offset=1), (x,))
+
+
+@pytest.mark.parametrize("fm", ["favor", "taylor"])
+def test_second_derivatives_of_non_causal_attention_and_of_a_step_are_exact(fm):
+    block = small_block(fm, "post")
+    x = torch.randn(1, 6, 8, dtype=torch.float64, requires_grad=True)
+    non_causal = LinearAttention(8, 2, feature_map=block.feature_map, causal=False).double()
+    assert torch.autograd.gradgradcheck(lambda x: non_causal(x), (x,))
+    _, state = block(x.detach(), return_state=True)
+    assert torch.autograd.gradgradcheck(lambda x: block.step(x[:, 0], state)[0], (x,))
