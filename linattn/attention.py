@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .checks import (check_flags, check_positive_integer, check_real_floating, check_return_state, check_rope_base,
-                     check_state_position, check_state_tensors, is_integer, is_real)
+from .checks import (as_device, check_flags, check_positive_integer, check_real_floating, check_return_state,
+                     check_rope_base, check_state_position, check_state_tensors, is_integer, is_real)
 from .feature_maps import FeatureMap, check_feature_map, make_feature_map
 from .functional import DEFAULT_CHUNK_SIZE, LinearState, check_chunk_size, check_state, run_linear_attention
 from .ops.linear_attention import dispatch
@@ -388,15 +388,6 @@ def softmax_backend(backend: str) -> str:
     if backend not in SOFTMAX_BACKENDS:
         raise ValueError(f"softmax attention's backend must be one of {SOFTMAX_BACKENDS}, got {backend!r}")
     return "sdpa" if backend == "auto" else backend
-
-
-def as_device(device) -> torch.device:
-    """`device` as a torch.device: torch's own error for a bad name lists every device type it knows."""
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be a torch.device or a device name such as 'cpu', 'cuda' or 'cuda:1', "
-                         f"got {device!r}") from None
 
 
 def _xformers_ops():

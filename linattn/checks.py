@@ -106,3 +106,18 @@ def check_state_position(state) -> int:
     if not is_integer(state.position) or state.position < 0:
         raise ValueError(f"state.position must be a non-negative integer (tokens seen), got {state.position!r}")
     return int(state.position)
+
+
+def as_device(device) -> torch.device:
+    """`device` as a torch.device: torch's own error for a bad name lists every device type it knows."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch.device or a device name such as 'cpu', 'cuda' or 'cuda:1', "
+                         f"got {device!r}") from None
+
+
+def check_state_dtype(dtype) -> None:
+    """A state's sums are kept in float32 or float64, the dtypes the passes compute in."""
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"a state is kept in torch.float32 or torch.float64, got dtype={dtype!r}")

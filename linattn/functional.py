@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from . import custom_ops
-from .checks import (check_flags, check_real_floating, check_return_state, check_rope_base, check_state_position,
-                     check_state_tensors, debug_enabled, is_integer, is_real)
+from .checks import (as_device, check_flags, check_real_floating, check_return_state, check_rope_base,
+                     check_state_dtype, check_state_position, check_state_tensors, debug_enabled, is_integer, is_real)
 from .ops.linear_attention import dispatch
 from .ops.linear_attention.common import (DEFAULT_CHUNK_SIZE, LogProjection, check_nonnegative, compute_dtype,
                                           feature_tensors)
@@ -152,6 +152,8 @@ def initial_state(batch: int, heads: int, num_features: int, value_dim: int, *,
         if not is_integer(size) or size < 0:
             raise ValueError(f"initial_state's {name} must be a non-negative integer, got {size!r}")
     check_flags(log_space=log_space)
+    check_state_dtype(dtype)
+    device = None if device is None else as_device(device)
     return recurrent.initial_state(*(int(size) for size in sizes.values()), device=device, dtype=dtype,
                                    log_space=log_space)
 

@@ -158,8 +158,9 @@ def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu") 
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path} is not a linattn LM checkpoint (written by train.py)")
     if checkpoint.get("version") != CHECKPOINT_VERSION:
-        raise CheckpointError(f"{path} has checkpoint version {checkpoint.get('version')!r}, "
-                              f"this code reads version {CHECKPOINT_VERSION}")
+        version = checkpoint.get("version")
+        raise CheckpointError(f"{path} has checkpoint version {version!r} (a {type(version).__name__}); this code "
+                              f"reads version {CHECKPOINT_VERSION} (an int): use a checkpoint that train.py wrote")
     return checkpoint
 
 
@@ -172,7 +173,7 @@ def checkpoint_entries(checkpoint: dict[str, Any], path: Path | str, names=tuple
             found = "missing" if name not in checkpoint else f"a {type(value).__name__}"
             raise CheckpointError(f"{path} is damaged: its {name!r} entry should be a {expected.__name__}, "
                                   f"found {found}; use another checkpoint (or, for --resume, start a new run)")
-    if not 0 <= checkpoint["step"] < MAX_STEPS:
+    if "step" in names and not 0 <= checkpoint["step"] < MAX_STEPS:
         raise CheckpointError(f"{path} is damaged: step {checkpoint['step']} is not in [0, 2**63)")
 
 

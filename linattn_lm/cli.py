@@ -6,6 +6,7 @@ import argparse
 import importlib
 import importlib.util
 import sys
+import warnings
 from pathlib import Path
 
 from .errors import UsageError, first_line
@@ -18,6 +19,12 @@ class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
+
+
+def one_line_warnings() -> None:
+    """Warnings printed as one line each ("warning: ..."), not Python's two with the source line that
+    warned: what the commands print is read by people, not by a debugger."""
+    warnings.formatwarning = lambda message, category, *_, **__: f"warning: {message}\n"
 
 
 def pre_parse_imports(argv: list[str] | None) -> list[str]:
@@ -51,7 +58,7 @@ def import_user_code(names: list[str]) -> list[str]:
             else:
                 importlib.import_module(name)
                 recorded.append(name)
-        except (Exception, SystemExit) as error:  # user code may raise anything while it loads, or exit
+        except (Exception, SystemExit, KeyboardInterrupt) as error:  # user code may raise anything, or exit
             hint = ("pass a module name on the Python path or a .py file" if isinstance(error, (ImportError, OSError))
                     else "fix that code: importing it must only define and register things")
             raise UsageError(f"--import {name}: cannot import it ({type(error).__name__}: "

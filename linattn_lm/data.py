@@ -237,7 +237,7 @@ def check_window_fits(length: int, seq_len: int, *, asked: str = "", fix: str = 
         raise DataError(
             (f"{asked}: " if asked else "")
             + f"seq_len {seq_len:,} needs windows of {seq_len + 1:,} bytes (inputs plus the shifted target), "
-            f"but the split has only {length:,} bytes" + (f"; {fix}" if fix else "")
+            f"but the split has only {length:,} bytes; " + (fix or "pass a smaller --seq-len, or prepare more data")
         )
 
 

@@ -30,7 +30,7 @@ from .data import SPLITS, DataError, SequentialWindows, check_window_fits, defau
 from .config import TrainConfig, check_backend_runs_on, finite_float, integer
 from .checkpoint import (CheckpointError, checkpoint_path, import_recorded, load_checkpoint, model_from_checkpoint,
                          saved_precision)
-from .cli import DefaultsFormatter, import_user_code, pre_parse_imports
+from .cli import DefaultsFormatter, import_user_code, one_line_warnings, pre_parse_imports
 from .grid_report import AR_SPLIT_KEYS, RESULT_NAME, read_record
 from .lm import ByteLM, bits_per_byte, lm_loss, state_size
 from .mqar import held_out_scores
@@ -295,6 +295,7 @@ def recorded_data_dir(checkpoint: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    one_line_warnings()
     try:
         import_user_code(pre_parse_imports(argv))
     except UsageError as error:

@@ -204,7 +204,8 @@ def run_grid(configs: dict[tuple[int, str], TrainConfig], grid_dir: Path, resume
              earlier: dict[tuple[int, str], TrainConfig] | None = None) -> int:
     """Train and score the runs in order (a run whose result.json is complete is kept as it is),
     rewriting the report after each; stop on Ctrl-C with the run's checkpoint saved.  The report
-    also keeps the `earlier` runs (seeds this invocation does not list) whose records still match."""
+    also keeps the `earlier` runs (the grid's finished runs this invocation does not list) whose records
+    still match."""
     records: dict[tuple[int, str], dict[str, Any]] = {
         key: record for key, config in (earlier or {}).items() if (record := saved_record(key, config, multiples))}
     # Read, and a damaged one refused, before anything trains.
@@ -290,7 +291,10 @@ def parse_grid_flags(given: dict[str, Any], args: Any) -> tuple[dict[tuple[int, 
         raise ValueError(f"--seeds must be >= 0 and --eval-multiples >= 1, got {seeds} and {multiples}")
     variants = listed(args.variants, before["variants"] or default_variants(), str, "--variants", "variant names")
     configs = run_configs(given, variants, seeds)
-    earlier = run_configs(given, variants, earlier_seeds(grid_dir, variants, seeds)) if args.resume else {}
+    every_variant = list(dict.fromkeys([*before["variants"], *variants]))
+    earlier = {key: config for key, config in run_configs(given, every_variant,
+                                                          finished_seeds(grid_dir, every_variant)).items()
+               if key not in configs} if args.resume else {}
     flags = {key: value for key, value in given.items() if key not in LOCATION | {"seed"}}
     if "data_dir" in flags:   # as a checkpoint records it: a --resume from another directory finds the same data
         flags["data_dir"] = str(Path(flags["data_dir"]).expanduser().resolve())
@@ -367,12 +371,11 @@ def continued_flags(recorded: dict[str, Any], given: dict[str, Any]) -> dict[str
             **({"imports": imports} if imports else {})}
 
 
-def earlier_seeds(grid_dir: Path, variants: list[str], seeds: list[int]) -> list[int]:
-    """Seeds of the grid's finished runs of these variants that this invocation does not list."""
-    found = {int(path.parent.name.removeprefix("seed-")) for name in variants
-             for path in (grid_dir / name).glob(f"seed-*/{RESULT_NAME}")
-             if path.parent.name.removeprefix("seed-").isdigit()}
-    return sorted(found - set(seeds))
+def finished_seeds(grid_dir: Path, variants: list[str]) -> list[int]:
+    """Seeds of the grid's finished runs of these variants."""
+    return sorted({int(path.parent.name.removeprefix("seed-")) for name in variants
+                   for path in (grid_dir / name).glob(f"seed-*/{RESULT_NAME}")
+                   if path.parent.name.removeprefix("seed-").isdigit()})
 
 
 def main(argv: list[str] | None = None) -> int:

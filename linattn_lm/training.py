@@ -28,7 +28,7 @@ from tqdm import tqdm
 from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_finite_weights, check_optimizer_state,
                          check_progress, checkpoint_entries, import_recorded, load_checkpoint, load_state,
                          load_weights, save_checkpoint, saved_config, saved_precision)
-from .cli import import_user_code, pre_parse_imports
+from .cli import import_user_code, one_line_warnings, pre_parse_imports
 from .config import (TrainConfig, add_config_flags, config_differences, config_from_argv, config_from_record,
                      field_default, merged_flags)
 from .data import DataError, RandomWindows, load_split
@@ -95,20 +95,43 @@ class Distributed:
         return gathered
 
 
+def launch_environment() -> tuple[int, int, int]:
+    """(rank, local rank, world size) of a torchrun job, read from the variables torchrun sets; (0, 0, 1)
+    without them.  Values that are not counts, a rank outside the job, or a job of several processes
+    without torchrun's rendezvous address are a UsageError here, not torch's traceback later."""
+    def count(name: str, default: str) -> int:
+        text = os.environ.get(name, default)
+        if not text.strip().isdigit():
+            raise UsageError(f"environment variable {name}={text!r} is not a count: torchrun sets it; unset "
+                             "WORLD_SIZE, RANK and LOCAL_RANK to train in one process")
+        return int(text)
+    world_size = count("WORLD_SIZE", "1")
+    if world_size == 0:
+        raise UsageError("environment variable WORLD_SIZE=0: a job has at least one process; unset it to train in one")
+    if world_size == 1:
+        return 0, 0, 1
+    rank, local_rank = count("RANK", "0"), count("LOCAL_RANK", "0")
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if rank >= world_size or missing:
+        problem = f"RANK={rank} is not below it" if rank >= world_size else f"{' and '.join(missing)} not set"
+        raise UsageError(f"environment variable WORLD_SIZE={world_size}, but {problem}: launch several processes "
+                         "with torchrun (torchrun --nproc-per-node N train.py ...), or unset WORLD_SIZE")
+    return rank, local_rank, world_size
+
+
 def launched_rank() -> int:
     """This process's rank in a torchrun job (0 without torchrun), known before the group is joined."""
-    return int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+    return launch_environment()[0]
 
 
 @contextlib.contextmanager
 def distributed(device_name: str) -> Iterator[Distributed]:
     """Join the torchrun process group when RANK/WORLD_SIZE are set: nccl on CUDA, gloo on CPU."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank, world_size = launch_environment()
     device = resolve_device(device_name)
     if world_size == 1:
         yield Distributed(0, 1, device)
         return
-    rank, local_rank = launched_rank(), int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -210,8 +233,8 @@ class RunStats:
             elif spec.name == "train_bpc":
                 if not isinstance(value, list) or not all(v is None or _is_number(v) for v in value):
                     raise ValueError(f"{spec.name} is {value!r}, not a list of numbers (or None)")
-            elif not _is_number(value) or value < 0:
-                raise ValueError(f"{spec.name} is {value!r}, not a number >= 0")
+            elif not _is_number(value) or not 0 <= value < math.inf:
+                raise ValueError(f"{spec.name} is {value!r}, not a finite number >= 0")
         for name in ("val_bpc", "train_bpc"):
             if len(stats.val_steps) != len(getattr(stats, name)):
                 raise ValueError(f"val_steps and {name} differ in length ({len(stats.val_steps)} and "
@@ -517,8 +540,9 @@ class Trainer:
         total evenly, which gives the same mean.  (Checkpoints before this held rank 0's sum alone.)"""
         sums, count = window["loss_sums"] if "loss_sums" in window else [window["loss_sum"]], window["count"]
         if not isinstance(sums, list) or not sums or not all(isinstance(t, torch.Tensor) and t.numel() == 1
-                                                             for t in sums) or not isinstance(count, int) or count < 0:
-            raise ValueError(f"expected one one-element loss sum per rank and a count >= 0, got {window}")
+                                                             and t.isfinite().all() for t in sums) \
+                or not isinstance(count, int) or count < 0:
+            raise ValueError(f"expected one finite one-element loss sum per rank and a count >= 0, got {window}")
         mine = sums[self.ctx.rank] if len(sums) == self.ctx.world_size else sum(sums) / len(sums)
         self.loss_sum, self.loss_count = mine.reshape(()).to(self.device), count
 
@@ -809,6 +833,7 @@ def parse_config(parser: argparse.ArgumentParser, argv: list[str] | None,
                  resume: Callable[[dict[str, Any]], TrainConfig] | None = None) -> tuple[argparse.Namespace, Any]:
     """User code first (--import), then the flags (`config_from_argv`); any bad setting is a usage
     error (exit 2)."""
+    one_line_warnings()
     try:
         imports = import_user_code(pre_parse_imports(argv))
     except UsageError as error:

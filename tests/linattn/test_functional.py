@@ -279,3 +279,12 @@ def test_initial_state_refuses_sizes_that_are_not_counts(sizes, message):
     with pytest.raises(ValueError, match=message):
         initial_state(*sizes)
     assert initial_state(0, 2, 4, 3, log_space=True).log_scale.shape == (0, 2, 4)
+
+
+@pytest.mark.parametrize("options, message", [({"dtype": "float32"}, "dtype"), ({"dtype": torch.int64}, "dtype"),
+                                              ({"dtype": torch.float16}, "dtype"), ({"device": "gpu7"}, "device")])
+def test_initial_state_refuses_a_dtype_or_device_it_cannot_keep(options, message):
+    from linattn.functional import initial_state
+    with pytest.raises(ValueError, match=message):
+        initial_state(1, 1, 2, 2, **options)
+    assert initial_state(1, 1, 2, 2, dtype=torch.float64, device="cpu").kv.dtype == torch.float64

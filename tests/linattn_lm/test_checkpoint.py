@@ -99,3 +99,12 @@ def test_a_record_that_disagrees_with_itself_is_refused(change, problem) -> None
     change(checkpoint)
     with pytest.raises(CheckpointError, match=problem):
         check_progress(checkpoint, config, "ckpt.pt")
+
+
+@pytest.mark.parametrize("version", ["2", 1, None])
+def test_a_checkpoint_of_another_version_is_refused_naming_both(tmp_path: Path, version) -> None:
+    payload, _, _ = small_payload()
+    path = tmp_path / "ckpt.pt"
+    torch.save({"format": "linattn-byte-lm", "version": version, **payload}, path)
+    with pytest.raises(CheckpointError, match=rf"version {version!r} \(a {type(version).__name__}\).*reads version 2"):
+        load_checkpoint(path)

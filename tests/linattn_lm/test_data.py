@@ -92,7 +92,7 @@ def test_sequential_windows_cover_every_target_once(data_dir: Path) -> None:
 
 def test_seq_len_longer_than_split(data_dir: Path) -> None:
     val = load_split(data_dir, "val")
-    message = f"seq_len 30,000 needs windows of 30,001 bytes .* only {len(val):,} bytes"
+    message = f"seq_len 30,000 needs windows of 30,001 bytes .* only {len(val):,} bytes; pass a smaller --seq-len"
     with pytest.raises(DataError, match=message):
         RandomWindows(val, batch_size=1, seq_len=30_000)
     with pytest.raises(DataError, match=message):

@@ -385,14 +385,18 @@ def test_a_signal_with_a_runs_last_step_stops_the_grid_before_scoring_it(grid_ar
     assert load_checkpoint(run)["step"] == 4 and not (run / "result.json").exists()
 
 
-def test_resume_with_fewer_seeds_keeps_the_finished_ones_in_the_report(grid_argv: list[str], tmp_path: Path,
-                                                                       run_main) -> None:
-    argv = [*grid_argv, "--variants", "linear-elu-post", "--eval-multiples", "1"]
-    assert run_main(grid.main, [*argv, "--seeds", "1,2"])[0] == 0
-    code, out, _ = run_main(grid.main, [*argv, "--seeds", "0", "--resume"])
+def test_resume_with_fewer_seeds_or_variants_keeps_the_finished_ones_in_the_report(grid_argv: list[str],
+                                                                                   tmp_path: Path, run_main) -> None:
+    argv = [*grid_argv, "--eval-multiples", "1"]
+    assert run_main(grid.main, [*argv, "--variants", "linear-elu-post", "--seeds", "1,2"])[0] == 0
+    code, out, _ = run_main(grid.main, [*argv, "--variants", "linear-elu-post", "--seeds", "0", "--resume"])
     assert code == 0, out
     assert [row["seed"] for row in read_rows(tmp_path / "grid-tiny")] == ["0", "1", "2"]
     assert "seeds 0,1,2" in (tmp_path / "grid-tiny" / "results.md").read_text()
+    code, out, _ = run_main(grid.main, [*argv, "--variants", "linear-elu-none", "--seeds", "0", "--resume"])
+    assert code == 0, out
+    assert sorted((row["variant"], row["seed"]) for row in read_rows(tmp_path / "grid-tiny")) == [
+        ("linear-elu-none", "0"), ("linear-elu-post", "0"), ("linear-elu-post", "1"), ("linear-elu-post", "2")]
 
 
 def write_finished_run(given: dict, variant: str, seed: int, val: float, train: float | None = None) -> None:

@@ -8,6 +8,8 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -18,8 +20,8 @@ import torch
 import torch.multiprocessing as mp
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from linattn_lm import (ByteLM, ModelConfig, TrainConfig, config_from_flags, load_checkpoint, save_checkpoint,
-                        training)
+from linattn_lm import (ByteLM, ModelConfig, TrainConfig, config_from_flags, grid, load_checkpoint,
+                        save_checkpoint, training)
 from linattn_lm.checkpoint import recorded_digest
 from linattn_lm.config import PRESETS, RESUMABLE, RunConfig, preset_settings
 from linattn_lm.data import load_split
@@ -263,6 +265,10 @@ def damage_adam_step(c): c["optimizer"]["state"][0]["step"] = torch.tensor(float
 def damage_parameter_count(c): c["optimizer"]["param_groups"][1]["params"].pop()
 def damage_optimizer_emptied(c): c["optimizer"]["state"] = {}
 def damage_step_past_int64(c): c["step"] = 2 ** 63
+def damage_step_none(c): c["step"] = None
+def damage_step_text(c): c["step"] = "4"
+def damage_stats_seconds(c): c["stats"]["train_seconds"] = float("inf")
+def damage_window_value(c): c["log_window"]["loss_sums"] = [torch.tensor(float("nan"))]
 def damage_optimizer_keys(c): c["optimizer"]["state"] = {str(k): v for k, v in c["optimizer"]["state"].items()}
 def damage_meta_weight(c): c["model"]["head.weight"] = torch.empty(c["model"]["head.weight"].shape, device="meta")
 def damage_config_section(c): c["config"]["extra"] = 5
@@ -318,6 +324,10 @@ def damage_sparse_csr_weight(c):
     (damage_optimizer_keys, "its optimiser state has entries under keys ['0', '1', '2'] that name no parameter"),
     (damage_meta_weight, "is damaged: weight 'head.weight' is a meta tensor, which holds no values"),
     (damage_step_past_int64, "is damaged: step 9223372036854775808 is not in [0, 2**63)"),
+    (damage_step_none, "'step' entry should be a int, found a NoneType"),
+    (damage_step_text, "'step' entry should be a int, found a str"),
+    (damage_stats_seconds, "'stats' entry does not fit this run (train_seconds is inf, not a finite number >= 0"),
+    (damage_window_value, "'log_window' entry does not fit"),
 ])
 def test_resume_refuses_damaged_checkpoints(damage, message: str, tiny_run: Path, data_dir: Path, tiny: list[str],
                                             tmp_path: Path, run_main) -> None:
@@ -627,3 +637,36 @@ def test_a_record_of_the_retired_triton_backend_reads_as_auto() -> None:
     record = dataclasses.asdict(config_from_flags({"preset": "tiny"}))
     record["model"]["backend"] = "triton"
     assert TrainConfig.from_record(record).model.backend == "auto"
+
+
+@pytest.mark.parametrize("environment, message", [
+    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not a count"),
+    ({"WORLD_SIZE": "-3"}, "WORLD_SIZE='-3' is not a count"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0"),
+    ({"WORLD_SIZE": "2", "RANK": "x"}, "RANK='x' is not a count"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "x"}, "LOCAL_RANK='x' is not a count"),
+    ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "RANK=2 is not below it"),
+    ({"WORLD_SIZE": "2", "RANK": "0"}, "MASTER_ADDR and MASTER_PORT not set"),
+])
+def test_a_launch_environment_that_is_not_torchruns_is_one_line(environment, message, monkeypatch, data_dir: Path,
+                                                                 tiny: list[str], tmp_path: Path, run_main) -> None:
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    common = [*tiny, "--data-dir", str(data_dir), "--steps", "1"]
+    for main, argv in ((training.main, [*common, "--out-dir", str(tmp_path / "runs")]),
+                       (grid.main, [*common, "--out-dir", str(tmp_path / "grids"), "--variants", "softmax-rope"])):
+        code, _, err = run_main(main, argv)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_warning_on_the_command_line_is_one_line(data_dir: Path, tiny: list[str], tmp_path: Path) -> None:
+    """The cpp backend unavailable: train.py says so in one line, not with Python's source line below it."""
+    command = [sys.executable, str(Path(__file__).resolve().parents[2] / "train.py"), *tiny, "--data-dir",
+               str(data_dir), "--out-dir", str(tmp_path), "--steps", "1", "--feature-map", "favor"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "CXX": str(tmp_path / "no-compiler"), "LINATTN_CACHE_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "cpp backend" in line or "warn(" in line]
+    assert len(lines) == 1 and lines[0].startswith("warning: linattn: the cpp backend is unavailable"), done.stderr

@@ -89,6 +89,13 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
+def _compiler_error(output: str) -> str:
+    """The compiler's first error line (or its last line), short: messages here are one line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    first = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "no output")
+    return first[:300]
+
+
 def _build() -> Path:
     if not sys.platform.startswith("linux"):
         raise CppUnavailable(f"the cpp backend is built on Linux only (this is {sys.platform}); use backend='torch'")
@@ -119,8 +126,8 @@ def _build() -> Path:
         built = subprocess.run([*cxx, *FLAGS, str(SOURCE), "-o", partial], capture_output=True, text=True,
                                timeout=600)
         if built.returncode:
-            raise CppUnavailable(f"building the cpp backend failed ({command}):\n"
-                                 f"{built.stderr.strip()[-2000:]}\nuse backend='torch'")
+            raise CppUnavailable(f"building the cpp backend failed ({command}: {_compiler_error(built.stderr)}); "
+                                 "use backend='torch'")
         try:   # only a library that loads goes into the cache
             ctypes.CDLL(partial).linattn_forward
         except (OSError, AttributeError) as error:

@@ -234,6 +234,14 @@ def test_cxx_may_hold_arguments_and_a_build_that_loads_nothing_is_not_kept(tmp_p
     assert len(list(tmp_path.glob("*.so"))) == (reason is None) and not list(tmp_path.glob("*.partial"))
 
 
+def test_a_failed_build_is_one_line_that_names_the_compilers_error(tmp_path):
+    done = python("from linattn.ops.linear_attention import cpp_logspace; print(cpp_logspace.unavailable())",
+                  CXX=f"{cpp_logspace.compiler()[0]} -include {tmp_path / 'missing.h'}",
+                  LINATTN_CACHE_DIR=str(tmp_path))
+    reason = done.stdout.strip()
+    assert len(reason.splitlines()) == 1 and "missing.h" in reason and "backend='torch'" in reason, reason
+
+
 def test_without_a_home_directory_the_cache_asks_for_linattn_cache_dir():
     code = """
 import pathlib
