@@ -159,8 +159,9 @@ def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu") 
         raise CheckpointError(f"{path} is not a linattn LM checkpoint (written by train.py)")
     if checkpoint.get("version") != CHECKPOINT_VERSION:
         version = checkpoint.get("version")
-        raise CheckpointError(f"{path} has checkpoint version {version!r} (a {type(version).__name__}); this code "
-                              f"reads version {CHECKPOINT_VERSION} (an int): use a checkpoint that train.py wrote")
+        kind = "" if type(version) is int else f" (a {type(version).__name__}, not a number)"
+        raise CheckpointError(f"{path} has checkpoint version {version!r}{kind}; this code reads version "
+                              f"{CHECKPOINT_VERSION}: read it with the linattn that wrote it, or start a new run")
     return checkpoint
 
 

@@ -9,7 +9,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from .errors import UsageError, first_line
+from .errors import EXIT_INTERRUPTED, EXIT_USAGE, UsageError, first_line
 
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -24,7 +24,7 @@ class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def one_line_warnings() -> None:
     """Warnings printed as one line each ("warning: ..."), not Python's two with the source line that
     warned: what the commands print is read by people, not by a debugger."""
-    warnings.formatwarning = lambda message, category, *_, **__: f"warning: {message}\n"
+    warnings.formatwarning = lambda message, category, *_, **__: f"warning: {' '.join(str(message).split())}\n"
 
 
 def pre_parse_imports(argv: list[str] | None) -> list[str]:
@@ -58,9 +58,22 @@ def import_user_code(names: list[str]) -> list[str]:
             else:
                 importlib.import_module(name)
                 recorded.append(name)
-        except (Exception, SystemExit, KeyboardInterrupt) as error:  # user code may raise anything, or exit
+        except (Exception, SystemExit) as error:  # user code may raise anything while it loads, or exit
             hint = ("pass a module name on the Python path or a .py file" if isinstance(error, (ImportError, OSError))
                     else "fix that code: importing it must only define and register things")
             raise UsageError(f"--import {name}: cannot import it ({type(error).__name__}: "
                              f"{first_line(error)}); {hint}") from None
     return recorded
+
+
+def load_imports(argv: list[str] | None) -> list[str]:
+    """The --import code of a command line, loaded before its flags are parsed (user maps become
+    choices), as recorded; a one-line error and exit status 2 where it fails, 130 on Ctrl-C."""
+    try:
+        return import_user_code(pre_parse_imports(argv))
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
+    except KeyboardInterrupt:
+        print("error: interrupted while importing the --import code", file=sys.stderr)
+        raise SystemExit(EXIT_INTERRUPTED) from None

@@ -30,13 +30,13 @@ from .data import SPLITS, DataError, SequentialWindows, check_window_fits, defau
 from .config import TrainConfig, check_backend_runs_on, finite_float, integer
 from .checkpoint import (CheckpointError, checkpoint_path, import_recorded, load_checkpoint, model_from_checkpoint,
                          saved_precision)
-from .cli import DefaultsFormatter, import_user_code, one_line_warnings, pre_parse_imports
+from .cli import DefaultsFormatter, load_imports, one_line_warnings
 from .grid_report import AR_SPLIT_KEYS, RESULT_NAME, read_record
 from .lm import ByteLM, bits_per_byte, lm_loss, state_size
 from .mqar import held_out_scores
 from .ngram import format_reference, reference_bpc
 from .device import DTYPES, autocast, keep_freed_memory, resolve_device, resolve_dtype
-from .errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, Parser, UsageError, is_out_of_memory
+from .errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, Parser, is_out_of_memory
 from .files import write_atomically
 from .scoring import summed_loss
 from .text import decode_bytes, encode_text
@@ -296,11 +296,7 @@ def recorded_data_dir(checkpoint: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     one_line_warnings()
-    try:
-        import_user_code(pre_parse_imports(argv))
-    except UsageError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return EXIT_USAGE
+    load_imports(argv)
     args = parser.parse_args(argv)
     check_args(parser, args)
     check_mode_flags(parser, args, sys.argv[1:] if argv is None else argv)

@@ -115,8 +115,8 @@ def saved_record(key: tuple[int, str], config: TrainConfig, multiples: list[int]
                             f"seed {seed} (copied to the wrong place? it belongs in "
                             f"<grid>/{record['variant']}/seed-{record['seed']}/)")
     if changed_since_scored(record, config.run.run_dir):
-        print(f"{config.run.run_dir}: its checkpoint changed after result.json was written; it is scored again",
-              file=sys.stderr)
+        print(f"{config.run.run_dir}: its checkpoint changed after result.json was written, so that result is "
+              "not used (a --resume that lists the run scores it again)", file=sys.stderr)
         return None
     wanted = {str(multiple * config.model.seq_len) for multiple in multiples}
     if config_differences(record["config"], config.flat()) or record["steps"] != config.optim.steps or any(
@@ -292,14 +292,12 @@ def parse_grid_flags(given: dict[str, Any], args: Any) -> tuple[dict[tuple[int, 
     variants = listed(args.variants, before["variants"] or default_variants(), str, "--variants", "variant names")
     configs = run_configs(given, variants, seeds)
     every_variant = list(dict.fromkeys([*before["variants"], *variants]))
-    earlier = {key: config for key, config in run_configs(given, every_variant,
-                                                          finished_seeds(grid_dir, every_variant)).items()
-               if key not in configs} if args.resume else {}
+    earlier = earlier_runs(given, every_variant, grid_dir, configs) if args.resume else {}
     flags = {key: value for key, value in given.items() if key not in LOCATION | {"seed"}}
     if "data_dir" in flags:   # as a checkpoint records it: a --resume from another directory finds the same data
         flags["data_dir"] = str(Path(flags["data_dir"]).expanduser().resolve())
     settings = {"flags": flags, "resolved": resolved_settings(flags),
-                "variants": list(dict.fromkeys([*before["variants"], *variants])),
+                "variants": every_variant,
                 "seeds": sorted({*before["seeds"], *seeds}), "eval_multiples": multiples}
     return configs, earlier, multiples, grid_dir, settings
 
@@ -371,11 +369,17 @@ def continued_flags(recorded: dict[str, Any], given: dict[str, Any]) -> dict[str
             **({"imports": imports} if imports else {})}
 
 
-def finished_seeds(grid_dir: Path, variants: list[str]) -> list[int]:
-    """Seeds of the grid's finished runs of these variants."""
-    return sorted({int(path.parent.name.removeprefix("seed-")) for name in variants
-                   for path in (grid_dir / name).glob(f"seed-*/{RESULT_NAME}")
-                   if path.parent.name.removeprefix("seed-").isdigit()})
+def earlier_runs(given: dict[str, Any], variants: list[str], grid_dir: Path,
+                 listed: dict[tuple[int, str], TrainConfig]) -> dict[tuple[int, str], TrainConfig]:
+    """The configurations of the grid's finished runs (those with a result.json) of these variants that
+    this invocation does not list: the report keeps them beside the listed ones."""
+    finished = {(int(path.parent.name.removeprefix("seed-")), name) for name in variants
+                for path in (grid_dir / name).glob(f"seed-*/{RESULT_NAME}")
+                if path.parent.name.removeprefix("seed-").isdigit()} - set(listed)
+    if not finished:   # run_configs checks the grid's flags against its runs: it needs some
+        return {}
+    configs = run_configs(given, variants, sorted({seed for seed, _ in finished}))
+    return {key: configs[key] for key in sorted(finished)}
 
 
 def main(argv: list[str] | None = None) -> int:

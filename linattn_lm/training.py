@@ -28,7 +28,7 @@ from tqdm import tqdm
 from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_finite_weights, check_optimizer_state,
                          check_progress, checkpoint_entries, import_recorded, load_checkpoint, load_state,
                          load_weights, save_checkpoint, saved_config, saved_precision)
-from .cli import import_user_code, one_line_warnings, pre_parse_imports
+from .cli import load_imports, one_line_warnings
 from .config import (TrainConfig, add_config_flags, config_differences, config_from_argv, config_from_record,
                      field_default, merged_flags)
 from .data import DataError, RandomWindows, load_split
@@ -99,9 +99,11 @@ def launch_environment() -> tuple[int, int, int]:
     """(rank, local rank, world size) of a torchrun job, read from the variables torchrun sets; (0, 0, 1)
     without them.  Values that are not counts, a rank outside the job, or a job of several processes
     without torchrun's rendezvous address are a UsageError here, not torch's traceback later."""
-    def count(name: str, default: str) -> int:
+    def count(name: str, default: str | None = None) -> int:
         text = os.environ.get(name, default)
-        if not text.strip().isdigit():
+        if text is None:
+            return -1   # not set: reported with the rendezvous variables below
+        if not (text.strip().isascii() and text.strip().isdigit()):
             raise UsageError(f"environment variable {name}={text!r} is not a count: torchrun sets it; unset "
                              "WORLD_SIZE, RANK and LOCAL_RANK to train in one process")
         return int(text)
@@ -110,8 +112,8 @@ def launch_environment() -> tuple[int, int, int]:
         raise UsageError("environment variable WORLD_SIZE=0: a job has at least one process; unset it to train in one")
     if world_size == 1:
         return 0, 0, 1
-    rank, local_rank = count("RANK", "0"), count("LOCAL_RANK", "0")
-    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    rank, local_rank = count("RANK"), count("LOCAL_RANK")
+    missing = [name for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
     if rank >= world_size or missing:
         problem = f"RANK={rank} is not below it" if rank >= world_size else f"{' and '.join(missing)} not set"
         raise UsageError(f"environment variable WORLD_SIZE={world_size}, but {problem}: launch several processes "
@@ -834,10 +836,7 @@ def parse_config(parser: argparse.ArgumentParser, argv: list[str] | None,
     """User code first (--import), then the flags (`config_from_argv`); any bad setting is a usage
     error (exit 2)."""
     one_line_warnings()
-    try:
-        imports = import_user_code(pre_parse_imports(argv))
-    except UsageError as error:
-        parser.exit(EXIT_USAGE, f"error: {error}\n")
+    imports = load_imports(argv)
     try:
         return config_from_argv(parser, argv, imports, resolve=resolve, resume=resume)
     except ValueError as error:

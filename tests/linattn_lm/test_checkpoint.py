@@ -106,5 +106,6 @@ def test_a_checkpoint_of_another_version_is_refused_naming_both(tmp_path: Path, 
     payload, _, _ = small_payload()
     path = tmp_path / "ckpt.pt"
     torch.save({"format": "linattn-byte-lm", "version": version, **payload}, path)
-    with pytest.raises(CheckpointError, match=rf"version {version!r} \(a {type(version).__name__}\).*reads version 2"):
+    kind = "" if isinstance(version, int) else rf" \(a {type(version).__name__}, not a number\)"
+    with pytest.raises(CheckpointError, match=rf"version {version!r}{kind}; this code reads version 2: read it with"):
         load_checkpoint(path)

@@ -16,16 +16,22 @@ def test_a_flag_is_never_taken_for_a_prefix_of_another(capsys):
     assert "unrecognized arguments: --feature-map elu (see --help)" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("body, raised", [("import sys\nsys.exit(0)\n", "SystemExit: 0"),
-                                         ("raise KeyboardInterrupt\n", "KeyboardInterrupt: KeyboardInterrupt")])
-def test_an_import_file_that_exits_is_a_usage_error_not_a_silent_exit(tmp_path, run_main, body, raised):
+def test_an_import_file_that_exits_is_a_usage_error_not_a_silent_exit(tmp_path, run_main):
     exits = tmp_path / "exits.py"
-    exits.write_text(body)
+    exits.write_text("import sys\nsys.exit(0)\n")
     for main in (training.main, grid.main, evaluate.main):
         code, out, err = run_main(main, ["--import", str(exits)])
         assert code == 2 and out == "", err
-        assert err == (f"error: --import {exits}: cannot import it ({raised}); fix that code: importing it "
+        assert err == (f"error: --import {exits}: cannot import it (SystemExit: 0); fix that code: importing it "
                        "must only define and register things\n")
+
+
+def test_ctrl_c_while_importing_is_one_line_and_the_interrupted_status(tmp_path, run_main):
+    slow = tmp_path / "slow.py"
+    slow.write_text("raise KeyboardInterrupt   # as Ctrl-C during a slow import\n")
+    for main in (training.main, grid.main, evaluate.main):
+        code, out, err = run_main(main, ["--import", str(slow)])
+        assert (code, out, err) == (130, "", "error: interrupted while importing the --import code\n")
 
 
 @pytest.mark.parametrize("name, message", [

@@ -174,6 +174,20 @@ def test_a_resume_with_more_steps_records_what_they_resolve_to_for_the_next_one(
     assert grid.parse_grid_flags(where, args)[-1]["flags"]["steps"] == 8   # the next resume is not refused
 
 
+def test_a_grid_with_grid_wide_flags_resumes_before_any_run_has_finished(tmp_path: Path, data_dir: Path) -> None:
+    """The earlier runs to report are looked up only where a result.json exists: none finished is no
+    runs, not run_configs' checks of --chunk-size and --backend against an empty grid."""
+    grid_dir = tmp_path / "g"
+    grid_dir.mkdir()
+    flags = {"preset": "tiny", "steps": 4, "data_dir": str(data_dir), "backend": "torch", "chunk_size": 8}
+    marker = {"flags": flags, "resolved": grid.resolved_settings(flags), "variants": ["linear-elu-post"],
+              "seeds": [0], "eval_multiples": [1]}
+    (grid_dir / grid.GRID_MARKER).write_text(json.dumps(marker))
+    args = argparse.Namespace(report_only=False, resume=True, seeds=None, eval_multiples=None, variants=None)
+    configs, earlier, *_ = grid.parse_grid_flags({"out_dir": str(tmp_path), "run_name": "g"}, args)
+    assert list(configs) == [(0, "linear-elu-post")] and earlier == {}
+
+
 def test_a_resume_may_repeat_the_grids_options_one_by_one_but_not_change_them() -> None:
     recorded = {"preset": "tiny", "feature_map_options": {"num_features": 16, "shape": [1, 2]}}
     flags = grid.continued_flags(recorded, {"feature_map_options": {"num_features": 16, "shape": (1, 2)}, "seed": 3})

@@ -643,10 +643,13 @@ def test_a_record_of_the_retired_triton_backend_reads_as_auto() -> None:
     ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not a count"),
     ({"WORLD_SIZE": "-3"}, "WORLD_SIZE='-3' is not a count"),
     ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0"),
+    ({"WORLD_SIZE": "²"}, "WORLD_SIZE='²' is not a count"),
     ({"WORLD_SIZE": "2", "RANK": "x"}, "RANK='x' is not a count"),
     ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "x"}, "LOCAL_RANK='x' is not a count"),
-    ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "RANK=2 is not below it"),
-    ({"WORLD_SIZE": "2", "RANK": "0"}, "MASTER_ADDR and MASTER_PORT not set"),
+    ({"WORLD_SIZE": "2", "RANK": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+     "RANK=2 is not below it"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}, "MASTER_ADDR and MASTER_PORT not set"),
+    ({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "RANK and LOCAL_RANK not set"),
 ])
 def test_a_launch_environment_that_is_not_torchruns_is_one_line(environment, message, monkeypatch, data_dir: Path,
                                                                  tiny: list[str], tmp_path: Path, run_main) -> None:

@@ -19,6 +19,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -92,7 +93,7 @@ def _cpu_signature() -> str:
 def _compiler_error(output: str) -> str:
     """The compiler's first error line (or its last line), short: messages here are one line."""
     lines = [line.strip() for line in output.splitlines() if line.strip()]
-    first = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "no output")
+    first = next((line for line in lines if re.search(r"\berror:", line)), lines[-1] if lines else "no output")
     return first[:300]
 
 
