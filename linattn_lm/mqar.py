@@ -53,14 +53,22 @@ def position_only_accuracy(vocab_size: int, seq_len: int, kv_pairs: int) -> floa
     """The accuracy of answering every query by its position alone, never by its key: the value of the
     pair that a query slot most often asks for.  Above 1/kv_pairs, since the gaps' power law gives the
     first slots to the first pairs (Gumbel top-k, as Zoology's draw does); a model must beat it to show
-    recall.  Counted over one fixed draw of POSITION_ONLY_TOKENS tokens (at least 1,000 rows)."""
+    recall.  Each slot's pair is chosen on one fixed draw of POSITION_ONLY_TOKENS tokens (at least 1,000
+    rows) and scored on another, so that the choice is not fitted to the draw it is scored on."""
     rows = max(1_000, POSITION_ONLY_TOKENS // seq_len)
-    x, y = (t.numpy() for t in draw_batch(np.random.default_rng(0), rows, vocab_size, seq_len, kv_pairs))
+    chosen = slot_pair_counts(np.random.default_rng(0), rows, vocab_size, seq_len, kv_pairs).argmax(axis=1)
+    scored = slot_pair_counts(np.random.default_rng(1), rows, vocab_size, seq_len, kv_pairs)
+    return float(scored[np.arange(seq_len), chosen].sum() / scored.sum())
+
+
+def slot_pair_counts(rng: np.random.Generator, rows: int, vocab_size: int, seq_len: int, kv_pairs: int) -> np.ndarray:
+    """(seq_len, kv_pairs): how often the query at each position asks for each pair, over `rows` sequences."""
+    x, y = (t.numpy() for t in draw_batch(rng, rows, vocab_size, seq_len, kv_pairs))
     row, position = np.nonzero(y != IGNORED)
     pair = (x[row, position][:, None] == x[row, 0:2 * kv_pairs:2]).argmax(axis=1)   # which pair it asks for
     counts = np.zeros((seq_len, kv_pairs))
     np.add.at(counts, (position, pair), 1)
-    return float(counts.max(axis=1).sum() / counts.sum())
+    return counts
 
 
 class MqarBatches:
