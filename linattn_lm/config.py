@@ -59,6 +59,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                   min_lr=1e-5, warmup=2000, steps=100000, feature_map_options=dict(num_features=256, redraw_interval=0),
                   eval_interval=2000, eval_iters=50, log_interval=100, ckpt_interval=2000, sample_interval=5000),
 }
+# Long context at the cpu preset's tokens per step (4 x 1024 = 16 x 256) and steps: the study's third
+# part, where far bytes can matter (docs/results/study.md).
+PRESETS["long"] = dict(seq_len=1024, batch_size=4)
 # MQAR-lite (Zoology's recall task, linattn_lm/mqar.py): 2 layers, 64 wide, 2 heads of 32, 32 tokens
 # holding 4 key-value pairs and their 4 queries, vocab 256; 4,096 tokens a step, as the cpu preset.
 # The smallest setting where softmax + RoPE learns recall within a 10-minute CPU run (90% at step 1500);
