@@ -31,7 +31,7 @@ from .config import TrainConfig, check_backend_runs_on, finite_float, integer
 from .checkpoint import (CheckpointError, checkpoint_path, import_recorded, load_checkpoint, model_from_checkpoint,
                          saved_precision)
 from .cli import DefaultsFormatter, load_imports, one_line_warnings
-from .grid_report import AR_SPLIT_KEYS, RESULT_NAME, read_record
+from .grid_report import AR_SPLIT_KEYS, FAR_CLASSES, FAR_MATCHES, RESULT_NAME, read_record
 from .lm import ByteLM, bits_per_byte, lm_loss, state_size
 from .mqar import held_out_scores
 from .ngram import format_reference, reference_bpc
@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bpc on the associative-recall hits (bytes that continue a byte bigram seen earlier in their "
                         "window) and on the rest, beside bpc on all bytes; recorded in the run's result.json when "
                         "it has one and the whole split is scored")
+    p.add_argument("--far-window", type=integer, metavar="W",
+                   help="with --ar-split, also split the bytes by how far back their nearest copy source lies (a "
+                        "bigram's, and an 8-byte match's): near (< W keys back), far (only beyond W: a window of W "
+                        "cannot see it) and none (default: the run's --window, if it has one)")
     p.add_argument("--weight-sums", action="store_true",
                    help="instead of bpc, the sum of each query's attention weights in every linear layer (1 for "
                         "pre and none; how far Eq. 19's post drifts from it), over the same windows")
@@ -88,7 +92,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         ("--max-new-tokens", args.max_new_tokens, 0 <= args.max_new_tokens <= 2**24, "in [0, 16,777,216]"),
         ("--temperature", args.temperature, args.temperature >= 0, ">= 0"),
         ("--top-k", args.top_k, args.top_k is None or args.top_k >= 1, ">= 1"),
-        ("--seed", args.seed, 0 <= args.seed < 2**63, "in [0, 2**63)")]
+        ("--seed", args.seed, 0 <= args.seed < 2**63, "in [0, 2**63)"),
+        ("--far-window", args.far_window, args.far_window is None or args.far_window >= 1, ">= 1")]
     for flag, value, ok, expected in ranges:
         if not ok:
             parser.error(f"{flag} must be {expected}, got {value}")
@@ -114,6 +119,8 @@ def check_mode_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, 
                                                                   if args.weight_sums else ""))
     if args.generate is not None and args.weight_sums:
         parser.error("--generate samples text and --weight-sums measures attention weights: pass one of them")
+    if args.far_window is not None and not args.ar_split:
+        parser.error("--far-window splits --ar-split's scores by distance: add --ar-split, or drop --far-window")
     if args.ar_split and (args.generate is not None or args.weight_sums):
         parser.error("--ar-split scores bits per byte: it does not combine with --generate or --weight-sums")
     if args.generate is not None and scoring:
@@ -151,41 +158,84 @@ def bpc_table(model: ByteLM, data: np.ndarray, seq_lens: list[int], batch_size: 
 def recall_hits(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """(B, N) bool for (B, N) byte inputs and targets: target i continues a byte bigram (x_i, y_i) that
     occurred earlier in its row, at some j < i (both of its bytes are context by then): an associative-
-    recall hit, as Zoology splits its data.  One stable sort of the row-tagged bigram codes, no loop."""
-    rows, length = x.shape
-    keys = (torch.arange(rows, device=x.device)[:, None] * 65536 + x * 256 + y).flatten()
-    ordered, order = torch.sort(keys, stable=True)
-    seen = torch.zeros_like(keys, dtype=torch.bool)
-    seen[order[1:]] = ordered[1:] == ordered[:-1]   # equal to the one before in sorted order: not the first
-    return seen.view(rows, length)
+    recall hit, as Zoology splits its data."""
+    return copy_distances(x, y, 2) >= 0
+
+
+def copy_distances(x: torch.Tensor, y: torch.Tensor, length: int) -> torch.Tensor:
+    """(B, N) int64 for (B, N) byte inputs and targets: for target i, the distance back from query i to
+    the key it could be copied from, i - j - 1, where j < i is the nearest earlier target whose `length`
+    bytes (its input bytes x_(j-length+2) .. x_j and itself) equal those ending at target i; the key
+    j + 1 holds y_j = y_i as its input.  -1 where there is no such j (or fewer than `length` bytes).
+    Exact: the bytes are packed into one 64-bit code (length <= 8) and sorted per row with numpy."""
+    rows, width = x.shape
+    inputs, targets = x.numpy().astype(np.uint64), y.numpy().astype(np.uint64)
+    code = targets.copy()
+    for back in range(1, length):   # input byte x_(i-back+1) goes into bits 8*back ..
+        code[:, back - 1:] |= inputs[:, :width - back + 1] << np.uint64(8 * back)
+    position = np.broadcast_to(np.arange(width), (rows, width))
+    row = np.broadcast_to(np.arange(rows)[:, None], (rows, width))
+    whole = position >= length - 2   # every byte of the match lies in the row
+    code, row, position = code[whole], row[whole], position[whole]
+    order = np.lexsort((position, code, row))   # by row, then code, then position
+    code, row, position = code[order], row[order], position[order]
+    repeat = (code[1:] == code[:-1]) & (row[1:] == row[:-1])
+    sorted_distance = np.full(len(order), -1, dtype=np.int64)
+    sorted_distance[1:] = np.where(repeat, position[1:] - position[:-1] - 1, -1)
+    distance = np.full(rows * width, -1, dtype=np.int64)
+    distance[np.flatnonzero(whole.ravel())[order]] = sorted_distance
+    return torch.from_numpy(distance.reshape(rows, width))
+
+
+def distance_classes(distance: torch.Tensor, window: int) -> dict[str, torch.Tensor]:
+    """Masks of FAR_CLASSES: the nearest copy source inside the last `window` keys (near), only beyond
+    them (far: a window of that size cannot see it), or nowhere in the window of text (none)."""
+    return {"near": (distance >= 0) & (distance < window), "far": distance >= window, "none": distance < 0}
 
 
 @torch.no_grad()
 def ar_split_bpc(model: ByteLM, data: np.ndarray, seq_len: int, batch_size: int, device: torch.device,
-                 dtype: str = "auto") -> dict[str, float]:
+                 dtype: str = "auto", far_window: int = 0) -> dict[str, Any]:
     """bpc over `data` in eval.py's windows (evaluate_bpc's), on all bytes, on the recall hits
-    (recall_hits) and on the rest, and the hits' share of the bytes; a part with no byte scores nan."""
+    (recall_hits) and on the rest, and the hits' share of the bytes; a part with no byte scores nan.
+    With `far_window` W >= 1, also "far": {"window": W, and per FAR_MATCHES name, each class's bpc and
+    share (near_bpc, far_bpc, none_bpc, near_fraction, ...)}: the bytes split by how far back their
+    nearest copy source lies (copy_distances, distance_classes)."""
     was_training = model.training
     model.eval()
-    sums = torch.zeros(2, 2, dtype=torch.float64)   # [hit, rest] x [nats, bytes]
+    parts = {"hit": None, "rest": None} | {f"{name}.{kind}": None for name in FAR_MATCHES for kind in FAR_CLASSES
+                                            if far_window}
+    sums = torch.zeros(len(parts), 2, dtype=torch.float64)   # part x [nats, bytes]
     try:
         for x, y in SequentialWindows(data, batch_size, seq_len):
-            hits = recall_hits(x, y)
+            masks = {"hit": recall_hits(x, y)}
+            masks["rest"] = ~masks["hit"]
+            for name, length in FAR_MATCHES.items() if far_window else ():
+                for kind, mask in distance_classes(copy_distances(x, y, length), far_window).items():
+                    masks[f"{name}.{kind}"] = mask
             x, y = x.to(device), y.to(device)
             with autocast(device, dtype):
                 nats = lm_loss(model(x), y, reduction="none").double().view(y.shape).cpu()
-            for row, part in enumerate((hits, ~hits)):
-                sums[row] += torch.stack([nats[part].sum(), part.sum().double()])
+            for row, part in enumerate(parts):
+                sums[row] += torch.stack([nats[masks[part]].sum(), masks[part].sum().double()])
     finally:
         model.train(was_training)
-    (hit_nats, hit_bytes), (rest_nats, rest_bytes) = sums.tolist()
-    per_byte = lambda total, count: bits_per_byte(total / count) if count else math.nan
-    return {"bpc": per_byte(hit_nats + rest_nats, hit_bytes + rest_bytes), "hit_bpc": per_byte(hit_nats, hit_bytes),
-            "rest_bpc": per_byte(rest_nats, rest_bytes), "hit_fraction": hit_bytes / (hit_bytes + rest_bytes)}
+    totals = dict(zip(parts, sums.tolist()))
+    per_byte = lambda part: bits_per_byte(totals[part][0] / totals[part][1]) if totals[part][1] else math.nan
+    share = lambda part: totals[part][1] / (totals["hit"][1] + totals["rest"][1])
+    all_nats, all_bytes = (a + b for a, b in zip(totals["hit"], totals["rest"]))
+    scores: dict[str, Any] = {"bpc": bits_per_byte(all_nats / all_bytes), "hit_bpc": per_byte("hit"),
+                              "rest_bpc": per_byte("rest"), "hit_fraction": share("hit")}
+    if far_window:
+        scores["far"] = {"window": far_window} | {
+            name: {f"{kind}_{what}": value(f"{name}.{kind}") for kind in FAR_CLASSES
+                   for what, value in (("bpc", per_byte), ("fraction", share))}
+            for name in FAR_MATCHES}
+    return scores
 
 
 def ar_split_table(model: ByteLM, data: np.ndarray, seq_lens: list[int], batch_size: int, device: torch.device,
-                   dtype: str = "auto") -> dict[int, dict[str, float]]:
+                   dtype: str = "auto", far_window: int = 0) -> dict[int, dict[str, Any]]:
     """Print and return ar_split_bpc's scores per window length (bpc_table's lengths, n/a alike)."""
     print(f"{'seq_len':>8}  {'bpc':>8}  {'AR-hit bpc':>10}  {'rest bpc':>8}  {'hit share':>9}", flush=True)
     rows = {}
@@ -193,13 +243,18 @@ def ar_split_table(model: ByteLM, data: np.ndarray, seq_lens: list[int], batch_s
         if beyond_learned_positions(model, seq_len):
             print(f"{seq_len:>8}  {'n/a':>8}  {learned_positions_note(model)}")
             continue
-        rows[seq_len] = split = ar_split_bpc(model, data, seq_len, batch_size, device, dtype)
+        rows[seq_len] = split = ar_split_bpc(model, data, seq_len, batch_size, device, dtype, far_window)
         print(f"{seq_len:>8}  {split['bpc']:>8.4f}  {split['hit_bpc']:>10.4f}  {split['rest_bpc']:>8.4f}  "
               f"{split['hit_fraction']:>9.1%}", flush=True)
+        for name in FAR_MATCHES if far_window else ():
+            scores = split["far"][name]
+            print(f"{'':>8}  {name} source < {far_window} back: " + ", ".join(
+                f"{kind} {scores[f'{kind}_bpc']:.4f} bpc ({scores[f'{kind}_fraction']:.1%})" for kind in FAR_CLASSES),
+                flush=True)
     return rows
 
 
-def record_ar_split(path: Path, split: str, rows: dict[int, dict[str, float]]) -> bool:
+def record_ar_split(path: Path, split: str, rows: dict[int, dict[str, Any]]) -> bool:
     """Add the AR split to the run's result.json (grid.py's record of the run) beside the checkpoint
     `path`, under ar_split.<split>.<seq_len>; False where there is no record."""
     record_path = path.parent / RESULT_NAME
@@ -207,7 +262,8 @@ def record_ar_split(path: Path, split: str, rows: dict[int, dict[str, float]]) -
     if record is None:
         return False
     scores = record.setdefault("ar_split", {}).setdefault(split, {})
-    scores.update({str(seq_len): {key: row[key] for key in AR_SPLIT_KEYS} for seq_len, row in rows.items()})
+    scores.update({str(seq_len): {key: row[key] for key in (*AR_SPLIT_KEYS, "far") if key in row}
+                   for seq_len, row in rows.items()})
     write_atomically(record_path, lambda tmp: tmp.write_text(json.dumps(record, indent=1) + "\n"))
     return True
 
@@ -339,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(format_rows(rows, seq_len, config.normalization))
             return 0
         if args.ar_split:
-            split_rows = ar_split_table(model, data, seq_lens, args.batch_size, device, args.dtype)
+            far_window = args.far_window or config.window
+            split_rows = ar_split_table(model, data, seq_lens, args.batch_size, device, args.dtype, far_window)
             rows = [(seq_len, row["bpc"], math.nan) for seq_len, row in split_rows.items()]
         else:
             rows = bpc_table(model, data, seq_lens, args.batch_size, device, args.dtype)

@@ -43,6 +43,11 @@ FIT_KEYS = ("train_bpc", "train_bytes")
 # Optional in a run's result.json: eval.py --ar-split adds ar_split.<split>.<seq_len> with these
 # scores (bpc on associative-recall hits and on the other bytes, the hits' share of the bytes).
 AR_SPLIT_KEYS = ("hit_bpc", "rest_bpc", "hit_fraction")
+# With --far-window W, those scores also hold "far": {"window": W, <match>: {<class>_bpc, <class>_fraction}}:
+# the bytes split by how far back the nearest earlier copy of each match (its length in bytes) lies.
+FAR_MATCHES = {"bigram": 2, "match8": 8}
+FAR_CLASSES = ("near", "far", "none")
+FAR_KEYS = tuple(f"{kind}_{what}" for kind in FAR_CLASSES for what in ("bpc", "fraction"))
 # The sha256 the run's ckpt.pt was sealed with when its result was written (absent from older records):
 # a checkpoint sealed since (trained on by a later --resume, say) means the result is stale.
 DIGEST_KEY = "checkpoint_sha256"
@@ -138,6 +143,12 @@ def ar_split_problem(ar_split: Any) -> str | None:
                 isinstance(scores, dict) and all(is_number(scores.get(key)) for key in AR_SPLIT_KEYS)
                 for scores in by_length.values()):
             return wrong(f"ar_split.{split}", by_length, f"a dict of window lengths to {', '.join(AR_SPLIT_KEYS)}")
+        for length, scores in by_length.items():
+            far = scores.get("far", {"window": 1, **{name: dict.fromkeys(FAR_KEYS, 0.0) for name in FAR_MATCHES}})
+            if not (isinstance(far, dict) and is_count(far.get("window")) and far["window"] >= 1 and all(
+                    isinstance(far.get(name), dict) and all(is_number(far[name].get(key)) for key in FAR_KEYS)
+                    for name in FAR_MATCHES)):
+                return wrong(f"ar_split.{split}.{length}.far", far, f"a window and {', '.join(FAR_MATCHES)} scores")
     return None
 
 
@@ -406,6 +417,41 @@ def ar_split_table(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> l
                       f"{np.mean([split(r)['hit_fraction'] for r in runs]):.1%}"])
 
 
+def far_scores(record: dict[str, Any], seq_len: int) -> dict[str, Any] | None:
+    """The far-only split of a run's whole val split at `seq_len`, None where eval.py has not scored it."""
+    return record.get("ar_split", {}).get("val", {}).get(str(seq_len), {}).get("far")
+
+
+def far_bpc(seq_len: int, match: str) -> Score:
+    """bpc on the bytes whose nearest copy source (of `match`) lies beyond the window only."""
+    return lambda record: far_scores(record, seq_len)[match]["far_bpc"]
+
+
+def far_split_tables(variants: dict[str, list[dict[str, Any]]], seq_len: int) -> dict[int, list[str]]:
+    """Per far window W: each variant's bpc by distance class (the variants whose every run was scored at
+    W), then the paired differences in far bpc (one factor, against softmax + RoPE, against the control)."""
+    windows = sorted({far["window"] for runs in variants.values() for r in runs if (far := far_scores(r, seq_len))})
+    tables = {}
+    for window in windows:
+        scored = {name: runs for name, runs in variants.items()
+                  if all((far := far_scores(r, seq_len)) and far["window"] == window for r in runs)}
+        cell = lambda runs, match, key: [far_scores(r, seq_len)[match][key] for r in runs]
+        lines = variant_table(
+            [f"{match} {kind} bpc" for match in FAR_MATCHES for kind in FAR_CLASSES]
+            + [f"{match} far share" for match in FAR_MATCHES], scored,
+            lambda runs: [mean_std(cell(runs, match, f"{kind}_bpc")) for match in FAR_MATCHES for kind in FAR_CLASSES]
+            + [f"{np.mean(cell(runs, match, 'far_fraction')):.1%}" for match in FAR_MATCHES])
+        for match in FAR_MATCHES:
+            score = far_bpc(seq_len, match)
+            paired = [line for table in (paired_table(scored, score), baseline_table(scored, score),
+                                         window_control_table(scored, score)) for line in table[len(PAIRED_HEADER):]]
+            if paired:
+                lines += ["", f"Paired differences in {match} far bpc (negative: A is better): one factor, then "
+                          "against softmax + RoPE and against the window-only control.", "", *PAIRED_HEADER, *paired]
+        tables[window] = lines
+    return tables
+
+
 def mqar_table(variants: dict[str, list[dict[str, Any]]]) -> list[str]:
     """--task mqar's accuracy at the query positions (held-out streams) beside each variant's decoding state."""
     return variant_table(
@@ -525,6 +571,11 @@ def results_markdown(grid_dir: Path, records: Records, variants: dict[str, list[
         markdown += ["", "## Associative recall split (whole val split, bpc; eval.py --ar-split)", "",
                      "AR hits: bytes that continue a byte bigram seen earlier in their window (Zoology's split).",
                      "", *recall]
+    for window, lines in far_split_tables(variants, seq_len).items():
+        markdown += ["", f"## Far-only split at W = {window} (whole val split, bpc; eval.py --ar-split --far-window "
+                     f"{window})", "", f"Bytes by where the nearest earlier copy of their bigram, and of their 8-byte "
+                     f"match, lies: near (its source key is under {window} positions back), far (only {window} or more "
+                     "back: a window of that size cannot see it) and none (no copy in the window of text).", "", *lines]
     extrapolation = extrapolation_table(variants, seq_len)
     if extrapolation:
         markdown += ["", "## Length extrapolation (whole val split, bpc by window length)", "", *extrapolation]

@@ -12,7 +12,7 @@ import torch
 
 from linattn_lm import ByteLM, evaluate, grid, save_checkpoint
 from linattn_lm.data import load_split
-from linattn_lm.evaluate import ar_split_bpc, evaluate_bpc, recall_hits
+from linattn_lm.evaluate import ar_split_bpc, copy_distances, distance_classes, evaluate_bpc, recall_hits
 
 
 @pytest.fixture(autouse=True)
@@ -41,6 +41,58 @@ def test_hits_match_a_loop_over_bytes() -> None:
     expected = [[any((x[r, j], y[r, j]) == (x[r, i], y[r, i]) for j in range(i)) for i in range(x.shape[1])]
                 for r in range(3)]
     assert recall_hits(x, y).tolist() == expected
+
+
+def distances_of(window: bytes, length: int) -> list[int]:
+    row = torch.tensor([list(window)])
+    return copy_distances(row[:, :-1], row[:, 1:], length)[0].tolist()
+
+
+def test_copy_distances_on_hand_made_windows() -> None:
+    # abab: the second ab (target 2) copies b from key 1, one position back
+    assert distances_of(b"abab", 2) == [-1, -1, 1]
+    # the bigram ab again 5 targets later: its source key (the first b) lies 4 back from query 5
+    assert distances_of(b"abxyzab", 2) == [-1, -1, -1, -1, -1, 4]
+    # a 3-byte match needs the byte before too: xab matches, yab does not
+    assert distances_of(b"xabxab", 3) == [-1, -1, -1, -1, 2]
+    assert distances_of(b"xabyab", 3) == [-1] * 5
+    assert distances_of(b"aaaa", 2) == [-1, 0, 0]   # the nearest copy, not the first
+
+
+@pytest.mark.parametrize("length", [2, 3, 8])
+def test_copy_distances_match_a_loop(length: int) -> None:
+    rows = torch.randint(0, 3, (3, 60), generator=torch.Generator().manual_seed(length))
+    x, y = rows[:, :-1], rows[:, 1:]
+    def gram(r: int, i: int) -> list[int]:
+        return [*x[r, i - length + 2:i + 1].tolist(), int(y[r, i])]
+    expected = [[next((i - j - 1 for j in range(i - 1, length - 3, -1) if gram(r, j) == gram(r, i)), -1)
+                 if i >= length - 2 else -1 for i in range(x.shape[1])] for r in range(3)]
+    assert copy_distances(x, y, length).tolist() == expected
+
+
+def test_distance_classes_split_the_hits() -> None:
+    rows = torch.randint(0, 5, (4, 200), generator=torch.Generator().manual_seed(1))
+    x, y = rows[:, :-1], rows[:, 1:]
+    classes = distance_classes(copy_distances(x, y, 2), 16)
+    assert torch.equal(classes["near"] | classes["far"], recall_hits(x, y))
+    assert torch.equal(classes["none"], ~recall_hits(x, y))
+    assert not (classes["near"] & classes["far"]).any() and classes["far"].any() and classes["near"].any()
+
+
+def test_the_far_split_averages_to_evals_bpc(small_config, data_dir: Path) -> None:
+    torch.manual_seed(0)
+    model = ByteLM(small_config(seq_len=64)).eval()
+    data = load_split(data_dir, "val").data[:4001]
+    split = ar_split_bpc(model, data, 64, 4, torch.device("cpu"), far_window=8)
+    assert split["far"]["window"] == 8
+    for name in ("bigram", "match8"):
+        scores = split["far"][name]
+        shares = [scores[f"{kind}_fraction"] for kind in ("near", "far", "none")]
+        assert sum(shares) == pytest.approx(1.0) and 0 < scores["far_fraction"] < 0.5
+        mixed = sum(scores[f"{kind}_fraction"] * scores[f"{kind}_bpc"] for kind in ("near", "far", "none")
+                    if scores[f"{kind}_fraction"])   # an empty class scores nan
+        assert mixed == pytest.approx(split["bpc"], rel=1e-6)
+    assert split["far"]["bigram"]["none_bpc"] == split["rest_bpc"]
 
 
 def test_the_split_averages_to_evals_bpc(small_config, data_dir: Path) -> None:
@@ -95,6 +147,42 @@ def test_eval_records_the_split_and_the_report_tabulates_it(data_dir: Path, tiny
     share = np.mean([split["hit_fraction"] for split in splits])
     assert f"| linear-elu-post | 0,1 | {np.mean(hit):.3f} ± {np.std(hit, ddof=1):.3f} | " in report
     assert f"| {share:.1%} |" in report
+
+
+def test_eval_records_the_far_split_and_the_report_pairs_it(data_dir: Path, tiny: list[str], tmp_path: Path,
+                                                            run_main) -> None:
+    runs = [run_with_record(data_dir, tmp_path, seed, 3.0 + seed) for seed in (0, 1)]
+    for run_dir in runs:
+        code, out, err = run_main(evaluate.main, [str(run_dir), "--ar-split", "--far-window", "16", "--threads", "1"])
+        assert code == 0, err
+        assert "match8 source < 16 back" in out
+    far = json.loads((runs[0] / "result.json").read_text())["ar_split"]["val"]["64"]["far"]
+    assert far["window"] == 16 and set(far) == {"window", "bigram", "match8"}
+    argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "g", "--seeds", "0,1",
+            "--variants", "linear-elu-post", "--report-only"]
+    code, _, err = run_main(grid.main, argv)
+    assert code == 0, err
+    report = (tmp_path / "g" / "results.md").read_text()
+    assert "## Far-only split at W = 16" in report
+    far_bpc = [json.loads((r / "result.json").read_text())["ar_split"]["val"]["64"]["far"]["match8"]["far_bpc"]
+               for r in runs]
+    assert f"{np.mean(far_bpc):.3f} ± {np.std(far_bpc, ddof=1):.3f}" in report
+
+
+@pytest.mark.parametrize("argv, word", [(["--far-window", "8"], "--ar-split"),
+                                        (["--ar-split", "--far-window", "0"], "--far-window")])
+def test_far_window_flag_is_checked(argv: list[str], word: str, tmp_path: Path, run_main) -> None:
+    code, _, err = run_main(evaluate.main, [str(tmp_path), *argv])
+    assert code == 2 and word in err
+
+
+def test_a_damaged_far_split_in_a_record_is_refused(data_dir: Path, tmp_path: Path, run_main) -> None:
+    run_dir = run_with_record(data_dir, tmp_path, 0, 3.0)
+    path = run_dir / "result.json"
+    scores = {"hit_bpc": 1.0, "rest_bpc": 1.0, "hit_fraction": 0.5, "far": {"window": 0}}
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"ar_split": {"val": {"64": scores}}}))
+    code, _, err = run_main(evaluate.main, [str(run_dir), "--ar-split", "--threads", "1"])
+    assert code == 2 and "far" in err
 
 
 def test_a_part_of_the_split_is_printed_not_recorded(data_dir: Path, tmp_path: Path, run_main) -> None:
