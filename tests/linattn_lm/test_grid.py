@@ -612,3 +612,19 @@ def test_resume_continues_a_grid_from_before_the_marker_and_no_other_directory(t
         grid.check_grid_directory(grid_dir, existing=True)
     (grid_dir / grid.GRID_MARKER).write_text("{}")
     grid.check_grid_directory(grid_dir, existing=True)   # marked: grid.py's
+
+
+def test_seeds_that_learn_recall_are_counted_and_compared_exactly() -> None:
+    from linattn_lm.grid_report import success_table
+    names = ["softmax-rope", "linear-favor-post+window=8", "linear-favor-pre+window=8", "softmax-rope+window=8"]
+    seeds = range(5)
+    configs = grid.run_configs({"preset": "mqar"}, names, list(seeds))
+    accuracy = {"softmax-rope": [0.99] * 5, "linear-favor-post+window=8": [0.9] * 5,
+                "linear-favor-pre+window=8": [0.3, 0.2, 0.5, 0.3, 0.6], "softmax-rope+window=8": [0.1] * 5}
+    variants = {name: [{"seed": s, "mqar": {"val": {"accuracy": accuracy[name][s]}}, "config": configs[s, name].flat()}
+                       for s in seeds] for name in names}
+    rows = {tuple(row.split(" | ")[:3]): row for row in success_table(variants)[2:]}
+    post_pre = rows["| linear-favor-post+window=8", "linear-favor-pre+window=8", "rope"]
+    assert "| 5 of 5 | 1 of 5 | 0.048 |" in post_pre   # 0.5 itself is not above the line
+    assert "| 5 of 5 | 0 of 5 | 0.008 |" in rows["| linear-favor-post+window=8", "softmax-rope+window=8", "linear term"]
+    assert "| 5 of 5 | 5 of 5 | 1.000 |" in rows["| linear-favor-post+window=8", "softmax-rope", "attention"]
