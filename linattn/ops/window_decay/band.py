@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 MIN_BLOCK = 32            # the queries' blocks have at least this many rows (fewer, larger products)
-GROUP_SCORES = 1 << 22    # scores computed at once, at most (about): 16 MB in float32
+GROUP_SCORES = 1 << 20    # scores computed at once, at most (about): 4 MB in float32
 
 
 def band_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
@@ -42,7 +42,7 @@ class BandAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, window: int, log_decay):
         layout = Band(q, window, log_decay)
-        queries, keys, values = layout.pad_rows(q), layout.pad(k), layout.pad(v)
+        queries, keys, values = layout.pad(q), layout.pad(k), layout.pad(v)
         out, lse = v.new_empty(*layout.rows_shape, v.shape[-1]), v.new_empty(layout.rows_shape)
         for blocks in layout.groups():
             scores = layout.scores(queries, keys, blocks)
@@ -52,8 +52,7 @@ class BandAttention(torch.autograd.Function):
             rows = layout.rows(blocks)
             out[..., rows, :] = (weights @ layout.band(values, blocks) / den.unsqueeze(-1)).flatten(2, 3)
             lse[..., rows] = (top.squeeze(-1) + den.log()).flatten(2, 3)
-        n = q.shape[-2]
-        out, lse = out[..., :n, :], lse[..., :n]
+        out, lse = layout.unpad(out), layout.unpad(lse.unsqueeze(-1)).squeeze(-1)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.layout = layout
         return out, lse
@@ -66,31 +65,26 @@ class BandAttention(torch.autograd.Function):
             grad_out = torch.zeros_like(out)
         if grad_lse is None:
             grad_lse = torch.zeros_like(lse)
-        keys, values = layout.pad(k), layout.pad(v)
-        rows_out = layout.pad_rows(grad_out)
-        # d lse / d s = p;  d out / d s = p (dO . v - dO . out): together p (dO . v - dO . out + d lse)
-        shift = layout.pad_rows(grad_lse.unsqueeze(-1) - (grad_out * out).sum(-1, keepdim=True))
-        queries = layout.pad_rows(q)
-        grad_q = torch.zeros_like(queries)
-        grad_keys, grad_values = torch.zeros_like(keys), torch.zeros_like(values)
-        lse_rows = F.pad(lse, (0, layout.tail))
+        queries, keys, values, d_outs, out = (layout.pad(t) for t in (q, k, v, grad_out, out))
+        lse, grad_lse = (layout.pad(t.unsqueeze(-1)) for t in (lse, grad_lse))
+        grad_q, grad_k, grad_v = (torch.zeros_like(t) for t in (queries, keys, values))
         for blocks in layout.groups():
             rows = layout.rows(blocks)
-            weights = torch.exp(layout.scores(queries, keys, blocks) - layout.blocked(lse_rows[..., rows, None]))
-            band_values = layout.band(values, blocks)
-            d_out = layout.blocked(rows_out[..., rows, :])
-            d_scores = weights * (d_out @ band_values.transpose(-1, -2) + layout.blocked(shift[..., rows, :]))
+            weights = torch.exp(layout.scores(queries, keys, blocks) - layout.blocked(lse[..., rows, :]))
+            d_out = layout.blocked(d_outs[..., rows, :])
+            # d lse / d s = p;  d out / d s = p (dO . v - dO . out): together p (dO . v - dO . out + d lse)
+            shift = grad_lse[..., rows, :] - (d_outs[..., rows, :] * out[..., rows, :]).sum(-1, keepdim=True)
+            d_scores = weights * (d_out @ layout.band(values, blocks).transpose(-1, -2) + layout.blocked(shift))
             d_scores = d_scores * layout.scale
             grad_q[..., rows, :] = (d_scores @ layout.band(keys, blocks)).flatten(2, 3)
-            layout.add_band(grad_keys, d_scores.transpose(-1, -2) @ layout.blocked(queries[..., rows, :]), blocks)
-            layout.add_band(grad_values, weights.transpose(-1, -2) @ d_out, blocks)
-        n = q.shape[-2]
-        return grad_q[..., :n, :], layout.unpad(grad_keys), layout.unpad(grad_values), None, None
+            layout.add_band(grad_k, d_scores.transpose(-1, -2) @ layout.blocked(queries[..., rows, :]), blocks)
+            layout.add_band(grad_v, weights.transpose(-1, -2) @ d_out, blocks)
+        return layout.unpad(grad_q), layout.unpad(grad_k), layout.unpad(grad_v), None, None
 
 
 class Band:
-    """Where the blocks and their bands lie: N rows in K blocks of L (the last padded by `tail`), keys
-    padded by W - 1 zero rows in front, so that block b's band is padded keys b L .. b L + L + W - 2."""
+    """Where the blocks and their bands lie: N rows in K blocks of L (the last padded by `tail` zero rows);
+    block b's band is the last W - 1 rows of block b - 1 (none for block 0: masked) and its own L rows."""
 
     def __init__(self, q: torch.Tensor, window: int, log_decay):
         n, dim = q.shape[-2:]
@@ -119,38 +113,40 @@ class Band:
         return slice(blocks.start * self.block, blocks.stop * self.block)
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
-        return F.pad(x, (0, 0, self.window - 1, self.tail))
+        """(..., N, .) -> (..., K L, .): zero rows after the last (no copy when N is a multiple of L)."""
+        return F.pad(x, (0, 0, 0, self.tail)) if self.tail else x
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        return x[..., self.window - 1:self.window - 1 + self.n, :]
-
-    def pad_rows(self, x: torch.Tensor) -> torch.Tensor:
-        return F.pad(x, (0, 0, 0, self.tail))
+        return x[..., :self.n, :]
 
     def blocked(self, x: torch.Tensor) -> torch.Tensor:
         """(..., G L, .) -> (..., G, L, .)."""
         return x.unflatten(-2, (-1, self.block))
 
     def band(self, padded: torch.Tensor, blocks: range) -> torch.Tensor:
-        """(..., G, L + W - 1, .): the padded keys (or values) of each block's band."""
-        start, stop = blocks.start * self.block, blocks.stop * self.block + self.window - 1
-        return padded[..., start:stop, :].unfold(-2, self.block + self.window - 1, self.block).transpose(-1, -2)
+        """(..., G, W - 1 + L, .): the keys (or values) of each block's band, zero rows before the first."""
+        rows, overlap = self.blocked(padded), self.window - 1
+        own = rows[..., blocks.start:blocks.stop, :, :]
+        before = rows[..., max(blocks.start - 1, 0):blocks.stop - 1, self.block - overlap:, :]
+        if blocks.start == 0:
+            before = torch.cat((before.new_zeros(*before.shape[:-3], 1, *before.shape[-2:]), before), -3)
+        return torch.cat((before, own), -2)
 
     def scores(self, queries: torch.Tensor, keys: torch.Tensor, blocks: range) -> torch.Tensor:
-        """(B, H, G, L, L + W - 1) scores of the group's blocks from row-padded queries and padded keys,
-        -inf outside the window."""
+        """(B, H, G, L, W - 1 + L) scores of the group's blocks from row-padded queries and keys, -inf
+        outside the window."""
         queries = self.blocked(queries[..., self.rows(blocks), :])
         scores = queries @ self.band(keys, blocks).transpose(-1, -2) * self.scale + self.bias
         if blocks.start == 0:   # block 0's band starts W - 1 rows before the sequence: no such keys
             scores[..., 0, :, :self.window - 1] = float("-inf")
         return scores
 
-    def add_band(self, padded: torch.Tensor, grads: torch.Tensor, blocks: range) -> None:
-        """Add (..., G, L + W - 1, .) gradients of the group's bands into the padded keys' gradients: each
-        band's first W - 1 rows overlap the previous block's last ones, its last L rows are its own block."""
-        first, overlap = blocks.start * self.block, self.window - 1
-        own = padded[..., first + overlap:blocks.stop * self.block + overlap, :]
-        own.add_(grads[..., overlap:, :].flatten(-3, -2))
+    def add_band(self, grads: torch.Tensor, band_grads: torch.Tensor, blocks: range) -> None:
+        """Add (..., G, W - 1 + L, .) gradients of the group's bands into the row-padded keys' gradients:
+        each band's first W - 1 rows are the previous block's last ones, its last L rows its own block."""
+        rows, overlap = self.blocked(grads), self.window - 1
+        rows[..., blocks.start:blocks.stop, :, :].add_(band_grads[..., overlap:, :])
         if overlap:
-            before = padded[..., first:blocks.stop * self.block, :].unflatten(-2, (-1, self.block))
-            before[..., :overlap, :].add_(grads[..., :overlap, :])
+            first = 1 if blocks.start == 0 else 0   # block 0's overlap lies before the sequence
+            rows[..., blocks.start + first - 1:blocks.stop - 1, self.block - overlap:, :].add_(
+                band_grads[..., first:, :overlap, :])
