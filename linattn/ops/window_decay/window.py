@@ -9,7 +9,7 @@ For query m and key n <= m at distance d = m - n (docs/gap-closers.md has the de
   work and O(N) memory), with each row's log-normaliser;
 * the linear part: linear attention of queries W.. against keys ..N-W-1 (query m reads the state at
   m - W), as a ratio r_m (its nu-weighted mean of values) and a log-weight l_m = log(g gamma^W sum kappa gamma^(d-W)):
-  - log-features: `linattn.functional.linear_attention` (any backend's exact log-space pass), the
+  - log-features: the op (`run_linear_attention`: any backend's exact log-space pass), the
     decay folded into the log-features (b_j + j log gamma, a_n - n log gamma); the row sums of kappa
     come from a log-cumsum-exp of the keys.  The op rotates query m at its index, m - W, so for Eq. 19
     (`post`) the queries go in as R_W e^b, split into two non-negative parts (two calls);
@@ -33,11 +33,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ...checks import check_state_position, check_state_tensors
-from ...functional import LinearState, check_state, run_linear_attention
+from ...custom_ops import run_linear_attention
 from ..linear_attention.cpp_logspace import log_cumsum_exp
 from ..linear_attention.dispatch import resolve
 from ..linear_attention.fla_kernels import HALF_DOTS, decayed_attention
-from ..linear_attention.recurrent import initial_state, recurrent_step
+from ..linear_attention.recurrent import LinearState, check_state, initial_state, recurrent_step
 from .band import band_attention, merge
 from ...rotary import rotary_phases, rotate
 
