@@ -194,10 +194,12 @@ PRESETS: dict[str, dict[str, object]] = {
     "gpu-targets": dict(sections=("block", "kernels", "model"), device="cuda", dtypes=("bf16",),
                         lengths=(4096, 16384, 65536), model_size="eleuther", model_contexts=(1024, 8192),
                         model_tokens=32768, model_methods=("softmax", "favor-post", "elu-post"), budget_s=60.0),
-    # Issue 36's blocks as imported, beside softmax and the window-only control (docs/gap-closers.md).
-    "gap-closers": dict(sections=("block",), lengths=(1024, 2048, 4096, 8192), repeats=3, budget_s=60.0,
-                        block_methods=("softmax", "softmax+window=64", "favor-pre", "favor-pre+window=64",
-                                       "favor-post+window=64", "favor-pre+decay=retnet", "elu-pre+window=64")),
+    # Issue 36's blocks as imported, beside softmax, the window-only control and each plain block
+    # (issue 45's targets: the option's cost over the same block without it, to 16k; docs/gap-closers.md).
+    "gap-closers": dict(sections=("block",), lengths=(1024, 2048, 4096, 8192, 16384), repeats=3, budget_s=60.0,
+                        block_methods=("softmax", "softmax+window=64", "favor-post", "favor-post+window=64",
+                                       "favor-pre", "favor-pre+window=64", "favor-pre+decay=retnet",
+                                       "taylor-pre", "taylor-pre+window=64", "elu-pre", "elu-pre+window=64")),
 }
 
 

@@ -22,6 +22,7 @@ from .ops.linear_attention.fla_kernels import HALF_DOTS
 from .ops.linear_attention.memory import check_fits
 from .ops.linear_attention.recurrent import recurrent_step
 from .ops.window_decay import WindowState, retnet_decay, window_decay_attention, window_decay_step
+from .ops.window_decay.band import band_attention
 from .ops.window_decay.window import check_window_state
 from .rotary import DEFAULT_BASE, check_positions, check_rotated_dim, rotate
 
@@ -400,12 +401,6 @@ def _xformers_ops():
     return xops
 
 
-def _window_mask(n: int, window: int, device: torch.device) -> torch.Tensor:
-    """(n, n) bool, True where query m may attend to key n: 0 <= m - n < window."""
-    distance = torch.arange(n, device=device)[:, None] - torch.arange(n, device=device)
-    return (distance >= 0) & (distance < window)
-
-
 class SoftmaxAttention(_Projections):
     """Softmax attention with optional RoPE on q and k (RoFormer Eq. 16).
 
@@ -414,9 +409,8 @@ class SoftmaxAttention(_Projections):
 
     window=W > 0 (causal, sdpa only): query m attends to the keys n with 0 <= m - n < W only (itself
     and the W - 1 before it), a sliding window of exact softmax: the window-only control of the
-    linear block's `window`.  The parallel pass gives SDPA a banded (N, N) boolean mask, so it costs
-    what full softmax does, O(N^2); fine at the study's lengths (hundreds of tokens), not a
-    linear-time kernel.  Decoding keeps the last W keys and values only: O(W) per token."""
+    linear block's `window`, on the same band code (ops/window_decay/band.py: O(N W) time, no (N, N)
+    mask), in float32 (float64 stays).  Decoding keeps the last W keys and values only: O(W) per token."""
 
     def __init__(self, dim: int, heads: int, *, rope: bool = True, causal: bool = True,
                  backend: str = "sdpa", rope_base: float = DEFAULT_BASE, bias: bool = False, window: int = 0):
@@ -455,7 +449,10 @@ class SoftmaxAttention(_Projections):
         """The whole-sequence pass on rotated inputs: the window's band, else the block's mask."""
         n = q.shape[-2]
         if 0 < self.window < n:   # a window as long as the sequence is the causal mask
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=_window_mask(n, self.window, q.device))
+            dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+            with torch.autocast(v.device.type, enabled=False):
+                out, _ = band_attention(q.to(dtype), k.to(dtype), v.to(dtype), self.window)
+            return out.to(v.dtype)
         return self._kernel(q, k, v, self.causal)
 
     def _kernel(self, q, k, v, causal: bool):

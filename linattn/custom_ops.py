@@ -3,7 +3,7 @@
 The backends' computation (`dispatch.compute_linear_attention`: torch ops with custom autograd,
 the C++ kernel through ctypes, fla's Triton kernels) takes decisions from the data (exact rows, wide
 pairs; the data checks in debug mode) and calls code dynamo cannot trace.  Under torch.compile, the
-entry points check their arguments as in eager mode and `functional.run_linear_attention` then calls one
+entry points check their arguments as in eager mode and `run_linear_attention` (below) then calls one
 opaque op instead, so the model compiles with fullgraph=True on every backend:
 
 * `linattn::linear_attention` runs the eager computation on the real tensors and returns the output
@@ -212,3 +212,11 @@ def linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rotary: boo
 
 
 __all__ = ["linear_attention", "linear_attention_backward_op", "linear_attention_op"]
+
+
+def run_linear_attention(phi_q, phi_k, v: torch.Tensor, **options):
+    """`functional.linear_attention` for callers that checked its arguments (the blocks, the window's linear
+    part); `options` are its keywords, all given, offset a plain int.  Under torch.compile, one opaque op."""
+    if torch.compiler.is_compiling():   # one opaque op: the computation below branches on the data
+        return linear_attention(phi_q, phi_k, v, **options)
+    return compute_linear_attention(phi_q, phi_k, v, **options)

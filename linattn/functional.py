@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import torch
 
-from . import custom_ops
 from .checks import (as_device, check_flags, check_real_floating, check_return_state, check_rope_base,
-                     check_state_dtype, check_state_position, check_state_tensors, debug_enabled, is_integer, is_real)
+                     check_state_dtype, is_integer, is_real)
+from .custom_ops import run_linear_attention
 from .ops.linear_attention import dispatch
 from .ops.linear_attention.common import (DEFAULT_CHUNK_SIZE, LogProjection, check_nonnegative, compute_dtype,
                                           feature_tensors)
 from .ops.linear_attention.naive import reference_attention, softmax_attention_reference
 from .ops.linear_attention import recurrent
-from .ops.linear_attention.recurrent import LinearState, recurrent_step
+from .ops.linear_attention.recurrent import LinearState, check_state, recurrent_step
 from .rotary import DEFAULT_BASE, check_positions, check_rotated_dim
 
 BACKENDS = dispatch.BACKENDS
@@ -80,14 +80,6 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     return run_linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=int(offset),
                                 chunk_size=chunk_size, rope_base=rope_base, return_state=return_state,
                                 backend=backend, log_space=log_space, nonnegative_features=nonnegative_features)
-
-
-def run_linear_attention(phi_q, phi_k, v: torch.Tensor, **options):
-    """`linear_attention` for callers that checked its arguments (the blocks, the window's linear part);
-    `options` are its keywords, all given, offset a plain int."""
-    if torch.compiler.is_compiling():   # one opaque op: the computation below branches on the data
-        return custom_ops.linear_attention(phi_q, phi_k, v, **options)
-    return dispatch.compute_linear_attention(phi_q, phi_k, v, **options)
 
 
 def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
@@ -275,32 +267,3 @@ def check_feature_kind(log_space: bool, nonnegative_features: bool) -> None:
     if log_space and not nonnegative_features:
         raise ValueError("log_space=True takes log-features, the logarithms of positive features, so "
                          "nonnegative_features=False (features that may be negative) does not apply: pass one")
-
-
-def state_position(state) -> int:
-    """The position of a LinearState (tokens seen), as a plain int: what a block needs before it maps
-    the token (rope="pre" rotates at it); `check_state` checks the rest."""
-    if not isinstance(state, LinearState):
-        raise ValueError(f"state must be the LinearState returned by a causal pass with return_state=True "
-                         f"or by a step, got {type(state).__name__}")
-    return check_state_position(state)
-
-
-def check_state(state, shape: tuple, device, dtype: torch.dtype, log_space: bool) -> LinearState:
-    """A LinearState for (B, H, M, Dv) = `shape` on `device` in the step's compute `dtype`, from the same
-    kind of features, returned with its position as a plain int.  In debug mode also with no NaN or inf
-    (log_scale is -inf only for features not seen yet): a read of the state on the host."""
-    position = state_position(state)
-    if (state.log_scale is not None) != log_space:
-        raise ValueError(f"the state was made from {'log-' if state.log_scale is not None else 'plain '}"
-                         f"features but this step has log_space={log_space}; continue a sequence with "
-                         "the kind of features that started it")
-    shapes = {"kv": shape, "k_sum": shape[:3]} | ({"log_scale": shape[:3]} if log_space else {})
-    check_state_tensors(state, device, shapes, dtype, " (its inputs' dtype; float32 for lower precisions)")
-    for name in shapes if debug_enabled() else ():
-        t = getattr(state, name)
-        finite = (t != float("inf")) & ~t.isnan() if name == "log_scale" else t.isfinite()
-        if not bool(finite.all()):
-            raise ValueError(f"state.{name} holds NaN or inf; the state is damaged (a non-finite input "
-                             f"earlier in the sequence?): start again with state=None")
-    return state._replace(position=position)

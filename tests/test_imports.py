@@ -149,6 +149,26 @@ def test_no_module_takes_another_modules_private_names(module):
                        f"shared, or move them to the module that uses them"
 
 
+ABOVE_OPS = {"linattn.functional", "linattn.attention", "linattn.feature_maps"}   # the public API over ops/
+
+
+def ops_rule_breaks(module: str, source: str) -> set[str]:
+    """What `source` (the ops/ module `module`) imports of the public API above ops/."""
+    return imported(module, source) & ABOVE_OPS
+
+
+@pytest.mark.parametrize("module", sorted(name for name in MODULES if name.startswith("linattn.ops")))
+def test_ops_stay_below_the_public_api(module):
+    assert ops_rule_breaks(module, MODULES[module].read_text()) == set(), \
+        f"{module} imports the public API above ops/: move what it needs into ops/"
+
+
+@pytest.mark.parametrize("source", ["from ...functional import LinearState", "import linattn.attention",
+                                    "def f():\n    from ... import feature_maps"])
+def test_an_import_from_above_ops_is_caught(source):
+    assert ops_rule_breaks("linattn.ops.window_decay.window", source)
+
+
 def test_custom_ops_and_functional_do_not_import_each_other():
     targets = {target for _, target, _, _ in imports("linattn.custom_ops", MODULES["linattn.custom_ops"].read_text())}
     assert "linattn.functional" not in targets

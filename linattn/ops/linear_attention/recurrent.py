@@ -5,6 +5,7 @@ from typing import NamedTuple
 
 import torch
 
+from ...checks import check_state_position, check_state_tensors, debug_enabled
 from ...rotary import rotate
 from .common import compute_dtype, divide, guard_features
 from .plain_scale import power_of_two_below, query_scale
@@ -88,3 +89,32 @@ def _log_step(b, a, v, state: LinearState, *, rotary: bool, rope_base: float, ou
     numerator = (query.unsqueeze(-2) @ kv).squeeze(-2)
     out = divide(numerator, (torch.exp(b + feat_new - query_scale) * k_sum).sum(-1))
     return out.to(out_dtype), LinearState(kv, k_sum, state.position + 1, feat_new)
+
+
+def state_position(state) -> int:
+    """The position of a LinearState (tokens seen), as a plain int: what a block needs before it maps
+    the token (rope="pre" rotates at it); `check_state` checks the rest."""
+    if not isinstance(state, LinearState):
+        raise ValueError(f"state must be the LinearState returned by a causal pass with return_state=True "
+                         f"or by a step, got {type(state).__name__}")
+    return check_state_position(state)
+
+
+def check_state(state, shape: tuple, device, dtype: torch.dtype, log_space: bool) -> LinearState:
+    """A LinearState for (B, H, M, Dv) = `shape` on `device` in the step's compute `dtype`, from the same
+    kind of features, returned with its position as a plain int.  In debug mode also with no NaN or inf
+    (log_scale is -inf only for features not seen yet): a read of the state on the host."""
+    position = state_position(state)
+    if (state.log_scale is not None) != log_space:
+        raise ValueError(f"the state was made from {'log-' if state.log_scale is not None else 'plain '}"
+                         f"features but this step has log_space={log_space}; continue a sequence with "
+                         "the kind of features that started it")
+    shapes = {"kv": shape, "k_sum": shape[:3]} | ({"log_scale": shape[:3]} if log_space else {})
+    check_state_tensors(state, device, shapes, dtype, " (its inputs' dtype; float32 for lower precisions)")
+    for name in shapes if debug_enabled() else ():
+        t = getattr(state, name)
+        finite = (t != float("inf")) & ~t.isnan() if name == "log_scale" else t.isfinite()
+        if not bool(finite.all()):
+            raise ValueError(f"state.{name} holds NaN or inf; the state is damaged (a non-finite input "
+                             f"earlier in the sequence?): start again with state=None")
+    return state._replace(position=position)

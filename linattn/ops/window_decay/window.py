@@ -5,18 +5,20 @@ For query m and key n <= m at distance d = m - n (docs/gap-closers.md has the de
     out_m = (sum_{d<W} gamma^d e^(s_mn) v_n + g sum_{d>=W} gamma^d nu_mn v_n)
             / (sum_{d<W} gamma^d e^(s_mn)     + g sum_{d>=W} gamma^d kappa_mn)
 
-* the window: queries in blocks of L >= W rows against their band of L + W - 1 keys (O(N W D) work);
+* the window: band.py, queries in blocks of L >= W rows against their band of L + W - 1 keys (O(N W D)
+  work and O(N) memory), with each row's log-normaliser;
 * the linear part: linear attention of queries W.. against keys ..N-W-1 (query m reads the state at
   m - W), as a ratio r_m (its nu-weighted mean of values) and a log-weight l_m = log(g gamma^W sum kappa gamma^(d-W)):
-  - log-features: `linattn.functional.linear_attention` (any backend's exact log-space pass), the
+  - log-features: the op (`run_linear_attention`: any backend's exact log-space pass), the
     decay folded into the log-features (b_j + j log gamma, a_n - n log gamma); the row sums of kappa
     come from a log-cumsum-exp of the keys.  The op rotates query m at its index, m - W, so for Eq. 19
     (`post`) the queries go in as R_W e^b, split into two non-negative parts (two calls);
   - plain features: the chunked decayed form (`decayed_chunks`: an intra-chunk decay matrix, the state
     decayed per chunk, as RetNet and fla's simple_gla), which keeps numerator and denominator apart;
     on the fla backend, fla's own kernels (`fla_kernels.decayed_attention`);
-* one stabiliser per row, c_m = max(max_window (s + d log gamma), l_m):
-      out_m = (sum_window e^(s + d log gamma - c) v_n + e^(l - c) r_m) / (sum_window e^(... - c) + e^(l - c)),
+* the two merged by their log-normalisers (`band.merge`), L_m = log sum_window e^(s + d log gamma) and l_m,
+  with one stabiliser per row, c_m = max(L_m, l_m):
+      out_m = (e^(L - c) window_m + e^(l - c) r_m) / (e^(L - c) + e^(l - c)),
   every exponential <= 1 and the largest 1, so nothing overflows and the normaliser is >= 1.
 
 Decoding (`window_decay_step`) carries the last W tokens (rotated keys, values, key features) and the
@@ -31,15 +33,15 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ...checks import check_state_position, check_state_tensors
-from ...functional import LinearState, check_state, run_linear_attention
+from ...custom_ops import run_linear_attention
 from ..linear_attention.cpp_logspace import log_cumsum_exp
 from ..linear_attention.dispatch import resolve
 from ..linear_attention.fla_kernels import HALF_DOTS, decayed_attention
-from ..linear_attention.recurrent import initial_state, recurrent_step
+from ..linear_attention.recurrent import LinearState, check_state, initial_state, recurrent_step
+from .band import band_attention, merge
 from ...rotary import rotary_phases, rotate
 
 FLOOR = -1e30    # a log-weight that is exactly 0 beside any real one, finite so that no inf - inf appears
-MIN_BLOCK = 32   # the window's query blocks have at least this many rows (fewer, larger products)
 
 
 class WindowState(NamedTuple):
@@ -243,52 +245,10 @@ def log_combination(x1, x2, c1, c2) -> torch.Tensor:
 # ---- the window and the combination -------------------------------------------------------------
 
 def windowed(q_hat, k_hat, v, window: int, rate, lin_log, ratio) -> torch.Tensor:
-    """The window's exact softmax terms in blocks of queries against their band of keys, combined with the
-    linear part (lin_log, ratio; None when no key is older than the window)."""
-    n, dim = q_hat.shape[-2:]
-    window = min(window, n)
-    block = min(n, max(window, MIN_BLOCK))
-    blocks = -(-n // block)
-    pad = blocks * block - n
-    queries = F.pad(q_hat, (0, 0, 0, pad)).unflatten(-2, (blocks, block))
-    scores = queries @ band(k_hat, window, block).transpose(-1, -2) * dim ** -0.5   # (B, H, K, L, L + W - 1)
-    rows = torch.arange(block, device=v.device)
-    cols = torch.arange(block + window - 1, device=v.device)
-    distance = rows[:, None] - cols[None, :] + window - 1
-    starts = torch.arange(blocks, device=v.device)[:, None, None] * block
-    inside = (distance >= 0) & (distance < window) & (starts + cols >= window - 1)   # key position >= 0
-    if rate is not None:
-        scores = scores + distance.clamp_min(0).to(v.dtype) * rate[:, None, None, None]
-    scores = scores.masked_fill(~inside, float("-inf"))
-    if lin_log is not None:
-        lin_log = F.pad(lin_log, (0, pad)).unflatten(-1, (blocks, block))
-        ratio = F.pad(ratio, (0, 0, 0, pad)).unflatten(-2, (blocks, block))
-    out = combine(scores, band(v, window, block), lin_log, ratio)
-    return out.flatten(2, 3)[:, :, :n]
-
-
-def band(x: torch.Tensor, window: int, block: int) -> torch.Tensor:
-    """(B, H, N, .) -> (B, H, K, L + W - 1, .): for each block of L queries, the keys from W - 1 before
-    its first row to its last (zero rows outside the sequence, masked by the caller)."""
-    blocks = -(-x.shape[-2] // block)
-    x = F.pad(x, (0, 0, window - 1, blocks * block - x.shape[-2]))
-    return x.unfold(-2, block + window - 1, block).transpose(-1, -2)
-
-
-def combine(scores, values, lin_log, ratio) -> torch.Tensor:
-    """(sum_n e^(s_n) v_n + e^lin_log ratio) / (sum_n e^(s_n) + e^lin_log) with one stabiliser per row, the
-    largest log-weight: scores (..., L, K) with -inf outside the window, values (..., K, Dv), lin_log
-    (..., L) and ratio (..., L, Dv) or None."""
-    top = scores.amax(-1)
-    if lin_log is not None:
-        top = torch.maximum(top, lin_log)
-    top = top.detach()   # any constant per row cancels; no gradient needs to flow through it
-    weights = torch.exp(scores - top.unsqueeze(-1))
-    num, den = weights @ values, weights.sum(-1)
-    if lin_log is not None:
-        linear = torch.exp(lin_log - top)
-        num, den = num + linear.unsqueeze(-1) * ratio, den + linear
-    return num / den.unsqueeze(-1)
+    """The window's exact softmax terms (band.py: O(N W)) merged with the linear part (lin_log, ratio; None
+    when no key is older than the window) by their log-normalisers."""
+    out, lse = band_attention(q_hat, k_hat, v, window, rate)
+    return merge(out, lse, ratio, lin_log)
 
 
 # ---- decoding -------------------------------------------------------------------------------------
@@ -343,9 +303,9 @@ def window_decay_step(q_hat, k_hat, phi_q, phi_k, v, state: WindowState | None, 
             if rate is not None:
                 distance = torch.arange(keys.shape[-2] - 1, -1, -1, device=v.device, dtype=dtype)
                 scores = scores + distance * rate[:, None]
-            if lin_log is not None:   # one row of queries
-                lin_log, ratio = lin_log.unsqueeze(-1), ratio.unsqueeze(-2)
-            out = combine(scores.unsqueeze(-2), values, lin_log, ratio).squeeze(-2)
+            lse = torch.logsumexp(scores, -1)
+            out = (torch.exp(scores - lse.unsqueeze(-1)).unsqueeze(-2) @ values).squeeze(-2)
+            out = merge(out, lse, ratio, lin_log)
     return out, WindowState(linear, keys, values, features, position + 1, state.origin)
 
 
