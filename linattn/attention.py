@@ -5,7 +5,7 @@ and `step(x_t, state) -> (y_t, state)` for decoding one token at a time (`state=
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,7 @@ from .ops.window_decay import WindowState, retnet_decay, window_decay_attention,
 from .ops.window_decay.band import band_attention
 from .ops.window_decay.window import check_window_state
 from .rotary import DEFAULT_BASE, check_positions, check_rotated_dim, rotate
+from .short_conv import ShortConvolution
 
 ROPE_PLACEMENTS = ("post", "pre", "none")
 NORMALIZATIONS = ("denominator", "rmsnorm")
@@ -40,6 +41,13 @@ class KVCache(NamedTuple):
     position: int
 
 
+class ConvState(NamedTuple):
+    """Decoding state of a block with a short convolution: the last K - 1 q/k/v projections, (B, K - 1,
+    3 dim), before the convolution, and the mixer's own state (LinearState, WindowState or KVCache)."""
+    conv: torch.Tensor
+    mixer: Any
+
+
 def _head_dim(dim: int, heads: int) -> int:
     if dim % heads:
         raise ValueError(f"dim ({dim}) must be a positive multiple of heads ({heads})")
@@ -49,15 +57,23 @@ def _head_dim(dim: int, heads: int) -> int:
 class _Projections(nn.Module):
     """q/k/v/out projections and the (B, N, dim) <-> (B, H, N, head_dim) reshapes."""
 
-    def __init__(self, dim: int, heads: int, bias: bool, causal: bool):
+    def __init__(self, dim: int, heads: int, bias: bool, causal: bool, short_conv: int = 0):
         super().__init__()
         dim, heads = check_positive_integer("dim", dim), check_positive_integer("heads", heads)
         check_flags(bias=bias, causal=causal)
         self.dim, self.heads, self.head_dim = dim, heads, _head_dim(dim, heads)
         self.to_qkv = nn.Linear(dim, 3 * dim, bias=bias)
         self.to_out = nn.Linear(dim, dim, bias=bias)
+        if not is_integer(short_conv) or short_conv < 0:
+            raise ValueError(f"short_conv must be a non-negative integer kernel size (0: none), got {short_conv!r}")
+        if short_conv and not causal:
+            raise ValueError("short_conv is a causal convolution: pass causal=True (or short_conv=0)")
+        # q, k and v each through a depthwise causal convolution of K tokens (H3, Based, fla's layers)
+        self.short_conv = ShortConvolution(3 * dim, int(short_conv)) if short_conv else None
 
-    def _qkv(self, x: torch.Tensor, expected_rank: int):
+    def _qkv(self, x: torch.Tensor, expected_rank: int, conv: torch.Tensor | None = None):
+        """q, k, v as (B, H, N, head_dim) and the short convolution's cache after them (None without
+        one); `conv`: the cache before x (decoding)."""
         if not isinstance(x, torch.Tensor) or x.dim() != expected_rank or x.shape[-1] != self.dim:
             shape = "(batch, seq_len, dim)" if expected_rank == 3 else "(batch, dim) for one token"
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -76,8 +92,29 @@ class _Projections(nn.Module):
         else:   # before the projection allocates: an expanded view's size would surface as the allocator's error
             check_fits(f"{type(self).__name__}'s projections of an input of shape {tuple(x.shape)}",
                        3 * x.numel() * x.element_size(), x.device, "pass fewer or shorter sequences")
-        q, k, v = self.to_qkv(x).chunk(3, dim=-1)
-        return (rearrange(t, "b n (h d) -> b h n d", h=self.heads) for t in (q, k, v))
+        qkv = self.to_qkv(x)
+        if self.short_conv is not None:
+            qkv, conv = self.short_conv(qkv, conv)
+        q, k, v = (rearrange(t, "b n (h d) -> b h n d", h=self.heads) for t in qkv.chunk(3, dim=-1))
+        return q, k, v, conv
+
+    def _split_state(self, state, x_t: torch.Tensor):
+        """(the short convolution's cache, the mixer's state) of a step's state; the cache checked to be
+        this block's for the token x_t (B, dim)."""
+        if self.short_conv is None or state is None:
+            return None, state
+        if not isinstance(state, ConvState):
+            raise ValueError("this block has short_conv: its state is the ConvState that forward(..., "
+                             f"return_state=True) or step() returns, got {type(state).__name__}")
+        shape = (x_t.shape[0], self.short_conv.kernel_size - 1, 3 * self.dim)
+        # any floating dtype: the convolution computes in the projections' (autocast's, under autocast)
+        check_state_tensors(state, x_t.device, {"conv": shape},
+                            state.conv.dtype if isinstance(state.conv, torch.Tensor) else x_t.dtype)
+        return state.conv, state.mixer
+
+    def _join_state(self, conv: torch.Tensor | None, state):
+        """What forward and step return as the state: the mixer's, with the convolution's cache beside it."""
+        return state if conv is None else ConvState(conv.detach(), state)
 
     def _check_heads(self, q, k, v) -> None:
         """attend's inputs: (B, H, N, head_dim) with this block's heads, in one dtype (what the
@@ -136,8 +173,8 @@ class LinearAttention(_Projections):
                  rope: str = "post", causal: bool = True, feature_map_options: dict | None = None,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, rope_base: float = DEFAULT_BASE,
                  bias: bool = False, backend: str = "auto", normalization: str = "denominator",
-                 window: int = 0, decay: str | tuple | list | None = None):
-        super().__init__(dim, heads, bias, causal)
+                 window: int = 0, decay: str | tuple | list | None = None, short_conv: int = 0):
+        super().__init__(dim, heads, bias, causal, short_conv)
         dispatch.check_backend(backend)
         if rope not in ROPE_PLACEMENTS:
             raise ValueError(f"rope must be one of {ROPE_PLACEMENTS}, got {rope!r}")
@@ -191,11 +228,11 @@ class LinearAttention(_Projections):
                 self.feature_map.log_features(k, is_query=False))
 
     def forward(self, x: torch.Tensor, *, offset: int = 0, return_state: bool = False):
-        q, k, v = self._qkv(x, 3)
+        q, k, v, conv = self._qkv(x, 3)
         offset = self._check_call(offset, return_state, q.shape[-2])
         result = self._attend(q, k, v, offset, return_state)
         if return_state:
-            return self._merge(result[0]), result[1]
+            return self._merge(result[0]), self._join_state(conv, result[1])
         return self._merge(result)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, offset: int = 0,
@@ -225,7 +262,7 @@ class LinearAttention(_Projections):
         self.eval()   # a map that redraws counts training-mode calls: measuring must not move its schedule
         try:
             with torch.no_grad():
-                q, k, v = self._qkv(x, 3)
+                q, k, v, _ = self._qkv(x, 3)
                 offset = self._check_call(offset, False, q.shape[-2])
                 sums = self._weighted_values(q, k, torch.ones_like(v), offset, False)[..., 0]
         finally:
@@ -289,8 +326,7 @@ class LinearAttention(_Projections):
                     log_gain=self.window_log_gain if self.window else None, rotary=self.rope == "post",
                     log_space=self.feature_map.log_space)
 
-    def _window_decay_step(self, x_t: torch.Tensor, state):
-        q, k, v = self._qkv(x_t, 2)
+    def _window_decay_step(self, q, k, v, state):
         position = 0 if state is None else check_window_state(
             state, (q.shape[0], self.heads), self.head_dim, self.feature_map.num_features, v.device,
             self._step_dtype(q), self.feature_map.log_space)
@@ -298,7 +334,7 @@ class LinearAttention(_Projections):
         q_hat, k_hat = self._scored(q, k, position)
         out, state = window_decay_step(q_hat[:, :, 0], k_hat[:, :, 0], phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0],
                                        state, **self._window_decay_options(), rope_base=self.rope_base)
-        return self._merge(self._normalize(out.unsqueeze(2).to(v.dtype)))[:, 0], state
+        return out, state
 
     def _normalize(self, out: torch.Tensor) -> torch.Tensor:
         """normalization="rmsnorm": RMSNorm over head_dim of the (B, H, N, head_dim) output."""
@@ -316,9 +352,13 @@ class LinearAttention(_Projections):
         """Decode one token (B, dim) in O(1) time and memory (O(W) with a window); `state=None` starts a
         sequence.  A block with a window or a decay carries a `WindowState`."""
         self._check_decodable()
-        if self.window or self.decay:
-            return self._window_decay_step(x_t, state)
-        q, k, v = self._qkv(x_t, 2)
+        conv, state = self._split_state(state, x_t)
+        q, k, v, conv = self._qkv(x_t, 2, conv)
+        step = self._window_decay_step if self.window or self.decay else self._linear_step
+        out, state = step(q, k, v, state)
+        return self._merge(self._normalize(out.unsqueeze(2).to(v.dtype)))[:, 0], self._join_state(conv, state)
+
+    def _linear_step(self, q, k, v, state):
         if state is not None:
             shape = (q.shape[0], self.heads, self.feature_map.num_features, self.head_dim)
             state = check_state(state, shape, v.device, self._step_dtype(q), self.feature_map.log_space)
@@ -329,7 +369,7 @@ class LinearAttention(_Projections):
                                     rotary=self.rope == "post", rope_base=self.rope_base,
                                     log_space=self.feature_map.log_space,
                                     nonnegative_features=self.feature_map.nonnegative_features)
-        return self._merge(self._normalize(out.unsqueeze(2).to(v.dtype)))[:, 0], state
+        return out, state
 
     @staticmethod
     def _step_dtype(q: torch.Tensor) -> torch.dtype:
@@ -339,7 +379,8 @@ class LinearAttention(_Projections):
     def extra_repr(self) -> str:
         return (f"heads={self.heads}, rope={self.rope!r}, causal={self.causal}, "
                 f"chunk_size={self.chunk_size}, backend={self.backend!r}, normalization={self.normalization!r}"
-                + (f", window={self.window}" if self.window else "") + (f", decay={self.decay}" if self.decay else ""))
+                + (f", window={self.window}" if self.window else "") + (f", decay={self.decay}" if self.decay else "")
+                + (f", short_conv={self.short_conv.kernel_size}" if self.short_conv is not None else ""))
 
 
 def check_decay(decay, heads: int) -> tuple[float, ...] | None:
@@ -413,8 +454,9 @@ class SoftmaxAttention(_Projections):
     mask), in float32 (float64 stays).  Decoding keeps the last W keys and values only: O(W) per token."""
 
     def __init__(self, dim: int, heads: int, *, rope: bool = True, causal: bool = True,
-                 backend: str = "sdpa", rope_base: float = DEFAULT_BASE, bias: bool = False, window: int = 0):
-        super().__init__(dim, heads, bias, causal)
+                 backend: str = "sdpa", rope_base: float = DEFAULT_BASE, bias: bool = False, window: int = 0,
+                 short_conv: int = 0):
+        super().__init__(dim, heads, bias, causal, short_conv)
         backend = softmax_backend(backend)
         if not is_integer(window) or window < 0:
             raise ValueError(f"window must be a non-negative integer number of tokens (0: no window), got {window!r}")
@@ -467,7 +509,7 @@ class SoftmaxAttention(_Projections):
         return self._xops.memory_efficient_attention(q, k, v, attn_bias=bias).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, *, offset: int = 0, return_state: bool = False):
-        q, k, v = self._qkv(x, 3)
+        q, k, v, conv = self._qkv(x, 3)
         offset = self._check_call(offset, return_state, q.shape[-2])
         q, k = self._rotate(q, k, offset)   # the cache holds rotated keys
         out = self._merge(self._parallel(q, k, v))
@@ -475,7 +517,7 @@ class SoftmaxAttention(_Projections):
             return out
         # Detached as the linear block's state is: a prefill's cache is for decoding, not training.
         k, v = self._last_window(k), self._last_window(v)
-        return out, KVCache(k.detach(), v.detach(), offset + x.shape[1])
+        return out, self._join_state(conv, KVCache(k.detach(), v.detach(), offset + x.shape[1]))
 
     def _last_window(self, t: torch.Tensor) -> torch.Tensor:
         """The last W tokens of (B, H, T, D) cached keys or values (all of them without a window)."""
@@ -484,7 +526,8 @@ class SoftmaxAttention(_Projections):
     def step(self, x_t: torch.Tensor, state: KVCache | None = None):
         """Decode one token (B, dim) against the KV cache; `state=None` starts a sequence."""
         self._check_decodable()
-        q, k, v = self._qkv(x_t, 2)
+        conv, state = self._split_state(state, x_t)
+        q, k, v, conv = self._qkv(x_t, 2, conv)
         position = 0 if state is None else self._check_state(state, k)
         q, k = self._rotate(q, k, position)
         if state is not None:
@@ -492,7 +535,7 @@ class SoftmaxAttention(_Projections):
             k, v = self._last_window(k), self._last_window(v)
         # The new token sees every cached token (the window's last W with itself), so no mask is needed.
         out = self._merge(self._kernel(q, k, v, causal=False))
-        return out[:, 0], KVCache(k, v, position + 1)
+        return out[:, 0], self._join_state(conv, KVCache(k, v, position + 1))
 
     def _check_state(self, state, k_t: torch.Tensor) -> int:
         """The cache's position, once it is checked to be this block's for the new token's keys k_t
@@ -508,4 +551,5 @@ class SoftmaxAttention(_Projections):
 
     def extra_repr(self) -> str:
         return (f"heads={self.heads}, rope={self.rope}, causal={self.causal}, backend={self.backend!r}"
-                + (f", window={self.window}" if self.window else ""))
+                + (f", window={self.window}" if self.window else "")
+                + (f", short_conv={self.short_conv.kernel_size}" if self.short_conv is not None else ""))
