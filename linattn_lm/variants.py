@@ -10,7 +10,7 @@ from argparse import ArgumentTypeError
 from typing import Any
 
 import linattn
-from .flags import option
+from .cli import option
 
 SOFTMAX_VARIANTS = {"softmax-rope": ("post", False), "softmax-abs": ("none", True),
                     "softmax-none": ("none", False), "softmax-rope-abs": ("post", True)}
