@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+from pathlib import Path
 from typing import Any, Callable
 
-from .cli import add_flags, load_imports, one_line_warnings
+from .cli import add_flags, flag_name, load_imports, one_line_warnings
 from .errors import Parser
-from .presets import DEFAULT_PRESET, PRESETS, TASK_PRESETS
-from .settings import FIELDS, SECTIONS, VARIANT, TrainConfig, field_default
+from .presets import DEFAULT_PRESET, TASK_PRESETS, is_preset_file, preset_changes, preset_file
+from .settings import FIELD_TYPES, FIELDS, PLAIN_OPTION_TYPES, SECTIONS, VARIANT, TrainConfig, field_default
 from .variants import LINEAR_BLOCK_OPTIONS
 
 
@@ -48,6 +49,8 @@ def given_settings(args: Any) -> dict[str, Any]:
     given = {key: value for key, value in vars(args).items() if key in FIELDS and value is not None}
     if "feature_map_options" in given:
         given["feature_map_options"] = dict(given["feature_map_options"])
+    if is_preset_file(given.get("preset", "")):   # recorded absolute, as data_dir is: found from any directory
+        given["preset"] = str(Path(given["preset"]).expanduser().resolve())
     return given
 
 
@@ -59,13 +62,34 @@ def variant_skip() -> set[str]:
 LINEAR_ONLY = ("feature_map", "feature_map_options", "chunk_size", *LINEAR_BLOCK_OPTIONS)
 
 
-def preset_settings(name: str) -> dict[str, Any]:
+PRESET_SECTIONS = ("model", "optim", "log", "task")   # sizes and schedule; "run" is where and how a command runs
+
+
+def preset_settings(preset: str) -> dict[str, Any]:
     """Every setting a preset gives (its changes over the defaults), by field name.
 
-    Args: name: a key of PRESETS.
-    Returns: a fresh dict, safe to change."""
+    Args: preset: a preset's name (linattn_lm/models/NAME.toml) or a path to a .toml file of that form.
+    Returns: a fresh dict, safe to change.
+    Raises: ValueError naming the file and the key of a setting it cannot hold."""
+    path = preset_file(preset)
+    changes = {key: preset_value(path, key, value) for key, value in preset_changes(preset).items()}
     defaults = {key: field_default(key) for key in FIELDS}
-    return copy.deepcopy({**defaults, **PRESETS[name]})
+    return copy.deepcopy({**defaults, **changes})
+
+
+def preset_value(path: Path, key: str, value: Any) -> Any:
+    """A preset file's value for `key`, as the settings hold it (an integer where a float goes: that float)."""
+    if key not in FIELDS or FIELDS[key][0] not in PRESET_SECTIONS:
+        what = f"a run setting: give it as {flag_name(key)}" if key in FIELDS else "no setting of train.py --help"
+        raise ValueError(f"{path}: {key!r} is {what}; a preset holds model, optim, log and task settings")
+    expected = FIELD_TYPES[FIELDS[key][1].type]
+    if expected is float and type(value) is int:
+        return float(value)
+    if not isinstance(value, expected) or isinstance(value, bool) != (expected is bool) or (
+            expected is dict and not all(isinstance(option, PLAIN_OPTION_TYPES) for option in value.values())):
+        shown = "a table of str, int, float or bool values" if expected is dict else expected.__name__
+        raise ValueError(f"{path}: {key} must be {shown}, got {value!r}")
+    return value
 
 
 def resolve_variant(given: dict[str, Any], preset: dict[str, Any]) -> dict[str, Any]:
@@ -104,8 +128,6 @@ def merged_flags(given: dict[str, Any]) -> TrainConfig:
         raise ValueError("data_dir must name a directory, got ''; leave --data-dir out for the repository's "
                          "data/enwik8")
     preset_name = given.get("preset", TASK_PRESETS.get(given.get("task"), DEFAULT_PRESET))
-    if preset_name not in PRESETS:
-        raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(PRESETS)}")
     preset = preset_settings(preset_name)
     values = {**preset, **given, **resolve_variant(given, preset), "preset": preset_name}
     sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}

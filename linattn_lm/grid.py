@@ -65,7 +65,7 @@ REPORT_FILES = ("results.md", "results.csv", "val_bpc.png")
 
 def grid_name(given: dict[str, Any]) -> str:
     preset = given.get("preset") or TASK_PRESETS.get(given.get("task"), DEFAULT_PRESET)   # --task mqar: mqar
-    return given["run_name"] if "run_name" in given else f"grid-{preset}"
+    return given["run_name"] if "run_name" in given else f"grid-{Path(preset).stem}"   # a preset file: its name
 
 
 def run_configs(given: dict[str, Any], variants: list[str], seeds: list[int]) -> dict[tuple[int, str], TrainConfig]:

@@ -21,7 +21,7 @@ import linattn
 from .cli import FLAG_PARSERS, option
 from .data import default_data_dir
 from .files import check_run_name, check_utf8
-from .presets import PRESETS
+from .presets import MODELS_DIR, PRESET_SUFFIX, PRESETS, is_preset_file
 from .preflight import check_backend_runs_on, check_memory
 from .variants import LINEAR_BLOCK_OPTIONS, variant_name
 from .map_check import checked_feature_map
@@ -404,7 +404,9 @@ class LogConfig:
 class RunConfig:
     """Where data and outputs live, the device, and the user code the run needs."""
 
-    preset: str = setting("cpu", "sizes and schedule", resumable=True, flag=dict(choices=list(PRESETS)))
+    preset: str = setting("cpu", f"sizes and schedule: a preset of {MODELS_DIR.parent.name}/{MODELS_DIR.name}/ "
+                                 f"({', '.join(PRESETS)}) or a {PRESET_SUFFIX} file of that form", resumable=True,
+                          flag=dict(metavar="NAME_OR_FILE"))
     data_dir: str = setting("", "prepared enwik8 directory (default: the repository's data/enwik8)",
                             resumable=True)
     out_dir: str = setting("runs", "parent directory of run directories", resumable=True)
@@ -443,8 +445,8 @@ class RunConfig:
         check_types(self)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r}; choose from {', '.join(PRESETS)}")
+        if self.preset not in PRESETS and not is_preset_file(self.preset):
+            raise ValueError(f"unknown preset {self.preset!r}; choose from {', '.join(PRESETS)}, or a {PRESET_SUFFIX} file")
         if not self.out_dir:
             raise ValueError("out_dir must name a directory, got ''; pass --out-dir . for the current directory")
         check_utf8("out_dir", self.out_dir)

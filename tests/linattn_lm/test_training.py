@@ -23,8 +23,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from linattn_lm import (ByteLM, ModelConfig, TrainConfig, config_from_flags, flags, grid, load_checkpoint, process,
                         results, save_checkpoint, text, training)
 from linattn_lm.checkpoint import recorded_config, recorded_digest
-from linattn_lm.flags import preset_settings
-from linattn_lm.presets import PRESETS
 from linattn_lm.settings import RESUMABLE, RunConfig
 from linattn_lm.data import load_split
 
@@ -116,7 +114,7 @@ def test_run_names_that_name_no_directory_of_their_own_are_refused(name: str, tm
     (["--decay-steps", str(2**63)], "decay_steps must be below 2**63"),
     (["--warmup", str(10**30)], "warmup must be below 2**63"),
     (["--attention", "softmax", "--rope", "pre"], "--rope pre"),
-    (["--preset", "huge"], "invalid choice: 'huge'"),
+    (["--preset", "huge"], "unknown preset 'huge'"),
     (["--n-layer", "0"], "n_layer must be positive"),
     (["--n-layer", "2.5"], "not an integer"),
     (["--d-model", "100", "--n-head", "3"], "must be a multiple of n_head"),
@@ -440,14 +438,6 @@ def test_explicit_flags_override_the_preset() -> None:
     assert more.model.feature_map_options == {"num_features": 16, "redraw_interval": 1000}
 
 
-def test_presets_list_only_what_differs_from_the_defaults() -> None:
-    defaults = TrainConfig().flat()
-    assert PRESETS["cpu"] == {}   # the defaults are the cpu preset
-    for name, changes in PRESETS.items():
-        assert {key: value for key, value in changes.items() if defaults[key] != value} == changes, name
-        assert preset_settings(name) == {**defaults, **changes}
-
-
 def test_resumable_settings_are_declared_on_the_fields() -> None:
     assert RESUMABLE == {"steps", "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "sample_interval",
                          "preset", "data_dir", "out_dir", "run_name", "device", "compile", "threads", "imports", "backend"}
@@ -573,12 +563,6 @@ def test_ddp_two_cpu_ranks_keep_a_trainable_map_identical(data_dir: Path, tiny: 
         assert torch.equal(tensor, rank1["tensors"][key]), key
     trained = rank0["tensors"]["blocks.0.attn.feature_map.weight"]
     assert not torch.equal(trained, torch.eye(32).expand_as(trained))   # it trained (identity start)
-
-
-@pytest.mark.parametrize("preset", ["cpu", "eleuther", "paper"])
-def test_presets_never_redraw_favor(preset: str) -> None:
-    """The study measured that redraws cost accuracy (docs/results/study.md): the map's default."""
-    assert preset_settings(preset)["feature_map_options"]["redraw_interval"] == 0
 
 
 def test_resume_needs_only_where_the_run_is(tiny_run: Path, tmp_path: Path, run_main) -> None:
