@@ -1,7 +1,6 @@
 """Machine checks before a run starts: the memory an estimate needs, and kernels for the device."""
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -9,17 +8,11 @@ import torch
 import linattn
 
 
-def available_memory_bytes(device: torch.device | None = None) -> int:
-    """The device's total memory: a CUDA GPU's, else the machine's physical memory."""
-    if device is not None and device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def check_memory(needed: int, what: str, device: torch.device | None = None) -> None:
-    """Refuse before allocating when an estimate is beyond the device's memory."""
-    available = available_memory_bytes(device)
-    if needed > available:
+    """Refuse before allocating when an estimate is beyond the device's memory (the library's
+    `device_memory`: a CUDA GPU's, the machine's physical memory on CPU; unknown elsewhere, not checked)."""
+    available = linattn.device_memory(device if device is not None else torch.device("cpu"))
+    if available is not None and needed > available:
         raise ValueError(f"{what} would need about {needed / 2**30:,.1f} GiB, more than the "
                          f"{available / 2**30:,.1f} GiB this machine has; choose smaller sizes")
 
