@@ -304,14 +304,6 @@ class ModelConfig:
         """Short name of the attention variant (linattn_lm.variants builds and parses them)."""
         return variant_name(self)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "ModelConfig":
-        """The config of a plain dict, checked; unknown keys are errors (a typo is never ignored)."""
-        return from_plain_dict(cls, values, "model")
-
 
 def check_setting_names(cls: type, values: Any, section: str) -> None:
     if not isinstance(values, dict):

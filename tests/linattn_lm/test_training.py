@@ -421,7 +421,7 @@ def test_ddp_two_cpu_ranks_stay_identical(data_dir: Path, tiny: list[str], tmp_p
         assert torch.equal(tensor, rank1["tensors"][key]), key
     assert rank0["favor"] == rank1["favor"] and rank0["favor"][0]["draws"] == 2   # redrawn at steps 3, 6
     assert len(rank0["first_windows"]) == 4 and not torch.equal(rank0["first_windows"], rank1["first_windows"])
-    config = ModelConfig.from_dict(load_checkpoint(tmp_path / "linear-favor-post-M32")["config"]["model"])
+    config = ModelConfig(**load_checkpoint(tmp_path / "linear-favor-post-M32")["config"]["model"])
     initial = ByteLM(config).state_dict()["blocks.0.attn.feature_map.projection"]
     assert not torch.equal(rank0["tensors"]["blocks.0.attn.feature_map.projection"], initial)
 
@@ -533,7 +533,7 @@ def test_a_map_with_weights_trains_and_resumes_exactly(variant: list[str], data_
         assert torch.equal(tensor, b["model"][key]), key
     weight = a["model"]["blocks.0.attn.feature_map.weight"]
     torch.manual_seed(0)
-    initial = ByteLM(ModelConfig.from_dict(a["config"]["model"])).state_dict()["blocks.0.attn.feature_map.weight"]
+    initial = ByteLM(ModelConfig(**a["config"]["model"])).state_dict()["blocks.0.attn.feature_map.weight"]
     assert weight.shape == initial.shape and not torch.equal(weight, initial)
 
 
