@@ -10,6 +10,7 @@ re-hashes the file and refuses one whose bytes changed (docs/checkpoints.md).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import pickle
@@ -25,7 +26,7 @@ import torch
 import linattn
 
 from .cli import import_user_code
-from .settings import MAX_STEPS, SECTIONS, TrainConfig, check_setting_names, from_plain_dict
+from .settings import MAX_STEPS, SECTIONS, TrainConfig, check_types
 from .lm import ByteLM
 from .device import PRECISIONS
 from .errors import UsageError, first_line
@@ -366,6 +367,22 @@ def model_from_checkpoint(checkpoint: dict[str, Any], path: Path | str = "checkp
     model = ByteLM(config)
     load_weights(model, checkpoint["model"], path)
     return model
+
+
+def check_setting_names(cls: type, values: Any, section: str) -> None:
+    if not isinstance(values, dict):
+        raise ValueError(f"the {section} settings must be a dict, got {type(values).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown {section} setting(s) {unknown}; known: {sorted(known)}")
+
+
+def from_plain_dict(cls: type, values: Any, section: str) -> Any:
+    check_setting_names(cls, values, section)
+    config = cls(**values)
+    check_types(config)
+    return config
 
 
 def parsed_record(values: Any) -> TrainConfig:

@@ -22,3 +22,27 @@ def check_backend_runs_on(model: Any, device: torch.device) -> None:
     log_space = model.attention == "linear" and linattn.feature_map_class(model.feature_map).log_space
     linattn.resolve_backend(model.block_backend, device, attention=model.attention, log_space=log_space)
 
+
+def parameter_bytes(model: Any) -> int:
+    """A model config's float32 parameters and feature-map buffers (an M x head_dim projection per layer)."""
+    d, hidden = model.d_model, model.mlp_hidden
+    per_layer = 4 * d * d + 2 * d * hidden + hidden + d + 4 * d
+    if model.attention == "linear":
+        per_layer += model.num_features * model.head_dim
+    count = 2 * model.vocab_size * d + model.n_layer * per_layer + 2 * d + model.abs_pos * model.seq_len * d
+    return 4 * count
+
+
+def activation_bytes(model: Any, batch_size: int) -> int:
+    """A rough float32 estimate of what one training step keeps for backward."""
+    tokens, d, heads = batch_size * model.seq_len, model.d_model, model.n_head
+    per_token = 10 * d + 2 * model.mlp_hidden + 3 * model.vocab_size
+    if model.attention == "softmax":
+        per_token += heads * model.seq_len                       # the weights of the math kernel
+    else:
+        chunk = model.chunk_size
+        padded = -(-model.seq_len // chunk) * chunk
+        per_token += 4 * heads * model.num_features             # phi(q), phi(k), rotated copies
+        per_token += heads * chunk * padded // model.seq_len    # masked chunk scores
+        per_token += heads * model.num_features * model.head_dim * padded // (chunk * model.seq_len)
+    return 4 * tokens * per_token * model.n_layer

@@ -22,7 +22,7 @@ from .cli import FLAG_PARSERS, option
 from .data import default_data_dir
 from .files import check_run_name, check_utf8
 from .presets import MODELS_DIR, PRESET_SUFFIX, PRESETS, is_preset_file
-from .preflight import check_backend_runs_on, check_memory
+from .preflight import activation_bytes, check_backend_runs_on, check_memory, parameter_bytes
 from .variants import LINEAR_BLOCK_OPTIONS, variant_name
 from .map_check import checked_feature_map
 from .device import DTYPES, resolve_device, resolve_dtype
@@ -120,7 +120,7 @@ class ModelConfig:
     def validate(self) -> None:
         """The field checks, then the parameter memory, then the feature map (`check_map`)."""
         self.check_fields()
-        check_memory(self.parameter_bytes(), "the model's parameters and buffers")
+        check_memory(parameter_bytes(self), "the model's parameters and buffers")
         self.check_map()
 
     def check_map(self) -> None:
@@ -276,51 +276,10 @@ class ModelConfig:
             return self.head_dim
         return value if linattn.is_integer(value) and value >= 1 else self.head_dim
 
-    def parameter_bytes(self) -> int:
-        """float32 parameters and feature-map buffers (an M x head_dim projection per layer)."""
-        d, hidden = self.d_model, self.mlp_hidden
-        per_layer = 4 * d * d + 2 * d * hidden + hidden + d + 4 * d
-        if self.attention == "linear":
-            per_layer += self.num_features * self.head_dim
-        count = 2 * self.vocab_size * d + self.n_layer * per_layer + 2 * d + self.abs_pos * self.seq_len * d
-        return 4 * count
-
-    def activation_bytes(self, batch_size: int) -> int:
-        """A rough float32 estimate of what one training step keeps for backward."""
-        tokens, d, heads = batch_size * self.seq_len, self.d_model, self.n_head
-        per_token = 10 * d + 2 * self.mlp_hidden + 3 * self.vocab_size
-        if self.attention == "softmax":
-            per_token += heads * self.seq_len                       # the weights of the math kernel
-        else:
-            chunk = self.chunk_size
-            padded = -(-self.seq_len // chunk) * chunk
-            per_token += 4 * heads * self.num_features             # phi(q), phi(k), rotated copies
-            per_token += heads * chunk * padded // self.seq_len    # masked chunk scores
-            per_token += heads * self.num_features * self.head_dim * padded // (chunk * self.seq_len)
-        return 4 * tokens * per_token * self.n_layer
-
     @property
     def variant(self) -> str:
         """Short name of the attention variant (linattn_lm.variants builds and parses them)."""
         return variant_name(self)
-
-
-def check_setting_names(cls: type, values: Any, section: str) -> None:
-    if not isinstance(values, dict):
-        raise ValueError(f"the {section} settings must be a dict, got {type(values).__name__}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"unknown {section} setting(s) {unknown}; known: {sorted(known)}")
-
-
-def from_plain_dict(cls: type, values: Any, section: str) -> Any:
-    check_setting_names(cls, values, section)
-    config = cls(**values)
-    check_types(config)
-    return config
-
-
 
 
 def layer_seed(run_seed: int, layer: int) -> int:
@@ -508,7 +467,7 @@ class TrainConfig:
             raise ValueError(f"vocab_size must be at least 256 for enwik8 (one id per byte), got {self.model.vocab_size}")
         device = resolve_device(self.run.device)
         self.model.check_fields()
-        needed = 4 * self.model.parameter_bytes() + self.model.activation_bytes(self.optim.batch_size)
+        needed = 4 * parameter_bytes(self.model) + activation_bytes(self.model, self.optim.batch_size)
         check_memory(needed, f"a training step with batch_size {self.optim.batch_size}, seq_len "
                              f"{self.model.seq_len} and these sizes (layers, width, feature-map num_features, "
                              "chunk_size)", device)
