@@ -1,5 +1,5 @@
 """The benchmark's settings: declared once in `Settings`, presets as data, flags generated from the
-fields by the harness's generator (linattn_lm.cli).  Every flag is checked here, so bad input ends in
+fields by the harness's generator (linattn_lm.flags).  Every flag is checked here, so bad input ends in
 one line and exit status 2."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from linattn_lm.errors import Parser, first_line
 import torch
 
 from linattn_lm import PRESETS as TRAINING_PRESETS
-from linattn_lm.cli import add_flags, comma_items, flag_name
+from linattn_lm.flags import add_flags, comma_items, flag_name
 
 from .methods import (DTYPES, KERNEL_METHODS, LINEAR_BACKENDS, MASKS, ROPES, SOFTMAX_BLOCKS, Method, Shape,
                       block_names, block_parts, build_attention, build_block, method_table, model_size,
@@ -127,7 +127,7 @@ def one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
 
 
 def option(default, help: str, parse: Callable[[str], object], **flag):
-    """A setting and its flag (linattn_lm.cli.add_flags): `flag` holds argparse keywords of its own."""
+    """A setting and its flag (linattn_lm.flags.add_flags): `flag` holds argparse keywords of its own."""
     return field(default=default, metadata={"help": help, "parse": parse, "flag": flag})
 
 

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from .data import SPLITS, DataError, SequentialWindows, check_window_fits, default_data_dir, load_split
-from .cli import finite_float, integer
 from .preflight import check_backend_runs_on
 from .checkpoint import (CheckpointError, checkpoint_path, import_recorded, load_checkpoint, model_from_checkpoint,
                          saved_precision, saved_section)
+from .flags import finite_float, integer
 from .cli import DefaultsFormatter, load_imports, one_line_warnings
 from .grid_record import AR_SPLIT_KEYS, RESULT_NAME, read_record
 from .lm import ByteLM, bits_per_byte, lm_loss, state_size

@@ -1,18 +1,104 @@
-"""The harness's flags: one per settings field, parsed, and the settings they give: explicit flags
-over the preset over the defaults."""
+"""Command-line flags generated from dataclass fields: the one generator behind the harness's settings
+(linattn_lm/settings.py) and the benchmark's (benchmarks/settings.py), its number and list parsers,
+and the harness's flags: one per settings field, parsed, and the settings they give: explicit flags
+over the preset over the defaults.
+
+A field's metadata holds its help text and how a flag's text becomes its value: `parse` (text ->
+value; a ValueError says what was expected; `bool` makes a --name/--no-name switch), by default
+the parser of the field's type (FLAG_PARSERS), and, for the few flags that are not one value,
+`flag`: argparse keywords that replace the generated ones ("name" for another flag name).
+"""
 from __future__ import annotations
 
 import argparse
 import copy
 import dataclasses
+import math
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
-from .cli import add_flags, flag_name, load_imports, one_line_warnings
+from .cli import load_imports, one_line_warnings
 from .errors import Parser
 from .presets import DEFAULT_PRESET, TASK_PRESETS, is_preset_file, preset_changes, preset_file
 from .settings import FIELD_TYPES, FIELDS, PLAIN_OPTION_TYPES, SECTIONS, VARIANT, TrainConfig, field_default
 from .variants import LINEAR_BLOCK_OPTIONS
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_flags(parser: argparse.ArgumentParser, fields: Iterable[dataclasses.Field], *,
+              skip: Iterable[str] = (), group: Callable[[dataclasses.Field], str] | None = None,
+              default: Callable[[dataclasses.Field], Any] = lambda field: field.default,
+              note: Callable[[dataclasses.Field], str] = lambda field: "") -> None:
+    """One flag per field, --name-with-dashes into dest `name`.
+
+    Args:
+        parser: where the flags go.
+        fields: dataclass fields whose metadata holds help, optionally parse (default: FLAG_PARSERS' for
+            the default's type) and flag.
+        skip: field names that get no flag.
+        group: a field's argument-group title (None: no groups).
+        default: a field's flag default (the harness: None, so only given flags count).
+        note: text after a field's help (how it shows its default)."""
+    groups: dict[str, Any] = {}
+    for field in fields:
+        if field.name in skip:
+            continue
+        title = group(field) if group else None
+        if title is not None and title not in groups:
+            groups[title] = parser.add_argument_group(title)
+        target = groups.get(title, parser)
+        meta = field.metadata
+        if "parse" not in meta:   # the parser of the default's type
+            meta = {**dict(zip(("parse", "metavar"), FLAG_PARSERS.get(type(field.default), ()))), **meta}
+        keywords = dict(dest=field.name, default=default(field), help=meta["help"] + note(field))
+        if meta.get("parse") is bool:
+            keywords["action"] = argparse.BooleanOptionalAction
+        elif "parse" in meta:
+            keywords.update(type=argparse_type(meta["parse"]), metavar=meta.get("metavar"))
+        keywords.update(meta.get("flag", {}))
+        target.add_argument(keywords.pop("name", flag_name(field.name)), **keywords)
+
+
+def argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """argparse reports an ArgumentTypeError's message; a ValueError's would be lost."""
+    def wrapped(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    wrapped.__name__ = getattr(parse, "__name__", "value")
+    return wrapped
+
+
+def comma_items(text: str) -> list[str]:
+    """The items of a comma-separated flag, stripped; none at all when one is empty ('a,,b', 'a,'):
+    an empty item is a typo more often than not, and may hide a missing value, so the callers refuse
+    it as they refuse an empty list."""
+    items = [item.strip() for item in text.split(",")]
+    return items if all(items) else []
+
+
+def finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
+FLAG_PARSERS = {bool: (bool, None), int: (integer, "N"), float: (finite_float, "X"), str: (str, None)}
 
 
 def add_config_flags(parser: Any, *, skip: set[str] = frozenset()) -> None:

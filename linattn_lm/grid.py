@@ -37,9 +37,9 @@ import linattn
 
 from . import training
 from .checkpoint import CHECKPOINT_NAME, CheckpointError, recorded_digest
-from .cli import comma_items, import_user_code
+from .cli import import_user_code
 from .files import check_run_name
-from .flags import build_parser, config_from_flags, merged_flags, parse_config, variant_skip
+from .flags import build_parser, comma_items, config_from_flags, merged_flags, parse_config, variant_skip
 from .presets import DEFAULT_PRESET, TASK_PRESETS
 from .process import Distributed, distributed, launched_rank
 from .results import RunFailed, TrainResult, exit_code, run_reporting_errors

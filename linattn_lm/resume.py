@@ -11,8 +11,7 @@ from tqdm import tqdm
 
 from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_finite_weights, check_progress, checkpoint_entries,
                          import_recorded, load_checkpoint, saved_config, saved_precision)
-from .cli import flag_name
-from .flags import merged_flags
+from .flags import flag_name, merged_flags
 from .process import Distributed
 from .runlock import DirectoryLock
 from .settings import ABSENT, RESUMABLE, SECTIONS, TrainConfig, field_default

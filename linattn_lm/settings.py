@@ -18,12 +18,11 @@ import torch
 
 import linattn
 
-from .cli import FLAG_PARSERS, option
 from .data import default_data_dir
 from .files import check_run_name, check_utf8
 from .presets import MODELS_DIR, PRESET_SUFFIX, PRESETS, is_preset_file
 from .preflight import activation_bytes, check_backend_runs_on, check_memory, parameter_bytes
-from .variants import LINEAR_BLOCK_OPTIONS, variant_name
+from .variants import LINEAR_BLOCK_OPTIONS, option, variant_name
 from .map_check import checked_feature_map
 from .device import DTYPES, resolve_device, resolve_dtype
 
@@ -36,12 +35,10 @@ PLAIN_OPTION_TYPES = (bool, int, float, str, type(None))
 
 def setting(default: Any = dataclasses.MISSING, help: str = "", *, resumable: bool = False,
             variant: bool = False, flag: dict[str, Any] | None = None, **kwargs: Any) -> Any:
-    """A config field with its flag (linattn_lm.flags): help text, a parser by the default's type,
-    `flag` for argparse keywords of its own.  `resumable`: may change on --resume (it never changes
+    """A config field with its flag (linattn_lm.flags, which parses it by the default's type): help
+    text, `flag` for argparse keywords of its own.  `resumable`: may change on --resume (it never changes
     what the optimiser computes); `variant`: picks the attention variant (grid.py sets it)."""
     metadata = {"help": help, "resumable": resumable, "variant": variant, "flag": flag or {}}
-    if type(default) in FLAG_PARSERS:
-        metadata["parse"], metadata["metavar"] = FLAG_PARSERS[type(default)]
     if isinstance(default, (dict, list)):
         return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=metadata, **kwargs)
     return dataclasses.field(default=default, metadata=metadata, **kwargs)

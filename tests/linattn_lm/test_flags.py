@@ -6,9 +6,8 @@ from dataclasses import dataclass, field, fields
 
 import pytest
 
-from linattn_lm import training
-from linattn_lm.cli import add_flags, option
-from linattn_lm.flags import build_parser, config_from_argv
+from linattn_lm.flags import add_flags, build_parser, config_from_argv
+from linattn_lm.variants import option
 from linattn_lm.presets import PRESETS
 
 
