@@ -1,32 +1,83 @@
 #!/usr/bin/env bash
-# A lent GPU's checks in one call, sized for its 15 minutes of device time (docs/benchmarks.md, "A GPU
-# session"): the GPU tests, then `python -m benchmarks --preset gpu-targets`, and, when GAP_S > 0 (a
-# second call: TESTS_S=0 BENCH_S=0 GAP_S=400), `--preset gap-closers` on fla in bf16.  A stage whose
-# limit is 0 is skipped.  Logs and tables go to $OUT (the device tool's folder; default gpu-session/):
-# device.txt, pytest-gpu.txt, bench.txt, bench-gpu-targets.{json,md,png}, bench-gap.txt and
-# bench-gap-closers-gpu.{json,md}.  Prepare the wheels here first: bash benchmarks/gpu_wheels.sh.
+# A lent GPU's checks in one call that fits its slot (docs/benchmarks.md, "A GPU session"):
+#   bash benchmarks/gpu_session.sh [--dry-run] [OUT]
+# Stages, each under `timeout` with its own limit and files under OUT (default $OUT, else gpu-session/),
+# their limits summing to at most BUDGET_S (570 s, 9.5 minutes):
+#   setup     install the carried wheels (.whl/, bash benchmarks/gpu_wheels.sh) and record the versions
+#   warm      fla autotunes every measured shape once (two processes side by side); Triton's cache
+#             (.gpu-cache/, autotune results included) is saved as OUT/gpu-cache.tgz for a later run to carry in
+#   accuracy  the block in bf16 against float64 at N = 16k and 64k (tests/linattn/ops/test_bf16_accuracy.py)
+#   profile   torch.profiler: one FAVOR+ post forward + backward at 64k beside one bare chunk_gla
+#   blocks    the block table: softmax, FAVOR+ post, elu post at 4k / 16k / 64k, bf16
+#   kernels   the op against chunk_gla at M = 64 and 256
+# Then, within what is left of BUDGET_S (plenty when .gpu-cache/ was carried in): `pytest -m gpu` and the
+# model section.  A stage that would end past the budget is skipped and says so.  --dry-run (on CPU)
+# prints each stage's limit and command, checks that the command parses (pytest collects its tests,
+# the benchmark takes its flags) and that the limits fit the budget.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${OUT:-gpu-session}
+dry=0
+if [ "${1:-}" = --dry-run ]; then dry=1; shift; fi
+out=${1:-${OUT:-gpu-session}}
+budget=${BUDGET_S:-570}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-if [ -d .whl ]; then   # installed beside the image's torch and triton, never over them
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/linattn-site \
-        .whl/*.whl || { echo "error: the wheels in .whl/ did not install" >&2; exit 1; }
-    export PYTHONPATH=/tmp/linattn-site:$PWD
-fi
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, triton, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__)"
-} 2>&1 | tee "$out/device.txt"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=$PWD/.gpu-cache
+pytest_gpu="python3 -m pytest -m gpu -q -n 0 -p no:cacheprovider"
+bench="python3 -m benchmarks --device cuda --dtypes bf16 --lengths 4096,16384,65536 --overwrite"
+parse="python3 -c 'import sys; from benchmarks.settings import parse_settings; parse_settings(sys.argv[1:])'"
+declare -A run check flags
+# the budgeted stages in order, "name limit_s", then those that take what is left
+stages=("setup 30" "warm 150" "accuracy 110" "profile 40" "blocks 120" "kernels 90")
+later=("gpu_tests 300" "model 300")
+run[setup]="if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+--target /tmp/linattn-site .whl/*.whl || { echo 'error: the wheels in .whl/ did not install'; exit 1; }; fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+python3 -c \"import torch, triton, fla; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'fla', fla.__version__)\""
+check[setup]="bash -n $0"
+run[warm]="python3 -m benchmarks.gpu_checks warm blocks & first=\$!; python3 -m benchmarks.gpu_checks warm kernels && wait \$first \
+&& { [ ! -d .gpu-cache ] || tar -czf $out/gpu-cache.tgz .gpu-cache; }"
+check[warm]="python3 -m benchmarks.gpu_checks warm blocks --check && python3 -m benchmarks.gpu_checks warm kernels --check"
+run[accuracy]="$pytest_gpu -s tests/linattn/ops/test_bf16_accuracy.py"
+run[profile]="python3 -m benchmarks.gpu_checks profile --length 65536 --out $out/profile.txt"
+flags[blocks]="--sections block --block-methods softmax,favor-post,elu-post --out $out/blocks"
+flags[kernels]="--sections kernels --kernel-methods linattn-fla-log,fla-gla --kernel-features 64,256 --out $out/kernels"
+flags[model]="--preset gpu-targets --sections model --out $out/model"
+run[gpu_tests]="$pytest_gpu --deselect tests/linattn/ops/test_bf16_accuracy.py"
+for name in accuracy gpu_tests; do check[$name]="${run[$name]} --collect-only | grep -q 'collected'"; done
+check[profile]="${run[profile]} --check"
+for name in blocks kernels model; do
+    run[$name]="$bench ${flags[$name]}"
+    check[$name]="$parse ${run[$name]#python3 -m benchmarks } --device cpu"   # the flags, on this machine
+done
+
 status=0
-stage() {   # stage LIMIT_S LOG COMMAND...: the command under `timeout LIMIT_S`, its output also in $out/LOG
-    local limit=$1 log=$2
-    shift 2
-    [ "$limit" -gt 0 ] || return 0
-    timeout "$limit" "$@" 2>&1 | tee "$out/$log" || status=$?
-}
-stage "${TESTS_S:-200}" pytest-gpu.txt python3 -m pytest -m gpu -q -n 0 -p no:cacheprovider
-stage "${BENCH_S:-330}" bench.txt python3 -m benchmarks --preset gpu-targets --out "$out/bench-gpu-targets" --overwrite
-stage "${GAP_S:-0}" bench-gap.txt python3 -m benchmarks --preset gap-closers --device cuda --dtypes bf16 \
-    --lengths 4096,16384,65536 --out "$out/bench-gap-closers-gpu" --overwrite
-exit $status   # the last failing stage's status; each stage's log says more
+total=0
+for stage in "${stages[@]}"; do total=$((total + ${stage#* })); done
+if [ $dry = 1 ]; then
+    declare -A checking
+    for stage in "${stages[@]}" "${later[@]}"; do   # side by side: pytest's collection takes a while
+        name=${stage% *}
+        bash -c "${check[$name]}" >"$out/dry-run-$name.txt" 2>&1 & checking[$name]=$!
+    done
+    for stage in "${stages[@]}" "${later[@]}"; do
+        name=${stage% *}
+        if wait "${checking[$name]}"; then verdict=ok; else verdict=FAILED; status=1; fi
+        printf '%-9s %4s s  %-6s %s\n' "$name" "${stage#* }" "$verdict" "$(echo "${run[$name]}" | head -n 1)"
+    done
+    [ $total -le "$budget" ] || { echo "budgeted stages: $total s, over the budget of $budget s"; status=1; }
+    echo "dry run: ${#stages[@]} budgeted stages, $total s of $budget s; ${#later[@]} after, in what is left:" \
+        "$([ $status = 0 ] && echo ok || echo FAILED)"
+    exit $status
+fi
+[ -d .whl ] && export PYTHONPATH=/tmp/linattn-site:$PWD
+for stage in "${stages[@]}" "${later[@]}"; do
+    name=${stage% *} limit=${stage#* }
+    left=$((budget - SECONDS))
+    if [ "$left" -lt 30 ]; then echo "$name: skipped, $left s of the budget left" | tee "$out/$name.txt"; continue; fi
+    [ "$limit" -le "$left" ] || limit=$left
+    echo "== $name ($limit s)"
+    # timeout signals the stage's whole process group (both warm processes too)
+    timeout "$limit" bash -c "${run[$name]}" > "$out/$name.txt" 2>&1 || { status=$?; echo "$name: exit $status"; }
+    tail -n 3 "$out/$name.txt"
+done
+exit $status   # the last failing stage's status; each stage's file says more

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 import linattn
-from linattn_lm.config import preset_settings
+from linattn_lm.flags import preset_settings
 from linattn_lm.variants import block_option_from_name
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -14,7 +14,6 @@ from typing import Callable
 
 import linattn
 from linattn.functional import BACKENDS as LINATTN_BACKENDS
-from linattn_lm.config import available_memory_bytes
 from linattn_lm.device import resolve_device
 from linattn_lm.errors import Parser, first_line
 
@@ -286,8 +285,8 @@ def check_sizes_fit(settings: Settings, lengths: tuple[int, ...], device: torch.
     m, d = max((settings.num_features, *(settings.kernel_features if "kernels" in settings.sections else ()))), \
         settings.head_dim
     needed = 4 * (settings.batch * settings.heads * max(lengths) * (2 * max(m, d) + d) + m * d)
-    available = available_memory_bytes(device)
-    if needed > available:
+    available = linattn.device_memory(device)
+    if available is not None and needed > available:
         raise BadSetting(f"--lengths up to {max(lengths):,} with b={settings.batch}, h={settings.heads}, D={d}, "
                          f"M={m}: the inputs alone need {needed / 2**30:,.1f} GiB, this {device.type} has "
                          f"{available / 2**30:,.1f} GiB; choose shorter --lengths or smaller sizes")

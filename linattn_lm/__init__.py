@@ -3,7 +3,9 @@ checkpoints, the enwik8 loader, and the training, grid and evaluation commands (
 and eval.py are thin wrappers around `training.main`, `grid.main` and `evaluate.main`)."""
 from .checkpoint import (CHECKPOINT_NAME, CheckpointError, checkpoint_path, load_checkpoint, model_from_checkpoint,
                          save_checkpoint)
-from .config import PRESETS, LogConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig, config_from_flags, layer_seed
+from .flags import config_from_flags
+from .presets import PRESETS
+from .settings import LogConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig, layer_seed
 from .lm import ByteLM, DecodeState, bits_per_byte, lm_loss
 
 __all__ = [

@@ -10,6 +10,7 @@ re-hashes the file and refuses one whose bytes changed (docs/checkpoints.md).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import pickle
@@ -25,7 +26,7 @@ import torch
 import linattn
 
 from .cli import import_user_code
-from .config import MAX_STEPS, TrainConfig
+from .settings import MAX_STEPS, SECTIONS, TrainConfig, check_types
 from .lm import ByteLM
 from .device import PRECISIONS
 from .errors import UsageError, first_line
@@ -325,9 +326,9 @@ def check_progress(checkpoint: dict[str, Any], config: TrainConfig, path: Path |
 
 def saved_config(checkpoint: dict[str, Any], path: Path | str) -> TrainConfig:
     """The checkpoint's configuration, checked as every command that reads one checks it (eval.py,
-    --resume, grid.py): `TrainConfig.from_record`."""
+    --resume, grid.py): `recorded_config`."""
     try:
-        return TrainConfig.from_record(checkpoint["config"])
+        return recorded_config(checkpoint["config"])
     except ValueError as error:
         raise CheckpointError(f"{path}: its saved configuration is not valid ({first_line(error)}); "
                               f"{REPLACE_HINT}") from None
@@ -366,3 +367,60 @@ def model_from_checkpoint(checkpoint: dict[str, Any], path: Path | str = "checkp
     model = ByteLM(config)
     load_weights(model, checkpoint["model"], path)
     return model
+
+
+def check_setting_names(cls: type, values: Any, section: str) -> None:
+    if not isinstance(values, dict):
+        raise ValueError(f"the {section} settings must be a dict, got {type(values).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown {section} setting(s) {unknown}; known: {sorted(known)}")
+
+
+def from_plain_dict(cls: type, values: Any, section: str) -> Any:
+    check_setting_names(cls, values, section)
+    config = cls(**values)
+    check_types(config)
+    return config
+
+
+def parsed_record(values: Any) -> TrainConfig:
+    """A checkpoint's config as sections, the one way every command reads one (--resume, eval.py and
+    grid.py through `recorded_config`): unknown sections and settings are errors, each setting has its
+    type, and a section or setting it lacks (written before that setting existed) takes the
+    default.  Not validated: settings of the machine it ran on (device, paths) may not fit this one."""
+    return TrainConfig(**{name: saved_section(values, name) for name in SECTIONS})
+
+
+def saved_section(values: Any, name: str) -> Any:
+    """One section of a checkpoint's config, read as `parsed_record` reads it, for commands that need
+    only that section (eval.py: the model).  Every section's names are checked, unknown ones
+    refused; only this one's values are typed (the run section's paths and device name another
+    machine's, and eval.py takes its own)."""
+    if not isinstance(values, dict):
+        raise ValueError(f"the config must be a dict of sections, got {type(values).__name__}")
+    unknown = sorted(set(values) - set(SECTIONS), key=str)
+    if unknown:
+        raise ValueError(f"unknown config section(s) {unknown}; known: {sorted(SECTIONS)}")
+    for section, cls in SECTIONS.items():
+        check_setting_names(cls, values.get(section, {}), section)
+    return from_plain_dict(SECTIONS[name], values.get(name, {}), name)
+
+
+def recorded_config(values: Any) -> TrainConfig:
+    """A checkpoint's config as every command that reads one takes it (eval.py, --resume, grid.py):
+    `parsed_record` with every section present, then every check that holds on any machine (this
+    machine's device, memory and kernels are the command's to check)."""
+    missing = [name for name in SECTIONS if isinstance(values, dict) and name not in values]
+    if missing:
+        raise ValueError(f"the config lacks section(s) {missing}")
+    if isinstance(values, dict) and isinstance(values["model"], dict) and values["model"].get("backend") == "triton":
+        # the retired Triton kernels: a speed-only setting, so a run saved with it goes on with auto's choice
+        values = {**values, "model": {**values["model"], "backend": "auto"}}
+    config = parsed_record(values)
+    config.optim.validate()
+    config.log.validate()
+    config.run.check_fields()
+    config.model.validate()
+    return config

@@ -166,11 +166,6 @@ def load_meta(data_dir: Path | str) -> dict[str, Any]:
     return meta
 
 
-def describe_data(data_dir: Path | str) -> str:
-    """Human-readable description of the prepared data, for training logs and eval reports."""
-    return str(load_meta(data_dir)["description"])
-
-
 @dataclass(frozen=True, eq=False)
 class ByteSplit:
     """One split as a read-only uint8 memmap, plus the dataset's meta.json."""

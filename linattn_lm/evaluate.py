@@ -27,11 +27,12 @@ import numpy as np
 import torch
 
 from .data import SPLITS, DataError, SequentialWindows, check_window_fits, default_data_dir, load_split
-from .config import TrainConfig, check_backend_runs_on, finite_float, integer
+from .preflight import check_backend_runs_on
 from .checkpoint import (CheckpointError, checkpoint_path, import_recorded, load_checkpoint, model_from_checkpoint,
-                         saved_precision)
+                         saved_precision, saved_section)
+from .flags import finite_float, integer
 from .cli import DefaultsFormatter, load_imports, one_line_warnings
-from .grid_report import AR_SPLIT_KEYS, FAR_CLASSES, FAR_MATCHES, RESULT_NAME, read_record
+from .grid_record import AR_SPLIT_KEYS, FAR_CLASSES, FAR_MATCHES, RESULT_NAME, read_record
 from .lm import ByteLM, bits_per_byte, lm_loss, state_size
 from .mqar import held_out_scores
 from .ngram import format_reference, reference_bpc
@@ -273,8 +274,8 @@ def score_mqar_run(model: ByteLM, checkpoint: dict[str, Any], args: argparse.Nam
     if args.seq_len or args.max_bytes or args.data_dir or args.weight_sums or args.ar_split:
         raise ValueError("this is a --task mqar run, scored on its seeded held-out streams at its own length: drop "
                          "--seq-len, --max-bytes, --data-dir, --weight-sums and --ar-split")
-    config, task = model.config, TrainConfig.saved_section(checkpoint["config"], "task")
-    batch_size = TrainConfig.saved_section(checkpoint["config"], "optim").batch_size
+    config, task = model.config, saved_section(checkpoint["config"], "task")
+    batch_size = saved_section(checkpoint["config"], "optim").batch_size
     scores = held_out_scores(model, config.vocab_size, config.seq_len, task.mqar_kv_pairs, batch_size, config.seed,
                              device, args.dtype)
     return "\n".join([f"MQAR, {task.mqar_kv_pairs} key-value pairs; decoding state {state_size(config)}"] + [
@@ -374,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.generate is not None:
             print(sample_text(model, args, device))
             return 0
-        if TrainConfig.saved_section(checkpoint["config"], "task").task == "mqar":
+        if saved_section(checkpoint["config"], "task").task == "mqar":
             print(score_mqar_run(model, checkpoint, args, device))
             return 0
         if args.weight_sums:

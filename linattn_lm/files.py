@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from .errors import first_line
+from .errors import UsageError, first_line
 
 
 def _umask() -> int:
@@ -115,3 +115,45 @@ def remove_empty_directories(created: list[Path]) -> None:
             directory.rmdir()
         except OSError:
             return
+
+
+NAME_MAX = 255   # bytes in one file name (Linux, macOS and Windows file systems)
+
+
+def check_utf8(name: str, path: str) -> None:
+    """A path the logs can name: bytes that are not UTF-8 reach Python as surrogates, which
+    TensorBoard's writer and the JSON records cannot encode."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{name} must be valid UTF-8 text, got {path!r}; rename it") from None
+
+
+def check_run_name(name: str) -> None:
+    """A directory inside --out-dir named by its parts, nested or not (grid.py's runs are
+    <grid>/<variant>/seed-<s>).  A part that names no new directory ('', '.': the run would write
+    into its parent) or leaves it ('..'), or has spaces around it (invisible in listings), is refused."""
+    parts = name.split("/")
+    if name.startswith("/") or any(part in ("", ".", "..") or part != part.strip() for part in parts):
+        raise ValueError(f"run_name must be a relative name inside --out-dir, such as favor or study/favor/seed-0, "
+                         f"whose parts are not empty, '.' or '..' and have no spaces around them; got {name!r}")
+    if any(ord(char) < 32 or ord(char) == 127 for char in name):
+        raise ValueError(f"run_name must not hold control characters (a newline, a tab), got {name!r}")
+    check_utf8("run_name", name)
+    long = [part for part in parts if len(part.encode("utf-8", "surrogateescape")) > NAME_MAX]
+    if long:
+        raise ValueError(f"run_name's parts must be at most {NAME_MAX} bytes (a file name's limit), got one of "
+                         f"{len(long[0].encode('utf-8', 'surrogateescape'))}; choose a shorter --run-name")
+
+
+def check_writable(run_dir: Path) -> None:
+    """An unusable --out-dir fails before any work (a lock file can open in a directory that takes
+    no new files)."""
+    try:
+        probe = run_dir / f".write-test-{os.getpid()}.tmp"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise UsageError(f"cannot write the run directory {run_dir} ({error.strerror or error}); "
+                         "choose a writable --out-dir") from None
+

@@ -37,22 +37,25 @@ import linattn
 
 from . import training
 from .checkpoint import CHECKPOINT_NAME, CheckpointError, recorded_digest
-from .flags import comma_items
 from .cli import import_user_code
-from .config import (ATTENTION_BACKENDS, DEFAULT_PRESET, TASK_PRESETS, TrainConfig, check_run_name,
-                     config_differences, config_from_flags, contradictions, field_default, merged_flags,
-                     variant_skip)
+from .files import check_run_name
+from .flags import build_parser, comma_items, config_from_flags, merged_flags, parse_config, variant_skip
+from .presets import DEFAULT_PRESET, TASK_PRESETS
+from .process import Distributed, distributed, launched_rank
+from .results import RunFailed, TrainResult, exit_code, run_reporting_errors
+from .resume import config_differences, contradictions
+from .settings import ATTENTION_BACKENDS, TrainConfig, field_default
 from .data import check_window_fits, load_split
-from .errors import UsageError
+from .errors import EXIT_INTERRUPTED, EXIT_SIGNAL_BASE, UsageError
 from .evaluate import bpc_table
-from .grid_report import (DIGEST_KEY, FIT_KEYS, RECORD_KEYS, REPORT_TITLE, RESULT_NAME, damaged, read_record,
-                          record_problem, write_report)
+from .grid_record import (DIGEST_KEY, FIT_KEYS, RECORD_KEYS, REPORT_TITLE, RESULT_NAME, damaged, read_record,
+                          record_problem)
+from .grid_report import write_report
 from .mqar import held_out_scores
 from .ngram import reference_bpc
 from .runlock import LOCK_NAME, DirectoryLock
 from .device import keep_freed_memory
 from .files import write_atomically
-from .training import TrainResult
 from .variants import default_variants, variant_flags
 
 EVAL_SPLITS = ("val", "test")
@@ -62,7 +65,7 @@ REPORT_FILES = ("results.md", "results.csv", "val_bpc.png")
 
 def grid_name(given: dict[str, Any]) -> str:
     preset = given.get("preset") or TASK_PRESETS.get(given.get("task"), DEFAULT_PRESET)   # --task mqar: mqar
-    return given["run_name"] if "run_name" in given else f"grid-{preset}"
+    return given["run_name"] if "run_name" in given else f"grid-{Path(preset).stem}"   # a preset file: its name
 
 
 def run_configs(given: dict[str, Any], variants: list[str], seeds: list[int]) -> dict[tuple[int, str], TrainConfig]:
@@ -169,22 +172,22 @@ def make_record(name: str, result: TrainResult, config: TrainConfig,
     assert set(record) == {*RECORD_KEYS, DIGEST_KEY, *(FIT_KEYS if recall is None else ["mqar"])}
     problem = record_problem(record)
     if problem:   # a NaN score, say: the grid stops rather than report it
-        raise training.RunFailed(f"{config.run.run_name}: {problem}; its checkpoint is kept, no result.json is "
+        raise RunFailed(f"{config.run.run_name}: {problem}; its checkpoint is kept, no result.json is "
                                  "written")
     return record
 
 
-def train_and_score(name: str, config: TrainConfig, ctx: training.Distributed, resume: bool,
+def train_and_score(name: str, config: TrainConfig, ctx: Distributed, resume: bool,
                     multiples: list[int]) -> dict[str, Any] | int | None:
     """The run's record (main rank; None elsewhere), or the exit code of a run stopped by a signal."""
     checkpoint = config.run.run_dir / CHECKPOINT_NAME
     result = training.train(config, ctx, resume=resume and checkpoint.exists())
     if result.interrupted:
-        return training.exit_code(result)
+        return exit_code(result)
     if result.late_signal:   # the run is complete: the grid stops before scoring it
         print(f"stopped after {config.run.run_name} finished training; --resume scores it and goes on",
               file=sys.stderr)
-        return training.EXIT_SIGNAL_BASE + result.late_signal
+        return EXIT_SIGNAL_BASE + result.late_signal
     if not ctx.is_main:
         return None
     try:
@@ -194,7 +197,7 @@ def train_and_score(name: str, config: TrainConfig, ctx: training.Distributed, r
     except KeyboardInterrupt:
         print(f"stopped while scoring {config.run.run_name}; its checkpoint is complete, and --resume "
               "scores it again", file=sys.stderr)
-        return training.EXIT_INTERRUPTED
+        return EXIT_INTERRUPTED
     record = make_record(name, result, config, scores, recall)
     write_atomically(config.run.run_dir / RESULT_NAME, lambda path: path.write_text(json.dumps(record, indent=1) + "\n"))
     return record
@@ -212,7 +215,7 @@ def run_grid(configs: dict[tuple[int, str], TrainConfig], grid_dir: Path, resume
     finished = {key: saved_record(key, config, multiples) for key, config in configs.items()} if resume else {}
     first = next(iter(configs.values()))
     data_dir = first.run.data_path
-    with training.distributed(first.run.device) as ctx:
+    with distributed(first.run.device) as ctx:
         reference = {split: reference_bpc(data_dir, split) for split in EVAL_SPLITS} if ctx.is_main and \
             first.task.task == "enwik8" else {}
         for number, ((seed, name), config) in enumerate(configs.items(), 1):
@@ -383,7 +386,7 @@ def earlier_runs(given: dict[str, Any], variants: list[str], grid_dir: Path,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = training.build_parser("Train a grid of attention variants x seeds (same data, steps) and compare "
+    parser = build_parser("Train a grid of attention variants x seeds (same data, steps) and compare "
                                    "them.  --run-name names the grid directory under --out-dir (default: "
                                    "grid-<preset>).", skip=variant_skip(),
                                    resume_help="continue the grid in <out-dir>/<run-name> with the flags, variants "
@@ -400,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-multiples", help="score each finished run on the whole val and test splits in "
                                                  "windows of these multiples of --seq-len, e.g. 1,2,4,8 for a "
                                                  "length-extrapolation table (1 is always scored)")
-    args, (configs, earlier, multiples, grid_dir, settings) = training.parse_config(parser, argv,
+    args, (configs, earlier, multiples, grid_dir, settings) = parse_config(parser, argv,
                                                                                     resolve=parse_grid_flags)
     keep_freed_memory()   # large CPU temporaries reuse freed memory instead of page-faulting
 
@@ -412,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                       ", or drop --resume to start it"))
         check_grid_directory(grid_dir, args.resume or args.report_only)
         check_eval_windows(configs.values(), multiples)
-        main_process = training.launched_rank() == 0   # the job's other ranks write nothing here
+        main_process = launched_rank() == 0   # the job's other ranks write nothing here
         with DirectoryLock(grid_dir) if main_process else contextlib.nullcontext():   # each run locks its own too
             if main_process and not args.report_only:   # what a later --resume or --report-only continues
                 write_atomically(grid_dir / GRID_MARKER, lambda path: path.write_text(
@@ -420,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.report_only:
                 return report_finished(configs, grid_dir, multiples)
             return run_grid(configs, grid_dir, args.resume, multiples, earlier)
-    return training.run_reporting_errors(run)
+    return run_reporting_errors(run)
 
 
 def check_grid_directory(grid_dir: Path, existing: bool) -> None:

@@ -1,6 +1,6 @@
 """A decoder-only byte-level Transformer language model (vocab 256) on linattn's attention blocks.
 
-    config = ModelConfig(attention="linear", feature_map="favor", rope="post")   # linattn_lm.config
+    config = ModelConfig(attention="linear", feature_map="favor", rope="post")   # linattn_lm.settings
     model = ByteLM(config)
     logits = model(idx)                                   # (B, N) int64 -> (B, N, 256)
     ids = model.generate(prompt, max_new_tokens=100)      # parallel prefill, then O(1)-per-token steps
@@ -20,7 +20,7 @@ from torch import nn
 
 import linattn
 
-from .config import ModelConfig
+from .settings import ModelConfig
 
 INIT_STD = 0.02
 
@@ -71,7 +71,7 @@ class DecodeState(NamedTuple):
 class ByteLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        # The config was validated where it was built (config_from_flags, TrainConfig.from_record, or a
+        # The config was validated where it was built (config_from_flags, recorded_config, or a
         # caller's config.validate()): the model trusts it.
         self.config = config
         self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)

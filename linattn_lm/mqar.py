@@ -15,8 +15,10 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from .lm import lm_loss
+from .lm import bits_per_byte, lm_loss
+from .process import Distributed
 from .scoring import summed_over_batches
+from .settings import TrainConfig
 
 POWER_A = 0.01   # Zoology's default exponent of the query gaps' power law
 IGNORED = -100   # the target of a position that is no query (F.cross_entropy's ignore_index)
@@ -141,3 +143,14 @@ def held_out_scores(model: torch.nn.Module, vocab_size: int, seq_len: int, kv_pa
                                             dtype)
         scores[split] = {"bits": nats / count / np.log(2), "accuracy": correct / count}
     return scores
+
+
+def evaluate_queries(model: torch.nn.Module, batches: MqarBatches, config: TrainConfig, ctx: Distributed,
+                     dtype: str, first_batch: int = 0) -> tuple[float, float]:
+    """--task mqar's estimate, as `evaluate`'s: (bits per query, accuracy) at the query positions."""
+    stream = (batches.batch_at(first_batch + i) for i in range(config.log.eval_iters))
+    totals = ctx.sum(torch.tensor(query_scores(model, stream, ctx.device, dtype), dtype=torch.float64,
+                                  device=ctx.device))
+    nats, correct, count = totals.tolist()
+    return bits_per_byte(nats / count), correct / count
+

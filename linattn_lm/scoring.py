@@ -5,8 +5,11 @@ from typing import Callable, Iterable
 
 import torch
 
+from .data import RandomWindows
 from .device import autocast
-from .lm import lm_loss
+from .lm import bits_per_byte, lm_loss
+from .process import Distributed
+from .settings import TrainConfig
 
 
 @torch.no_grad()
@@ -34,3 +37,20 @@ def summed_loss(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, to
         model, batches, device, dtype, lambda logits, y: (lm_loss(logits, y, reduction="sum").double(), y.numel()),
         (torch.zeros((), dtype=torch.float64, device=device), 0))
     return total.item(), count
+
+
+# The train-split estimate reads batches of the training stream from this index on, which training
+# never reaches: fixed windows, the same at every evaluation and on resume, that no step trained on
+# as a batch (a window can still overlap ones trained on: that is what passes over the split mean).
+TRAIN_ESTIMATE_FIRST_BATCH = 2 ** 40
+
+
+def evaluate(model: torch.nn.Module, windows: RandomWindows, config: TrainConfig, ctx: Distributed, dtype: str,
+             first_batch: int = 0) -> float:
+    """bpc on eval_iters fixed batches (from `first_batch` on) in precision `dtype`: the same windows
+    at every evaluation and, with the same seed, for every variant.  Each rank takes its share; the
+    sums are combined."""
+    batches = (windows.batch_at(first_batch + i) for i in range(config.log.eval_iters))
+    nats, count = summed_loss(model, batches, ctx.device, dtype)
+    totals = ctx.sum(torch.tensor([nats, count], dtype=torch.float64, device=ctx.device))
+    return bits_per_byte((totals[0] / totals[1]).item())

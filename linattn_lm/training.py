@@ -6,45 +6,36 @@ is 'post' (RoPE on q and k) or 'none'; 'pre' (rotate before the feature map) is 
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
 import math
-import os
 import signal
 import sys
-import threading
 import time
-from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
-from typing import Any, Callable, Iterator
+from dataclasses import asdict
+from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_finite_weights, check_optimizer_state,
-                         check_progress, checkpoint_entries, import_recorded, load_checkpoint, load_state,
-                         load_weights, save_checkpoint, saved_config, saved_precision)
-from .cli import load_imports, one_line_warnings
-from .config import (TrainConfig, add_config_flags, config_differences, config_from_argv, config_from_record,
-                     field_default, merged_flags)
-from .data import DataError, RandomWindows, load_split
+from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_optimizer_state, load_state, load_weights,
+                         save_checkpoint, saved_precision)
+from .data import RandomWindows, load_split
+from .device import (autocast, gradient_scaler, keep_freed_memory, peak_memory_mb, precision_key, precision_name,
+                     release_free_memory, reset_peak_memory)
+from .errors import UsageError
+from .files import check_writable, remove_stale_temporaries
+from .flags import build_parser, parse_config
 from . import mqar
 from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss, state_size
+from .process import Distributed, StopRequest, distributed
+from .results import RunFailed, RunStats, TrainResult, TrainingDiverged, exit_code, run_reporting_errors
+from .resume import load_for_resume, restore_rng, resume_settings, rng_states, schedule_note
 from .runlock import DirectoryLock
-from .device import (autocast, gradient_scaler, keep_freed_memory, peak_memory_mb, precision_key, precision_name,
-                     release_free_memory, reset_peak_memory, resolve_device)
-from .errors import (EXIT_ERROR, EXIT_INTERRUPTED, EXIT_SIGNAL_BASE, EXIT_USAGE, Parser, UsageError,
-                     is_out_of_memory)
-from .files import WriteFailed, remove_stale_temporaries
-from .scoring import summed_loss
-from .text import decode_bytes
+from .scoring import TRAIN_ESTIMATE_FIRST_BATCH, evaluate
+from .settings import TrainConfig
+from .text import sample_prompt, text_sample
 
-SAMPLE_PROMPT_BYTES = 128
-SAMPLE_NEW_BYTES = 256
 # fp16: the gradient scaler skips a step whose gradients overflowed and halves its scale.  Now and
 # then that is expected; this many skips in a row, or a scale below the floor (the gradients then
 # overflow fp16 even unscaled), means no step will be taken again: training stops.
@@ -52,101 +43,7 @@ MAX_SKIPPED_STEPS = 20
 MIN_LOSS_SCALE = 1.0
 
 
-class RunFailed(RuntimeError):
-    """A run that cannot give a finite result (exit 1): nothing of the failing step is saved."""
-
-
-class TrainingDiverged(RunFailed):
-    """The loss, the gradient norm or, after the optimiser step, a weight became non-finite: that
-    step is not saved."""
-
-
 # ----------------------------------------------------------------------------- distributed
-
-
-@dataclass
-class Distributed:
-    """This process's place in a torchrun job (rank 0 of 1 without torchrun)."""
-
-    rank: int
-    world_size: int
-    device: torch.device
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def sum(self, value: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
-            dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        return value
-
-    def any(self, flag: bool | torch.Tensor) -> bool:
-        """True on every rank if it is True on any rank (so all ranks stop at the same step)."""
-        if self.world_size == 1:
-            return bool(flag)
-        return bool(self.sum(torch.as_tensor(flag, dtype=torch.float32, device=self.device)).item())
-
-    def gather(self, obj: Any) -> list[Any]:
-        if self.world_size == 1:
-            return [obj]
-        gathered = [None] * self.world_size
-        dist.all_gather_object(gathered, obj)
-        return gathered
-
-
-def launch_environment() -> tuple[int, int, int]:
-    """(rank, local rank, world size) of a torchrun job, read from the variables torchrun sets; (0, 0, 1)
-    without them.  Values that are not counts, a rank outside the job, or a job of several processes
-    without torchrun's rendezvous address are a UsageError here, not torch's traceback later."""
-    def count(name: str, default: str | None = None) -> int:
-        text = os.environ.get(name, default)
-        if text is None:
-            return -1   # not set: reported with the rendezvous variables below
-        if not (text.strip().isascii() and text.strip().isdigit()):
-            raise UsageError(f"environment variable {name}={text!r} is not a count: torchrun sets it; unset "
-                             "WORLD_SIZE, RANK and LOCAL_RANK to train in one process")
-        return int(text)
-    world_size = count("WORLD_SIZE", "1")
-    if world_size == 0:
-        raise UsageError("environment variable WORLD_SIZE=0: a job has at least one process; unset it to train in one")
-    if world_size == 1:
-        return 0, 0, 1
-    rank, local_rank = count("RANK"), count("LOCAL_RANK")
-    missing = [name for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
-    if rank >= world_size or missing:
-        problem = f"RANK={rank} is not below it" if rank >= world_size else f"{' and '.join(missing)} not set"
-        raise UsageError(f"environment variable WORLD_SIZE={world_size}, but {problem}: launch several processes "
-                         "with torchrun (torchrun --nproc-per-node N train.py ...), or unset WORLD_SIZE")
-    return rank, local_rank, world_size
-
-
-def launched_rank() -> int:
-    """This process's rank in a torchrun job (0 without torchrun), known before the group is joined."""
-    return launch_environment()[0]
-
-
-@contextlib.contextmanager
-def distributed(device_name: str) -> Iterator[Distributed]:
-    """Join the torchrun process group when RANK/WORLD_SIZE are set: nccl on CUDA, gloo on CPU."""
-    rank, local_rank, world_size = launch_environment()
-    device = resolve_device(device_name)
-    if world_size == 1:
-        yield Distributed(0, 1, device)
-        return
-    if device.type == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    try:
-        yield Distributed(rank, world_size, device)
-    finally:
-        dist.destroy_process_group()
-
-
-# ----------------------------------------------------------------------------- pieces of the loop
-
-
 def learning_rate(step: int, config: TrainConfig) -> float:
     """Linear warmup to lr, then cosine decay to min_lr at decay_steps (step counts from 0)."""
     optim = config.optim
@@ -169,243 +66,6 @@ def make_optimizer(model: ByteLM, config: TrainConfig, device: torch.device) -> 
     groups = [{"params": [p for p in params if decays[id(p)]], "weight_decay": config.optim.weight_decay},
               {"params": [p for p in params if not decays[id(p)]], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=config.optim.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-
-
-class StopRequest:
-    """Ctrl-C / SIGTERM ask to stop after the current step (then a checkpoint is saved); a second
-    signal aborts at once.  `signum` is the first signal received."""
-
-    def __init__(self) -> None:
-        self.signum = 0
-        self._previous: dict[int, Any] = {}
-
-    @property
-    def requested(self) -> bool:
-        return bool(self.signum)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum:
-            raise KeyboardInterrupt
-        self.signum = signum
-        tqdm.write(f"{signal.Signals(signum).name}: saving a checkpoint after this step "
-                   "(Ctrl-C again to abort without saving)")
-
-    def __enter__(self) -> "StopRequest":
-        if threading.current_thread() is threading.main_thread():   # signal() works there only
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-@dataclass
-class RunStats:
-    """Counters that survive resumes, so rates and curves cover the whole run."""
-
-    train_seconds: float = 0.0      # training loop time, excluding evaluation and sampling
-    compute_seconds: float = 0.0    # forward + backward + optimiser step
-    other_seconds: float = 0.0      # evaluation and sampling
-    tokens: int = 0
-    peak_memory_mb: float = 0.0     # the largest peak of the run's segments (resumes included)
-    val_steps: list[int] = field(default_factory=list)
-    val_bpc: list[float] = field(default_factory=list)
-    # bpc on fixed train windows at each val step, measured as val is (eval mode, same precision), so
-    # val_bpc - train_bpc is the generalisation gap; None where a run from before it was resumed.
-    train_bpc: list[float | None] = field(default_factory=list)
-    val_accuracy: list[float] = field(default_factory=list)   # --task mqar: accuracy at the queries, at val_steps
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any]) -> "RunStats":
-        """The counters saved in a checkpoint, refused unless each has its type (a ValueError)."""
-        if "train_bpc" not in state and isinstance(state.get("val_steps"), list):   # saved before it was measured
-            state = {**state, "train_bpc": [None] * len(state["val_steps"])}
-        stats = cls(**state)
-        for spec in fields(cls):
-            value = getattr(stats, spec.name)
-            if spec.name in ("val_steps", "val_bpc", "val_accuracy"):
-                if not isinstance(value, list) or not all(map(_is_number, value)):
-                    raise ValueError(f"{spec.name} is {value!r}, not a list of numbers")
-            elif spec.name == "train_bpc":
-                if not isinstance(value, list) or not all(v is None or _is_number(v) for v in value):
-                    raise ValueError(f"{spec.name} is {value!r}, not a list of numbers (or None)")
-            elif not _is_number(value) or not 0 <= value < math.inf:
-                raise ValueError(f"{spec.name} is {value!r}, not a finite number >= 0")
-        for name in ("val_bpc", "train_bpc"):
-            if len(stats.val_steps) != len(getattr(stats, name)):
-                raise ValueError(f"val_steps and {name} differ in length ({len(stats.val_steps)} and "
-                                 f"{len(getattr(stats, name))})")
-        return stats
-
-    @property
-    def best_val_bpc(self) -> float:
-        return min(self.val_bpc, default=math.nan)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.train_seconds if self.train_seconds else math.nan
-
-    @property
-    def loop_overhead(self) -> float:
-        """Share of training-loop time spent outside forward/backward/optimiser step."""
-        return 1 - self.compute_seconds / self.train_seconds if self.train_seconds else math.nan
-
-
-@dataclass
-class TrainResult:
-    run_name: str
-    variant: str
-    final_val_bpc: float             # the estimate at final_val_step (nan: none yet)
-    best_val_bpc: float
-    tokens_per_s: float
-    peak_memory_mb: float
-    parameters: int
-    steps: int
-    wall_seconds: float
-    loop_overhead: float
-    seed: int
-    data: str
-    val_steps: list[int]
-    val_bpc: list[float]
-    train_bpc: list[float | None] = field(default_factory=list)   # at val_steps, on fixed train windows
-    train_bytes: int = 0             # the training split's length: tokens seen / train_bytes = passes over it
-    dtype: str = "auto"              # the precision it computed in (fp32, bf16, fp16)
-    stop_signal: int = 0             # the signal that stopped the run early, 0 if it finished
-    late_signal: int = 0             # a signal that came with the last step (the run finished)
-    val_accuracy: float = math.nan   # --task mqar: the last estimate's accuracy at the query positions
-    state_size: str = ""             # the decoding state per head and layer (lm.state_size)
-    final_val_step: int = 0          # the step of final_val_bpc: `steps` unless the run stopped between estimates
-    model: ByteLM | None = None
-
-    @property
-    def interrupted(self) -> bool:
-        return bool(self.stop_signal)
-
-    def summary(self) -> str:
-        recall = (f"val accuracy {self.val_accuracy:.1%} at the queries (state {self.state_size}) | "
-                  if not math.isnan(self.val_accuracy) else "")
-        if not self.val_steps:
-            score = "no val estimate yet"
-        else:
-            at = "" if self.final_val_step == self.steps else f" at step {self.final_val_step}, the last estimate"
-            score = f"final val bpc {self.final_val_bpc:.4f}{at} (best {self.best_val_bpc:.4f})"
-        return (f"result {self.run_name}: {recall}{score} | {self.tokens_per_s:,.0f} tokens/s | "
-                f"wall time {self.wall_seconds:.1f}s | {self.steps} steps | "
-                f"peak memory {self.peak_memory_mb:,.0f} MiB")
-
-
-def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
-    states = {"torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state(device)
-    return states
-
-
-def restore_rng(saved: list[dict[str, torch.Tensor]], ctx: Distributed, seed: int) -> None:
-    """Each rank continues its own dropout RNG; a different world size reseeds instead."""
-    if len(saved) != ctx.world_size:
-        tqdm.write(f"warning: checkpoint holds RNG states for {len(saved)} rank(s), this job has "
-                   f"{ctx.world_size}: dropout masks are reseeded, so the run is not bit-identical")
-        torch.manual_seed(seed + 1 + ctx.rank)
-        return
-    torch.set_rng_state(saved[ctx.rank]["torch"])
-    if "cuda" in saved[ctx.rank] and ctx.device.type == "cuda":
-        torch.cuda.set_rng_state(saved[ctx.rank]["cuda"], ctx.device)
-
-
-def load_for_resume(path: Path, config: TrainConfig, data: str) -> dict[str, Any]:
-    """The run's checkpoint, refused unless it is whole (its digest), holds every entry, agrees with
-    itself and has the same configuration (`config` from flags: grid.py; from the record: train.py)."""
-    checkpoint = load_checkpoint(path)
-    checkpoint_entries(checkpoint, path)
-    saved_precision(checkpoint, path)
-    check_finite_weights(checkpoint["model"], path)
-    saved = saved_config(checkpoint, path)
-    check_progress(checkpoint, saved, path)
-    differences = config_differences(saved.flat(), config.flat())
-    if differences:
-        raise CheckpointError(f"cannot resume {path}: it was trained with a different configuration "
-                              f"({'; '.join(differences)}); only steps, intervals, paths, device, backend, "
-                              "compile, threads, imports and the preset name may change")
-    if checkpoint["data"] != data:
-        raise CheckpointError(f"cannot resume {path}: it was trained on {checkpoint['data']}, "
-                              f"the data directory now holds {data}")
-    return checkpoint
-
-
-def schedule_note(saved_steps: int, config: TrainConfig) -> str:
-    """What a longer --steps on resume does to the learning rate: the recorded schedule goes on."""
-    optim = config.optim
-    if optim.decay_steps <= saved_steps:
-        after = (f"the cosine decay ended at step {optim.decay_steps}, so steps {saved_steps + 1}-{optim.steps} run "
-                 f"at min_lr {optim.min_lr:g}")
-    else:
-        after = f"the cosine decay goes on to min_lr {optim.min_lr:g} at step {optim.decay_steps}"
-    return (f"--steps {optim.steps} extends the run from {saved_steps} steps with its recorded schedule: {after} "
-            "(--decay-steps set at the start decides this)")
-
-
-# The train-split estimate reads batches of the training stream from this index on, which training
-# never reaches: fixed windows, the same at every evaluation and on resume, that no step trained on
-# as a batch (a window can still overlap ones trained on: that is what passes over the split mean).
-TRAIN_ESTIMATE_FIRST_BATCH = 2 ** 40
-
-
-def evaluate(model: torch.nn.Module, windows: RandomWindows, config: TrainConfig, ctx: Distributed, dtype: str,
-             first_batch: int = 0) -> float:
-    """bpc on eval_iters fixed batches (from `first_batch` on) in precision `dtype`: the same windows
-    at every evaluation and, with the same seed, for every variant.  Each rank takes its share; the
-    sums are combined."""
-    batches = (windows.batch_at(first_batch + i) for i in range(config.log.eval_iters))
-    nats, count = summed_loss(model, batches, ctx.device, dtype)
-    totals = ctx.sum(torch.tensor([nats, count], dtype=torch.float64, device=ctx.device))
-    return bits_per_byte((totals[0] / totals[1]).item())
-
-
-def evaluate_queries(model: torch.nn.Module, batches: mqar.MqarBatches, config: TrainConfig, ctx: Distributed,
-                     dtype: str, first_batch: int = 0) -> tuple[float, float]:
-    """--task mqar's estimate, as `evaluate`'s: (bits per query, accuracy) at the query positions."""
-    stream = (batches.batch_at(first_batch + i) for i in range(config.log.eval_iters))
-    totals = ctx.sum(torch.tensor(mqar.query_scores(model, stream, ctx.device, dtype), dtype=torch.float64,
-                                  device=ctx.device))
-    nats, correct, count = totals.tolist()
-    return bits_per_byte(nats / count), correct / count
-
-
-def sample_prompt(val: np.ndarray, config: TrainConfig) -> tuple[torch.Tensor, int]:
-    """The first bytes of val as a prompt, and how many bytes to sample after it (learned absolute
-    positions cannot go past seq_len)."""
-    seq_len = config.model.seq_len
-    prompt_len = max(1, min(SAMPLE_PROMPT_BYTES, seq_len // 2))
-    new_bytes = seq_len - prompt_len + 1 if config.model.abs_pos else SAMPLE_NEW_BYTES
-    return torch.from_numpy(val[:prompt_len].astype(np.int64)), min(new_bytes, SAMPLE_NEW_BYTES)
-
-
-def text_sample(model: ByteLM, prompt: torch.Tensor, new_bytes: int, seed: int, device: torch.device,
-                dtype: str = "auto") -> str:
-    generator = torch.Generator(device).manual_seed(seed)
-    with autocast(device, dtype):
-        new = model.generate(prompt.to(device), new_bytes, temperature=1.0, generator=generator)
-    indent = lambda text: "    " + text.replace("\n", "\n    ")   # markdown code block, any content
-    return f"prompt:\n\n{indent(decode_bytes(prompt))}\n\nsample:\n\n{indent(decode_bytes(new))}"
-
-
-def check_writable(run_dir: Path) -> None:
-    """An unusable --out-dir fails before any work (a lock file can open in a directory that takes
-    no new files)."""
-    try:
-        probe = run_dir / f".write-test-{os.getpid()}.tmp"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as error:
-        raise UsageError(f"cannot write the run directory {run_dir} ({error.strerror or error}); "
-                         "choose a writable --out-dir") from None
 
 
 # ----------------------------------------------------------------------------- training
@@ -669,8 +329,8 @@ class Trainer:
         config, step = self.config, self.step
         if step % config.log.eval_interval == 0 or step == config.optim.steps:
             if config.task.task == "mqar":   # the task's scorer: bits per query and accuracy at the queries
-                val_bpc, accuracy = evaluate_queries(self.compiled, self.val_batches, config, self.ctx, self.dtype)
-                train_bpc, _ = evaluate_queries(self.compiled, self.train_batches, config, self.ctx, self.dtype,
+                val_bpc, accuracy = mqar.evaluate_queries(self.compiled, self.val_batches, config, self.ctx, self.dtype)
+                train_bpc, _ = mqar.evaluate_queries(self.compiled, self.train_batches, config, self.ctx, self.dtype,
                                                 first_batch=TRAIN_ESTIMATE_FIRST_BATCH)
                 self.stats.val_accuracy.append(accuracy)
                 self.scalar("val/accuracy", accuracy)
@@ -812,54 +472,6 @@ def train(config: TrainConfig, ctx: Distributed, *, resume: bool = False) -> Tra
 
 # ----------------------------------------------------------------------------- entry point
 
-RUN_ERRORS = (DataError, CheckpointError, UsageError)                    # exit 2: fix the input
-RUN_FAILURES = (RunFailed, WriteFailed)   # exit 1: the run failed (so does running out of memory)
-
-
-def failure_message(error: BaseException) -> str:
-    if is_out_of_memory(error):
-        return "out of memory: choose a smaller --batch-size, --seq-len or model"
-    return str(error)
-
-
-def build_parser(description: str = "Train a byte-level LM on enwik8.", *, skip: set[str] = frozenset(),
-                 resume_help: str = "continue from <out-dir>/<run-name>/ckpt.pt") -> argparse.ArgumentParser:
-    parser = Parser(description=description)
-    add_config_flags(parser, skip=skip)
-    parser.add_argument("--resume", action="store_true", help=resume_help)
-    return parser
-
-
-def parse_config(parser: argparse.ArgumentParser, argv: list[str] | None,
-                 resolve: Callable[[dict[str, Any], argparse.Namespace], Any] | None = None,
-                 resume: Callable[[dict[str, Any]], TrainConfig] | None = None) -> tuple[argparse.Namespace, Any]:
-    """User code first (--import), then the flags (`config_from_argv`); any bad setting is a usage
-    error (exit 2)."""
-    one_line_warnings()
-    imports = load_imports(argv)
-    try:
-        return config_from_argv(parser, argv, imports, resolve=resolve, resume=resume)
-    except ValueError as error:
-        parser.error(str(error))
-
-
-def exit_code(result: TrainResult) -> int:
-    return EXIT_SIGNAL_BASE + result.stop_signal if result.stop_signal else 0
-
-
-def resume_settings(given: dict[str, Any]) -> TrainConfig:
-    """--resume's settings: the checkpoint's record, which the flags given may only extend
-    (config_from_record).  The run is found by --out-dir and --run-name (its default: the variant the
-    flags name, as when it started)."""
-    run_name = given.get("run_name") or merged_flags(given).run.run_name
-    path = Path(given.get("out_dir", field_default("out_dir"))) / run_name / CHECKPOINT_NAME
-    with DirectoryLock(path.parent):   # a run directory in use is refused as such, before its checkpoint is read
-        checkpoint = load_checkpoint(path)
-    import_recorded(checkpoint, path)
-    checkpoint_entries(checkpoint, path, ("config",))
-    return config_from_record(saved_config(checkpoint, path), {**given, "run_name": run_name})
-
-
 def main(argv: list[str] | None = None) -> int:
     args, config = parse_config(build_parser(), argv, resume=resume_settings)
     keep_freed_memory()   # large CPU temporaries reuse freed memory instead of page-faulting
@@ -870,19 +482,3 @@ def main(argv: list[str] | None = None) -> int:
     return run_reporting_errors(run)
 
 
-def run_reporting_errors(run: Callable[[], int]) -> int:
-    """run()'s exit code, or a one-line message and the exit code of what stopped it: a bad
-    setting, file or checkpoint (usage, 2), a failure (1), or Ctrl-C before any checkpoint."""
-    try:
-        return run()
-    except RUN_ERRORS as error:
-        print(f"error: {error}", file=sys.stderr)
-        return EXIT_USAGE
-    except (*RUN_FAILURES, RuntimeError, MemoryError) as error:
-        if not (isinstance(error, RUN_FAILURES) or is_out_of_memory(error)):
-            raise
-        print(f"error: {failure_message(error)}", file=sys.stderr)
-        return EXIT_ERROR
-    except KeyboardInterrupt:
-        print("aborted without saving a checkpoint", file=sys.stderr)
-        return EXIT_INTERRUPTED

@@ -6,11 +6,12 @@
 window-only control; softmax takes the window only)."""
 from __future__ import annotations
 
+import argparse
+import ast
 from argparse import ArgumentTypeError
 from typing import Any
 
 import linattn
-from .flags import option
 
 SOFTMAX_VARIANTS = {"softmax-rope": ("post", False), "softmax-abs": ("none", True),
                     "softmax-none": ("none", False), "softmax-rope-abs": ("post", True)}
@@ -22,6 +23,18 @@ BLOCK_OPTIONS = ("window", "decay", "softmax_layers")
 SOFTMAX_BLOCK_OPTIONS = ("window",)
 LINEAR_BLOCK_OPTIONS = tuple(name for name in BLOCK_OPTIONS if name not in SOFTMAX_BLOCK_OPTIONS)
 NAME_LIST_SEPARATOR = "_"
+
+
+def option(text: str) -> tuple[str, Any]:
+    """KEY=VALUE; VALUE is a Python literal (64, 0.5, True, None, 'text') or else a string."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE with KEY a Python name, got {text!r}")
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        value = raw
+    return key, value
 
 
 def default_variants() -> list[str]:

@@ -1,5 +1,6 @@
 """The prepared GPU session (benchmarks/gpu_session.sh, gpu_wheels.sh): valid scripts, wheels pinned to
 the versions this project installs."""
+import os
 import re
 import subprocess
 import tomllib
@@ -27,20 +28,44 @@ def test_the_wheels_are_the_gpu_extras_fla_and_the_performer_stack_that_imports_
 
 
 
-@pytest.mark.parametrize("limits,ran", [({}, ["-m pytest", "--preset gpu-targets"]),
-                                        ({"TESTS_S": "0", "BENCH_S": "0", "GAP_S": "9"}, ["--preset gap-closers"])])
-def test_the_session_runs_the_stages_whose_limit_is_not_0(tmp_path, limits, ran):
-    """With stand-ins for nvidia-smi and python3 that log their arguments: the first call runs the GPU
-    tests and the gpu-targets benchmark, a second call with GAP_S the gap-closers one alone; a failing
-    stage's status is the script's."""
+def stand_in_tools(tmp_path):
+    """nvidia-smi and python3 stand-ins that log their arguments (python3 fails with $FAIL)."""
     tools = tmp_path / "bin"
     tools.mkdir()
     for name, body in (("nvidia-smi", "echo gpu"), ("python3", f'echo "$*" >> {tmp_path}/calls; [ "$2" = pip ] || exit ${{FAIL:-0}}')):
         (tools / name).write_text(f"#!/bin/sh\n{body}\n")
         (tools / name).chmod(0o755)
-    env = {"PATH": f"{tools}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), **limits}
-    assert subprocess.run(["bash", str(SESSION)], env=env, capture_output=True).returncode == 0
-    calls = [call for call in (tmp_path / "calls").read_text().splitlines()   # not the wheels' or versions'
-             if call.startswith(("-m pytest", "-m benchmarks"))]
-    assert len(calls) == len(ran) and all(want in call for want, call in zip(ran, calls)), calls
-    assert subprocess.run(["bash", str(SESSION)], env={**env, "FAIL": "3"}, capture_output=True).returncode == 3
+    return {"PATH": f"{tools}:/usr/bin:/bin"}
+
+
+def test_the_session_runs_its_stages_in_order_each_to_its_file_within_the_budget(tmp_path):
+    """With stand-ins for nvidia-smi and python3: every stage runs, in order, into its own file; a failing
+    stage's status is the script's; stages that no longer fit the budget are skipped and say so."""
+    env = stand_in_tools(tmp_path)
+    out = tmp_path / "out"
+    assert subprocess.run(["bash", str(SESSION), str(out)], env=env, capture_output=True).returncode == 0
+    calls = [call for call in (tmp_path / "calls").read_text().splitlines() if not call.startswith("-c")]
+    order = ["benchmarks.gpu_checks warm", "test_bf16_accuracy.py", "gpu_checks profile", "--sections block",
+             "--sections kernels", "--deselect", "--sections model"]
+    found = [next(i for i, call in enumerate(calls) if want in call) for want in order]
+    assert found == sorted(found), calls
+    stages = ("setup", "warm", "accuracy", "profile", "blocks", "kernels", "gpu_tests", "model")
+    assert all((out / f"{stage}.txt").exists() for stage in stages)
+    failed = subprocess.run(["bash", str(SESSION), str(out)], env={**env, "FAIL": "3"}, capture_output=True)
+    assert failed.returncode == 3
+    short = subprocess.run(["bash", str(SESSION), str(out)], env={**env, "BUDGET_S": "20"}, capture_output=True,
+                           text=True)
+    assert "skipped" in short.stdout and short.returncode == 0
+
+
+@pytest.mark.slow
+def test_the_dry_run_checks_every_stages_command_and_the_budget(tmp_path):
+    """The dry run on CPU: each stage's command parses (pytest collects, the benchmark takes its flags)
+    and the budgeted limits fit 570 s; a budget they exceed fails it."""
+    done = subprocess.run(["bash", str(SESSION), "--dry-run", str(tmp_path)], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count(" ok ") == 8 and "540 s of 570 s" in done.stdout, done.stdout
+    over = subprocess.run(["bash", str(SESSION), "--dry-run", str(tmp_path)], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "BUDGET_S": "500"})
+    assert over.returncode == 1 and "over the budget" in over.stdout

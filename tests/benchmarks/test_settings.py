@@ -126,7 +126,7 @@ def test_results_of_an_earlier_run_are_replaced_only_with_overwrite(tmp_path, ca
 
 def test_the_gpu_targets_preset_is_the_flags_it_stands_for(tmp_path, monkeypatch):
     monkeypatch.setattr("benchmarks.settings.resolve_device", lambda name: __import__("torch").device(name))
-    monkeypatch.setattr("benchmarks.settings.available_memory_bytes", lambda device: 80 * 2**30)   # an H100's
+    monkeypatch.setattr("linattn.device_memory", lambda device: 80 * 2**30)   # an H100's
     out = ["--out", str(tmp_path / "bench")]
     explicit = parse_settings(["--sections", "block,kernels,model", "--device", "cuda", "--dtypes", "bf16",
                                "--lengths", "4096,16384,65536", "--model-size", "eleuther", "--model-contexts",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from linattn_lm import ByteLM, config_from_flags, evaluate, training
-from linattn_lm.config import config_differences
+from linattn_lm.resume import config_differences
 from linattn_lm.variants import BLOCK_OPTIONS
 from linattn_lm.grid_report import comparable_pairs, softmax_baseline, val_bpc, window_control_table
 from linattn_lm.lm import state_size

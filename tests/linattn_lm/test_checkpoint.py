@@ -9,7 +9,7 @@ import torch
 
 from linattn_lm.checkpoint import (CheckpointError, check_optimizer_state, check_progress, load_checkpoint,
                                    save_checkpoint)
-from linattn_lm.config import config_from_flags
+from linattn_lm.flags import config_from_flags
 
 
 def small_payload() -> tuple[dict, torch.nn.Module, torch.optim.Optimizer]:

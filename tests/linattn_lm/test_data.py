@@ -13,7 +13,7 @@ import torch
 
 import linattn_lm.data
 from linattn_lm.data import (ByteSplit, DataError, DataNotFoundError, RandomWindows, SequentialWindows, default_data_dir,
-                             describe_data, load_split)
+                             load_meta, load_split)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -182,7 +182,7 @@ def test_unreadable_meta_json(text: str, problem: str, data_dir: Path, tmp_path:
     copy = copy_of(data_dir, tmp_path)
     (copy / "meta.json").write_bytes(text.encode("latin-1"))
     with pytest.raises(DataError, match=problem):
-        describe_data(copy)
+        load_meta(copy)
 
 
 def test_default_data_dir_is_the_repositorys_from_any_directory(tmp_path: Path,

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field, fields
 
 import pytest
 
-from linattn_lm import training
-from linattn_lm.config import PRESETS, config_from_argv
-from linattn_lm.flags import add_flags, option
+from linattn_lm.flags import add_flags, build_parser, config_from_argv
+from linattn_lm.variants import option
+from linattn_lm.presets import PRESETS
 
 
 def halves(text: str) -> float:
@@ -47,6 +47,6 @@ def test_a_parsers_value_error_is_argparses_message(capsys) -> None:
 
 
 def test_a_flag_reaches_its_setting_in_config_from_argv() -> None:
-    """train.py -> training.main -> config.config_from_argv -> the trainer: the config holds it."""
-    args, config = config_from_argv(training.build_parser(), ["--preset", "tiny", "--lr", "0.002"])
+    """train.py -> training.main -> flags.config_from_argv -> the trainer: the config holds it."""
+    args, config = config_from_argv(build_parser(), ["--preset", "tiny", "--lr", "0.002"])
     assert config.optim.lr == 0.002 and config.optim.warmup == PRESETS["tiny"]["warmup"] and not args.resume

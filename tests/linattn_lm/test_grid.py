@@ -11,7 +11,7 @@ from pathlib import Path
 import linattn
 import pytest
 
-from linattn_lm import config, grid, load_checkpoint, save_checkpoint
+from linattn_lm import grid, presets, load_checkpoint, save_checkpoint
 from linattn_lm.checkpoint import CheckpointError, recorded_digest
 from linattn_lm.data import load_split
 from linattn_lm.ngram import reference_bpc
@@ -154,7 +154,7 @@ def test_a_grid_whose_preset_changed_since_it_started_is_refused_before_training
     where = ["--out-dir", str(tmp_path), "--run-name", "g", mode]
     unchecked = "nothing to report"   # what --report-only answers past the check: no run finished
     assert unchecked in run_main(grid.main, where[:-1] + ["--report-only"])[2]
-    monkeypatch.setitem(config.PRESETS, "tiny", {**config.PRESETS["tiny"], "seq_len": 32})
+    monkeypatch.setitem(presets.PRESETS, "tiny", {**presets.PRESETS["tiny"], "seq_len": 32})
     code, _, err = run_main(grid.main, where)
     assert code == 2 and "seq_len" in err and len(err.strip().splitlines()) == 1, err
     del marker["resolved"]   # a marker from before they recorded values: it cannot tell
@@ -315,7 +315,7 @@ def test_results_written_before_normalization_existed_are_reused(data_dir: Path,
 
 
 def test_config_differences_take_an_absent_setting_as_its_default() -> None:
-    from linattn_lm.config import config_differences
+    from linattn_lm.resume import config_differences
     current = {"normalization": "denominator", "lr": 0.003, "steps": 5}
     assert config_differences({"lr": 0.003, "steps": 9}, current) == []
     assert config_differences({"lr": 0.003, "normalization": "rmsnorm"}, current) == [

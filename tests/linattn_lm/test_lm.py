@@ -2,11 +2,14 @@
 position limits, feature-map layer seeds.  Linear variants cover every registered feature map."""
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import linattn
 import pytest
 import torch
 
 from linattn_lm import ByteLM, ModelConfig, layer_seed
+from linattn_lm.checkpoint import saved_section
 
 VARIANTS = {
     **{f"linear-{name}-{rope}": dict(feature_map=name, rope=rope)
@@ -193,11 +196,11 @@ def test_maps_with_weights_are_parameters_reproducible_from_the_seed(feature_map
 
 def test_config_round_trips_through_a_plain_dict(small_config) -> None:
     config = small_config(abs_pos=True)
-    values = config.to_dict()
+    values = asdict(config)
     assert all(isinstance(v, (str, int, float, bool, dict)) for v in values.values())
-    assert ModelConfig.from_dict(values) == config
+    assert saved_section({"model": values}, "model") == config
     with pytest.raises(ValueError, match=r"unknown model setting\(s\) \['lr'\]"):
-        ModelConfig.from_dict({**values, "lr": 0.1})
+        saved_section({"model": {**values, "lr": 0.1}}, "model")
 
 
 @pytest.mark.parametrize("attention, backend, expected", [

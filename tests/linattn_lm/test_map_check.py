@@ -11,7 +11,7 @@ import torch
 
 from linattn import FeatureMap, register_feature_map
 from linattn.feature_maps import FEATURE_MAPS
-from linattn_lm import ModelConfig, training
+from linattn_lm import ByteLM, ModelConfig, training
 
 
 @contextlib.contextmanager
@@ -189,5 +189,5 @@ def test_the_model_trusts_a_validated_config(monkeypatch) -> None:
     calls = []
     monkeypatch.setattr(ModelConfig, "check_fields", lambda self: calls.append(self))
     monkeypatch.setattr(ModelConfig, "check_map", lambda self: calls.append(self))
-    training.ByteLM(config)
+    ByteLM(config)
     assert calls == []

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from linattn_lm import config_from_flags, evaluate, grid, load_checkpoint, training
-from linattn_lm.config import check_mqar_settings
+from linattn_lm.settings import check_mqar_settings
 from linattn_lm.mqar import IGNORED, MqarBatches, draw_batch, position_only_accuracy, query_scores
 
 VOCAB, SEQ_LEN, PAIRS = 256, 64, 6

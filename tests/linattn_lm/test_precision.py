@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from linattn_lm import load_checkpoint, training
-from linattn_lm.config import config_differences, config_from_flags
+from linattn_lm.flags import config_from_flags
+from linattn_lm.resume import config_differences
 from linattn_lm.evaluate import recorded_dtype
 from linattn_lm.device import autocast, resolve_dtype
 

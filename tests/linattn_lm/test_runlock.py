@@ -43,7 +43,7 @@ def test_a_second_process_is_refused_with_the_holders_pid_and_kill_9_leaves_no_s
 
 def test_an_unusable_directory_is_a_one_line_usage_error(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
-    with pytest.raises(training.UsageError, match="cannot lock the directory .*a file stands where a directory of that path would go"):
+    with pytest.raises(UsageError, match="cannot lock the directory .*a file stands where a directory of that path would go"):
         DirectoryLock(tmp_path / "file" / "run")
 
 

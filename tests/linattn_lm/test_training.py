@@ -20,10 +20,10 @@ import torch
 import torch.multiprocessing as mp
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from linattn_lm import (ByteLM, ModelConfig, TrainConfig, config_from_flags, grid, load_checkpoint,
-                        save_checkpoint, training)
-from linattn_lm.checkpoint import recorded_digest
-from linattn_lm.config import PRESETS, RESUMABLE, RunConfig, preset_settings
+from linattn_lm import (ByteLM, ModelConfig, TrainConfig, config_from_flags, flags, grid, load_checkpoint, process,
+                        results, save_checkpoint, text, training)
+from linattn_lm.checkpoint import recorded_config, recorded_digest
+from linattn_lm.settings import RESUMABLE, RunConfig
 from linattn_lm.data import load_split
 
 
@@ -114,7 +114,7 @@ def test_run_names_that_name_no_directory_of_their_own_are_refused(name: str, tm
     (["--decay-steps", str(2**63)], "decay_steps must be below 2**63"),
     (["--warmup", str(10**30)], "warmup must be below 2**63"),
     (["--attention", "softmax", "--rope", "pre"], "--rope pre"),
-    (["--preset", "huge"], "invalid choice: 'huge'"),
+    (["--preset", "huge"], "unknown preset 'huge'"),
     (["--n-layer", "0"], "n_layer must be positive"),
     (["--n-layer", "2.5"], "not an integer"),
     (["--d-model", "100", "--n-head", "3"], "must be a multiple of n_head"),
@@ -393,8 +393,8 @@ def ddp_worker(rank: int, world_size: int, port: int, argv: list[str], out_dir: 
     """One torchrun-like rank: environment variables in, its final model state out."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    args, config = training.parse_config(training.build_parser(), argv)
-    with training.distributed(config.run.device) as ctx:
+    args, config = flags.parse_config(flags.build_parser(), argv)
+    with process.distributed(config.run.device) as ctx:
         trainer = training.Trainer(config, ctx, resume=args.resume)
         result = trainer.run()
         first_windows = torch.from_numpy(trainer.train_batches.window_starts(0))
@@ -421,7 +421,7 @@ def test_ddp_two_cpu_ranks_stay_identical(data_dir: Path, tiny: list[str], tmp_p
         assert torch.equal(tensor, rank1["tensors"][key]), key
     assert rank0["favor"] == rank1["favor"] and rank0["favor"][0]["draws"] == 2   # redrawn at steps 3, 6
     assert len(rank0["first_windows"]) == 4 and not torch.equal(rank0["first_windows"], rank1["first_windows"])
-    config = ModelConfig.from_dict(load_checkpoint(tmp_path / "linear-favor-post-M32")["config"]["model"])
+    config = ModelConfig(**load_checkpoint(tmp_path / "linear-favor-post-M32")["config"]["model"])
     initial = ByteLM(config).state_dict()["blocks.0.attn.feature_map.projection"]
     assert not torch.equal(rank0["tensors"]["blocks.0.attn.feature_map.projection"], initial)
 
@@ -438,14 +438,6 @@ def test_explicit_flags_override_the_preset() -> None:
     assert more.model.feature_map_options == {"num_features": 16, "redraw_interval": 1000}
 
 
-def test_presets_list_only_what_differs_from_the_defaults() -> None:
-    defaults = TrainConfig().flat()
-    assert PRESETS["cpu"] == {}   # the defaults are the cpu preset
-    for name, changes in PRESETS.items():
-        assert {key: value for key, value in changes.items() if defaults[key] != value} == changes, name
-        assert preset_settings(name) == {**defaults, **changes}
-
-
 def test_resumable_settings_are_declared_on_the_fields() -> None:
     assert RESUMABLE == {"steps", "eval_interval", "eval_iters", "log_interval", "ckpt_interval", "sample_interval",
                          "preset", "data_dir", "out_dir", "run_name", "device", "compile", "threads", "imports", "backend"}
@@ -453,11 +445,11 @@ def test_resumable_settings_are_declared_on_the_fields() -> None:
 
 def test_checkpoint_config_is_validated_like_flags(tiny_run: Path) -> None:
     saved = load_checkpoint(tiny_run)["config"]
-    assert TrainConfig.from_record(saved).flat()["feature_map_options"] == {"num_features": 32, "redraw_interval": 1000}
+    assert recorded_config(saved).flat()["feature_map_options"] == {"num_features": 32, "redraw_interval": 1000}
     with pytest.raises(ValueError, match="lr must be a finite number"):
-        TrainConfig.from_record({**saved, "optim": {**saved["optim"], "lr": float("nan")}})
+        recorded_config({**saved, "optim": {**saved["optim"], "lr": float("nan")}})
     with pytest.raises(ValueError, match="unknown config section"):
-        TrainConfig.from_record({**saved, "extra": {}})
+        recorded_config({**saved, "extra": {}})
 
 
 @pytest.mark.parametrize("model, message", [
@@ -505,11 +497,11 @@ def test_a_signal_with_the_last_step_finishes_the_run(data_dir: Path, tiny: list
 def test_text_samples_have_a_prompt_and_stay_within_learned_positions(seq_len, abs_pos, prompt_bytes, new_bytes,
                                                                       small_config) -> None:
     config = TrainConfig(model=small_config(seq_len=seq_len, abs_pos=abs_pos))
-    prompt, new = training.sample_prompt(np.arange(500, dtype=np.uint8), config)
+    prompt, new = text.sample_prompt(np.arange(500, dtype=np.uint8), config)
     assert (len(prompt), new) == (prompt_bytes, new_bytes)
     model = ByteLM(config.model).eval()
-    text = training.text_sample(model, prompt, new, seed=0, device=torch.device("cpu"))
-    assert isinstance(text, str) and text
+    sample = text.text_sample(model, prompt, new, seed=0, device=torch.device("cpu"))
+    assert isinstance(sample, str) and sample
 
 
 def test_feature_map_weights_and_norm_gains_take_no_weight_decay(small_config) -> None:
@@ -541,7 +533,7 @@ def test_a_map_with_weights_trains_and_resumes_exactly(variant: list[str], data_
         assert torch.equal(tensor, b["model"][key]), key
     weight = a["model"]["blocks.0.attn.feature_map.weight"]
     torch.manual_seed(0)
-    initial = ByteLM(ModelConfig.from_dict(a["config"]["model"])).state_dict()["blocks.0.attn.feature_map.weight"]
+    initial = ByteLM(ModelConfig(**a["config"]["model"])).state_dict()["blocks.0.attn.feature_map.weight"]
     assert weight.shape == initial.shape and not torch.equal(weight, initial)
 
 
@@ -571,12 +563,6 @@ def test_ddp_two_cpu_ranks_keep_a_trainable_map_identical(data_dir: Path, tiny: 
         assert torch.equal(tensor, rank1["tensors"][key]), key
     trained = rank0["tensors"]["blocks.0.attn.feature_map.weight"]
     assert not torch.equal(trained, torch.eye(32).expand_as(trained))   # it trained (identity start)
-
-
-@pytest.mark.parametrize("preset", ["cpu", "eleuther", "paper"])
-def test_presets_never_redraw_favor(preset: str) -> None:
-    """The study measured that redraws cost accuracy (docs/results/study.md): the map's default."""
-    assert preset_settings(preset)["feature_map_options"]["redraw_interval"] == 0
 
 
 def test_resume_needs_only_where_the_run_is(tiny_run: Path, tmp_path: Path, run_main) -> None:
@@ -611,7 +597,7 @@ def test_a_non_finite_val_estimate_stops_the_run_with_exit_1(data_dir: Path, tin
 
 
 def test_a_final_score_is_labelled_with_its_step_when_the_run_stopped_between_estimates() -> None:
-    result = training.TrainResult(run_name="r", variant="v", final_val_bpc=4.5, best_val_bpc=4.5, tokens_per_s=1.0,
+    result = results.TrainResult(run_name="r", variant="v", final_val_bpc=4.5, best_val_bpc=4.5, tokens_per_s=1.0,
                                   peak_memory_mb=1.0, parameters=1, steps=90, wall_seconds=1.0, loop_overhead=0.1,
                                   seed=0, data="d", val_steps=[50], val_bpc=[4.5], final_val_step=50)
     assert "final val bpc 4.5000 at step 50, the last estimate" in result.summary()
@@ -636,7 +622,7 @@ def test_a_checkpoint_from_before_the_digest_resumes_with_a_warning_and_is_seale
 def test_a_record_of_the_retired_triton_backend_reads_as_auto() -> None:
     record = dataclasses.asdict(config_from_flags({"preset": "tiny"}))
     record["model"]["backend"] = "triton"
-    assert TrainConfig.from_record(record).model.backend == "auto"
+    assert recorded_config(record).model.backend == "auto"
 
 
 @pytest.mark.parametrize("environment, message", [

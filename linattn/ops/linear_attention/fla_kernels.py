@@ -158,24 +158,25 @@ def plain_factors(phi_q, phi_k, phases, *, work: torch.dtype, dot: torch.dtype):
 
 def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope_base: float,
                        chunk_size: int, return_state: bool):
-    """Log-features b, a (tensors or `LogProjection`s); see docs/derivations.md."""
+    """Log-features b, a (tensors or `LogProjection`s); see docs/derivations.md.  One call of fla, for
+    the numerator; the denominator from the keys' log-sums (running_max.py's scans)."""
     del causal, chunk_size
     n, m = v.shape[-2], a.shape[-1]
     work, dot = dtypes(v, b, a)
     with torch.autocast(v.device.type, enabled=False):
         phases = rotary_phases(n, m, offset=offset, base=rope_base, device=v.device, dtype=work) if rotary else None
-        q_num, k_num, decay, q_den, k_den, den_decay, last_scale = checkpoint(
+        q_num, k_num, decay, denominator, last_scale, last_log_sums = checkpoint(
             log_factors, b, a, phases, work=work, dot=dot, use_reentrant=False, preserve_rng_state=False)
-        numerator, denominator, kv, sums = numerator_and_denominator(
-            partial(gated_linear_attention, return_state=return_state), (q_num, k_num, decay),
-            (q_den, k_den, den_decay), fla_layout(v).to(dot))
+        numerator, kv = gated_linear_attention(q_num, k_num, fla_layout(v).to(dot), decay, return_state=return_state)
+    sums = torch.exp(last_log_sums.detach() - last_scale).to(work) if return_state else None
     return finish(numerator, denominator, v, kv=kv, sums=sums, work=work, position=int(offset) + n,
                   log_scale=last_scale.detach() if return_state else None)
 
 
 def log_features(x, work: torch.dtype) -> torch.Tensor:
-    """Log-features in fla's layout and `work` dtype, contiguous (the running max's kernel reads them
-    so); a `LogProjection` is projected in that layout, so its (B, N, H, D) inputs give them directly."""
+    """Log-features in fla's layout and `work` dtype, contiguous (the factors computed from them are
+    then in fla's layout, which its kernels would otherwise copy them to); a `LogProjection` is projected
+    in that layout, so its (B, N, H, D) inputs give them directly."""
     if not isinstance(x, LogProjection):
         return fla_layout(x).to(work).contiguous()
     inputs = fla_layout(x.inputs).to(work)
@@ -187,26 +188,28 @@ def log_features(x, work: torch.dtype) -> torch.Tensor:
 
 def log_factors(b, a, phases, *, work: torch.dtype, dot: torch.dtype):
     """fla's inputs from log-features (tensors or `LogProjection`s), in its layout: the numerator's
-    q, k and decays, the denominator's q, k and decays (q, k in `dot`, decays in `work`), and F at the
-    last token.  Each full-size op is one pass (the budget of test_fla_budget.py)."""
+    q, k (in `dot`) and decays (in `work`); the denominator sum_j e^(b_j + L_j - Q) (B, T, H) with
+    L = log sum_{n<=m} e^(a_n); and F and L at the last token.  Each full-size op is one pass (the
+    budget of test_fla_budget.py)."""
+    from .running_max import running_max_and_log_sums   # here: triton, like fla, is a GPU dependency
     b, a = log_features(b, work), log_features(a, work)
+    feature_scale, log_sums = running_max_and_log_sums(a)               # F (a constant to autograd), L
     with torch.no_grad():   # the scales cancel exactly: constants to autograd
-        from .running_max import running_max   # here: triton, like fla, is a GPU dependency
-        feature_scale = running_max(a)                                  # F
-        den_decay = step_decays(feature_scale)
-    query = b + feature_scale                                           # b + F
-    row_scale = query.detach().amax(-1, keepdim=True)                  # Q
-    q_den = query.sub_(row_scale).exp_().to(dot)                        # e^(b + F - Q) <= 1
-    k_den = torch.exp(a - feature_scale).to(dot)
-    if phases is None:   # P = F: the numerator's factors are the denominator's (no cap acts below 1)
-        return q_den, k_den, den_decay, q_den, k_den, den_decay, feature_scale[:, -1]
+        row_scale = (b + feature_scale).amax(-1, keepdim=True)         # Q
+    denominator = torch.exp(b + log_sums.to(work) - row_scale).sum(-1)
+    last = feature_scale[:, -1], log_sums[:, -1]
+    if phases is None:   # P = F: no cap acts below 1
+        with torch.no_grad():
+            decay = step_decays(feature_scale)
+        q_num = torch.exp(b + feature_scale - row_scale).to(dot)          # e^(b + F - Q) <= 1
+        return q_num, torch.exp(a - feature_scale).to(dot), decay, denominator, *last
     with torch.no_grad():   # P, kept per pair (M / 2): broadcast over the pair where it is used
         pair_scale = feature_scale.unflatten(-1, (-1, 2)).amax(-1, keepdim=True)
         decay = step_decays(pair_scale).expand(*pair_scale.shape[:-1], 2).flatten(-2)
         pair_shift = pair_scale - row_scale.unsqueeze(-1)                # P - Q
     k_num = rotated(torch.exp(per_pair(a, torch.sub, pair_scale)), phases).to(dot)
     q_num = rotated(numerator_query(per_pair(b, torch.add, pair_shift)), phases).to(dot)
-    return q_num, k_num, decay, q_den, k_den, den_decay, feature_scale[:, -1]
+    return q_num, k_num, decay, denominator, *last
 
 
 def per_pair(x: torch.Tensor, op, pair_values: torch.Tensor) -> torch.Tensor:

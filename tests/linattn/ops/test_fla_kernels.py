@@ -282,7 +282,8 @@ def test_fla_multiplies_bf16_values_in_bf16(monkeypatch, log_space, values, dots
     if not log_space:
         q, k = q.to(values), k.to(values)
     out = call("fla", log_space, [q, k, v.to(values)])
-    assert seen == [(dots, dots, dots)] * 2 and out.dtype == values   # numerator, denominator
+    calls = 1 if log_space else 2   # log-features: the numerator alone (the denominator takes no call)
+    assert seen == [(dots, dots, dots)] * calls and out.dtype == values
 
 
 @pytest.mark.parametrize("log_space", [True, False], ids=["log", "plain"])
@@ -324,16 +325,86 @@ def test_non_causal_calls_take_the_torch_entry():
         assert dispatch.has_own_kernel(log_space, "fla", True)
 
 
+INTERPRETED_OR_CUDA = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not CUDA,
+                                         reason="the kernels run on CUDA, or in Triton's interpreter on CPU")
+KERNEL_DEVICE = "cuda" if CUDA else "cpu"
+
+
+def fla_layout_slice(b, n, h, m, *, dtype, scale=1.0):
+    """(b, n, h, m) log-features not in a dense layout: a slice (batch 1..b) of a (b + 1, h, n, m)
+    tensor, viewed in fla's (B, T, H, M) order, so that a kernel must honour strides and offsets."""
+    base = torch.randn(b + 1, h, n, m, dtype=dtype, device=KERNEL_DEVICE) * scale
+    return base[1:].transpose(1, 2)
+
+
+@INTERPRETED_OR_CUDA
 @pytest.mark.parametrize("length", [1, 63, 64, 65, 200])
 def test_the_running_max_kernel_is_cummax_along_the_sequence(length):
     """Chunks of 64 tokens scanned in the kernel from the carry of earlier chunks' maxima: ragged last
-    chunks, several chunks, -inf and columns beyond one program's block (2 x 3 x 7 = 42 > 32)."""
-    if os.environ.get("TRITON_INTERPRET") != "1" and not CUDA:
-        pytest.skip("the kernel runs on CUDA, or in Triton's interpreter on CPU")
+    chunks, several chunks, -inf, columns beyond one program's block (3 x 14 = 42 > 32), and a sliced,
+    transposed input (B > 1) read through its strides."""
     from linattn.ops.linear_attention.running_max import running_max
-    x = torch.randn(2, length, 3, 7, dtype=torch.float64, device="cuda" if CUDA else "cpu")
+    x = fla_layout_slice(2, length, 3, 14, dtype=torch.float64)
     x[:, : length // 2, 0] = float("-inf")
-    assert torch.equal(running_max(x), x.cummax(1).values)
+    assert x.storage_offset() > 0 and (length == 1 or not x.is_contiguous())
+    got = running_max(x)
+    assert torch.equal(got, x.cummax(1).values) and got.is_contiguous()
+
+
+@INTERPRETED_OR_CUDA
+def test_the_running_max_kernel_keeps_nan():
+    """A NaN stays NaN from its token on, as torch's cummax has it.  The interpreter keeps NaN whatever
+    the propagation flag; on a GPU this checks tl.maximum's PropagateNan.ALL (its default drops NaN)."""
+    from linattn.ops.linear_attention.running_max import running_max
+    x = torch.randn(1, 150, 2, 16, device=KERNEL_DEVICE)
+    x[0, 70, 1, 3] = float("nan")
+    got, want = running_max(x), x.cummax(1).values
+    assert got[0, 70:, 1, 3].isnan().all() and torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@INTERPRETED_OR_CUDA
+@pytest.mark.parametrize("length", [1, 64, 65, 200])
+@pytest.mark.parametrize("scale", [1.0, 30.0])
+def test_the_log_sums_kernels_are_logcumsumexp_and_its_gradient(length, scale):
+    """L = log sum_{n<=t} e^(a_n) by the forward scan and dL/da by the reverse scan (chunks carried
+    both ways), float32 against float64, on a sliced input; F with it is the running max."""
+    from linattn.ops.linear_attention.running_max import running_max_and_log_sums
+    a = fla_layout_slice(2, length, 3, 14, dtype=torch.float32, scale=scale).requires_grad_()
+    feature_scale, log_sums = running_max_and_log_sums(a)
+    want = a.detach().double().requires_grad_()
+    want_sums = want.logcumsumexp(1)
+    assert torch.equal(feature_scale, a.detach().cummax(1).values) and not feature_scale.requires_grad
+    torch.testing.assert_close(log_sums.double(), want_sums, rtol=1e-6, atol=1e-5)
+    weights = torch.randn(log_sums.shape, device=KERNEL_DEVICE)
+    got_grad, = torch.autograd.grad(log_sums, a, weights)
+    want_grad, = torch.autograd.grad(want_sums, want, weights.double())
+    torch.testing.assert_close(got_grad.double(), want_grad, rtol=1e-5, atol=1e-5 * want_grad.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_gpu_the_running_max_kernel_offsets_past_two_to_the_31():
+    """B N H M = 2^31 + 2^24 elements: int32 offsets would wrap (the interpreter's, in numpy, do not;
+    and 2^31 floats do not fit this CPU's tests).  The last batch's last rows against torch."""
+    from linattn.ops.linear_attention.running_max import running_max
+    x = torch.randn(17, 65536, 8, 256, device="cuda")
+    got = running_max(x)
+    tail = x[-1:, -3000:]
+    want = torch.maximum(tail.cummax(1).values, x[-1:, :-3000].amax(1, keepdim=True))
+    assert torch.equal(got[-1:, -3000:], want)
+
+
+@pytest.mark.gpu
+def test_gpu_the_kernels_launch_on_their_tensors_device():
+    """A tensor on another GPU than the current one: the launch follows the tensor."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices (the device guard around the launches)")
+    from linattn.ops.linear_attention.running_max import running_max_and_log_sums
+    a = torch.randn(1, 300, 2, 32, device="cuda:1", requires_grad=True)
+    feature_scale, log_sums = running_max_and_log_sums(a)
+    torch.testing.assert_close(log_sums, a.detach().logcumsumexp(1))
+    assert torch.equal(feature_scale, a.detach().cummax(1).values)
+    log_sums.sum().backward()
+    assert a.grad.device == a.device and a.grad.isfinite().all()
 
 
 @pytest.mark.parametrize("installed,want", [(True, "fla"), (False, "torch")])
@@ -572,6 +643,7 @@ def test_compiled_block_on_the_fla_backend_gives_eager_outputs_and_gradients(mon
         runs.append([out.detach(), inputs.grad, *(p.grad.clone() for p in block.parameters())])
         block.zero_grad()
     torch.compiler.reset()
-    assert len(calls) == 6   # two per forward (numerator, denominator): eager, compiled, the backward's recomputation
+    # per forward, plain features: numerator and denominator; log-features: the numerator alone
+    assert len(calls) == 3 * (1 if feature_map == "favor" else 2)   # eager, compiled, and the compiled trace
     for want, got in zip(*runs):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
