@@ -196,6 +196,8 @@ def state_size(config: ModelConfig) -> str:
         kinds.append(f"{min(config.window, config.seq_len)} x 2 x {head_dim} KV cache")
     elif config.attention == "softmax" or config.softmax_layer_indices:
         kinds.append(f"{config.seq_len} x 2 x {head_dim} KV cache")
+    if config.short_conv > 1:   # the model's own attention layers' (a hybrid's softmax layers have none)
+        kinds[0] += f" + {config.short_conv - 1} x 3 x {head_dim} conv"
     return "; ".join(kinds)
 
 

@@ -107,6 +107,8 @@ class ModelConfig:
     softmax_layers: str = setting("", "linear: these layers are softmax + RoPE blocks instead (a hybrid): 0-based "
                                       "layer indices in increasing order separated by commas, e.g. 1 or 1,3 "
                                       "('' = none)", variant=True)
+    short_conv: int = setting(0, "a depthwise causal convolution of K tokens on q, k and v before the attention "
+                                 "(H3's and Based's short convolution; linear and softmax); 0 = none", variant=True)
     chunk_size: int = setting(64, "causal linear attention block size (speed only; linear only)")
     backend: str = setting("auto", "attention kernels (speed only): linear auto, torch, cpp or fla (auto = "
                                    "fla on CUDA when installed, cpp on CPU where it builds); softmax auto "
@@ -138,8 +140,9 @@ class ModelConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        if self.window < 0:
-            raise ValueError(f"window must be >= 0 (0 = no window), got {self.window}")
+        for name in ("window", "short_conv"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = none), got {getattr(self, name)}")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_head ({self.n_head})")
         if self.mlp_ratio <= 0 or self.mlp_hidden < 1:
@@ -242,10 +245,10 @@ class ModelConfig:
 
     @property
     def block_options(self) -> dict[str, Any]:
-        """The attention block's window and decay keywords, those that are not the default only (so a
+        """The attention block's window, decay and short_conv keywords, those that are not the default only (so a
         default config builds the same block as before the options existed); softmax takes the window
         only (validation refuses a decay there)."""
-        options = {"window": self.window, "decay": self.decay_option}
+        options = {"window": self.window, "decay": self.decay_option, "short_conv": self.short_conv}
         return {key: value for key, value in options.items() if value not in (0, None)}
 
     @property

@@ -3,7 +3,7 @@
 'linear-favor-post-M64' (built with num_features), 'linear-favor-post+redraw_interval=250'
 (feature-map options after '+'), and the block options after '+': 'linear-favor-pre+window=64',
 'linear-favor-post+decay=retnet', 'linear-favor-pre+softmax_layers=1_3', 'softmax-rope+window=64' (the
-window-only control; softmax takes the window only)."""
+window-only control; softmax takes the window and short_conv only), 'linear-favor-post+short_conv=3'."""
 from __future__ import annotations
 
 import argparse
@@ -19,8 +19,9 @@ LINEAR_SUFFIXES = ("rmsnorm", "abs")   # after the placement, in this order: nor
 # Settings of the attention block, named after '+' in this order; each one's default is falsy (0, '')
 # and left out of names.  A list's commas would split grid.py's --variants, so a name joins its items
 # with '_'.
-BLOCK_OPTIONS = ("window", "decay", "softmax_layers")
-SOFTMAX_BLOCK_OPTIONS = ("window",)
+BLOCK_OPTIONS = ("window", "decay", "softmax_layers", "short_conv")
+SOFTMAX_BLOCK_OPTIONS = ("window", "short_conv")
+COUNT_BLOCK_OPTIONS = ("window", "short_conv")   # whole numbers; the others are text
 LINEAR_BLOCK_OPTIONS = tuple(name for name in BLOCK_OPTIONS if name not in SOFTMAX_BLOCK_OPTIONS)
 NAME_LIST_SEPARATOR = "_"
 
@@ -64,11 +65,11 @@ def block_option_from_name(name: str, text: str) -> int | str:
     """A block option's value from its text in a variant name; a default value is refused, since the
     name without it says the same."""
     value: int | str = text.replace(NAME_LIST_SEPARATOR, ",")
-    if name == "window":
+    if name in COUNT_BLOCK_OPTIONS:
         try:
             value = int(text)
         except ValueError:
-            raise ValueError(f"window={text} is not a whole number") from None
+            raise ValueError(f"{name}={text} is not a whole number") from None
     if not value:
         raise ValueError(f"{name}={text} is the default: leave it out of the name")
     return value
@@ -100,7 +101,8 @@ def variant_flags(name: str) -> dict[str, Any]:
         return dict(attention="linear", feature_map="-".join(parts[1:-1]), rope=parts[-1],
                     abs_pos="abs" in suffixes, feature_map_options=options,
                     normalization="rmsnorm" if "rmsnorm" in suffixes else "denominator", **block)
-    raise ValueError(f"unknown variant {name!r}: expected one of {', '.join(SOFTMAX_VARIANTS)} [+window=N] or "
+    raise ValueError(f"unknown variant {name!r}: expected one of {', '.join(SOFTMAX_VARIANTS)} [+window=N] "
+                     f"[+short_conv=K] or "
                      f"linear-<map>-<post|pre|none>[-rmsnorm][-abs][+KEY=VALUE...] (KEY a feature-map option "
                      f"or one of {', '.join(BLOCK_OPTIONS)}) with a map in "
                      f"{linattn.available_feature_maps()} (--import registers more)")

@@ -59,6 +59,7 @@ def block_kwargs(monkeypatch):
     ("linear-favor-pre+softmax_layers=1", {"softmax_layers": "1"}),
     ("linear-taylor-pre+window=8+decay=0.5_0.9_0.99_1.0", {"window": 8, "decay": "0.5,0.9,0.99,1.0"}),
     ("linear-favor-none+softmax_layers=1_3+redraw_interval=0", {"softmax_layers": "1,3"}),
+    ("linear-favor-post+window=8+short_conv=3", {"window": 8, "short_conv": 3}),
 ])
 
 
@@ -214,14 +215,15 @@ def test_the_help_names_the_flags_and_the_layer_numbering(run_main) -> None:
     ("softmax-rope+window=64", dict(attention="softmax", rope="post", abs_pos=False, window=64)),
     ("softmax-none+window=8", dict(attention="softmax", rope="none", abs_pos=False, window=8)),
     ("softmax-rope-abs+window=1", dict(attention="softmax", rope="post", abs_pos=True, window=1)),
+    ("softmax-rope+window=8+short_conv=3", dict(attention="softmax", rope="post", abs_pos=False, window=8,
+                                                short_conv=3)),
 ])
 def test_the_window_only_control_round_trips_through_its_name(name: str, flags: dict) -> None:
     assert variant_flags(name) == flags
     config = config_from_flags({**flags, "preset": "cpu"})
     assert config.model.variant == config.run.run_name == name
-    assert config.model.block_options == {"window": flags["window"]}
-    assert config_from_flags({"preset": "cpu", "attention": "softmax", "window": flags["window"],
-                              "rope": flags["rope"], "abs_pos": flags["abs_pos"]}).model.variant == name
+    assert config.model.block_options == {key: flags[key] for key in ("window", "short_conv") if key in flags}
+    assert config_from_flags({"preset": "cpu", "attention": "softmax", **flags}).model.variant == name
 
 
 def test_softmax_defaults_keep_todays_names_and_blocks() -> None:
@@ -291,3 +293,18 @@ def test_the_window_control_trains_and_scores_from_the_flags(data_dir: Path, tin
     assert "model: softmax-rope+window=8" in out and (run_dir / "ckpt.pt").is_file()
     code, out, _ = run_main(evaluate.main, [str(run_dir), "--max-bytes", "2000", "--threads", "1"])
     assert code == 0 and "softmax-rope+window=8" in out
+
+
+def test_a_short_convolution_trains_decodes_and_names_its_run(data_dir: Path, tiny: list[str], tmp_path: Path,
+                                                             run_main, small_config) -> None:
+    torch.manual_seed(0)
+    model = ByteLM(small_config(short_conv=3, window=4, feature_map_options=FAVOR, seq_len=32)).eval()
+    assert all(block.attn.short_conv.kernel_size == 3 for block in model.blocks)
+    assert_decodes_as_parallel(model)
+    argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--short-conv", "3", "--steps", "4",
+            "--eval-interval", "4", "--ckpt-interval", "4", "--sample-interval", "0"]
+    code, _, err = run_main(training.main, argv)
+    assert code == 0, err
+    assert (tmp_path / "linear-favor-post-M32+short_conv=3" / "ckpt.pt").is_file()
+    code, _, err = run_main(training.main, [*argv, "--short-conv", "-1"])
+    assert code == 2 and "short_conv" in err
