@@ -412,9 +412,12 @@ TASKS = ("enwik8", "mqar")
 def check_mqar_settings(vocab_size: int, seq_len: int, kv_pairs: int) -> None:
     """D pairs need D distinct keys in [1, V/2), D distinct values in [V/2, V), and room for the pairs
     and D queries in seq_len."""
-    if kv_pairs < 1 or kv_pairs > vocab_size // 2 - 1:
-        raise ValueError(f"mqar_kv_pairs must be in [1, {vocab_size // 2 - 1}] (distinct keys below vocab_size / 2), "
-                         f"got {kv_pairs}")
+    if kv_pairs < 1:
+        raise ValueError(f"mqar_kv_pairs must be at least 1, got {kv_pairs}")
+    if kv_pairs > vocab_size // 2 - 1:   # the bound named as a vocabulary, which a small one makes < 1
+        raise ValueError(f"mqar_kv_pairs {kv_pairs} needs vocab_size >= {2 * (kv_pairs + 1)} (distinct keys in "
+                         f"[1, vocab_size / 2)), got vocab_size {vocab_size}; raise --vocab-size or lower "
+                         "--mqar-kv-pairs")
     if seq_len < 4 * kv_pairs:
         raise ValueError(f"mqar needs seq_len >= 4 x mqar_kv_pairs ({4 * kv_pairs}: the pairs, then a query and its "
                          f"answer per key), got seq_len {seq_len}")
