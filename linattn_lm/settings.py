@@ -222,6 +222,13 @@ class ModelConfig:
         if len(factors) != self.n_head or not all(0 < factor <= 1 for factor in factors):
             raise ValueError(f"decay must be retnet or {self.n_head} numbers in (0, 1] separated by commas (one per "
                              f"head), got {self.decay!r}")
+        # One spelling per value: the text names the run (and a grid's variant), so 1,0.5 and 1.0,0.50 would be
+        # two runs of one model; and a factor 1 for every head is no decay, the default, named without it.
+        canonical = ",".join(map(str, factors))
+        if all(factor == 1 for factor in factors):
+            raise ValueError(f"decay {self.decay!r} is 1 for every head, which is no decay: leave --decay out")
+        if self.decay != canonical:
+            raise ValueError(f"decay {self.decay!r} must be spelled as Python writes its numbers: {canonical!r}")
         return factors
 
     @property
