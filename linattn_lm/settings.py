@@ -245,6 +245,9 @@ class ModelConfig:
             raise ValueError(f"softmax_layers must list 0-based layer indices below n_layer {self.n_layer} in "
                              f"increasing order, each once, separated by commas (e.g. 1 or 1,3), got "
                              f"{self.softmax_layers!r}")
+        if len(layers) == self.n_layer:   # no linear layer is left: a softmax model, not a linear hybrid
+            raise ValueError(f"softmax_layers {self.softmax_layers!r} makes every layer softmax: that is a softmax "
+                             "model, so use --attention softmax instead")
         return layers
 
     @property

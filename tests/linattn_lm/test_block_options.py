@@ -117,6 +117,7 @@ def test_bad_block_options_in_names(name: str, message: str) -> None:
     ({"softmax_layers": "3,1"}, "softmax_layers"),
     ({"softmax_layers": "1,1"}, "softmax_layers"),
     ({"softmax_layers": "1, 3"}, "softmax_layers"),
+    ({"softmax_layers": "0,1,2,3"}, "--attention softmax"),   # no linear layer left: not a linear model
     ({"decay": "1,1,1,1.0"}, "no decay"),                # the default, by another name
     ({"decay": "0.5,0.9,0.99,1"}, "'0.5,0.9,0.99,1.0'"),  # one spelling per value
     ({"decay": "0.50,0.9,0.99,1.0"}, "'0.5,0.9,0.99,1.0'"),
