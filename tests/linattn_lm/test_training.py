@@ -143,6 +143,9 @@ def test_run_names_that_name_no_directory_of_their_own_are_refused(name: str, tm
     (["--threads", "-1"], "threads must be in"),
     (["--import", "no_such_module_here"], "--import no_such_module_here: cannot import it"),
     (["--eval-iters", "100000000"], "eval_iters must be at most 10,000 batches per estimate"),
+    (["--mqar-kv-pairs", "4"], "--mqar-kv-pairs applies to --task mqar only"),   # flags of the other task
+    (["--preset", "mqar", "--data-dir", "/tmp"], "--data-dir applies to --task enwik8"),
+    (["--task", "mqar", "--sample-interval", "5"], "--sample-interval applies to"),
 ])
 def test_bad_flags_are_usage_errors(argv: list[str], message: str, run_main) -> None:
     code, _, err = run_main(training.main, argv)
