@@ -324,6 +324,17 @@ def check_progress(checkpoint: dict[str, Any], config: TrainConfig, path: Path |
                               f"{reprlib.repr(values)}) are not finite numbers at steps up to {step}; {REPLACE_HINT}")
 
 
+def check_own_run(saved: TrainConfig, run_name: str, path: Path | str) -> None:
+    """A checkpoint resumes only in the run directory it was written for: one copied or linked into another
+    run's directory would train on under that run's name, into its logs.  The record names its run
+    (--run-name, relative to --out-dir, so a whole --out-dir may move); records without one cannot tell."""
+    recorded = saved.run.run_name
+    if recorded and recorded != run_name:
+        raise CheckpointError(f"{path} is the checkpoint of run {recorded!r}, not of {run_name!r} where it was "
+                              f"found (copied or linked here?); resume it as --run-name {recorded} in its own "
+                              "directory, or start this run afresh without it")
+
+
 def saved_config(checkpoint: dict[str, Any], path: Path | str) -> TrainConfig:
     """The checkpoint's configuration, checked as every command that reads one checks it (eval.py,
     --resume, grid.py): `recorded_config`."""

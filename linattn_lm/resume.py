@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_finite_weights, check_progress, checkpoint_entries,
-                         import_recorded, load_checkpoint, saved_config, saved_precision)
+from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_finite_weights, check_own_run, check_progress,
+                         checkpoint_entries, import_recorded, load_checkpoint, saved_config, saved_precision)
 from .flags import flag_name, merged_flags
 from .process import Distributed
 from .runlock import DirectoryLock
@@ -89,6 +89,7 @@ def load_for_resume(path: Path, config: TrainConfig, data: str) -> dict[str, Any
     saved_precision(checkpoint, path)
     check_finite_weights(checkpoint["model"], path)
     saved = saved_config(checkpoint, path)
+    check_own_run(saved, config.run.run_name, path)
     check_progress(checkpoint, saved, path)
     differences = config_differences(saved.flat(), config.flat())
     if differences:

@@ -186,6 +186,7 @@ def test_non_finite_loss_after_a_resume_says_the_checkpoint_may_be_damaged(data_
     shutil.copytree(tmp_path / "boom", tmp_path / "boom2")
     state = good["model"]
     state["head.weight"].fill_(1e30)   # the next forward pass overflows
+    good["config"]["run"]["run_name"] = "boom2"   # a checkpoint resumes under the name it records only
     save_checkpoint(tmp_path / "boom2" / "ckpt.pt", {k: v for k, v in good.items()
                                                      if k not in ("format", "version")})
     code, _, err = run_main(training.main, [*flags, "--run-name", "boom2", "--resume", "--steps", "30"])
@@ -547,6 +548,7 @@ def test_a_checkpoint_from_before_normalization_existed_resumes(tiny_run: Path, 
     shutil.copytree(tiny_run, tmp_path / "old")
     checkpoint = load_checkpoint(tmp_path / "old")
     del checkpoint["config"]["model"]["normalization"]
+    checkpoint["config"]["run"]["run_name"] = "old"
     save_checkpoint(tmp_path / "old" / "ckpt.pt", {k: v for k, v in checkpoint.items() if k not in ("format", "version")})
     common = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "old", "--resume",
               "--sample-interval", "0", "--decay-steps", "30"]
@@ -582,6 +584,22 @@ def test_resume_needs_only_where_the_run_is(tiny_run: Path, tmp_path: Path, run_
     assert resumed["step"] == 32 and resumed["config"]["optim"]["decay_steps"] == 30
 
 
+@pytest.mark.parametrize("place", ["copy", "link"])
+def test_a_checkpoint_in_another_runs_directory_is_refused_naming_its_run(place: str, tiny_run: Path, tmp_path: Path,
+                                                                         run_main) -> None:
+    """Copied or linked into another run's directory, it would train on under that run's name and logs."""
+    other = tmp_path / "other"
+    other.mkdir()
+    if place == "copy":
+        shutil.copy(tiny_run / "ckpt.pt", other / "ckpt.pt")
+    else:
+        (other / "ckpt.pt").symlink_to(tiny_run / "ckpt.pt")
+    code, _, err = run_main(training.main, ["--out-dir", str(tmp_path), "--run-name", "other", "--threads", "1",
+                                            "--resume", "--steps", "31"])
+    assert code == 2 and "the checkpoint of run 'tiny'" in err and len(err.strip().splitlines()) == 1, err
+    assert load_checkpoint(tiny_run)["step"] == 30 and not list(other.glob("events.*"))
+
+
 def test_a_non_finite_val_estimate_stops_the_run_with_exit_1(data_dir: Path, tiny: list[str], tmp_path: Path,
                                                              run_main, monkeypatch: pytest.MonkeyPatch) -> None:
     """A map that goes NaN in eval mode only: the training loss is finite, the estimate is not."""
@@ -614,7 +632,9 @@ def test_a_checkpoint_from_before_the_digest_resumes_with_a_warning_and_is_seale
                                                                                  run_main) -> None:
     """As the runs of a study started before checkpoints were sealed: torch.save's plain file."""
     shutil.copytree(tiny_run, tmp_path / "old")
-    torch.save(torch.load(tmp_path / "old" / "ckpt.pt", weights_only=True), tmp_path / "old" / "ckpt.pt")
+    checkpoint = torch.load(tmp_path / "old" / "ckpt.pt", weights_only=True)
+    checkpoint["config"]["run"]["run_name"] = "old"
+    torch.save(checkpoint, tmp_path / "old" / "ckpt.pt")
     assert recorded_digest(tmp_path / "old" / "ckpt.pt") is None
     code, _, err = run_main(training.main, ["--out-dir", str(tmp_path), "--run-name", "old", "--threads", "1",
                                             "--resume", "--steps", "31", "--sample-interval", "0"])
