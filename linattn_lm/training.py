@@ -409,7 +409,8 @@ class Trainer:
                 if stop_signal or self.step == config.optim.steps or (
                         config.log.ckpt_interval and self.step % config.log.ckpt_interval == 0):
                     save_start = time.perf_counter()
-                    self.save()
+                    with stop.whole_save():
+                        self.save()
                     self.stats.train_seconds += time.perf_counter() - save_start
                 if stop_signal:
                     self.log(f"stopped at step {self.step}; checkpoint saved to {self.ckpt_file} "

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -494,6 +495,39 @@ def test_a_signal_with_the_last_step_finishes_the_run(data_dir: Path, tiny: list
                                               "--run-name", "late", "--steps", "10", "--decay-steps", "10"])
     assert code == 0 and "SIGTERM came with the last step: the run is complete" in out + err
     assert load_checkpoint(tmp_path / "late")["step"] == 10 and scalars(tmp_path / "late", "hparams/final_val_bpc")
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("second", ["ms later", "while saving"])
+def test_a_repeated_signal_is_one_request_whose_save_completes(signum: int, code: int, second: str, data_dir: Path,
+                                                               tiny: list[str], tmp_path: Path, run_main,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group kill and a direct kill 3 ms apart, or a second signal during the save the first asked
+    for, even long after it: the checkpoint is saved (with --ckpt-interval 0, the only one), then the
+    exit status is the first signal's."""
+    evaluate_and_sample, save = training.Trainer.evaluate_and_sample, training.Trainer.save
+
+    def signalled(self: training.Trainer) -> None:
+        evaluate_and_sample(self)
+        if self.step == 3:
+            os.kill(os.getpid(), signum)
+            if second == "ms later":
+                time.sleep(0.003)
+                os.kill(os.getpid(), signum)
+
+    def save_signalled(self: training.Trainer) -> None:
+        if second == "while saving":
+            os.kill(os.getpid(), signum)
+        save(self)
+    monkeypatch.setattr(training.Trainer, "evaluate_and_sample", signalled)
+    monkeypatch.setattr(training.Trainer, "save", save_signalled)
+    if second == "while saving":   # a second signal after the repeat window aborts, unless a save is under way
+        monkeypatch.setattr(process.StopRequest, "REPEAT_SECONDS", 0.0)
+    status, _, err = run_main(training.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path),
+                                              "--steps", "10", "--ckpt-interval", "0", "--eval-interval", "100",
+                                              "--eval-iters", "1", "--sample-interval", "0"])
+    assert status == code and "aborted" not in err, err
+    assert load_checkpoint(tmp_path / "linear-favor-post-M32")["step"] == 3
 
 
 @pytest.mark.parametrize("seq_len, abs_pos, prompt_bytes, new_bytes", [
