@@ -53,13 +53,12 @@ from .grid_record import (DIGEST_KEY, FIT_KEYS, RECORD_KEYS, REPORT_TITLE, RESUL
 from .grid_report import write_report
 from .mqar import held_out_scores
 from .ngram import reference_bpc
-from .runlock import LOCK_NAME, DirectoryLock
+from .runlock import GRID_MARKER, LOCK_NAME, DirectoryLock, check_not_nested
 from .device import keep_freed_memory
 from .files import write_atomically
 from .variants import default_variants, variant_flags
 
 EVAL_SPLITS = ("val", "test")
-GRID_MARKER = ".linattn-grid"   # in every grid directory grid.py starts: --resume continues only those
 REPORT_FILES = ("results.md", "results.csv", "val_bpc.png")
 
 
@@ -408,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()   # large CPU temporaries reuse freed memory instead of page-faulting
 
     def run() -> int:
+        check_not_nested(grid_dir)
         if (args.resume or args.report_only) and not grid_dir.exists():
             flag = "--report-only reports" if args.report_only else "--resume continues"
             raise CheckpointError(f"{flag} a grid, but there is none at {grid_dir}: give the --out-dir / "

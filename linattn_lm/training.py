@@ -31,7 +31,7 @@ from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss, state_size
 from .process import Distributed, StopRequest, distributed
 from .results import RunFailed, RunStats, TrainResult, TrainingDiverged, exit_code, run_reporting_errors
 from .resume import load_for_resume, restore_rng, resume_settings, rng_states, schedule_note
-from .runlock import DirectoryLock
+from .runlock import DirectoryLock, check_not_nested
 from .scoring import TRAIN_ESTIMATE_FIRST_BATCH, evaluate
 from .settings import TrainConfig
 from .text import sample_prompt, text_sample
@@ -478,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()   # large CPU temporaries reuse freed memory instead of page-faulting
 
     def run() -> int:
+        if not args.resume:   # a run resumed is where it started; grid.py starts its runs in its grid itself
+            check_not_nested(config.run.run_dir, itself=True)
         with distributed(config.run.device) as ctx:
             return exit_code(train(config, ctx, resume=args.resume))
     return run_reporting_errors(run)

@@ -612,3 +612,23 @@ def test_resume_continues_a_grid_from_before_the_marker_and_no_other_directory(t
         grid.check_grid_directory(grid_dir, existing=True)
     (grid_dir / grid.GRID_MARKER).write_text("{}")
     grid.check_grid_directory(grid_dir, existing=True)   # marked: grid.py's
+
+
+@pytest.mark.parametrize("where, inside", [
+    (["--out-dir", "{tmp}/run"], "the run directory"),              # a grid inside a train.py run
+    (["--out-dir", "{tmp}", "--run-name", "run/g"], "the run directory"),
+    (["--out-dir", "{tmp}/grid", "--run-name", "g"], "the grid directory"),   # a grid in a grid
+    (["--out-dir", "{tmp}/grid/softmax-rope/seed-0"], "the grid directory"),])
+def test_a_grid_refuses_to_start_inside_another_runs_or_grids_directory(where, inside, data_dir: Path, tiny: list[str],
+                                                                       tmp_path: Path, run_main) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "ckpt.pt").write_text("a train.py run's\n")
+    (tmp_path / "grid" / "softmax-rope" / "seed-0").mkdir(parents=True)
+    (tmp_path / "grid" / grid.GRID_MARKER).write_text("{}")
+    argv = [*tiny, "--data-dir", str(data_dir), "--steps", "1", "--variants", "softmax-rope",
+            *[arg.format(tmp=tmp_path) for arg in where]]
+    for resume in ([], ["--resume"]):
+        code, _, err = run_main(grid.main, argv + resume)
+        assert code == 2 and inside in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
+        "grid", "grid/.linattn-grid", "grid/softmax-rope", "grid/softmax-rope/seed-0", "run", "run/ckpt.pt"]

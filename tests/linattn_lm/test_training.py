@@ -634,6 +634,24 @@ def test_a_checkpoint_in_another_runs_directory_is_refused_naming_its_run(place:
     assert load_checkpoint(tiny_run)["step"] == 30 and not list(other.glob("events.*"))
 
 
+@pytest.mark.parametrize("run_name, inside", [
+    ("run/x", "inside the run directory"), ("grid/x", "inside the grid directory"), ("grid", "is the grid directory"),
+    ("grid/softmax-rope/seed-0/x", "inside the run directory")])
+def test_a_run_refuses_to_start_inside_another_runs_or_grids_directory(run_name: str, inside: str, data_dir: Path,
+                                                                      tiny: list[str], tmp_path: Path,
+                                                                      run_main) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "events.out.tfevents.1").write_text("")   # a run that has logged, saved or not
+    (tmp_path / "grid" / "softmax-rope" / "seed-0").mkdir(parents=True)
+    (tmp_path / "grid" / "softmax-rope" / "seed-0" / "ckpt.pt").write_text("")
+    (tmp_path / "grid" / ".linattn-grid").write_text("{}")
+    before = sorted(tmp_path.rglob("*"))
+    code, _, err = run_main(training.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path),
+                                            "--run-name", run_name])
+    assert code == 2 and inside in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(tmp_path.rglob("*")) == before
+
+
 def test_a_non_finite_val_estimate_stops_the_run_with_exit_1(data_dir: Path, tiny: list[str], tmp_path: Path,
                                                              run_main, monkeypatch: pytest.MonkeyPatch) -> None:
     """A map that goes NaN in eval mode only: the training loss is finite, the estimate is not."""
