@@ -326,6 +326,7 @@ def check_resolved_unchanged(started: dict[str, Any], grid_dir: Path) -> None:
 
 
 LOCATION = {"out_dir", "run_name"}   # where the marker is found: never taken from it
+MARKER_KEYS = {"written_by", "grid", "flags", "resolved", "variants", "seeds", "eval_multiples"}
 
 
 def started_settings(grid_dir: Path) -> dict[str, Any] | None:
@@ -338,7 +339,12 @@ def started_settings(grid_dir: Path) -> dict[str, Any] | None:
         marker = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise CheckpointError(f"{path} is damaged ({error}); write {{}} into it and give the grid's flags again")
-    if not isinstance(marker, dict) or "flags" not in marker:
+    unknown = sorted(set(marker) - MARKER_KEYS, key=str) if isinstance(marker, dict) else None
+    if unknown is None or unknown or marker.get("written_by", "grid.py") != "grid.py":
+        found = f"keys {unknown} grid.py does not write" if unknown else f"{marker!r}"[:80]
+        raise CheckpointError(f"{path} is not a marker grid.py writes (it holds {found}); give the --out-dir / "
+                              "--run-name of a grid, or write {} into it and give the grid's flags again")
+    if "flags" not in marker:
         return None
     shapes = {"flags": dict, "variants": list, "seeds": list, "eval_multiples": list, "resolved": (dict, type(None))}
     wrong_key = next((key for key, kind in shapes.items() if not isinstance(marker.get(key), kind)), None)
@@ -435,6 +441,9 @@ def check_grid_directory(grid_dir: Path, existing: bool) -> None:
     if not grid_dir.is_dir():
         return
     held = sorted(path.name for path in grid_dir.iterdir() if path.name != LOCK_NAME)
+    if existing and not held:
+        raise CheckpointError(f"{grid_dir} holds no grid (it is empty): drop --resume / --report-only to start one "
+                              "there, or give the --out-dir / --run-name of the grid")
     if not existing:
         if held:
             raise CheckpointError(f"{grid_dir} already holds {', '.join(held[:3])}{' ...' if len(held) > 3 else ''}: "

@@ -614,6 +614,22 @@ def test_resume_continues_a_grid_from_before_the_marker_and_no_other_directory(t
     grid.check_grid_directory(grid_dir, existing=True)   # marked: grid.py's
 
 
+@pytest.mark.parametrize("marker, message", [
+    (None, "holds no grid"), ("[1, 2]", "not a marker grid.py writes"), ('{"flags": {}, "mine": 1}', "['mine']"),
+    ('{"written_by": "me"}', "not a marker grid.py writes")])
+def test_resume_refuses_a_folder_without_a_grid_or_with_a_marker_grid_py_did_not_write(marker, message, data_dir: Path,
+                                                                                      tiny: list[str], tmp_path: Path,
+                                                                                      run_main) -> None:
+    grid_dir = tmp_path / "g"
+    grid_dir.mkdir()
+    if marker is not None:
+        (grid_dir / grid.GRID_MARKER).write_text(marker)
+    code, _, err = run_main(grid.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name",
+                                        "g", "--resume"])
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(path.name for path in grid_dir.iterdir()) == ([grid.GRID_MARKER] if marker else [])
+
+
 @pytest.mark.parametrize("where, inside", [
     (["--out-dir", "{tmp}/run"], "the run directory"),              # a grid inside a train.py run
     (["--out-dir", "{tmp}", "--run-name", "run/g"], "the run directory"),
