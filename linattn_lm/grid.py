@@ -373,8 +373,10 @@ def continued_flags(recorded: dict[str, Any], given: dict[str, Any]) -> dict[str
     except UsageError as error:
         raise UsageError(f"the grid's recorded --import: {error}") from None
     options = started["feature_map_options"]   # the recorded ones (given ones must repeat them); none: no key
-    return {**recorded, **given, **({"feature_map_options": options} if options else {}),
-            **({"imports": imports} if imports else {})}
+    # decay_steps stays what it resolved to at the start, as train.py's --resume keeps the recorded one: a
+    # --steps given now extends the runs with their schedule (and scores a run train.py trained further).
+    return {**recorded, **given, "decay_steps": started["decay_steps"],
+            **({"feature_map_options": options} if options else {}), **({"imports": imports} if imports else {})}
 
 
 def earlier_runs(given: dict[str, Any], variants: list[str], grid_dir: Path,
