@@ -28,7 +28,7 @@ import linattn
 from .cli import import_user_code
 from .settings import MAX_STEPS, SECTIONS, TrainConfig, check_types
 from .lm import ByteLM
-from .device import PRECISIONS
+from .device import PRECISIONS, precision_key, resolve_device
 from .errors import UsageError, first_line
 from .files import write_atomically
 
@@ -187,6 +187,16 @@ def saved_precision(checkpoint: dict[str, Any], path: Path | str) -> str | None:
         raise CheckpointError(f"{path} is damaged: its 'precision' entry is {precision!r}, not one of "
                               f"{', '.join(PRECISIONS)}; use another checkpoint (or, for --resume, start a new run)")
     return precision
+
+
+def same_precision(dtype: str, checkpoint: dict[str, Any], path: Path | str, device: str) -> bool:
+    """Whether --dtype `dtype`, on `device`, computes in the precision the run computed in (--dtype fp32 on a
+    run whose auto resolved to fp32): on --resume that flag says what the record says."""
+    saved = saved_precision(checkpoint, path)
+    try:
+        return saved is not None and precision_key(dtype, resolve_device(device)) == saved
+    except ValueError:   # an unknown dtype or device: the settings' own checks name it
+        return False
 
 
 def load_state(path: Path | str, name: str, load: Callable[[], Any]) -> None:
