@@ -53,7 +53,7 @@ from .grid_record import (DIGEST_KEY, FIT_KEYS, RECORD_KEYS, REPORT_TITLE, RESUL
 from .grid_report import write_report
 from .mqar import held_out_scores
 from .ngram import reference_bpc
-from .runlock import GRID_MARKER, LOCK_NAME, DirectoryLock, check_not_nested
+from .runlock import GRID_MARKER, LOCK_NAME, DirectoryLock, check_can_write, check_not_nested
 from .device import keep_freed_memory
 from .files import write_atomically
 from .variants import default_variants, variant_flags
@@ -422,8 +422,10 @@ def main(argv: list[str] | None = None) -> int:
                                   "--run-name it was started with" + ("" if args.report_only else
                                                                       ", or drop --resume to start it"))
         check_grid_directory(grid_dir, args.resume or args.report_only)
-        check_eval_windows(configs.values(), multiples)
         main_process = launched_rank() == 0   # the job's other ranks write nothing here
+        if main_process:
+            check_can_write(grid_dir)
+        check_eval_windows(configs.values(), multiples)
         with DirectoryLock(grid_dir) if main_process else contextlib.nullcontext():   # each run locks its own too
             if main_process and not args.report_only:   # what a later --resume or --report-only continues
                 write_atomically(grid_dir / GRID_MARKER, lambda path: path.write_text(

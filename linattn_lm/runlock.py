@@ -157,3 +157,20 @@ def check_not_nested(directory: Path | str, *, itself: bool = False) -> None:
             raise UsageError(f"{directory} is {'' if place == directory else 'inside '}the {kind} directory {place}; "
                              "a run or grid writes only into a directory of its own: choose an --out-dir / "
                              "--run-name outside it")
+
+
+def check_can_write(directory: Path | str) -> None:
+    """An output directory that cannot be made or written is refused before any work (the data loads,
+    the model builds): it is made, a file written and removed there, and what was made is removed again."""
+    directory = Path(directory)
+    created = missing_directories(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write-test-{os.getpid()}.tmp"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise UsageError(f"cannot write the directory {directory} ({error.strerror or error}); "
+                         f"{directory_advice(error)}") from None
+    finally:
+        remove_empty_directories(created)

@@ -28,10 +28,10 @@ from .files import check_writable, remove_stale_temporaries
 from .flags import build_parser, parse_config
 from . import mqar
 from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss, state_size
-from .process import Distributed, StopRequest, distributed
+from .process import Distributed, StopRequest, distributed, launched_rank
 from .results import RunFailed, RunStats, TrainResult, TrainingDiverged, exit_code, run_reporting_errors
 from .resume import load_for_resume, restore_rng, resume_settings, rng_states, schedule_note
-from .runlock import DirectoryLock, check_not_nested
+from .runlock import DirectoryLock, check_can_write, check_not_nested
 from .scoring import TRAIN_ESTIMATE_FIRST_BATCH, evaluate
 from .settings import TrainConfig
 from .text import sample_prompt, text_sample
@@ -480,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> int:
         if not args.resume:   # a run resumed is where it started; grid.py starts its runs in its grid itself
             check_not_nested(config.run.run_dir, itself=True)
+        if launched_rank() == 0:   # the job's other ranks write nothing there
+            check_can_write(config.run.run_dir)
         with distributed(config.run.device) as ctx:
             return exit_code(train(config, ctx, resume=args.resume))
     return run_reporting_errors(run)

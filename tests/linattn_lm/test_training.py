@@ -165,7 +165,7 @@ def test_unusable_out_dir_is_refused(data_dir: Path, tiny: list[str], tmp_path: 
     regular_file = tmp_path / "file"
     regular_file.write_text("")
     code, _, err = run_main(training.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(regular_file)])
-    assert code == 2 and "cannot lock the directory" in err and "(Not a directory); a file stands where a " \
+    assert code == 2 and "cannot write the directory" in err and "(Not a directory); a file stands where a " \
         "directory of that path would go; choose another --run-name or --out-dir" in err, err
     assert len(err.strip().splitlines()) == 1
     for run_name, message in ((regular_file.name, "(File exists); a file stands where"),
@@ -175,6 +175,20 @@ def test_unusable_out_dir_is_refused(data_dir: Path, tiny: list[str], tmp_path: 
         code, _, err = run_main(training.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path),
                                                 "--run-name", run_name])
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("command", ["train", "grid"])
+def test_an_unusable_out_dir_is_refused_before_the_data_loads(command: str, data_dir: Path, tiny: list[str],
+                                                              tmp_path: Path, run_main,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the data loaded before the output directory was checked")
+    for module in (training, grid):
+        monkeypatch.setattr(module, "load_split", no_loading)
+    main = training.main if command == "train" else grid.main
+    code, _, err = run_main(main, [*tiny, "--data-dir", str(data_dir), "--out-dir", "/proc/linattn-x",
+                                   *(["--variants", "softmax-rope"] if command == "grid" else [])])
+    assert code == 2 and "cannot write the directory /proc/linattn-x" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_non_finite_loss_after_a_resume_says_the_checkpoint_may_be_damaged(data_dir: Path, tiny: list[str],
