@@ -11,6 +11,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from tqdm import tqdm
 
@@ -78,6 +79,17 @@ def launch_environment() -> tuple[int, int, int]:
 def launched_rank() -> int:
     """This process's rank in a torchrun job (0 without torchrun), known before the group is joined."""
     return launch_environment()[0]
+
+
+def data_parallel(model: torch.nn.Module) -> DistributedDataParallel:
+    """DDP that syncs no buffers in forward: every rank draws identical feature-map projections from the
+    seeds.  torch 2.13 deprecates broadcast_buffers=False, with a warning to every user, for
+    forward_sync_buffers=False (which syncs buffers once at construction: values the ranks share
+    anyway); older torch has only the former."""
+    try:
+        return DistributedDataParallel(model, forward_sync_buffers=False)
+    except TypeError:   # an unexpected keyword, raised before any collective: torch before 2.13
+        return DistributedDataParallel(model, broadcast_buffers=False)
 
 
 @contextlib.contextmanager

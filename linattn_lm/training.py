@@ -14,7 +14,6 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
@@ -28,7 +27,7 @@ from .files import check_writable, remove_stale_temporaries
 from .flags import build_parser, parse_config
 from . import mqar
 from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss, state_size
-from .process import Distributed, StopRequest, distributed, launched_rank
+from .process import Distributed, StopRequest, data_parallel, distributed, launched_rank
 from .results import RunFailed, RunStats, TrainResult, TrainingDiverged, exit_code, run_reporting_errors
 from .resume import load_for_resume, restore_rng, resume_settings, rng_states, schedule_note
 from .runlock import DirectoryLock, check_can_write, check_not_nested
@@ -176,9 +175,7 @@ class Trainer:
             if config.optim.steps > saved_steps:
                 self.log(schedule_note(saved_steps, config))
         self.compiled = torch.compile(self.model) if config.run.compile else self.model
-        # Feature-map buffers are not broadcast: every rank draws identical projections from the seeds.
-        self.trainable = (DistributedDataParallel(self.compiled, broadcast_buffers=False)
-                          if ctx.world_size > 1 else self.compiled)
+        self.trainable = data_parallel(self.compiled) if ctx.world_size > 1 else self.compiled
         model = config.model
         self.log(f"model: {model.variant}, {self.model.num_parameters():,} parameters, {model.n_layer} "
                  f"layers x {model.d_model} wide, {model.n_head} heads; device {self.device}, "

@@ -428,6 +428,21 @@ def ddp_worker(rank: int, world_size: int, port: int, argv: list[str], out_dir: 
                Path(out_dir) / f"rank{rank}.pt")
 
 
+def test_ddp_is_built_without_torchs_deprecation_warning(tmp_path: Path) -> None:
+    """torch 2.13 warns every rank of every torchrun job that broadcast_buffers is deprecated: a warning
+    users cannot act on.  The model's buffers are still not synced in forward."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = process.data_parallel(torch.nn.Linear(2, 2))
+        assert not [w for w in caught if "broadcast_buffers" in str(w.message)], [str(w.message) for w in caught]
+        assert model.broadcast_buffers is False
+        del model
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 @pytest.mark.slow
 def test_ddp_two_cpu_ranks_stay_identical(data_dir: Path, tiny: list[str], tmp_path: Path) -> None:
     argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--steps", "8",
