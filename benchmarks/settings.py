@@ -249,6 +249,7 @@ def resolve(settings: Settings) -> Settings:
     if unmatched:
         raise BadSetting(f"--methods {','.join(unmatched)} matches no method; with --backends "
                          f"{','.join(settings.backends)} the methods are: {', '.join(known)}")
+    check_methods_run_here(settings, device)
     check_methods_build(settings, device)
     uneven = [c for c in settings.model_contexts if settings.model_tokens % c]
     if "model" in settings.sections and uneven:
@@ -296,6 +297,21 @@ def selected_methods(settings: Settings) -> list[Method]:
     """The methods whose names match a --methods pattern, in table order."""
     return [m for m in method_table(settings.backends)
             if any(fnmatch.fnmatchcase(m.name, pattern) for pattern in settings.methods)]
+
+
+def check_methods_run_here(settings: Settings, device: torch.device) -> None:
+    """Each --methods item can run here: a name, or a pattern matching only methods that cannot (a cpp
+    backend that does not build, a CUDA-only method on the CPU), is refused before anything runs, so
+    that a run never ends having skipped what it was asked for and replaced earlier results without
+    it.  Methods that a pattern matches beside runnable ones are skipped with a note, as before."""
+    if "attention" not in settings.sections:
+        return
+    table = method_table(settings.backends)
+    for pattern in settings.methods:
+        reasons = {m.name: unavailable(m, device) for m in table if fnmatch.fnmatchcase(m.name, pattern)}
+        if reasons and all(reasons.values()):
+            name, reason = next(iter(reasons.items()))
+            raise BadSetting(f"--methods {pattern}: {name} cannot run here ({reason}); drop it or fix what it needs")
 
 
 def check_methods_build(settings: Settings, device: torch.device) -> None:

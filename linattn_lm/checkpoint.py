@@ -28,7 +28,7 @@ import linattn
 from .cli import import_user_code
 from .settings import MAX_STEPS, SECTIONS, TrainConfig, check_types
 from .lm import ByteLM
-from .device import PRECISIONS
+from .device import PRECISIONS, precision_key, resolve_device
 from .errors import UsageError, first_line
 from .files import write_atomically
 
@@ -189,6 +189,16 @@ def saved_precision(checkpoint: dict[str, Any], path: Path | str) -> str | None:
     return precision
 
 
+def same_precision(dtype: str, checkpoint: dict[str, Any], path: Path | str, device: str) -> bool:
+    """Whether --dtype `dtype`, on `device`, computes in the precision the run computed in (--dtype fp32 on a
+    run whose auto resolved to fp32): on --resume that flag says what the record says."""
+    saved = saved_precision(checkpoint, path)
+    try:
+        return saved is not None and precision_key(dtype, resolve_device(device)) == saved
+    except ValueError:   # an unknown dtype or device: the settings' own checks name it
+        return False
+
+
 def load_state(path: Path | str, name: str, load: Callable[[], Any]) -> None:
     """Run `load` (a load_state_dict and the like), turning its errors into a CheckpointError."""
     try:
@@ -322,6 +332,17 @@ def check_progress(checkpoint: dict[str, Any], config: TrainConfig, path: Path |
             and all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)):
         raise CheckpointError(f"{path} is damaged: its recorded val estimates (steps {reprlib.repr(steps)}, bpc "
                               f"{reprlib.repr(values)}) are not finite numbers at steps up to {step}; {REPLACE_HINT}")
+
+
+def check_own_run(saved: TrainConfig, run_name: str, path: Path | str) -> None:
+    """A checkpoint resumes only in the run directory it was written for: one copied or linked into another
+    run's directory would train on under that run's name, into its logs.  The record names its run
+    (--run-name, relative to --out-dir, so a whole --out-dir may move); records without one cannot tell."""
+    recorded = saved.run.run_name
+    if recorded and recorded != run_name:
+        raise CheckpointError(f"{path} is the checkpoint of run {recorded!r}, not of {run_name!r} where it was "
+                              f"found (copied or linked here?); resume it as --run-name {recorded} in its own "
+                              "directory, or start this run afresh without it")
 
 
 def saved_config(checkpoint: dict[str, Any], path: Path | str) -> TrainConfig:

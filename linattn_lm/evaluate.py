@@ -29,10 +29,10 @@ import torch
 from .data import SPLITS, DataError, SequentialWindows, check_window_fits, default_data_dir, load_split
 from .preflight import check_backend_runs_on
 from .checkpoint import (CheckpointError, checkpoint_path, import_recorded, load_checkpoint, model_from_checkpoint,
-                         saved_precision, saved_section)
+                         recorded_digest, saved_precision, saved_section)
 from .flags import finite_float, integer
 from .cli import DefaultsFormatter, load_imports, one_line_warnings
-from .grid_record import AR_SPLIT_KEYS, FAR_CLASSES, FAR_MATCHES, RESULT_NAME, read_record
+from .grid_record import AR_SPLIT_KEYS, DIGEST_KEY, FAR_CLASSES, FAR_MATCHES, RESULT_NAME, read_record
 from .lm import ByteLM, bits_per_byte, lm_loss, state_size
 from .mqar import held_out_scores
 from .ngram import format_reference, reference_bpc
@@ -255,18 +255,23 @@ def ar_split_table(model: ByteLM, data: np.ndarray, seq_lens: list[int], batch_s
     return rows
 
 
-def record_ar_split(path: Path, split: str, rows: dict[int, dict[str, Any]]) -> bool:
+def record_ar_split(path: Path, split: str, rows: dict[int, dict[str, Any]]) -> str | None:
     """Add the AR split to the run's result.json (grid.py's record of the run) beside the checkpoint
-    `path`, under ar_split.<split>.<seq_len>; False where there is no record."""
+    `path`, under ar_split.<split>.<seq_len>, when that record was scored from this very checkpoint (its
+    checkpoint_sha256 is the checkpoint's digest); else a record would hold scores of two checkpoints.
+    Returns what was done, as a line to print; None where there is no record."""
     record_path = path.parent / RESULT_NAME
     record = read_record(record_path)
     if record is None:
-        return False
+        return None
+    if record.get(DIGEST_KEY) is None or record[DIGEST_KEY] != recorded_digest(path):
+        return (f"AR split not recorded: {record_path} was not scored from this checkpoint (trained on since, or "
+                "written before records named their checkpoint); grid.py --resume scores the run again")
     scores = record.setdefault("ar_split", {}).setdefault(split, {})
     scores.update({str(seq_len): {key: row[key] for key in (*AR_SPLIT_KEYS, "far") if key in row}
                    for seq_len, row in rows.items()})
     write_atomically(record_path, lambda tmp: tmp.write_text(json.dumps(record, indent=1) + "\n"))
-    return True
+    return f"AR split recorded in {record_path}"
 
 
 def score_mqar_run(model: ByteLM, checkpoint: dict[str, Any], args: argparse.Namespace, device: torch.device) -> str:
@@ -410,8 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.ar_split:
             if args.max_bytes:
                 print(f"AR split not recorded: --max-bytes scored part of the {args.split} split")
-            elif record_ar_split(path, args.split, split_rows):
-                print(f"AR split recorded in {path.parent / RESULT_NAME}")
+            elif (recorded := record_ar_split(path, args.split, split_rows)) is not None:
+                print(recorded)
     except (CheckpointError, DataError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE

@@ -204,6 +204,18 @@ def config_from_flags(given: dict[str, Any]) -> TrainConfig:
     return config
 
 
+# The settings that one task reads and the other ignores: given for the other task, a flag is a mistake.
+TASK_ONLY = {"mqar_kv_pairs": "mqar", "data_dir": "enwik8", "sample_interval": "enwik8"}
+
+
+def check_task_flags(given: dict[str, Any], task: str) -> None:
+    """Refuse a flag given explicitly that the run's task does not read (--mqar-kv-pairs on enwik8;
+    --data-dir or --sample-interval on mqar, whose data is drawn from the seed and has no text)."""
+    for name, only in TASK_ONLY.items():
+        if name in given and task != only:
+            raise ValueError(f"{flag_name(name)} applies to --task {only} only, not --task {task}: drop it")
+
+
 def merged_flags(given: dict[str, Any]) -> TrainConfig:
     """`config_from_flags` before its validation (--resume takes only the run's name from it)."""
     given = {key: value for key, value in given.items() if value is not None}
@@ -216,6 +228,7 @@ def merged_flags(given: dict[str, Any]) -> TrainConfig:
     preset_name = given.get("preset", TASK_PRESETS.get(given.get("task"), DEFAULT_PRESET))
     preset = preset_settings(preset_name)
     values = {**preset, **given, **resolve_variant(given, preset), "preset": preset_name}
+    check_task_flags(given, values["task"])
     sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     for key, value in values.items():
         sections[FIELDS[key][0]][key] = value

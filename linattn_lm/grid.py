@@ -53,13 +53,12 @@ from .grid_record import (DIGEST_KEY, FIT_KEYS, RECORD_KEYS, REPORT_TITLE, RESUL
 from .grid_report import write_report
 from .mqar import held_out_scores
 from .ngram import reference_bpc
-from .runlock import LOCK_NAME, DirectoryLock
+from .runlock import GRID_MARKER, LOCK_NAME, DirectoryLock, check_can_write, check_not_nested
 from .device import keep_freed_memory
 from .files import write_atomically
 from .variants import default_variants, variant_flags
 
 EVAL_SPLITS = ("val", "test")
-GRID_MARKER = ".linattn-grid"   # in every grid directory grid.py starts: --resume continues only those
 REPORT_FILES = ("results.md", "results.csv", "val_bpc.png")
 
 
@@ -327,6 +326,7 @@ def check_resolved_unchanged(started: dict[str, Any], grid_dir: Path) -> None:
 
 
 LOCATION = {"out_dir", "run_name"}   # where the marker is found: never taken from it
+MARKER_KEYS = {"written_by", "grid", "flags", "resolved", "variants", "seeds", "eval_multiples"}
 
 
 def started_settings(grid_dir: Path) -> dict[str, Any] | None:
@@ -339,7 +339,12 @@ def started_settings(grid_dir: Path) -> dict[str, Any] | None:
         marker = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise CheckpointError(f"{path} is damaged ({error}); write {{}} into it and give the grid's flags again")
-    if not isinstance(marker, dict) or "flags" not in marker:
+    unknown = sorted(set(marker) - MARKER_KEYS, key=str) if isinstance(marker, dict) else None
+    if unknown is None or unknown or marker.get("written_by", "grid.py") != "grid.py":
+        found = f"keys {unknown} grid.py does not write" if unknown else f"{marker!r}"[:80]
+        raise CheckpointError(f"{path} is not a marker grid.py writes (it holds {found}); give the --out-dir / "
+                              "--run-name of a grid, or write {} into it and give the grid's flags again")
+    if "flags" not in marker:
         return None
     shapes = {"flags": dict, "variants": list, "seeds": list, "eval_multiples": list, "resolved": (dict, type(None))}
     wrong_key = next((key for key, kind in shapes.items() if not isinstance(marker.get(key), kind)), None)
@@ -368,8 +373,10 @@ def continued_flags(recorded: dict[str, Any], given: dict[str, Any]) -> dict[str
     except UsageError as error:
         raise UsageError(f"the grid's recorded --import: {error}") from None
     options = started["feature_map_options"]   # the recorded ones (given ones must repeat them); none: no key
-    return {**recorded, **given, **({"feature_map_options": options} if options else {}),
-            **({"imports": imports} if imports else {})}
+    # decay_steps stays what it resolved to at the start, as train.py's --resume keeps the recorded one: a
+    # --steps given now extends the runs with their schedule (and scores a run train.py trained further).
+    return {**recorded, **given, "decay_steps": started["decay_steps"],
+            **({"feature_map_options": options} if options else {}), **({"imports": imports} if imports else {})}
 
 
 def earlier_runs(given: dict[str, Any], variants: list[str], grid_dir: Path,
@@ -408,14 +415,17 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()   # large CPU temporaries reuse freed memory instead of page-faulting
 
     def run() -> int:
+        check_not_nested(grid_dir)
         if (args.resume or args.report_only) and not grid_dir.exists():
             flag = "--report-only reports" if args.report_only else "--resume continues"
             raise CheckpointError(f"{flag} a grid, but there is none at {grid_dir}: give the --out-dir / "
                                   "--run-name it was started with" + ("" if args.report_only else
                                                                       ", or drop --resume to start it"))
         check_grid_directory(grid_dir, args.resume or args.report_only)
-        check_eval_windows(configs.values(), multiples)
         main_process = launched_rank() == 0   # the job's other ranks write nothing here
+        if main_process:
+            check_can_write(grid_dir)
+        check_eval_windows(configs.values(), multiples)
         with DirectoryLock(grid_dir) if main_process else contextlib.nullcontext():   # each run locks its own too
             if main_process and not args.report_only:   # what a later --resume or --report-only continues
                 write_atomically(grid_dir / GRID_MARKER, lambda path: path.write_text(
@@ -435,6 +445,9 @@ def check_grid_directory(grid_dir: Path, existing: bool) -> None:
     if not grid_dir.is_dir():
         return
     held = sorted(path.name for path in grid_dir.iterdir() if path.name != LOCK_NAME)
+    if existing and not held:
+        raise CheckpointError(f"{grid_dir} holds no grid (it is empty): drop --resume / --report-only to start one "
+                              "there, or give the --out-dir / --run-name of the grid")
     if not existing:
         if held:
             raise CheckpointError(f"{grid_dir} already holds {', '.join(held[:3])}{' ...' if len(held) > 3 else ''}: "

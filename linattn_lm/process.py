@@ -5,11 +5,13 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from tqdm import tqdm
 
@@ -79,6 +81,17 @@ def launched_rank() -> int:
     return launch_environment()[0]
 
 
+def data_parallel(model: torch.nn.Module) -> DistributedDataParallel:
+    """DDP that syncs no buffers in forward: every rank draws identical feature-map projections from the
+    seeds.  torch 2.13 deprecates broadcast_buffers=False, with a warning to every user, for
+    forward_sync_buffers=False (which syncs buffers once at construction: values the ranks share
+    anyway); older torch has only the former."""
+    try:
+        return DistributedDataParallel(model, forward_sync_buffers=False)
+    except TypeError:   # an unexpected keyword, raised before any collective: torch before 2.13
+        return DistributedDataParallel(model, broadcast_buffers=False)
+
+
 @contextlib.contextmanager
 def distributed(device_name: str) -> Iterator[Distributed]:
     """Join the torchrun process group when RANK/WORLD_SIZE are set: nccl on CUDA, gloo on CPU."""
@@ -101,11 +114,17 @@ def distributed(device_name: str) -> Iterator[Distributed]:
 
 
 class StopRequest:
-    """Ctrl-C / SIGTERM ask to stop after the current step (then a checkpoint is saved); a second
-    signal aborts at once.  `signum` is the first signal received."""
+    """Ctrl-C / SIGTERM ask to stop after the current step (then a checkpoint is saved).  A signal
+    within REPEAT_SECONDS of the first is the same request (a scheduler's or a shell's group kill
+    and direct kill arrive milliseconds apart), and so is one during a save, which completes: only a
+    later one, between saves, aborts at once.  `signum` is the first signal received."""
+
+    REPEAT_SECONDS = 2.0
 
     def __init__(self) -> None:
         self.signum = 0
+        self.first_at = 0.0
+        self.saving = False
         self._previous: dict[int, Any] = {}
 
     @property
@@ -114,10 +133,21 @@ class StopRequest:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum:
+            if self.saving or time.monotonic() - self.first_at < self.REPEAT_SECONDS:
+                return   # the same request: the stop it asked for is under way
             raise KeyboardInterrupt
-        self.signum = signum
-        tqdm.write(f"{signal.Signals(signum).name}: saving a checkpoint after this step "
-                   "(Ctrl-C again to abort without saving)")
+        self.signum, self.first_at = signum, time.monotonic()
+        tqdm.write(f"{signal.Signals(signum).name}: saving a checkpoint after this step (Ctrl-C again, "
+                   f"{self.REPEAT_SECONDS:g} s on and not while saving, to abort without saving)")
+
+    @contextlib.contextmanager
+    def whole_save(self) -> Iterator[None]:
+        """A save that a repeated signal does not abort."""
+        self.saving = True
+        try:
+            yield
+        finally:
+            self.saving = False
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():   # signal() works there only

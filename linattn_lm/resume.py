@@ -9,8 +9,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_finite_weights, check_progress, checkpoint_entries,
-                         import_recorded, load_checkpoint, saved_config, saved_precision)
+from .checkpoint import (CHECKPOINT_NAME, CheckpointError, check_finite_weights, check_own_run, check_progress,
+                         checkpoint_entries, import_recorded, load_checkpoint, same_precision, saved_config,
+                         saved_precision)
 from .flags import flag_name, merged_flags
 from .process import Distributed
 from .runlock import DirectoryLock
@@ -89,6 +90,7 @@ def load_for_resume(path: Path, config: TrainConfig, data: str) -> dict[str, Any
     saved_precision(checkpoint, path)
     check_finite_weights(checkpoint["model"], path)
     saved = saved_config(checkpoint, path)
+    check_own_run(saved, config.run.run_name, path)
     check_progress(checkpoint, saved, path)
     differences = config_differences(saved.flat(), config.flat())
     if differences:
@@ -123,5 +125,8 @@ def resume_settings(given: dict[str, Any]) -> TrainConfig:
         checkpoint = load_checkpoint(path)
     import_recorded(checkpoint, path)
     checkpoint_entries(checkpoint, path, ("config",))
-    return config_from_record(saved_config(checkpoint, path), {**given, "run_name": run_name})
+    saved = saved_config(checkpoint, path)
+    if "dtype" in given and same_precision(given["dtype"], checkpoint, path, given.get("device", saved.run.device)):
+        given = {key: value for key, value in given.items() if key != "dtype"}   # the record's, in effect
+    return config_from_record(saved, {**given, "run_name": run_name})
 

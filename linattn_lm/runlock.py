@@ -28,6 +28,8 @@ except ImportError:   # Windows
     fcntl = None
 
 LOCK_NAME = ".lock"
+GRID_MARKER = ".linattn-grid"   # in every grid directory grid.py starts: --resume continues only those
+RUN_FILES = ("ckpt.pt", "events.out.tfevents.*")   # a run's checkpoint (checkpoint.CHECKPOINT_NAME) or its logs
 LOCK_ATTEMPTS = 100   # each retry needs another start to fail and remove the directory meanwhile
 
 
@@ -134,3 +136,41 @@ class DirectoryLock:
             self.release()
         else:
             self.discard()
+
+
+def owner_kind(directory: Path) -> str | None:
+    """'grid' for a directory grid.py marked, 'run' for one that holds a run's checkpoint or logs, else None."""
+    if (directory / GRID_MARKER).is_file():
+        return "grid"
+    return "run" if any(next(directory.glob(pattern), None) for pattern in RUN_FILES) else None
+
+
+def check_not_nested(directory: Path | str, *, itself: bool = False) -> None:
+    """Refuse to start a run or grid inside another run's or grid's directory (its logs, checkpoint and
+    reports would mix with theirs, and a grid would read its runs as its own); `itself`: the directory
+    must not be a grid's either (a train.py run).  grid.py's own runs are inside its grid: it starts
+    them without this check."""
+    directory = Path(directory).expanduser().resolve()
+    for place in ([directory] if itself else []) + list(directory.parents):
+        kind = owner_kind(place) if place.is_dir() else None
+        if kind and (place != directory or kind == "grid"):
+            raise UsageError(f"{directory} is {'' if place == directory else 'inside '}the {kind} directory {place}; "
+                             "a run or grid writes only into a directory of its own: choose an --out-dir / "
+                             "--run-name outside it")
+
+
+def check_can_write(directory: Path | str) -> None:
+    """An output directory that cannot be made or written is refused before any work (the data loads,
+    the model builds): it is made, a file written and removed there, and what was made is removed again."""
+    directory = Path(directory)
+    created = missing_directories(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write-test-{os.getpid()}.tmp"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise UsageError(f"cannot write the directory {directory} ({error.strerror or error}); "
+                         f"{directory_advice(error)}") from None
+    finally:
+        remove_empty_directories(created)

@@ -225,6 +225,13 @@ class ModelConfig:
         if len(factors) != self.n_head or not all(0 < factor <= 1 for factor in factors):
             raise ValueError(f"decay must be retnet or {self.n_head} numbers in (0, 1] separated by commas (one per "
                              f"head), got {self.decay!r}")
+        # One spelling per value: the text names the run (and a grid's variant), so 1,0.5 and 1.0,0.50 would be
+        # two runs of one model; and a factor 1 for every head is no decay, the default, named without it.
+        canonical = ",".join(map(str, factors))
+        if all(factor == 1 for factor in factors):
+            raise ValueError(f"decay {self.decay!r} is 1 for every head, which is no decay: leave --decay out")
+        if self.decay != canonical:
+            raise ValueError(f"decay {self.decay!r} must be spelled as Python writes its numbers: {canonical!r}")
         return factors
 
     @property
@@ -241,6 +248,9 @@ class ModelConfig:
             raise ValueError(f"softmax_layers must list 0-based layer indices below n_layer {self.n_layer} in "
                              f"increasing order, each once, separated by commas (e.g. 1 or 1,3), got "
                              f"{self.softmax_layers!r}")
+        if len(layers) == self.n_layer:   # no linear layer is left: a softmax model, not a linear hybrid
+            raise ValueError(f"softmax_layers {self.softmax_layers!r} makes every layer softmax: that is a softmax "
+                             "model, so use --attention softmax instead")
         return layers
 
     @property
@@ -415,9 +425,12 @@ TASKS = ("enwik8", "mqar")
 def check_mqar_settings(vocab_size: int, seq_len: int, kv_pairs: int) -> None:
     """D pairs need D distinct keys in [1, V/2), D distinct values in [V/2, V), and room for the pairs
     and D queries in seq_len."""
-    if kv_pairs < 1 or kv_pairs > vocab_size // 2 - 1:
-        raise ValueError(f"mqar_kv_pairs must be in [1, {vocab_size // 2 - 1}] (distinct keys below vocab_size / 2), "
-                         f"got {kv_pairs}")
+    if kv_pairs < 1:
+        raise ValueError(f"mqar_kv_pairs must be at least 1, got {kv_pairs}")
+    if kv_pairs > vocab_size // 2 - 1:   # the bound named as a vocabulary, which a small one makes < 1
+        raise ValueError(f"mqar_kv_pairs {kv_pairs} needs vocab_size >= {2 * (kv_pairs + 1)} (distinct keys in "
+                         f"[1, vocab_size / 2)), got vocab_size {vocab_size}; raise --vocab-size or lower "
+                         "--mqar-kv-pairs")
     if seq_len < 4 * kv_pairs:
         raise ValueError(f"mqar needs seq_len >= 4 x mqar_kv_pairs ({4 * kv_pairs}: the pairs, then a query and its "
                          f"answer per key), got seq_len {seq_len}")

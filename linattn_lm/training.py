@@ -14,7 +14,6 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
@@ -28,10 +27,10 @@ from .files import check_writable, remove_stale_temporaries
 from .flags import build_parser, parse_config
 from . import mqar
 from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss, state_size
-from .process import Distributed, StopRequest, distributed
+from .process import Distributed, StopRequest, data_parallel, distributed, launched_rank
 from .results import RunFailed, RunStats, TrainResult, TrainingDiverged, exit_code, run_reporting_errors
 from .resume import load_for_resume, restore_rng, resume_settings, rng_states, schedule_note
-from .runlock import DirectoryLock
+from .runlock import DirectoryLock, check_can_write, check_not_nested
 from .scoring import TRAIN_ESTIMATE_FIRST_BATCH, evaluate
 from .settings import TrainConfig
 from .text import sample_prompt, text_sample
@@ -176,9 +175,7 @@ class Trainer:
             if config.optim.steps > saved_steps:
                 self.log(schedule_note(saved_steps, config))
         self.compiled = torch.compile(self.model) if config.run.compile else self.model
-        # Feature-map buffers are not broadcast: every rank draws identical projections from the seeds.
-        self.trainable = (DistributedDataParallel(self.compiled, broadcast_buffers=False)
-                          if ctx.world_size > 1 else self.compiled)
+        self.trainable = data_parallel(self.compiled) if ctx.world_size > 1 else self.compiled
         model = config.model
         self.log(f"model: {model.variant}, {self.model.num_parameters():,} parameters, {model.n_layer} "
                  f"layers x {model.d_model} wide, {model.n_head} heads; device {self.device}, "
@@ -409,7 +406,8 @@ class Trainer:
                 if stop_signal or self.step == config.optim.steps or (
                         config.log.ckpt_interval and self.step % config.log.ckpt_interval == 0):
                     save_start = time.perf_counter()
-                    self.save()
+                    with stop.whole_save():
+                        self.save()
                     self.stats.train_seconds += time.perf_counter() - save_start
                 if stop_signal:
                     self.log(f"stopped at step {self.step}; checkpoint saved to {self.ckpt_file} "
@@ -477,6 +475,10 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()   # large CPU temporaries reuse freed memory instead of page-faulting
 
     def run() -> int:
+        if not args.resume:   # a run resumed is where it started; grid.py starts its runs in its grid itself
+            check_not_nested(config.run.run_dir, itself=True)
+        if launched_rank() == 0:   # the job's other ranks write nothing there
+            check_can_write(config.run.run_dir)
         with distributed(config.run.device) as ctx:
             return exit_code(train(config, ctx, resume=args.resume))
     return run_reporting_errors(run)

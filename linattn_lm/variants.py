@@ -70,6 +70,8 @@ def block_option_from_name(name: str, text: str) -> int | str:
             value = int(text)
         except ValueError:
             raise ValueError(f"{name}={text} is not a whole number") from None
+        if text != str(value):   # one spelling per value: the name is the run's directory
+            raise ValueError(f"{name}={text} must be spelled {name}={value}")
     if not value:
         raise ValueError(f"{name}={text} is the default: leave it out of the name")
     return value

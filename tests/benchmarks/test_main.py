@@ -106,3 +106,22 @@ def test_a_run_that_measured_nothing_exits_1_and_keeps_the_earlier_results(outco
     assert err[-1].startswith("error: ") and "nothing was written" in err[-1]
     assert ("can't allocate memory" in err[-1]) == ("error" in outcome)
     assert all(out.with_suffix(suffix).read_text() == "earlier" for suffix in (".json", ".md", ".png"))
+
+
+def test_a_method_asked_for_that_cannot_run_here_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """The cpp backend unable to build (as with CXX=/bin/false): exit 2 naming the method, and the earlier
+    results at --out kept, rather than an sdpa-only run written over them with exit 0."""
+    monkeypatch.setattr("benchmarks.__main__.run_attention", lambda *args: pytest.fail("the sweep started"))
+    out = tmp_path / "bench"
+    for suffix in (".json", ".md", ".png"):
+        out.with_suffix(suffix).write_text("earlier")
+    import benchmarks.settings
+    monkeypatch.setattr(benchmarks.settings, "unavailable",
+                        lambda method, device: "building the cpp backend failed" if method.backend == "cpp" else None)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--sections", "attention", "--device", "cpu", "--lengths", "128", "--methods", "sdpa,favor-post-cpp",
+              "--backends", "cpp", "--out", str(out), "--overwrite"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "favor-post-cpp cannot run here (building the cpp" in err[0]
+    assert all(out.with_suffix(suffix).read_text() == "earlier" for suffix in (".json", ".md", ".png"))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from linattn_lm import ByteLM, evaluate, grid, save_checkpoint
+from linattn_lm.checkpoint import recorded_digest
 from linattn_lm.data import load_split
 from linattn_lm.evaluate import ar_split_bpc, copy_distances, distance_classes, evaluate_bpc, recall_hits
 
@@ -121,6 +122,7 @@ def run_with_record(data_dir: Path, out_dir: Path, seed: int, val: float) -> Pat
     record = {key: 0 for key in grid.RECORD_KEYS} | {
         "variant": "linear-elu-post", "seed": seed, "steps": config.optim.steps, "data": "sample", "val_steps": [1],
         "val_bpc": [val], "final_val_bpc": val, "best_val_bpc": val, "scores": scores, "config": config.flat()}
+    record[grid.DIGEST_KEY] = recorded_digest(config.run.run_dir / "ckpt.pt")   # scored from this checkpoint
     (config.run.run_dir / grid.RESULT_NAME).write_text(json.dumps(record))
     return config.run.run_dir
 
@@ -190,6 +192,24 @@ def test_a_part_of_the_split_is_printed_not_recorded(data_dir: Path, tmp_path: P
     code, out, _ = run_main(evaluate.main, [str(run_dir), "--ar-split", "--max-bytes", "1000", "--threads", "1"])
     assert code == 0 and "not recorded" in out
     assert "ar_split" not in json.loads((run_dir / "result.json").read_text())
+
+
+@pytest.mark.parametrize("record_change", ["trained on since", "no digest"])
+def test_the_split_is_recorded_only_in_a_result_of_the_checkpoint_it_scored(record_change: str, data_dir: Path,
+                                                                           tmp_path: Path, run_main) -> None:
+    """A result.json scored from another checkpoint (the run trained on since), or one that cannot
+    tell which (no checkpoint_sha256), is stale: eval prints the split and leaves the record as it was."""
+    run_dir = run_with_record(data_dir, tmp_path, 0, 3.0)
+    path = run_dir / "result.json"
+    record = json.loads(path.read_text())
+    if record_change == "no digest":
+        del record[grid.DIGEST_KEY]
+    else:
+        record[grid.DIGEST_KEY] = "0" * 64
+    path.write_text(json.dumps(record))
+    code, out, err = run_main(evaluate.main, [str(run_dir), "--ar-split", "--threads", "1"])
+    assert code == 0 and "AR-hit bpc" in out and "AR split not recorded" in out, err
+    assert json.loads(path.read_text()) == record
 
 
 def test_a_damaged_ar_split_in_a_record_is_refused(data_dir: Path, tmp_path: Path, run_main) -> None:

@@ -99,6 +99,8 @@ def test_a_config_from_before_the_options_resumes_unchanged() -> None:
     ("linear-favor-pre+window=8+window=16", "twice"),
     ("softmax-rope+redraw_interval=0", "unknown variant"),
     ("softmax-rope+window=0", "default"),
+    ("linear-favor-pre+window=08", "spelled window=8"),      # one spelling per value: the name is a directory
+    ("linear-favor-pre+window=1_6", "spelled window=16"),   # int() reads 1_6 as 16
 ])
 def test_bad_block_options_in_names(name: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -116,6 +118,11 @@ def test_bad_block_options_in_names(name: str, message: str) -> None:
     ({"softmax_layers": "3,1"}, "softmax_layers"),
     ({"softmax_layers": "1,1"}, "softmax_layers"),
     ({"softmax_layers": "1, 3"}, "softmax_layers"),
+    ({"softmax_layers": "0,1,2,3"}, "--attention softmax"),   # no linear layer left: not a linear model
+    ({"decay": "1,1,1,1.0"}, "no decay"),                # the default, by another name
+    ({"decay": "0.5,0.9,0.99,1"}, "'0.5,0.9,0.99,1.0'"),  # one spelling per value
+    ({"decay": "0.50,0.9,0.99,1.0"}, "'0.5,0.9,0.99,1.0'"),
+    ({**variant_flags("linear-favor-pre+decay=1_1_1_1")}, "no decay"),
     ({"attention": "softmax", "decay": "retnet"}, "--decay"),
     ({"attention": "softmax", "softmax_layers": "1"}, "--softmax-layers"),
     ({"attention": "softmax", "window": -1}, "window"),
@@ -137,7 +144,7 @@ def test_a_checkpoint_config_with_options_on_softmax_attention_is_refused() -> N
     ({}, {}),
     ({"window": 64}, {"window": 64}),
     ({"decay": "retnet"}, {"decay": "retnet"}),
-    ({"window": 8, "decay": "0.5,0.9,0.99,1"}, {"window": 8, "decay": (0.5, 0.9, 0.99, 1.0)}),
+    ({"window": 8, "decay": "0.5,0.9,0.99,1.0"}, {"window": 8, "decay": (0.5, 0.9, 0.99, 1.0)}),
 ])
 def test_options_reach_every_linear_block_only_when_set(given: dict, expected: dict, block_kwargs) -> None:
     config = config_from_flags({"preset": "cpu", **given})

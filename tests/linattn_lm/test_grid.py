@@ -11,7 +11,7 @@ from pathlib import Path
 import linattn
 import pytest
 
-from linattn_lm import grid, presets, load_checkpoint, save_checkpoint
+from linattn_lm import grid, presets, load_checkpoint, save_checkpoint, training
 from linattn_lm.checkpoint import CheckpointError, recorded_digest
 from linattn_lm.data import load_split
 from linattn_lm.ngram import reference_bpc
@@ -164,12 +164,12 @@ def test_a_grid_whose_preset_changed_since_it_started_is_refused_before_training
 
 def test_a_resume_with_more_steps_records_what_they_resolve_to_for_the_next_one(tmp_path: Path,
                                                                                  data_dir: Path) -> None:
-    """decay_steps follows --steps when not given: the marker must record it with the new steps."""
+    """decay_steps stays what it resolved to at the start: the marker records it with the new steps."""
     grid_dir, _ = started_grid(tmp_path, data_dir)
     args = argparse.Namespace(report_only=False, resume=True, seeds=None, eval_multiples=None, variants=None)
     where = {"out_dir": str(tmp_path), "run_name": "g"}
     settings = grid.parse_grid_flags({**where, "steps": 8}, args)[-1]
-    assert settings["resolved"]["decay_steps"] == 8
+    assert settings["resolved"]["decay_steps"] == 4   # kept, as train.py's --resume keeps it: the runs extend
     (grid_dir / grid.GRID_MARKER).write_text(json.dumps(settings))
     assert grid.parse_grid_flags(where, args)[-1]["flags"]["steps"] == 8   # the next resume is not refused
 
@@ -628,3 +628,61 @@ def test_seeds_that_learn_recall_are_counted_and_compared_exactly() -> None:
     assert "| 5 of 5 | 1 of 5 | 0.048 |" in post_pre   # 0.5 itself is not above the line
     assert "| 5 of 5 | 0 of 5 | 0.008 |" in rows["| linear-favor-post+window=8", "softmax-rope+window=8", "linear term"]
     assert "| 5 of 5 | 5 of 5 | 1.000 |" in rows["| linear-favor-post+window=8", "softmax-rope", "attention"]
+
+
+@pytest.mark.parametrize("marker, message", [
+    (None, "holds no grid"), ("[1, 2]", "not a marker grid.py writes"), ('{"flags": {}, "mine": 1}', "['mine']"),
+    ('{"written_by": "me"}', "not a marker grid.py writes")])
+def test_resume_refuses_a_folder_without_a_grid_or_with_a_marker_grid_py_did_not_write(marker, message, data_dir: Path,
+                                                                                      tiny: list[str], tmp_path: Path,
+                                                                                      run_main) -> None:
+    grid_dir = tmp_path / "g"
+    grid_dir.mkdir()
+    if marker is not None:
+        (grid_dir / grid.GRID_MARKER).write_text(marker)
+    code, _, err = run_main(grid.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name",
+                                        "g", "--resume"])
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(path.name for path in grid_dir.iterdir()) == ([grid.GRID_MARKER] if marker else [])
+
+
+@pytest.mark.parametrize("where, inside", [
+    (["--out-dir", "{tmp}/run"], "the run directory"),              # a grid inside a train.py run
+    (["--out-dir", "{tmp}", "--run-name", "run/g"], "the run directory"),
+    (["--out-dir", "{tmp}/grid", "--run-name", "g"], "the grid directory"),   # a grid in a grid
+    (["--out-dir", "{tmp}/grid/softmax-rope/seed-0"], "the grid directory"),])
+def test_a_grid_refuses_to_start_inside_another_runs_or_grids_directory(where, inside, data_dir: Path, tiny: list[str],
+                                                                       tmp_path: Path, run_main) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "ckpt.pt").write_text("a train.py run's\n")
+    (tmp_path / "grid" / "softmax-rope" / "seed-0").mkdir(parents=True)
+    (tmp_path / "grid" / grid.GRID_MARKER).write_text("{}")
+    argv = [*tiny, "--data-dir", str(data_dir), "--steps", "1", "--variants", "softmax-rope",
+            *[arg.format(tmp=tmp_path) for arg in where]]
+    for resume in ([], ["--resume"]):
+        code, _, err = run_main(grid.main, argv + resume)
+        assert code == 2 and inside in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
+        "grid", "grid/.linattn-grid", "grid/softmax-rope", "grid/softmax-rope/seed-0", "run", "run/ckpt.pt"]
+
+
+@pytest.mark.slow
+def test_a_grid_run_trained_further_by_train_py_is_scored_again_by_resume(data_dir: Path, tiny: list[str],
+                                                                          tmp_path: Path, run_main) -> None:
+    """docs/checkpoints.md's rescoring path, end to end: train.py --resume extends one run of the grid
+    (repeating the decay_steps the grid resolved), grid.py --resume says which --steps scores it, and
+    with them scores it (and extends the others with their recorded schedule)."""
+    common = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "g", "--eval-interval", "2"]
+    assert run_main(grid.main, [*common, "--steps", "4", "--variants", "linear-elu-post,softmax-rope"])[0] == 0
+    run_dir = tmp_path / "g" / "linear-elu-post" / "seed-0"
+    code, _, err = run_main(training.main, ["--out-dir", str(tmp_path), "--run-name", "g/linear-elu-post/seed-0",
+                                            "--threads", "1", "--resume", "--steps", "6", "--decay-steps", "4"])
+    assert code == 0, err
+    code, _, err = run_main(grid.main, ["--out-dir", str(tmp_path), "--run-name", "g", "--resume"])
+    assert code == 2 and "pass --steps 6" in err, err
+    code, _, err = run_main(grid.main, ["--out-dir", str(tmp_path), "--run-name", "g", "--resume", "--steps", "6"])
+    assert code == 0, err
+    record = json.loads((run_dir / grid.RESULT_NAME).read_text())
+    assert record["steps"] == 6 and record[grid.DIGEST_KEY] == recorded_digest(run_dir / "ckpt.pt")
+    assert load_checkpoint(tmp_path / "g" / "softmax-rope" / "seed-0")["config"]["optim"]["decay_steps"] == 4
+    assert {row["steps"] for row in read_rows(tmp_path / "g")} == {"6"}

@@ -63,7 +63,8 @@ def test_streams_are_seeded_and_split_across_ranks() -> None:
 
 
 @pytest.mark.parametrize("vocab, seq_len, pairs, message", [
-    (256, 64, 17, "seq_len"), (256, 1024, 128, "mqar_kv_pairs"), (256, 64, 0, "mqar_kv_pairs")])
+    (256, 64, 17, "seq_len"), (256, 1024, 128, "vocab_size >= 258"), (256, 64, 0, "at least 1"),
+    (2, 64, 4, r"needs vocab_size >= 10 \(")])   # a vocabulary too small for any pair: the real bound
 def test_settings_that_do_not_fit_are_refused(vocab: int, seq_len: int, pairs: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         check_mqar_settings(vocab, seq_len, pairs)

@@ -136,6 +136,11 @@ def test_resume_refuses_an_explicit_dtype_other_than_the_runs(data_dir: Path, ti
     code, _, err = run_main(training.main, [*common, "--steps", "4", "--resume", "--dtype", "bf16"])
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "contradict" in err and "--dtype" in err
+    # a --dtype equal in effect to the record is the record: auto resolved to fp32 here
+    code, _, err = run_main(training.main, [*common, "--steps", "3", "--resume", "--dtype", "fp32"])
+    assert code == 0, err
+    resumed = load_checkpoint(tmp_path / "auto")
+    assert resumed["step"] == 3 and resumed["config"]["run"]["dtype"] == "auto" and resumed["precision"] == "fp32"
 
 
 @pytest.mark.parametrize("precision", ["bf17", ["bf16"], {"a": 1}, 16])

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -143,6 +144,9 @@ def test_run_names_that_name_no_directory_of_their_own_are_refused(name: str, tm
     (["--threads", "-1"], "threads must be in"),
     (["--import", "no_such_module_here"], "--import no_such_module_here: cannot import it"),
     (["--eval-iters", "100000000"], "eval_iters must be at most 10,000 batches per estimate"),
+    (["--mqar-kv-pairs", "4"], "--mqar-kv-pairs applies to --task mqar only"),   # flags of the other task
+    (["--preset", "mqar", "--data-dir", "/tmp"], "--data-dir applies to --task enwik8"),
+    (["--task", "mqar", "--sample-interval", "5"], "--sample-interval applies to"),
 ])
 def test_bad_flags_are_usage_errors(argv: list[str], message: str, run_main) -> None:
     code, _, err = run_main(training.main, argv)
@@ -161,7 +165,7 @@ def test_unusable_out_dir_is_refused(data_dir: Path, tiny: list[str], tmp_path: 
     regular_file = tmp_path / "file"
     regular_file.write_text("")
     code, _, err = run_main(training.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(regular_file)])
-    assert code == 2 and "cannot lock the directory" in err and "(Not a directory); a file stands where a " \
+    assert code == 2 and "cannot write the directory" in err and "(Not a directory); a file stands where a " \
         "directory of that path would go; choose another --run-name or --out-dir" in err, err
     assert len(err.strip().splitlines()) == 1
     for run_name, message in ((regular_file.name, "(File exists); a file stands where"),
@@ -171,6 +175,20 @@ def test_unusable_out_dir_is_refused(data_dir: Path, tiny: list[str], tmp_path: 
         code, _, err = run_main(training.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path),
                                                 "--run-name", run_name])
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("command", ["train", "grid"])
+def test_an_unusable_out_dir_is_refused_before_the_data_loads(command: str, data_dir: Path, tiny: list[str],
+                                                              tmp_path: Path, run_main,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the data loaded before the output directory was checked")
+    for module in (training, grid):
+        monkeypatch.setattr(module, "load_split", no_loading)
+    main = training.main if command == "train" else grid.main
+    code, _, err = run_main(main, [*tiny, "--data-dir", str(data_dir), "--out-dir", "/proc/linattn-x",
+                                   *(["--variants", "softmax-rope"] if command == "grid" else [])])
+    assert code == 2 and "cannot write the directory /proc/linattn-x" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_non_finite_loss_after_a_resume_says_the_checkpoint_may_be_damaged(data_dir: Path, tiny: list[str],
@@ -183,6 +201,7 @@ def test_non_finite_loss_after_a_resume_says_the_checkpoint_may_be_damaged(data_
     shutil.copytree(tmp_path / "boom", tmp_path / "boom2")
     state = good["model"]
     state["head.weight"].fill_(1e30)   # the next forward pass overflows
+    good["config"]["run"]["run_name"] = "boom2"   # a checkpoint resumes under the name it records only
     save_checkpoint(tmp_path / "boom2" / "ckpt.pt", {k: v for k, v in good.items()
                                                      if k not in ("format", "version")})
     code, _, err = run_main(training.main, [*flags, "--run-name", "boom2", "--resume", "--steps", "30"])
@@ -409,6 +428,21 @@ def ddp_worker(rank: int, world_size: int, port: int, argv: list[str], out_dir: 
                Path(out_dir) / f"rank{rank}.pt")
 
 
+def test_ddp_is_built_without_torchs_deprecation_warning(tmp_path: Path) -> None:
+    """torch 2.13 warns every rank of every torchrun job that broadcast_buffers is deprecated: a warning
+    users cannot act on.  The model's buffers are still not synced in forward."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = process.data_parallel(torch.nn.Linear(2, 2))
+        assert not [w for w in caught if "broadcast_buffers" in str(w.message)], [str(w.message) for w in caught]
+        assert model.broadcast_buffers is False
+        del model
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 @pytest.mark.slow
 def test_ddp_two_cpu_ranks_stay_identical(data_dir: Path, tiny: list[str], tmp_path: Path) -> None:
     argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--steps", "8",
@@ -492,6 +526,39 @@ def test_a_signal_with_the_last_step_finishes_the_run(data_dir: Path, tiny: list
     assert load_checkpoint(tmp_path / "late")["step"] == 10 and scalars(tmp_path / "late", "hparams/final_val_bpc")
 
 
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("second", ["ms later", "while saving"])
+def test_a_repeated_signal_is_one_request_whose_save_completes(signum: int, code: int, second: str, data_dir: Path,
+                                                               tiny: list[str], tmp_path: Path, run_main,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group kill and a direct kill 3 ms apart, or a second signal during the save the first asked
+    for, even long after it: the checkpoint is saved (with --ckpt-interval 0, the only one), then the
+    exit status is the first signal's."""
+    evaluate_and_sample, save = training.Trainer.evaluate_and_sample, training.Trainer.save
+
+    def signalled(self: training.Trainer) -> None:
+        evaluate_and_sample(self)
+        if self.step == 3:
+            os.kill(os.getpid(), signum)
+            if second == "ms later":
+                time.sleep(0.003)
+                os.kill(os.getpid(), signum)
+
+    def save_signalled(self: training.Trainer) -> None:
+        if second == "while saving":
+            os.kill(os.getpid(), signum)
+        save(self)
+    monkeypatch.setattr(training.Trainer, "evaluate_and_sample", signalled)
+    monkeypatch.setattr(training.Trainer, "save", save_signalled)
+    if second == "while saving":   # a second signal after the repeat window aborts, unless a save is under way
+        monkeypatch.setattr(process.StopRequest, "REPEAT_SECONDS", 0.0)
+    status, _, err = run_main(training.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path),
+                                              "--steps", "10", "--ckpt-interval", "0", "--eval-interval", "100",
+                                              "--eval-iters", "1", "--sample-interval", "0"])
+    assert status == code and "aborted" not in err, err
+    assert load_checkpoint(tmp_path / "linear-favor-post-M32")["step"] == 3
+
+
 @pytest.mark.parametrize("seq_len, abs_pos, prompt_bytes, new_bytes", [
     (1, True, 1, 1), (1, False, 1, 256), (64, True, 32, 33), (1024, False, 128, 256)])
 def test_text_samples_have_a_prompt_and_stay_within_learned_positions(seq_len, abs_pos, prompt_bytes, new_bytes,
@@ -544,6 +611,7 @@ def test_a_checkpoint_from_before_normalization_existed_resumes(tiny_run: Path, 
     shutil.copytree(tiny_run, tmp_path / "old")
     checkpoint = load_checkpoint(tmp_path / "old")
     del checkpoint["config"]["model"]["normalization"]
+    checkpoint["config"]["run"]["run_name"] = "old"
     save_checkpoint(tmp_path / "old" / "ckpt.pt", {k: v for k, v in checkpoint.items() if k not in ("format", "version")})
     common = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "old", "--resume",
               "--sample-interval", "0", "--decay-steps", "30"]
@@ -579,6 +647,40 @@ def test_resume_needs_only_where_the_run_is(tiny_run: Path, tmp_path: Path, run_
     assert resumed["step"] == 32 and resumed["config"]["optim"]["decay_steps"] == 30
 
 
+@pytest.mark.parametrize("place", ["copy", "link"])
+def test_a_checkpoint_in_another_runs_directory_is_refused_naming_its_run(place: str, tiny_run: Path, tmp_path: Path,
+                                                                         run_main) -> None:
+    """Copied or linked into another run's directory, it would train on under that run's name and logs."""
+    other = tmp_path / "other"
+    other.mkdir()
+    if place == "copy":
+        shutil.copy(tiny_run / "ckpt.pt", other / "ckpt.pt")
+    else:
+        (other / "ckpt.pt").symlink_to(tiny_run / "ckpt.pt")
+    code, _, err = run_main(training.main, ["--out-dir", str(tmp_path), "--run-name", "other", "--threads", "1",
+                                            "--resume", "--steps", "31"])
+    assert code == 2 and "the checkpoint of run 'tiny'" in err and len(err.strip().splitlines()) == 1, err
+    assert load_checkpoint(tiny_run)["step"] == 30 and not list(other.glob("events.*"))
+
+
+@pytest.mark.parametrize("run_name, inside", [
+    ("run/x", "inside the run directory"), ("grid/x", "inside the grid directory"), ("grid", "is the grid directory"),
+    ("grid/softmax-rope/seed-0/x", "inside the run directory")])
+def test_a_run_refuses_to_start_inside_another_runs_or_grids_directory(run_name: str, inside: str, data_dir: Path,
+                                                                      tiny: list[str], tmp_path: Path,
+                                                                      run_main) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "events.out.tfevents.1").write_text("")   # a run that has logged, saved or not
+    (tmp_path / "grid" / "softmax-rope" / "seed-0").mkdir(parents=True)
+    (tmp_path / "grid" / "softmax-rope" / "seed-0" / "ckpt.pt").write_text("")
+    (tmp_path / "grid" / ".linattn-grid").write_text("{}")
+    before = sorted(tmp_path.rglob("*"))
+    code, _, err = run_main(training.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path),
+                                            "--run-name", run_name])
+    assert code == 2 and inside in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(tmp_path.rglob("*")) == before
+
+
 def test_a_non_finite_val_estimate_stops_the_run_with_exit_1(data_dir: Path, tiny: list[str], tmp_path: Path,
                                                              run_main, monkeypatch: pytest.MonkeyPatch) -> None:
     """A map that goes NaN in eval mode only: the training loss is finite, the estimate is not."""
@@ -611,7 +713,9 @@ def test_a_checkpoint_from_before_the_digest_resumes_with_a_warning_and_is_seale
                                                                                  run_main) -> None:
     """As the runs of a study started before checkpoints were sealed: torch.save's plain file."""
     shutil.copytree(tiny_run, tmp_path / "old")
-    torch.save(torch.load(tmp_path / "old" / "ckpt.pt", weights_only=True), tmp_path / "old" / "ckpt.pt")
+    checkpoint = torch.load(tmp_path / "old" / "ckpt.pt", weights_only=True)
+    checkpoint["config"]["run"]["run_name"] = "old"
+    torch.save(checkpoint, tmp_path / "old" / "ckpt.pt")
     assert recorded_digest(tmp_path / "old" / "ckpt.pt") is None
     code, _, err = run_main(training.main, ["--out-dir", str(tmp_path), "--run-name", "old", "--threads", "1",
                                             "--resume", "--steps", "31", "--sample-interval", "0"])
