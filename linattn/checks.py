@@ -68,6 +68,13 @@ def check_positive_integer(name: str, value) -> int:
     return int(value)
 
 
+def check_window(window) -> int:
+    """A block's window (0: none) as a plain int."""
+    if not is_integer(window) or window < 0:
+        raise ValueError(f"window must be a non-negative integer number of tokens (0: no window), got {window!r}")
+    return int(window)
+
+
 def check_real_floating(name: str, t: torch.Tensor) -> None:
     """Attention and rotation compute on real floating-point numbers: outputs come back in the input's
     dtype, so integers would be truncated, and complex numbers are not what the maths takes."""
@@ -102,9 +109,11 @@ def check_state_tensors(state, device, shapes: dict, dtype: torch.dtype, dtype_n
 
 
 def check_state_position(state) -> int:
-    """A decoding state's position (tokens seen) as a plain int."""
-    if not is_integer(state.position) or state.position < 0:
-        raise ValueError(f"state.position must be a non-negative integer (tokens seen), got {state.position!r}")
+    """A decoding state's position (tokens seen) as a plain int, below 2^63: the next token's position is
+    an int64, as forward's offsets are (rotary.check_positions)."""
+    if not is_integer(state.position) or not 0 <= state.position < 2 ** 63:
+        raise ValueError(f"state.position must be a non-negative integer below 2^63 (tokens seen), "
+                         f"got {state.position!r}")
     return int(state.position)
 
 

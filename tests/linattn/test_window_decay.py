@@ -177,3 +177,51 @@ def test_eq19_query_parts_are_recomputed_in_backward():
     x = torch.randn(1, 40, 16, requires_grad=True)
     halves = 1 * 2 * 36 * 16   # B x H x (N - W) x M / 2: one coordinate of each pair, for the linear part's queries
     assert not [t for t in kept_for_backward(lambda: b(x)) if t.is_floating_point() and t.numel() == halves]
+
+
+def states_of(x, **options):
+    b = LinearAttention(16, 2, **options)
+    return b, b(x, return_state=True)[1]
+
+
+@pytest.mark.parametrize("made, taking", [
+    ({"window": 8}, {"window": 4}), ({"window": 4}, {"window": 8}),
+    ({"decay": "retnet"}, {"window": 4, "decay": "retnet"}),
+    ({"window": 4, "decay": "retnet"}, {"decay": "retnet"}), ({"window": 4}, {"window": 4, "decay": "retnet"}),
+    ({"window": 4, "feature_map": "elu"}, {"window": 4, "feature_map": "hedgehog"})])
+def test_step_refuses_another_blocks_state(made, taking):
+    """Issue 49: a state records the window, decay and map it was made for (once 25% off, silently)."""
+    x = torch.randn(1, 12, 16)
+    _, state = states_of(x, **made)
+    b, _ = states_of(x, **taking)
+    with pytest.raises(ValueError, match="made for a block"):
+        b.step(x[:, 0], state)
+
+
+@pytest.mark.parametrize("change, word", [
+    (lambda s, short: s._replace(keys=torch.cat((s.keys, s.keys[:, :, :1]), 2)), "state.keys"),   # longer than W
+    (lambda s, short: short._replace(linear=s.linear), "linear state"),     # a short cache beside a linear state
+    (lambda s, short: s._replace(linear=None), "linear state"),
+    (lambda s, short: s._replace(origin="a"), "origin"), (lambda s, short: s._replace(origin=-1), "origin"),
+    (lambda s, short: s._replace(origin=13), "origin"), (lambda s, short: s._replace(origin=float("nan")), "origin"),
+    (lambda s, short: s._replace(position=2 ** 63), "position"),
+    (lambda s, short: s._replace(linear=s.linear._replace(position=3)), "state.linear is at")])
+def test_step_refuses_a_state_that_does_not_fit_its_position(change, word):
+    x = torch.randn(1, 12, 16)
+    b, state = states_of(x, window=4, decay="retnet")
+    _, short = b(x[:, :2], return_state=True)
+    with pytest.raises(ValueError, match=word):
+        b.step(x[:, 0], change(state, short))
+
+
+@pytest.mark.parametrize("name, value", [("window", 4), ("window", 0), ("decay", "retnet"), ("decay", None)])
+def test_window_and_decay_are_fixed_at_construction(name, value):
+    b = LinearAttention(16, 2, window=4 if value == 0 else 0, decay="retnet" if value is None else None)
+    with pytest.raises(AttributeError, match="fixed at construction"):
+        setattr(b, name, value)
+
+
+@pytest.mark.parametrize("decay", [{0.5: 1, 0.9: 1}, {0.5, 0.9}, iter([0.5, 0.9]), "RetNet"])
+def test_decay_takes_a_sequence_of_numbers(decay):
+    with pytest.raises(ValueError, match="decay"):
+        LinearAttention(16, 2, decay=decay)

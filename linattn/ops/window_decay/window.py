@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ...checks import check_state_position, check_state_tensors
+from ...checks import check_state_position, check_state_tensors, debug_enabled, is_integer
 from ...custom_ops import run_linear_attention
 from ..linear_attention.cpp_logspace import log_cumsum_exp
 from ..linear_attention.dispatch import resolve
@@ -52,6 +52,9 @@ class WindowState(NamedTuple):
     features: torch.Tensor       # (B, H, T, M): their key features (log-features for log-space maps)
     position: int                # the next token's position
     origin: int = 0              # log-space decay: log-features are shifted by (position - origin) log gamma
+    window: int = 0              # what the state was made for (checked by the block's step): the window,
+    decay: tuple | None = None   # the decay rates gamma_h,
+    feature_map: str = ""        # and the feature map
 
 
 def retnet_decay(heads: int) -> tuple[float, ...]:
@@ -84,7 +87,8 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
         n = v.shape[-2]
         linear_state, lin_log, ratio = None, None, None
         if n == 0:   # no tokens: an empty output (the chunk loops want one)
-            return (v.clone(), WindowState(None, k_hat, v, phi_k, offset, offset)) if return_state else v.clone()
+            empty = WindowState(None, k_hat, v, phi_k, offset, offset, window)
+            return (v.clone(), empty) if return_state else v.clone()
         if window < n:   # queries W.. against keys ..N-W-1: query m reads the keys n <= m - W
             part = log_linear_part if log_space else plain_linear_part
             lin_log, ratio, linear_state = part(phi_q[..., window:, :], phi_k[..., :n - window, :],
@@ -99,7 +103,7 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
         return out
     kept = min(window, n)
     cache = (t[..., n - kept:, :].detach() for t in (k_hat, v, phi_k))
-    return out, WindowState(linear_state, *cache, position=offset + n, origin=offset)
+    return out, WindowState(linear_state, *cache, position=offset + n, origin=offset, window=window)
 
 
 def linear_log_factor(window: int, rate, log_gain, dtype) -> torch.Tensor | float:
@@ -253,22 +257,55 @@ def windowed(q_hat, k_hat, v, window: int, rate, lin_log, ratio) -> torch.Tensor
 
 # ---- decoding -------------------------------------------------------------------------------------
 
-def check_window_state(state, batch_heads: tuple, head_dim: int, num_features: int, device, dtype: torch.dtype,
-                       log_space: bool) -> int:
-    """A WindowState for a block's step (checked there, once): (B, H) = `batch_heads`, keys and values of
-    head_dim, key features of num_features, on `device` in the step's `dtype`, and a linear state of the
-    same kind of features (`log_space`) and sizes.  Returns its position as a plain int."""
+def check_window_state(state, made_for: dict, batch_heads: tuple, head_dim: int, num_features: int, device,
+                       dtype: torch.dtype, log_space: bool) -> int:
+    """A WindowState for a block's step (checked there, once): made for the block described by `made_for`
+    (window, decay, feature_map, as the state records them), (B, H) = `batch_heads`, keys and values of
+    head_dim, key features of num_features, on `device` in the step's `dtype`, a cache and a linear state
+    that fit its position and origin (min(W, position - origin) cached tokens, the older ones in a linear
+    state of the same kind of features, `log_space`, and sizes).  Returns its position as a plain int."""
     if not isinstance(state, WindowState):
         raise ValueError(f"state must be the WindowState returned by forward(..., return_state=True) or step() "
                          f"of a block with a window or decay, got {type(state).__name__}")
+    recorded = {name: getattr(state, name) for name in made_for}
+    if recorded != made_for:
+        raise ValueError(f"the state was made for a block with {describe(recorded)}, not this block's "
+                         f"{describe(made_for)}; continue a sequence with the block that started it (or pass None)")
     position = check_state_position(state)
-    cached = state.keys.shape[-2] if isinstance(state.keys, torch.Tensor) and state.keys.dim() == 4 else -1
+    if not is_integer(state.origin) or not 0 <= state.origin <= position:
+        raise ValueError(f"state.origin must be an integer in [0, position={position}] (the first position of the "
+                         f"pass that made the state), got {state.origin!r}; pass the state as returned")
+    seen = position - int(state.origin)
+    cached = min(made_for["window"], seen)
     shapes = {name: (*batch_heads, cached, width) for name, width in
               (("keys", head_dim), ("values", head_dim), ("features", num_features))}
     check_state_tensors(state, device, shapes, dtype)
+    if (state.linear is None) != (seen == cached):
+        raise ValueError(f"the state has {'no' if state.linear is None else 'a'} linear state after {seen} tokens "
+                         f"with a window of {made_for['window']}; pass the state as returned (or None to start)")
     if state.linear is not None:   # the linear attention's own state, checked as its step checks it
-        check_state(state.linear, (*batch_heads, num_features, head_dim), device, dtype, log_space)
+        linear = check_state(state.linear, (*batch_heads, num_features, head_dim), device, dtype, log_space)
+        if linear.position != position - made_for["window"]:
+            raise ValueError(f"state.linear is at position {linear.position}, not {position - made_for['window']} "
+                             f"(the state's position less the window); pass the state as returned")
+    if debug_enabled():
+        check_finite(state, shapes)
     return position
+
+
+def describe(options: dict) -> str:
+    return ", ".join(f"{name}={value!r}" for name, value in options.items())
+
+
+def check_finite(state, names) -> None:
+    """Debug mode: the cached keys, values and features hold no NaN (and, but for -inf log-features of
+    features that are exactly 0, no inf): a read of the cache on the host."""
+    for name in names:
+        t = getattr(state, name)
+        finite = ~t.isnan() & (t != float("inf")) if name == "features" else t.isfinite()
+        if not bool(finite.all()):
+            raise ValueError(f"state.{name} holds NaN or inf; the state is damaged (a non-finite input earlier in "
+                             f"the sequence?): start again with state=None")
 
 
 def window_decay_step(q_hat, k_hat, phi_q, phi_k, v, state: WindowState | None, *, window: int, log_decay,
@@ -281,7 +318,7 @@ def window_decay_step(q_hat, k_hat, phi_q, phi_k, v, state: WindowState | None, 
     if state is None:
         empty = v.new_zeros(*v.shape[:2], 0, 1)
         state = WindowState(None, empty.expand(-1, -1, -1, k_hat.shape[-1]), empty.expand(-1, -1, -1, v.shape[-1]),
-                            empty.expand(-1, -1, -1, phi_k.shape[-1]), 0, 0)
+                            empty.expand(-1, -1, -1, phi_k.shape[-1]), 0, 0, window)
     position = int(state.position)
     keys, values, features = (torch.cat((cache, t.unsqueeze(-2)), -2) for cache, t in
                               ((state.keys, k_hat), (state.values, v), (state.features, phi_k)))
@@ -306,7 +343,7 @@ def window_decay_step(q_hat, k_hat, phi_q, phi_k, v, state: WindowState | None, 
             lse = torch.logsumexp(scores, -1)
             out = (torch.exp(scores - lse.unsqueeze(-1)).unsqueeze(-2) @ values).squeeze(-2)
             out = merge(out, lse, ratio, lin_log)
-    return out, WindowState(linear, keys, values, features, position + 1, state.origin)
+    return out, state._replace(linear=linear, keys=keys, values=values, features=features, position=position + 1)
 
 
 def plain_linear_step(phi_q, phi_k, v, linear, *, position, origin, window, rate, rotary, rope_base):
