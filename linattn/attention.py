@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .checks import (as_device, check_flags, check_positive_integer, check_real_floating, check_return_state,
-                     check_rope_base, check_state_position, check_state_tensors, check_window, is_integer, is_real)
+from .checks import (as_device, check_finite_values, check_flags, check_positive_integer, check_real_floating,
+                     check_return_state, check_rope_base, check_state_position, check_state_tensors, check_window,
+                     is_integer, is_real)
 from .feature_maps import FeatureMap, check_feature_map, make_feature_map
 from .functional import DEFAULT_CHUNK_SIZE, LinearState, check_chunk_size, check_state, run_linear_attention
 from .ops.linear_attention import dispatch
@@ -24,7 +25,7 @@ from .ops.linear_attention.memory import check_fits
 from .ops.linear_attention.recurrent import recurrent_step
 from .ops.window_decay import WindowState, retnet_decay, window_decay_attention, window_decay_step
 from .ops.window_decay.band import band_attention
-from .ops.window_decay.window import check_window_state
+from .ops.window_decay.window import check_window_state, guard_window_features
 from .rotary import DEFAULT_BASE, check_positions, check_rotated_dim, rotate
 
 ROPE_PLACEMENTS = ("post", "pre", "none")
@@ -66,6 +67,7 @@ class _Projections(nn.Module):
             raise ValueError(f"{type(self).__name__} expects input of shape {shape} with "
                              f"dim={self.dim}, got {got}")
         check_real_floating("the input", x)
+        check_finite_values("the input", x)
         weight = self.to_qkv.weight
         if x.device != weight.device or x.device.type == "meta":   # torch's own errors come from deep inside
             raise ValueError(f"{type(self).__name__}'s parameters are on {weight.device} and the input on {x.device}; "
@@ -91,6 +93,7 @@ class _Projections(nn.Module):
                 raise ValueError(f"attend takes (batch, heads={self.heads}, seq_len, head_dim={self.head_dim}) "
                                  f"queries, keys and values, got {name} of shape {got}")
             check_real_floating(name, t)
+            check_finite_values(name, t)
         if not q.shape == k.shape == v.shape:
             raise ValueError(f"attend takes queries, keys and values of one shape (batch, heads, seq_len, head_dim), "
                              f"got {tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}")
@@ -289,12 +292,19 @@ class LinearAttention(_Projections):
 
     def _window_decay_values(self, q, k, v, offset: int, return_state: bool):
         """`_weighted_values` with a window or a decay (ops/window_decay), in float32 (float64 stays)."""
-        phi_q, phi_k = self._features(q, k, offset)
+        phi_q, phi_k, v = self._window_features(q, k, v, offset)
         q_hat, k_hat = self._scored(q, k, offset)
         result = window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, **self._window_decay_options(),
                                         offset=offset, rope_base=self.rope_base, chunk_size=self.chunk_size,
                                         backend=self.backend, return_state=return_state)
         return (result[0], result[1]._replace(**self._made_for())) if return_state else result
+
+    def _window_features(self, q, k, v, position: int):
+        """The window path's features, guarded as the op guards its own (from the map's projection, where
+        it has one, so that FAVOR+'s overflowing |x|^2 is seen), and v."""
+        fm = self.feature_map
+        return guard_window_features(*self._features(q, k, position, projected=True), v, log_space=fm.log_space,
+                                     nonnegative_features=fm.nonnegative_features)
 
     def _made_for(self) -> dict:
         """What a WindowState records of the block that made it, and a step checks."""
@@ -318,7 +328,7 @@ class LinearAttention(_Projections):
         position = 0 if state is None else check_window_state(
             state, self._made_for(), (q.shape[0], self.heads), self.head_dim, self.feature_map.num_features,
             v.device, self._step_dtype(q), self.feature_map.log_space)
-        phi_q, phi_k = self._features(q, k, position)
+        phi_q, phi_k, v = self._window_features(q, k, v, position)
         q_hat, k_hat = self._scored(q, k, position)
         out, state = window_decay_step(q_hat[:, :, 0], k_hat[:, :, 0], phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0],
                                        state, **self._window_decay_options(), rope_base=self.rope_base)

@@ -86,6 +86,14 @@ def check_real_floating(name: str, t: torch.Tensor) -> None:
                          f"truncated outputs: convert with .float()")
 
 
+def check_finite_values(name: str, t: torch.Tensor) -> None:
+    """Debug mode: no NaN or inf in a block's input (a read of it on the host); otherwise such values
+    give NaN outputs where they reach."""
+    if _debug and not bool(t.detach().isfinite().all()):
+        raise ValueError(f"{name} holds NaN or inf; find where the non-finite values come from (debug mode checks "
+                         f"every block's input)")
+
+
 def check_rope_base(base) -> None:
     """theta_i = base^(-2i/dim) needs a finite base > 0."""
     if not is_real(base) or base <= 0:

@@ -4,8 +4,11 @@ import pytest
 import torch
 from torch.func import functional_call
 
+import linattn
+
 from benchmarks.timing import kept_for_backward
-from linattn import LinearAttention, LinearState
+from linattn import LinearAttention, LinearState, SoftmaxAttention
+from linattn.feature_maps import FeatureMap
 from linattn.functional import softmax_attention_reference
 from linattn.ops.window_decay import WindowState, window_decay_reference
 from linattn.rotary import apply_rotary
@@ -225,3 +228,75 @@ def test_window_and_decay_are_fixed_at_construction(name, value):
 def test_decay_takes_a_sequence_of_numbers(decay):
     with pytest.raises(ValueError, match="decay"):
         LinearAttention(16, 2, decay=decay)
+
+
+class Shifted(FeatureMap):
+    """Features that turn negative once `shift` is set, after the block checked the map."""
+    shift = 0.0
+
+    def forward(self, x, *, is_query):
+        return torch.relu(x) - self.shift
+
+
+@pytest.fixture
+def debug():
+    linattn.set_debug(True)
+    yield
+    linattn.set_debug(False)
+
+
+@pytest.mark.parametrize("window, decay", [(4, None), (0, "retnet"), (4, "retnet")])
+def test_negative_plain_features_give_nan_or_are_refused_in_debug_mode(window, decay):
+    """Issue 49: the window and decay path bypassed the op's guard (finite outputs, debug mode silent)."""
+    b = LinearAttention(16, 2, feature_map=Shifted(8), rope="none", window=window, decay=decay)
+    b.feature_map.shift = 0.01
+    x = torch.randn(1, 12, 16)
+    assert b(x).isnan().all()
+
+
+@pytest.mark.parametrize("window, decay", [(4, None), (0, "retnet"), (4, "retnet")])
+def test_debug_mode_refuses_negative_plain_features_on_every_path(window, decay, debug):
+    b = LinearAttention(16, 2, feature_map=Shifted(8), rope="none", window=window, decay=decay)
+    b.feature_map.shift = 0.01
+    x = torch.randn(1, 12, 16)
+    with pytest.raises(ValueError, match="negative"):
+        b(x)
+    with pytest.raises(ValueError, match="negative"):
+        b.step(x[:, 0])
+
+
+@pytest.mark.parametrize("make", [lambda: LinearAttention(16, 2, window=4), lambda: LinearAttention(16, 2, decay="retnet"),
+                                  lambda: LinearAttention(16, 2, feature_map="elu"),
+                                  lambda: SoftmaxAttention(16, 2, window=3)])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_debug_mode_flags_non_finite_inputs_to_any_block(make, bad, debug):
+    b, x = make(), torch.randn(1, 6, 16)
+    x[0, 2, 3] = bad
+    with pytest.raises(ValueError, match="NaN or inf"):
+        b(x)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        b.step(x[:, 2])
+
+
+@pytest.mark.parametrize("field", ["keys", "values", "features"])
+def test_debug_mode_flags_nan_in_a_window_cache(field, debug):
+    b = LinearAttention(16, 2, window=4)
+    x = torch.randn(1, 6, 16)
+    _, state = b(x, return_state=True)
+    damaged = state._replace(**{field: torch.full_like(getattr(state, field), float("nan"))})
+    with pytest.raises(ValueError, match=f"state.{field}"):
+        b.step(x[:, 0], damaged)
+
+
+@pytest.mark.parametrize("options", [{"decay": "retnet"}, {"window": 4}, {"window": 4, "decay": "retnet"}])
+def test_favor_beyond_its_range_gives_nan_not_uniform_weights(options):
+    """Issue 49: at x1e20 |x|^2 overflows and every log-feature is -inf; the guard lifted them to its floor,
+    which gave uniform weights, finite and wrong (without decay the op's bound made them NaN)."""
+    b = LinearAttention(32, 2, **options)
+    x = torch.randn(1, 10, 32) * 1e20
+    assert b(x).isnan().all()
+    state, outs = None, []
+    for t in range(10):
+        out, state = b.step(x[:, t], state)
+        outs.append(out)
+    assert torch.stack(outs, 1).isnan().all()

@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ...checks import check_state_position, check_state_tensors, debug_enabled, is_integer
 from ...custom_ops import run_linear_attention
+from ..linear_attention.common import LogProjection, compute_dtype, feature_tensors, guard_features
 from ..linear_attention.cpp_logspace import log_cumsum_exp
 from ..linear_attention.dispatch import resolve
 from ..linear_attention.fla_kernels import HALF_DOTS, decayed_attention
@@ -104,6 +105,19 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
     kept = min(window, n)
     cache = (t[..., n - kept:, :].detach() for t in (k_hat, v, phi_k))
     return out, WindowState(linear_state, *cache, position=offset + n, origin=offset, window=window)
+
+
+def guard_window_features(phi_q, phi_k, v: torch.Tensor, *, log_space: bool, nonnegative_features: bool):
+    """(phi_q, phi_k, v) as the op guards them (`guard_features`: in debug mode checked, which reads them on
+    the host; otherwise log-features beyond the dtype's range, or a projection whose bound is, and negative
+    plain features made NaN in the rows they reach), once, where the block hands them to this path; a
+    `LogProjection` (FAVOR+'s: its bound sees |x|^2 overflow, which its log-features show as -inf, exactly
+    0, for every feature) then made into its (B, H, N, M) log-features."""
+    dtype = compute_dtype(*feature_tensors(phi_q, phi_k), v)
+    phi_q, phi_k, v = guard_features(phi_q, phi_k, v, dtype, log_space=log_space,
+                                     nonnegative_features=nonnegative_features)
+    phi_q, phi_k = (x.materialize() if isinstance(x, LogProjection) else x for x in (phi_q, phi_k))
+    return phi_q, phi_k, v
 
 
 def linear_log_factor(window: int, rate, log_gain, dtype) -> torch.Tensor | float:
