@@ -300,3 +300,14 @@ def test_favor_beyond_its_range_gives_nan_not_uniform_weights(options):
         out, state = b.step(x[:, t], state)
         outs.append(out)
     assert torch.stack(outs, 1).isnan().all()
+
+
+@pytest.mark.parametrize("fm", ["elu", "favor"])
+def test_rows_among_the_first_w_are_never_exactly_zero(fm):
+    """Issue 49: at inputs of 1e18 a window's scores reach -1e36, below the -1e30 once padded in for rows
+    with no linear key, which then took all the weight: exactly 0.  Now the window's rows, or NaN."""
+    b = LinearAttention(16, 2, feature_map=fm, window=4)
+    q, k, v = (torch.randn(1, 2, 10, 8) * 1e18 for _ in range(3))
+    with torch.no_grad():
+        out = b.attend(q, k, v)
+    assert not (out == 0).all(-1).any()

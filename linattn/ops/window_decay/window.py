@@ -37,12 +37,17 @@ from ...custom_ops import run_linear_attention
 from ..linear_attention.common import LogProjection, compute_dtype, feature_tensors, guard_features
 from ..linear_attention.cpp_logspace import log_cumsum_exp
 from ..linear_attention.dispatch import resolve
+from ..linear_attention.plain_scale import power_of_two_below, query_scale, scale_plain_features
 from ..linear_attention.fla_kernels import HALF_DOTS, decayed_attention
 from ..linear_attention.recurrent import LinearState, check_state, initial_state, recurrent_step
 from .band import band_attention, merge
 from ...rotary import rotary_phases, rotate
 
-FLOOR = -1e30    # a log-weight that is exactly 0 beside any real one, finite so that no inf - inf appears
+FLOOR = -1e30    # a log-feature that is exactly 0 beside any real one, finite so that no inf - inf appears
+# The log-weight of a row with no linear key: -inf, not FLOOR, since the window's log-normalisers are not
+# bounded (scores of -1e36 at inputs of 1e18 lost a row among the first W to a FLOOR beside it: exactly 0).
+# `merge` takes its stabiliser from the window's, which is finite or NaN, never -inf (the diagonal is inside).
+NO_WEIGHT = float("-inf")
 
 
 class WindowState(NamedTuple):
@@ -97,7 +102,7 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
                                                 rotary=rotary, offset=offset, rope_base=rope_base,
                                                 chunk_size=chunk_size, backend=backend, return_state=return_state)
             if window:
-                lin_log = F.pad(lin_log + linear_log_factor(window, rate, log_gain, dtype), (window, 0), value=FLOOR)
+                lin_log = F.pad(lin_log + linear_log_factor(window, rate, log_gain, dtype), (window, 0), value=NO_WEIGHT)
                 ratio = F.pad(ratio, (0, 0, window, 0))
         out = ratio if window == 0 else windowed(q_hat, k_hat, v, window, rate, lin_log, ratio)
     if not return_state:
@@ -127,10 +132,10 @@ def linear_log_factor(window: int, rate, log_gain, dtype) -> torch.Tensor | floa
 
 
 def guarded_log(den: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log den, den clamped for dividing): FLOOR where den is 0 (a row with no linear key)."""
+    """(log den, den clamped for dividing): NO_WEIGHT where den is 0 (a row with no linear key)."""
     guard = torch.finfo(den.dtype).tiny ** 0.5
     safe = den.clamp_min(guard)
-    return torch.where(den > 0, safe.log(), FLOOR), safe
+    return torch.where(den > 0, safe.log(), NO_WEIGHT), safe
 
 
 # ---- the linear part ---------------------------------------------------------------------------
@@ -138,8 +143,12 @@ def guarded_log(den: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def plain_linear_part(phi_q, phi_k, v, *, window, rate, rotary, offset, rope_base, chunk_size, backend,
                       return_state):
     """(log sum_n gamma^(j-n) kappa_jn, the nu-weighted mean of values, the state) of queries at positions
-    offset + W + j against keys at offset + n, n <= j, from plain features.  Sums of plain features are
-    bounded as the op's are: they must fit the dtype."""
+    offset + W + j against keys at offset + n, n <= j, from plain features, brought to unit size first as
+    the op brings them (plain_scale.py: NaN where keys are lost to underflow), their scales' logs added
+    back to the log-weight: the window is weighed against the linear part at any scale of the features."""
+    log_q_scale = query_scale(phi_q).log()   # logs added, not scales multiplied: each may be 2^127
+    phi_q, phi_k, k_scale = scale_plain_features(phi_q, phi_k, causal=True)
+    log_scale = (log_q_scale + k_scale.log()).squeeze(-1)
     q_num, k_num = phi_q, phi_k
     if rotary:
         q_num = rotate(phi_q, offset=offset + window, base=rope_base)
@@ -149,8 +158,10 @@ def plain_linear_part(phi_q, phi_k, v, *, window, rate, rotary, offset, rope_bas
     else:
         num, den, kv, k_sum = decayed_chunks(q_num, k_num, phi_q, phi_k, v, rate, chunk_size)
     log_den, safe = guarded_log(den)
-    state = LinearState(kv.detach(), k_sum.detach(), offset + v.shape[-2]) if return_state else None
-    return log_den, num / safe.unsqueeze(-1), state
+    state = None
+    if return_state:   # in the features' own scale, as the step continues it
+        state = LinearState((kv * k_scale).detach(), (k_sum * k_scale.squeeze(-1)).detach(), offset + v.shape[-2])
+    return log_den + log_scale, num / safe.unsqueeze(-1), state
 
 
 def decayed_chunks(q_num, k_num, q_den, k_den, v, rate, chunk: int):
@@ -361,23 +372,31 @@ def window_decay_step(q_hat, k_hat, phi_q, phi_k, v, state: WindowState | None, 
 
 
 def plain_linear_step(phi_q, phi_k, v, linear, *, position, origin, window, rate, rotary, rope_base):
-    """Add the key that left the window (position - W) to the decayed state and read it with the query."""
+    """Add the key that left the window (position - W) to the decayed state and read it with the query, at
+    the op's step's scales (recurrent.py's `_plain_step`): the query by its own power of two, the state and
+    the key by one from both, their logs added back to the log-weight; the state kept in its own scale."""
     shape = (*v.shape[:2], phi_k.shape[-1], v.shape[-1])
     if linear is None:
         linear = LinearState(v.new_zeros(shape), v.new_zeros(shape[:3]), position - window)
-    q_num, k_num = phi_q, phi_k
-    if rotary:
-        q_num = rotate(phi_q.unsqueeze(-2), offset=position, base=rope_base).squeeze(-2)
-        k_num = rotate(phi_k.unsqueeze(-2), offset=position - window, base=rope_base).squeeze(-2)
     kv, k_sum = linear.kv, linear.k_sum
     if rate is not None:
         decay = torch.exp(rate)[:, None]   # (H, 1)
         kv, k_sum = decay.unsqueeze(-1) * kv, decay * k_sum
+    with torch.no_grad():
+        scale = power_of_two_below(torch.cat((k_sum, phi_k), -1).abs().amax(-1, keepdim=True))   # (B, H, 1)
+        q_scale = query_scale(phi_q)
+    phi_q, phi_k, kv, k_sum = phi_q / q_scale, phi_k / scale, kv / scale.unsqueeze(-1), k_sum / scale
+    q_num, k_num = phi_q, phi_k
+    if rotary:
+        q_num = rotate(phi_q.unsqueeze(-2), offset=position, base=rope_base).squeeze(-2)
+        k_num = rotate(phi_k.unsqueeze(-2), offset=position - window, base=rope_base).squeeze(-2)
     kv = kv + k_num.unsqueeze(-1) * v.unsqueeze(-2)
     k_sum = k_sum + phi_k
     num = (q_num.unsqueeze(-2) @ kv).squeeze(-2)
     log_den, safe = guarded_log((phi_q * k_sum).sum(-1))
-    return log_den, num / safe.unsqueeze(-1), LinearState(kv, k_sum, position - window + 1)
+    log_den = log_den + (q_scale.log() + scale.log()).squeeze(-1)
+    state = LinearState(kv * scale.unsqueeze(-1), k_sum * scale, position - window + 1)
+    return log_den, num / safe.unsqueeze(-1), state
 
 
 def log_linear_step(b, a, v, linear, *, position, origin, window, rate, rotary, rope_base):
