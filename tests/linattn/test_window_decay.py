@@ -265,7 +265,8 @@ def test_debug_mode_refuses_negative_plain_features_on_every_path(window, decay,
         b.step(x[:, 0])
 
 
-@pytest.mark.parametrize("make", [lambda: LinearAttention(16, 2, window=4), lambda: LinearAttention(16, 2, decay="retnet"),
+@pytest.mark.parametrize("make", [lambda: LinearAttention(16, 2, window=4),
+                                  lambda: LinearAttention(16, 2, decay="retnet"),
                                   lambda: LinearAttention(16, 2, feature_map="elu"),
                                   lambda: SoftmaxAttention(16, 2, window=3)])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

@@ -102,7 +102,8 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
                                                 rotary=rotary, offset=offset, rope_base=rope_base,
                                                 chunk_size=chunk_size, backend=backend, return_state=return_state)
             if window:
-                lin_log = F.pad(lin_log + linear_log_factor(window, rate, log_gain, dtype), (window, 0), value=NO_WEIGHT)
+                lin_log = lin_log + linear_log_factor(window, rate, log_gain, dtype)
+                lin_log = F.pad(lin_log, (window, 0), value=NO_WEIGHT)
                 ratio = F.pad(ratio, (0, 0, window, 0))
         out = ratio if window == 0 else windowed(q_hat, k_hat, v, window, rate, lin_log, ratio)
     if not return_state:
