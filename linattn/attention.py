@@ -14,8 +14,8 @@ from einops import rearrange
 from torch import nn
 
 from .checks import (as_device, check_finite_values, check_flags, check_positive_integer, check_real_floating,
-                     check_return_state, check_rope_base, check_state_position, check_state_tensors, check_window,
-                     is_integer, is_real)
+                     check_return_state, check_rope_base, check_state_finite, check_state_position,
+                     check_state_tensors, check_window, is_integer, is_real)
 from .feature_maps import FeatureMap, check_feature_map, make_feature_map
 from .functional import DEFAULT_CHUNK_SIZE, LinearState, check_chunk_size, check_state, run_linear_attention
 from .ops.linear_attention import dispatch
@@ -550,6 +550,7 @@ class SoftmaxAttention(_Projections):
             cached = min(position, self.window or position)   # the error below names the shape expected
         shape = (k_t.shape[0], self.heads, cached, self.head_dim)
         check_state_tensors(state, k_t.device, {"k": shape, "v": shape}, k_t.dtype)
+        check_state_finite(state, ("k", "v"))
         return position
 
     def extra_repr(self) -> str:

@@ -116,6 +116,17 @@ def check_state_tensors(state, device, shapes: dict, dtype: torch.dtype, dtype_n
                              "sequence in the dtype that started it (or pass None to start)")
 
 
+def check_state_finite(state, names, log_features=()) -> None:
+    """Debug mode: the named tensors of a decoding state hold no NaN or inf (-inf allowed in `log_features`:
+    a feature that is exactly 0), a read of each on the host; otherwise they give NaN outputs."""
+    for name in names if _debug else ():
+        t = getattr(state, name)
+        finite = ~t.isnan() & (t != float("inf")) if name in log_features else t.isfinite()
+        if not bool(finite.all()):
+            raise ValueError(f"state.{name} holds NaN or inf; the state is damaged (a non-finite input earlier in "
+                             f"the sequence?): start again with state=None")
+
+
 def check_state_position(state) -> int:
     """A decoding state's position (tokens seen) as a plain int, below 2^63: the next token's position is
     an int64, as forward's offsets are (rotary.check_positions)."""

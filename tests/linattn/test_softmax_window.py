@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import linattn
 from linattn import SoftmaxAttention
 from linattn.rotary import apply_rotary
 
@@ -146,3 +147,16 @@ def test_a_window_set_later_is_checked(value, message: str) -> None:
         block.window = value
     with pytest.raises(ValueError, match="causal"):
         SoftmaxAttention(32, 4, causal=False).window = 4
+
+
+@pytest.mark.parametrize("field", ["k", "v"])
+def test_debug_mode_flags_nan_in_a_cache(field: str) -> None:
+    block, x = SoftmaxAttention(32, 4, window=3), torch.randn(1, 8, 32)
+    _, cache = block(x, return_state=True)
+    damaged = cache._replace(**{field: torch.full_like(getattr(cache, field), float("nan"))})
+    linattn.set_debug(True)
+    try:
+        with pytest.raises(ValueError, match=f"state.{field}"):
+            block.step(x[:, 0], damaged)
+    finally:
+        linattn.set_debug(False)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ...checks import check_state_position, check_state_tensors, debug_enabled, is_integer
+from ...checks import check_state_finite, check_state_position, check_state_tensors, is_integer
 from ...custom_ops import run_linear_attention
 from ..linear_attention.common import LogProjection, compute_dtype, feature_tensors, guard_features
 from ..linear_attention.cpp_logspace import log_cumsum_exp
@@ -314,24 +314,12 @@ def check_window_state(state, made_for: dict, batch_heads: tuple, head_dim: int,
         if linear.position != position - made_for["window"]:
             raise ValueError(f"state.linear is at position {linear.position}, not {position - made_for['window']} "
                              f"(the state's position less the window); pass the state as returned")
-    if debug_enabled():
-        check_finite(state, shapes)
+    check_state_finite(state, shapes, log_features=("features",) if log_space else ())
     return position
 
 
 def describe(options: dict) -> str:
     return ", ".join(f"{name}={value!r}" for name, value in options.items())
-
-
-def check_finite(state, names) -> None:
-    """Debug mode: the cached keys, values and features hold no NaN (and, but for -inf log-features of
-    features that are exactly 0, no inf): a read of the cache on the host."""
-    for name in names:
-        t = getattr(state, name)
-        finite = ~t.isnan() & (t != float("inf")) if name == "features" else t.isfinite()
-        if not bool(finite.all()):
-            raise ValueError(f"state.{name} holds NaN or inf; the state is damaged (a non-finite input earlier in "
-                             f"the sequence?): start again with state=None")
 
 
 def window_decay_step(q_hat, k_hat, phi_q, phi_k, v, state: WindowState | None, *, window: int, log_decay,
