@@ -15,7 +15,7 @@ from torch import nn
 
 from .checks import (as_device, check_finite_values, check_flags, check_positive_integer, check_real_floating,
                      check_return_state, check_rope_base, check_state_finite, check_state_position,
-                     check_state_tensors, check_window, is_integer, is_real)
+                     check_state_tensors, check_window, debug_enabled, is_integer, is_real)
 from .feature_maps import FeatureMap, check_feature_map, make_feature_map
 from .functional import DEFAULT_CHUNK_SIZE, LinearState, check_chunk_size, check_state, run_linear_attention
 from .ops.linear_attention import dispatch
@@ -67,7 +67,8 @@ class _Projections(nn.Module):
             raise ValueError(f"{type(self).__name__} expects input of shape {shape} with "
                              f"dim={self.dim}, got {got}")
         check_real_floating("the input", x)
-        check_finite_values("the input", x)
+        if debug_enabled():
+            check_finite_values("the input", x)
         weight = self.to_qkv.weight
         if x.device != weight.device or x.device.type == "meta":   # torch's own errors come from deep inside
             raise ValueError(f"{type(self).__name__}'s parameters are on {weight.device} and the input on {x.device}; "
@@ -93,7 +94,8 @@ class _Projections(nn.Module):
                 raise ValueError(f"attend takes (batch, heads={self.heads}, seq_len, head_dim={self.head_dim}) "
                                  f"queries, keys and values, got {name} of shape {got}")
             check_real_floating(name, t)
-            check_finite_values(name, t)
+            if debug_enabled():
+                check_finite_values(name, t)
         if not q.shape == k.shape == v.shape:
             raise ValueError(f"attend takes queries, keys and values of one shape (batch, heads, seq_len, head_dim), "
                              f"got {tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}")
@@ -550,7 +552,8 @@ class SoftmaxAttention(_Projections):
             cached = min(position, self.window or position)   # the error below names the shape expected
         shape = (k_t.shape[0], self.heads, cached, self.head_dim)
         check_state_tensors(state, k_t.device, {"k": shape, "v": shape}, k_t.dtype)
-        check_state_finite(state, ("k", "v"))
+        if debug_enabled():
+            check_state_finite(state, ("k", "v"))
         return position
 
     def extra_repr(self) -> str:

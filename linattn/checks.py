@@ -87,9 +87,9 @@ def check_real_floating(name: str, t: torch.Tensor) -> None:
 
 
 def check_finite_values(name: str, t: torch.Tensor) -> None:
-    """Debug mode: no NaN or inf in a block's input (a read of it on the host); otherwise such values
-    give NaN outputs where they reach."""
-    if _debug and not bool(t.detach().isfinite().all()):
+    """No NaN or inf in a block's input: a read of it on the host, for debug mode (callers ask
+    `debug_enabled()` first); without it such values give NaN outputs where they reach."""
+    if not bool(t.detach().isfinite().all()):
         raise ValueError(f"{name} holds NaN or inf; find where the non-finite values come from (debug mode checks "
                          f"every block's input)")
 
@@ -117,9 +117,9 @@ def check_state_tensors(state, device, shapes: dict, dtype: torch.dtype, dtype_n
 
 
 def check_state_finite(state, names, log_features=()) -> None:
-    """Debug mode: the named tensors of a decoding state hold no NaN or inf (-inf allowed in `log_features`:
-    a feature that is exactly 0), a read of each on the host; otherwise they give NaN outputs."""
-    for name in names if _debug else ():
+    """The named tensors of a decoding state hold no NaN or inf (-inf allowed in `log_features`: a feature
+    that is exactly 0): a read of each on the host, for debug mode (callers ask `debug_enabled()` first)."""
+    for name in names:
         t = getattr(state, name)
         finite = ~t.isnan() & (t != float("inf")) if name in log_features else t.isfinite()
         if not bool(finite.all()):

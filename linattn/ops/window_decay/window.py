@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ...checks import check_state_finite, check_state_position, check_state_tensors, is_integer
+from ...checks import check_state_finite, check_state_position, check_state_tensors, debug_enabled, is_integer
 from ...custom_ops import run_linear_attention
 from ..linear_attention.common import LogProjection, compute_dtype, feature_tensors, guard_features
 from ..linear_attention.cpp_logspace import log_cumsum_exp
@@ -314,7 +314,8 @@ def check_window_state(state, made_for: dict, batch_heads: tuple, head_dim: int,
         if linear.position != position - made_for["window"]:
             raise ValueError(f"state.linear is at position {linear.position}, not {position - made_for['window']} "
                              f"(the state's position less the window); pass the state as returned")
-    check_state_finite(state, shapes, log_features=("features",) if log_space else ())
+    if debug_enabled():
+        check_state_finite(state, shapes, log_features=("features",) if log_space else ())
     return position
 
 
