@@ -5,6 +5,7 @@ and `step(x_t, state) -> (y_t, state)` for decoding one token at a time (`state=
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -12,8 +13,9 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .checks import (as_device, check_flags, check_positive_integer, check_real_floating, check_return_state,
-                     check_rope_base, check_state_position, check_state_tensors, is_integer, is_real)
+from .checks import (as_device, check_finite_values, check_flags, check_positive_integer, check_real_floating,
+                     check_return_state, check_rope_base, check_state_finite, check_state_position,
+                     check_state_tensors, check_window, debug_enabled, is_integer, is_real)
 from .feature_maps import FeatureMap, check_feature_map, make_feature_map
 from .functional import DEFAULT_CHUNK_SIZE, LinearState, check_chunk_size, check_state, run_linear_attention
 from .ops.linear_attention import dispatch
@@ -23,7 +25,7 @@ from .ops.linear_attention.memory import check_fits
 from .ops.linear_attention.recurrent import recurrent_step
 from .ops.window_decay import WindowState, retnet_decay, window_decay_attention, window_decay_step
 from .ops.window_decay.band import band_attention
-from .ops.window_decay.window import check_window_state
+from .ops.window_decay.window import check_window_state, guard_window_features
 from .rotary import DEFAULT_BASE, check_positions, check_rotated_dim, rotate
 from .short_conv import ShortConvolution
 
@@ -39,6 +41,7 @@ class KVCache(NamedTuple):
     k: torch.Tensor
     v: torch.Tensor
     position: int
+    window: int = 0   # the block's window that made it (0: none; then it holds every token)
 
 
 class ConvState(NamedTuple):
@@ -80,6 +83,8 @@ class _Projections(nn.Module):
             raise ValueError(f"{type(self).__name__} expects input of shape {shape} with "
                              f"dim={self.dim}, got {got}")
         check_real_floating("the input", x)
+        if debug_enabled():
+            check_finite_values("the input", x)
         weight = self.to_qkv.weight
         if x.device != weight.device or x.device.type == "meta":   # torch's own errors come from deep inside
             raise ValueError(f"{type(self).__name__}'s parameters are on {weight.device} and the input on {x.device}; "
@@ -126,6 +131,8 @@ class _Projections(nn.Module):
                 raise ValueError(f"attend takes (batch, heads={self.heads}, seq_len, head_dim={self.head_dim}) "
                                  f"queries, keys and values, got {name} of shape {got}")
             check_real_floating(name, t)
+            if debug_enabled():
+                check_finite_values(name, t)
         if not q.shape == k.shape == v.shape:
             raise ValueError(f"attend takes queries, keys and values of one shape (batch, heads, seq_len, head_dim), "
                              f"got {tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}")
@@ -201,10 +208,8 @@ class LinearAttention(_Projections):
         learnable per-head gain g_h = e^(window_log_gain_h) (1 at the start; positive, so the normaliser
         stays positive), one normaliser.  `decay`: None, "retnet" or `heads` values gamma_h in (0, 1]
         multiply every weight by gamma_h^(m - n).  docs/gap-closers.md has the definitions."""
-        if not is_integer(window) or window < 0:
-            raise ValueError(f"window must be a non-negative integer number of tokens (0: no window), got {window!r}")
-        self.window = int(window)
-        self.decay = check_decay(decay, self.heads)
+        # fixed here: the gain parameter and the decay buffer are made for them (see `window`, `decay`)
+        self._window, self._decay = check_window(window), check_decay(decay, self.heads)
         if (self.window or self.decay) and not self.causal:
             raise ValueError("window and decay are defined for causal attention only: pass causal=True "
                              "(or window=0, decay=None)")
@@ -212,6 +217,24 @@ class LinearAttention(_Projections):
             self.register_buffer("log_decay", torch.tensor(self.decay, dtype=torch.float64).log(), persistent=False)
         if self.window:
             self.window_log_gain = nn.Parameter(torch.zeros(self.heads))
+
+    @property
+    def window(self) -> int:
+        return self._window
+
+    @window.setter
+    def window(self, value) -> None:
+        raise AttributeError(f"a LinearAttention's window is fixed at construction (its gain parameter is made "
+                             f"for it): build a new block with window={value!r}")
+
+    @property
+    def decay(self) -> tuple[float, ...] | None:
+        return self._decay
+
+    @decay.setter
+    def decay(self, value) -> None:
+        raise AttributeError(f"a LinearAttention's decay is fixed at construction (its buffer is made for it): "
+                             f"build a new block with decay={value!r}")
 
     def _features(self, q, k, offset: int, projected: bool = False):
         """phi(q), phi(k); log-features where the map has them (exact at any input scale), as its
@@ -308,11 +331,24 @@ class LinearAttention(_Projections):
 
     def _window_decay_values(self, q, k, v, offset: int, return_state: bool):
         """`_weighted_values` with a window or a decay (ops/window_decay), in float32 (float64 stays)."""
-        phi_q, phi_k = self._features(q, k, offset)
+        phi_q, phi_k, v = self._window_features(q, k, v, offset)
         q_hat, k_hat = self._scored(q, k, offset)
-        return window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, **self._window_decay_options(),
-                                      offset=offset, rope_base=self.rope_base, chunk_size=self.chunk_size,
-                                      backend=self.backend, return_state=return_state)
+        result = window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, **self._window_decay_options(),
+                                        offset=offset, rope_base=self.rope_base, chunk_size=self.chunk_size,
+                                        backend=self.backend, return_state=return_state)
+        return (result[0], result[1]._replace(**self._made_for())) if return_state else result
+
+    def _window_features(self, q, k, v, position: int):
+        """The window path's features, guarded as the op guards its own (from the map's projection, where
+        it has one, so that FAVOR+'s overflowing |x|^2 is seen), and v."""
+        fm = self.feature_map
+        return guard_window_features(*self._features(q, k, position, projected=True), v, log_space=fm.log_space,
+                                     nonnegative_features=fm.nonnegative_features)
+
+    def _made_for(self) -> dict:
+        """What a WindowState records of the block that made it, and a step checks."""
+        fm = self.feature_map
+        return dict(window=self.window, decay=self.decay, feature_map=f"{type(fm).__name__}(M={fm.num_features})")
 
     def _scored(self, q, k, position: int):
         """What the window's scores take: q and k, rotated unless rope='none'."""
@@ -328,13 +364,13 @@ class LinearAttention(_Projections):
 
     def _window_decay_step(self, q, k, v, state):
         position = 0 if state is None else check_window_state(
-            state, (q.shape[0], self.heads), self.head_dim, self.feature_map.num_features, v.device,
-            self._step_dtype(q), self.feature_map.log_space)
-        phi_q, phi_k = self._features(q, k, position)
+            state, self._made_for(), (q.shape[0], self.heads), self.head_dim, self.feature_map.num_features,
+            v.device, self._step_dtype(q), self.feature_map.log_space)
+        phi_q, phi_k, v = self._window_features(q, k, v, position)
         q_hat, k_hat = self._scored(q, k, position)
         out, state = window_decay_step(q_hat[:, :, 0], k_hat[:, :, 0], phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0],
                                        state, **self._window_decay_options(), rope_base=self.rope_base)
-        return out, state
+        return out, state._replace(**self._made_for())
 
     def _normalize(self, out: torch.Tensor) -> torch.Tensor:
         """normalization="rmsnorm": RMSNorm over head_dim of the (B, H, N, head_dim) output."""
@@ -387,14 +423,11 @@ def check_decay(decay, heads: int) -> tuple[float, ...] | None:
     """The per-head decay rates gamma_h in (0, 1] as floats, or None."""
     if decay is None:
         return None
-    if isinstance(decay, str):
-        if decay != "retnet":
-            raise ValueError(f"decay must be None, 'retnet' or {heads} values in (0, 1] (one per head), got {decay!r}")
+    if isinstance(decay, str) and decay == "retnet":
         return retnet_decay(heads)
-    try:
-        rates = tuple(decay)
-    except TypeError:
-        rates = None
+    # a sequence (or an array) of numbers: a set's or a dict's order is not the heads'
+    sequence = isinstance(decay, Sequence) or (hasattr(decay, "__array__") and hasattr(decay, "__len__"))
+    rates = tuple(decay) if sequence and not isinstance(decay, str) else None
     if rates is None or len(rates) != heads or not all(is_real(r) and 0 < r <= 1 for r in rates):
         raise ValueError(f"decay must be None, 'retnet' or {heads} values in (0, 1] (one per head), got {decay!r}")
     return tuple(float(r) for r in rates)
@@ -458,20 +491,29 @@ class SoftmaxAttention(_Projections):
                  short_conv: int = 0):
         super().__init__(dim, heads, bias, causal, short_conv)
         backend = softmax_backend(backend)
-        if not is_integer(window) or window < 0:
-            raise ValueError(f"window must be a non-negative integer number of tokens (0: no window), got {window!r}")
-        if window and not causal:
-            raise ValueError("window is defined for causal attention only: pass causal=True (or window=0)")
-        if window and backend != "sdpa":
-            raise ValueError(f"backend={backend!r} does not support window; use backend='sdpa'")
         if not isinstance(rope, bool):
             raise ValueError(f"rope must be True or False for softmax attention, got {rope!r}")
         if rope:
             check_rotated_dim(self.head_dim, "head_dim", "an even head_dim or rope=False")
         check_rope_base(rope_base)
-        self._xops = _xformers_ops() if backend == "xformers" else None
         self.rope, self.causal, self.backend, self.rope_base = rope, causal, backend, rope_base
-        self.window = int(window)
+        self.window = window
+        self._xops = _xformers_ops() if backend == "xformers" else None
+
+    @property
+    def window(self) -> int:
+        """The window (0: none); one set later is checked as the constructor checks it, and a cache made
+        under another window is refused by step()."""
+        return self._window
+
+    @window.setter
+    def window(self, value) -> None:
+        value = check_window(value)
+        if value and not self.causal:
+            raise ValueError("window is defined for causal attention only: pass causal=True (or window=0)")
+        if value and self.backend != "sdpa":
+            raise ValueError(f"backend={self.backend!r} does not support window; use backend='sdpa'")
+        self._window = value
 
     def _rotate(self, q, k, offset: int):
         if not self.rope:
@@ -517,7 +559,7 @@ class SoftmaxAttention(_Projections):
             return out
         # Detached as the linear block's state is: a prefill's cache is for decoding, not training.
         k, v = self._last_window(k), self._last_window(v)
-        return out, self._join_state(conv, KVCache(k.detach(), v.detach(), offset + x.shape[1]))
+        return out, self._join_state(conv, KVCache(k.detach(), v.detach(), offset + x.shape[1], self.window))
 
     def _last_window(self, t: torch.Tensor) -> torch.Tensor:
         """The last W tokens of (B, H, T, D) cached keys or values (all of them without a window)."""
@@ -535,7 +577,7 @@ class SoftmaxAttention(_Projections):
             k, v = self._last_window(k), self._last_window(v)
         # The new token sees every cached token (the window's last W with itself), so no mask is needed.
         out = self._merge(self._kernel(q, k, v, causal=False))
-        return out[:, 0], self._join_state(conv, KVCache(k, v, position + 1))
+        return out[:, 0], self._join_state(conv, KVCache(k, v, position + 1, self.window))
 
     def _check_state(self, state, k_t: torch.Tensor) -> int:
         """The cache's position, once it is checked to be this block's for the new token's keys k_t
@@ -544,10 +586,18 @@ class SoftmaxAttention(_Projections):
         if not isinstance(state, KVCache):
             raise ValueError(f"state must be the KVCache returned by forward(..., return_state=True) or "
                              f"step(), got {type(state).__name__}")
+        if state.window != self.window:
+            raise ValueError(f"the cache was made by a block with window={state.window!r}, not this block's "
+                             f"window={self.window}; continue a sequence with the block that started it")
+        position = check_state_position(state)
         cached = state.k.shape[-2] if isinstance(state.k, torch.Tensor) and state.k.dim() == 4 else 0
+        if cached > position or (self.window and cached > self.window):
+            cached = min(position, self.window or position)   # the error below names the shape expected
         shape = (k_t.shape[0], self.heads, cached, self.head_dim)
         check_state_tensors(state, k_t.device, {"k": shape, "v": shape}, k_t.dtype)
-        return check_state_position(state)
+        if debug_enabled():
+            check_state_finite(state, ("k", "v"))
+        return position
 
     def extra_repr(self) -> str:
         return (f"heads={self.heads}, rope={self.rope}, causal={self.causal}, backend={self.backend!r}"

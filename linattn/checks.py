@@ -68,6 +68,13 @@ def check_positive_integer(name: str, value) -> int:
     return int(value)
 
 
+def check_window(window) -> int:
+    """A block's window (0: none) as a plain int."""
+    if not is_integer(window) or window < 0:
+        raise ValueError(f"window must be a non-negative integer number of tokens (0: no window), got {window!r}")
+    return int(window)
+
+
 def check_real_floating(name: str, t: torch.Tensor) -> None:
     """Attention and rotation compute on real floating-point numbers: outputs come back in the input's
     dtype, so integers would be truncated, and complex numbers are not what the maths takes."""
@@ -77,6 +84,14 @@ def check_real_floating(name: str, t: torch.Tensor) -> None:
     if not t.is_floating_point():
         raise ValueError(f"{name} must be floating point, got {t.dtype}; integer inputs would give "
                          f"truncated outputs: convert with .float()")
+
+
+def check_finite_values(name: str, t: torch.Tensor) -> None:
+    """No NaN or inf in a block's input: a read of it on the host, for debug mode (callers ask
+    `debug_enabled()` first); without it such values give NaN outputs where they reach."""
+    if not bool(t.detach().isfinite().all()):
+        raise ValueError(f"{name} holds NaN or inf; find where the non-finite values come from (debug mode checks "
+                         f"every block's input)")
 
 
 def check_rope_base(base) -> None:
@@ -101,10 +116,23 @@ def check_state_tensors(state, device, shapes: dict, dtype: torch.dtype, dtype_n
                              "sequence in the dtype that started it (or pass None to start)")
 
 
+def check_state_finite(state, names, log_features=()) -> None:
+    """The named tensors of a decoding state hold no NaN or inf (-inf allowed in `log_features`: a feature
+    that is exactly 0): a read of each on the host, for debug mode (callers ask `debug_enabled()` first)."""
+    for name in names:
+        t = getattr(state, name)
+        finite = ~t.isnan() & (t != float("inf")) if name in log_features else t.isfinite()
+        if not bool(finite.all()):
+            raise ValueError(f"state.{name} holds NaN or inf; the state is damaged (a non-finite input earlier in "
+                             f"the sequence?): start again with state=None")
+
+
 def check_state_position(state) -> int:
-    """A decoding state's position (tokens seen) as a plain int."""
-    if not is_integer(state.position) or state.position < 0:
-        raise ValueError(f"state.position must be a non-negative integer (tokens seen), got {state.position!r}")
+    """A decoding state's position (tokens seen) as a plain int, below 2^63: the next token's position is
+    an int64, as forward's offsets are (rotary.check_positions)."""
+    if not is_integer(state.position) or not 0 <= state.position < 2 ** 63:
+        raise ValueError(f"state.position must be a non-negative integer below 2^63 (tokens seen), "
+                         f"got {state.position!r}")
     return int(state.position)
 
 

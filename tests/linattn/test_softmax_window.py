@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import linattn
 from linattn import SoftmaxAttention
 from linattn.rotary import apply_rotary
 
@@ -120,3 +121,42 @@ def test_attend_takes_the_window() -> None:
 def test_bad_windows_are_refused(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SoftmaxAttention(32, 4, **kwargs)
+
+
+@pytest.mark.parametrize("made, taking", [(3, 0), (0, 3), (3, 5)])
+def test_step_refuses_a_cache_of_another_window(made: int, taking: int) -> None:
+    """Issue 49: a window-3 cache into a full block once attended over 3 keys only, silently."""
+    x = torch.randn(1, 8, 32)
+    _, cache = SoftmaxAttention(32, 4, window=made)(x, return_state=True)
+    with pytest.raises(ValueError, match="window="):
+        SoftmaxAttention(32, 4, window=taking).step(x[:, 0], cache)
+
+
+def test_step_refuses_a_cache_longer_than_the_window() -> None:
+    x = torch.randn(1, 8, 32)
+    block = SoftmaxAttention(32, 4, window=3)
+    _, cache = SoftmaxAttention(32, 4)(x, return_state=True)
+    with pytest.raises(ValueError, match="state.k"):
+        block.step(x[:, 0], cache._replace(window=3))
+
+
+@pytest.mark.parametrize("value, message", [(-1, "window"), (2.5, "window")])
+def test_a_window_set_later_is_checked(value, message: str) -> None:
+    block = SoftmaxAttention(32, 4)
+    with pytest.raises(ValueError, match=message):
+        block.window = value
+    with pytest.raises(ValueError, match="causal"):
+        SoftmaxAttention(32, 4, causal=False).window = 4
+
+
+@pytest.mark.parametrize("field", ["k", "v"])
+def test_debug_mode_flags_nan_in_a_cache(field: str) -> None:
+    block, x = SoftmaxAttention(32, 4, window=3), torch.randn(1, 8, 32)
+    _, cache = block(x, return_state=True)
+    damaged = cache._replace(**{field: torch.full_like(getattr(cache, field), float("nan"))})
+    linattn.set_debug(True)
+    try:
+        with pytest.raises(ValueError, match=f"state.{field}"):
+            block.step(x[:, 0], damaged)
+    finally:
+        linattn.set_debug(False)

@@ -4,8 +4,11 @@ import pytest
 import torch
 from torch.func import functional_call
 
+import linattn
+
 from benchmarks.timing import kept_for_backward
-from linattn import LinearAttention, LinearState
+from linattn import LinearAttention, LinearState, SoftmaxAttention
+from linattn.feature_maps import FeatureMap
 from linattn.functional import softmax_attention_reference
 from linattn.ops.window_decay import WindowState, window_decay_reference
 from linattn.rotary import apply_rotary
@@ -177,3 +180,135 @@ def test_eq19_query_parts_are_recomputed_in_backward():
     x = torch.randn(1, 40, 16, requires_grad=True)
     halves = 1 * 2 * 36 * 16   # B x H x (N - W) x M / 2: one coordinate of each pair, for the linear part's queries
     assert not [t for t in kept_for_backward(lambda: b(x)) if t.is_floating_point() and t.numel() == halves]
+
+
+def states_of(x, **options):
+    b = LinearAttention(16, 2, **options)
+    return b, b(x, return_state=True)[1]
+
+
+@pytest.mark.parametrize("made, taking", [
+    ({"window": 8}, {"window": 4}), ({"window": 4}, {"window": 8}),
+    ({"decay": "retnet"}, {"window": 4, "decay": "retnet"}),
+    ({"window": 4, "decay": "retnet"}, {"decay": "retnet"}), ({"window": 4}, {"window": 4, "decay": "retnet"}),
+    ({"window": 4, "feature_map": "elu"}, {"window": 4, "feature_map": "hedgehog"})])
+def test_step_refuses_another_blocks_state(made, taking):
+    """Issue 49: a state records the window, decay and map it was made for (once 25% off, silently)."""
+    x = torch.randn(1, 12, 16)
+    _, state = states_of(x, **made)
+    b, _ = states_of(x, **taking)
+    with pytest.raises(ValueError, match="made for a block"):
+        b.step(x[:, 0], state)
+
+
+@pytest.mark.parametrize("change, word", [
+    (lambda s, short: s._replace(keys=torch.cat((s.keys, s.keys[:, :, :1]), 2)), "state.keys"),   # longer than W
+    (lambda s, short: short._replace(linear=s.linear), "linear state"),     # a short cache beside a linear state
+    (lambda s, short: s._replace(linear=None), "linear state"),
+    (lambda s, short: s._replace(origin="a"), "origin"), (lambda s, short: s._replace(origin=-1), "origin"),
+    (lambda s, short: s._replace(origin=13), "origin"), (lambda s, short: s._replace(origin=float("nan")), "origin"),
+    (lambda s, short: s._replace(position=2 ** 63), "position"),
+    (lambda s, short: s._replace(linear=s.linear._replace(position=3)), "state.linear is at")])
+def test_step_refuses_a_state_that_does_not_fit_its_position(change, word):
+    x = torch.randn(1, 12, 16)
+    b, state = states_of(x, window=4, decay="retnet")
+    _, short = b(x[:, :2], return_state=True)
+    with pytest.raises(ValueError, match=word):
+        b.step(x[:, 0], change(state, short))
+
+
+@pytest.mark.parametrize("name, value", [("window", 4), ("window", 0), ("decay", "retnet"), ("decay", None)])
+def test_window_and_decay_are_fixed_at_construction(name, value):
+    b = LinearAttention(16, 2, window=4 if value == 0 else 0, decay="retnet" if value is None else None)
+    with pytest.raises(AttributeError, match="fixed at construction"):
+        setattr(b, name, value)
+
+
+@pytest.mark.parametrize("decay", [{0.5: 1, 0.9: 1}, {0.5, 0.9}, iter([0.5, 0.9]), "RetNet"])
+def test_decay_takes_a_sequence_of_numbers(decay):
+    with pytest.raises(ValueError, match="decay"):
+        LinearAttention(16, 2, decay=decay)
+
+
+class Shifted(FeatureMap):
+    """Features that turn negative once `shift` is set, after the block checked the map."""
+    shift = 0.0
+
+    def forward(self, x, *, is_query):
+        return torch.relu(x) - self.shift
+
+
+@pytest.fixture
+def debug():
+    linattn.set_debug(True)
+    yield
+    linattn.set_debug(False)
+
+
+@pytest.mark.parametrize("window, decay", [(4, None), (0, "retnet"), (4, "retnet")])
+def test_negative_plain_features_give_nan_or_are_refused_in_debug_mode(window, decay):
+    """Issue 49: the window and decay path bypassed the op's guard (finite outputs, debug mode silent)."""
+    b = LinearAttention(16, 2, feature_map=Shifted(8), rope="none", window=window, decay=decay)
+    b.feature_map.shift = 0.01
+    x = torch.randn(1, 12, 16)
+    assert b(x).isnan().all()
+
+
+@pytest.mark.parametrize("window, decay", [(4, None), (0, "retnet"), (4, "retnet")])
+def test_debug_mode_refuses_negative_plain_features_on_every_path(window, decay, debug):
+    b = LinearAttention(16, 2, feature_map=Shifted(8), rope="none", window=window, decay=decay)
+    b.feature_map.shift = 0.01
+    x = torch.randn(1, 12, 16)
+    with pytest.raises(ValueError, match="negative"):
+        b(x)
+    with pytest.raises(ValueError, match="negative"):
+        b.step(x[:, 0])
+
+
+@pytest.mark.parametrize("make", [lambda: LinearAttention(16, 2, window=4),
+                                  lambda: LinearAttention(16, 2, decay="retnet"),
+                                  lambda: LinearAttention(16, 2, feature_map="elu"),
+                                  lambda: SoftmaxAttention(16, 2, window=3)])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_debug_mode_flags_non_finite_inputs_to_any_block(make, bad, debug):
+    b, x = make(), torch.randn(1, 6, 16)
+    x[0, 2, 3] = bad
+    with pytest.raises(ValueError, match="NaN or inf"):
+        b(x)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        b.step(x[:, 2])
+
+
+@pytest.mark.parametrize("field", ["keys", "values", "features"])
+def test_debug_mode_flags_nan_in_a_window_cache(field, debug):
+    b = LinearAttention(16, 2, window=4)
+    x = torch.randn(1, 6, 16)
+    _, state = b(x, return_state=True)
+    damaged = state._replace(**{field: torch.full_like(getattr(state, field), float("nan"))})
+    with pytest.raises(ValueError, match=f"state.{field}"):
+        b.step(x[:, 0], damaged)
+
+
+@pytest.mark.parametrize("options", [{"decay": "retnet"}, {"window": 4}, {"window": 4, "decay": "retnet"}])
+def test_favor_beyond_its_range_gives_nan_not_uniform_weights(options):
+    """Issue 49: at x1e20 |x|^2 overflows and every log-feature is -inf; the guard lifted them to its floor,
+    which gave uniform weights, finite and wrong (without decay the op's bound made them NaN)."""
+    b = LinearAttention(32, 2, **options)
+    x = torch.randn(1, 10, 32) * 1e20
+    assert b(x).isnan().all()
+    state, outs = None, []
+    for t in range(10):
+        out, state = b.step(x[:, t], state)
+        outs.append(out)
+    assert torch.stack(outs, 1).isnan().all()
+
+
+@pytest.mark.parametrize("fm", ["elu", "favor"])
+def test_rows_among_the_first_w_are_never_exactly_zero(fm):
+    """Issue 49: at inputs of 1e18 a window's scores reach -1e36, below the -1e30 once padded in for rows
+    with no linear key, which then took all the weight: exactly 0.  Now the window's rows, or NaN."""
+    b = LinearAttention(16, 2, feature_map=fm, window=4)
+    q, k, v = (torch.randn(1, 2, 10, 8) * 1e18 for _ in range(3))
+    with torch.no_grad():
+        out = b.attend(q, k, v)
+    assert not (out == 0).all(-1).any()

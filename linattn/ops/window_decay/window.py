@@ -32,16 +32,22 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ...checks import check_state_position, check_state_tensors
+from ...checks import check_state_finite, check_state_position, check_state_tensors, debug_enabled, is_integer
 from ...custom_ops import run_linear_attention
+from ..linear_attention.common import LogProjection, compute_dtype, feature_tensors, guard_features
 from ..linear_attention.cpp_logspace import log_cumsum_exp
 from ..linear_attention.dispatch import resolve
+from ..linear_attention.plain_scale import power_of_two_below, query_scale, scale_plain_features
 from ..linear_attention.fla_kernels import HALF_DOTS, decayed_attention
 from ..linear_attention.recurrent import LinearState, check_state, initial_state, recurrent_step
 from .band import band_attention, merge
 from ...rotary import rotary_phases, rotate
 
-FLOOR = -1e30    # a log-weight that is exactly 0 beside any real one, finite so that no inf - inf appears
+FLOOR = -1e30    # a log-feature that is exactly 0 beside any real one, finite so that no inf - inf appears
+# The log-weight of a row with no linear key: -inf, not FLOOR, since the window's log-normalisers are not
+# bounded (scores of -1e36 at inputs of 1e18 lost a row among the first W to a FLOOR beside it: exactly 0).
+# `merge` takes its stabiliser from the window's, which is finite or NaN, never -inf (the diagonal is inside).
+NO_WEIGHT = float("-inf")
 
 
 class WindowState(NamedTuple):
@@ -52,6 +58,9 @@ class WindowState(NamedTuple):
     features: torch.Tensor       # (B, H, T, M): their key features (log-features for log-space maps)
     position: int                # the next token's position
     origin: int = 0              # log-space decay: log-features are shifted by (position - origin) log gamma
+    window: int = 0              # what the state was made for (checked by the block's step): the window,
+    decay: tuple | None = None   # the decay rates gamma_h,
+    feature_map: str = ""        # and the feature map
 
 
 def retnet_decay(heads: int) -> tuple[float, ...]:
@@ -84,7 +93,8 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
         n = v.shape[-2]
         linear_state, lin_log, ratio = None, None, None
         if n == 0:   # no tokens: an empty output (the chunk loops want one)
-            return (v.clone(), WindowState(None, k_hat, v, phi_k, offset, offset)) if return_state else v.clone()
+            empty = WindowState(None, k_hat, v, phi_k, offset, offset, window)
+            return (v.clone(), empty) if return_state else v.clone()
         if window < n:   # queries W.. against keys ..N-W-1: query m reads the keys n <= m - W
             part = log_linear_part if log_space else plain_linear_part
             lin_log, ratio, linear_state = part(phi_q[..., window:, :], phi_k[..., :n - window, :],
@@ -92,14 +102,28 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
                                                 rotary=rotary, offset=offset, rope_base=rope_base,
                                                 chunk_size=chunk_size, backend=backend, return_state=return_state)
             if window:
-                lin_log = F.pad(lin_log + linear_log_factor(window, rate, log_gain, dtype), (window, 0), value=FLOOR)
+                lin_log = lin_log + linear_log_factor(window, rate, log_gain, dtype)
+                lin_log = F.pad(lin_log, (window, 0), value=NO_WEIGHT)
                 ratio = F.pad(ratio, (0, 0, window, 0))
         out = ratio if window == 0 else windowed(q_hat, k_hat, v, window, rate, lin_log, ratio)
     if not return_state:
         return out
     kept = min(window, n)
     cache = (t[..., n - kept:, :].detach() for t in (k_hat, v, phi_k))
-    return out, WindowState(linear_state, *cache, position=offset + n, origin=offset)
+    return out, WindowState(linear_state, *cache, position=offset + n, origin=offset, window=window)
+
+
+def guard_window_features(phi_q, phi_k, v: torch.Tensor, *, log_space: bool, nonnegative_features: bool):
+    """(phi_q, phi_k, v) as the op guards them (`guard_features`: in debug mode checked, which reads them on
+    the host; otherwise log-features beyond the dtype's range, or a projection whose bound is, and negative
+    plain features made NaN in the rows they reach), once, where the block hands them to this path; a
+    `LogProjection` (FAVOR+'s: its bound sees |x|^2 overflow, which its log-features show as -inf, exactly
+    0, for every feature) then made into its (B, H, N, M) log-features."""
+    dtype = compute_dtype(*feature_tensors(phi_q, phi_k), v)
+    phi_q, phi_k, v = guard_features(phi_q, phi_k, v, dtype, log_space=log_space,
+                                     nonnegative_features=nonnegative_features)
+    phi_q, phi_k = (x.materialize() if isinstance(x, LogProjection) else x for x in (phi_q, phi_k))
+    return phi_q, phi_k, v
 
 
 def linear_log_factor(window: int, rate, log_gain, dtype) -> torch.Tensor | float:
@@ -109,10 +133,10 @@ def linear_log_factor(window: int, rate, log_gain, dtype) -> torch.Tensor | floa
 
 
 def guarded_log(den: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log den, den clamped for dividing): FLOOR where den is 0 (a row with no linear key)."""
+    """(log den, den clamped for dividing): NO_WEIGHT where den is 0 (a row with no linear key)."""
     guard = torch.finfo(den.dtype).tiny ** 0.5
     safe = den.clamp_min(guard)
-    return torch.where(den > 0, safe.log(), FLOOR), safe
+    return torch.where(den > 0, safe.log(), NO_WEIGHT), safe
 
 
 # ---- the linear part ---------------------------------------------------------------------------
@@ -120,8 +144,12 @@ def guarded_log(den: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def plain_linear_part(phi_q, phi_k, v, *, window, rate, rotary, offset, rope_base, chunk_size, backend,
                       return_state):
     """(log sum_n gamma^(j-n) kappa_jn, the nu-weighted mean of values, the state) of queries at positions
-    offset + W + j against keys at offset + n, n <= j, from plain features.  Sums of plain features are
-    bounded as the op's are: they must fit the dtype."""
+    offset + W + j against keys at offset + n, n <= j, from plain features, brought to unit size first as
+    the op brings them (plain_scale.py: NaN where keys are lost to underflow), their scales' logs added
+    back to the log-weight: the window is weighed against the linear part at any scale of the features."""
+    log_q_scale = query_scale(phi_q).log()   # logs added, not scales multiplied: each may be 2^127
+    phi_q, phi_k, k_scale = scale_plain_features(phi_q, phi_k, causal=True)
+    log_scale = (log_q_scale + k_scale.log()).squeeze(-1)
     q_num, k_num = phi_q, phi_k
     if rotary:
         q_num = rotate(phi_q, offset=offset + window, base=rope_base)
@@ -131,8 +159,10 @@ def plain_linear_part(phi_q, phi_k, v, *, window, rate, rotary, offset, rope_bas
     else:
         num, den, kv, k_sum = decayed_chunks(q_num, k_num, phi_q, phi_k, v, rate, chunk_size)
     log_den, safe = guarded_log(den)
-    state = LinearState(kv.detach(), k_sum.detach(), offset + v.shape[-2]) if return_state else None
-    return log_den, num / safe.unsqueeze(-1), state
+    state = None
+    if return_state:   # in the features' own scale, as the step continues it
+        state = LinearState((kv * k_scale).detach(), (k_sum * k_scale.squeeze(-1)).detach(), offset + v.shape[-2])
+    return log_den + log_scale, num / safe.unsqueeze(-1), state
 
 
 def decayed_chunks(q_num, k_num, q_den, k_den, v, rate, chunk: int):
@@ -253,22 +283,44 @@ def windowed(q_hat, k_hat, v, window: int, rate, lin_log, ratio) -> torch.Tensor
 
 # ---- decoding -------------------------------------------------------------------------------------
 
-def check_window_state(state, batch_heads: tuple, head_dim: int, num_features: int, device, dtype: torch.dtype,
-                       log_space: bool) -> int:
-    """A WindowState for a block's step (checked there, once): (B, H) = `batch_heads`, keys and values of
-    head_dim, key features of num_features, on `device` in the step's `dtype`, and a linear state of the
-    same kind of features (`log_space`) and sizes.  Returns its position as a plain int."""
+def check_window_state(state, made_for: dict, batch_heads: tuple, head_dim: int, num_features: int, device,
+                       dtype: torch.dtype, log_space: bool) -> int:
+    """A WindowState for a block's step (checked there, once): made for the block described by `made_for`
+    (window, decay, feature_map, as the state records them), (B, H) = `batch_heads`, keys and values of
+    head_dim, key features of num_features, on `device` in the step's `dtype`, a cache and a linear state
+    that fit its position and origin (min(W, position - origin) cached tokens, the older ones in a linear
+    state of the same kind of features, `log_space`, and sizes).  Returns its position as a plain int."""
     if not isinstance(state, WindowState):
         raise ValueError(f"state must be the WindowState returned by forward(..., return_state=True) or step() "
                          f"of a block with a window or decay, got {type(state).__name__}")
+    recorded = {name: getattr(state, name) for name in made_for}
+    if recorded != made_for:
+        raise ValueError(f"the state was made for a block with {describe(recorded)}, not this block's "
+                         f"{describe(made_for)}; continue a sequence with the block that started it (or pass None)")
     position = check_state_position(state)
-    cached = state.keys.shape[-2] if isinstance(state.keys, torch.Tensor) and state.keys.dim() == 4 else -1
+    if not is_integer(state.origin) or not 0 <= state.origin <= position:
+        raise ValueError(f"state.origin must be an integer in [0, position={position}] (the first position of the "
+                         f"pass that made the state), got {state.origin!r}; pass the state as returned")
+    seen = position - int(state.origin)
+    cached = min(made_for["window"], seen)
     shapes = {name: (*batch_heads, cached, width) for name, width in
               (("keys", head_dim), ("values", head_dim), ("features", num_features))}
     check_state_tensors(state, device, shapes, dtype)
+    if (state.linear is None) != (seen == cached):
+        raise ValueError(f"the state has {'no' if state.linear is None else 'a'} linear state after {seen} tokens "
+                         f"with a window of {made_for['window']}; pass the state as returned (or None to start)")
     if state.linear is not None:   # the linear attention's own state, checked as its step checks it
-        check_state(state.linear, (*batch_heads, num_features, head_dim), device, dtype, log_space)
+        linear = check_state(state.linear, (*batch_heads, num_features, head_dim), device, dtype, log_space)
+        if linear.position != position - made_for["window"]:
+            raise ValueError(f"state.linear is at position {linear.position}, not {position - made_for['window']} "
+                             f"(the state's position less the window); pass the state as returned")
+    if debug_enabled():
+        check_state_finite(state, shapes, log_features=("features",) if log_space else ())
     return position
+
+
+def describe(options: dict) -> str:
+    return ", ".join(f"{name}={value!r}" for name, value in options.items())
 
 
 def window_decay_step(q_hat, k_hat, phi_q, phi_k, v, state: WindowState | None, *, window: int, log_decay,
@@ -281,7 +333,7 @@ def window_decay_step(q_hat, k_hat, phi_q, phi_k, v, state: WindowState | None, 
     if state is None:
         empty = v.new_zeros(*v.shape[:2], 0, 1)
         state = WindowState(None, empty.expand(-1, -1, -1, k_hat.shape[-1]), empty.expand(-1, -1, -1, v.shape[-1]),
-                            empty.expand(-1, -1, -1, phi_k.shape[-1]), 0, 0)
+                            empty.expand(-1, -1, -1, phi_k.shape[-1]), 0, 0, window)
     position = int(state.position)
     keys, values, features = (torch.cat((cache, t.unsqueeze(-2)), -2) for cache, t in
                               ((state.keys, k_hat), (state.values, v), (state.features, phi_k)))
@@ -306,27 +358,35 @@ def window_decay_step(q_hat, k_hat, phi_q, phi_k, v, state: WindowState | None, 
             lse = torch.logsumexp(scores, -1)
             out = (torch.exp(scores - lse.unsqueeze(-1)).unsqueeze(-2) @ values).squeeze(-2)
             out = merge(out, lse, ratio, lin_log)
-    return out, WindowState(linear, keys, values, features, position + 1, state.origin)
+    return out, state._replace(linear=linear, keys=keys, values=values, features=features, position=position + 1)
 
 
 def plain_linear_step(phi_q, phi_k, v, linear, *, position, origin, window, rate, rotary, rope_base):
-    """Add the key that left the window (position - W) to the decayed state and read it with the query."""
+    """Add the key that left the window (position - W) to the decayed state and read it with the query, at
+    the op's step's scales (recurrent.py's `_plain_step`): the query by its own power of two, the state and
+    the key by one from both, their logs added back to the log-weight; the state kept in its own scale."""
     shape = (*v.shape[:2], phi_k.shape[-1], v.shape[-1])
     if linear is None:
         linear = LinearState(v.new_zeros(shape), v.new_zeros(shape[:3]), position - window)
-    q_num, k_num = phi_q, phi_k
-    if rotary:
-        q_num = rotate(phi_q.unsqueeze(-2), offset=position, base=rope_base).squeeze(-2)
-        k_num = rotate(phi_k.unsqueeze(-2), offset=position - window, base=rope_base).squeeze(-2)
     kv, k_sum = linear.kv, linear.k_sum
     if rate is not None:
         decay = torch.exp(rate)[:, None]   # (H, 1)
         kv, k_sum = decay.unsqueeze(-1) * kv, decay * k_sum
+    with torch.no_grad():
+        scale = power_of_two_below(torch.cat((k_sum, phi_k), -1).abs().amax(-1, keepdim=True))   # (B, H, 1)
+        q_scale = query_scale(phi_q)
+    phi_q, phi_k, kv, k_sum = phi_q / q_scale, phi_k / scale, kv / scale.unsqueeze(-1), k_sum / scale
+    q_num, k_num = phi_q, phi_k
+    if rotary:
+        q_num = rotate(phi_q.unsqueeze(-2), offset=position, base=rope_base).squeeze(-2)
+        k_num = rotate(phi_k.unsqueeze(-2), offset=position - window, base=rope_base).squeeze(-2)
     kv = kv + k_num.unsqueeze(-1) * v.unsqueeze(-2)
     k_sum = k_sum + phi_k
     num = (q_num.unsqueeze(-2) @ kv).squeeze(-2)
     log_den, safe = guarded_log((phi_q * k_sum).sum(-1))
-    return log_den, num / safe.unsqueeze(-1), LinearState(kv, k_sum, position - window + 1)
+    log_den = log_den + (q_scale.log() + scale.log()).squeeze(-1)
+    state = LinearState(kv * scale.unsqueeze(-1), k_sum * scale, position - window + 1)
+    return log_den, num / safe.unsqueeze(-1), state
 
 
 def log_linear_step(b, a, v, linear, *, position, origin, window, rate, rotary, rope_base):
