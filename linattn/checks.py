@@ -28,8 +28,10 @@ def set_debug(enabled: bool) -> None:
 
 
 def debug_enabled() -> bool:
-    """Whether debug mode (`set_debug`) is on."""
-    return _debug
+    """Whether debug mode (`set_debug`) is on, outside torch.compile's tracing: a traced graph cannot
+    branch on tensor values, so a compiled block keeps only the checks inside its custom ops (which
+    run, untraced, when the graph runs)."""
+    return _debug and not torch.compiler.is_compiling()
 
 
 def is_integer(x) -> bool:

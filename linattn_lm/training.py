@@ -10,6 +10,7 @@ import math
 import signal
 import sys
 import time
+from pathlib import Path
 from dataclasses import asdict
 from typing import Any
 
@@ -68,6 +69,18 @@ def make_optimizer(model: ByteLM, config: TrainConfig, device: torch.device) -> 
 
 
 # ----------------------------------------------------------------------------- training
+
+
+def after_earlier_logs(run_dir: Path) -> None:
+    """Wait, if need be, until the second after the run's newest event file began.  TensorBoard reads a
+    run's event files in name order, and a name is the second the writer began, then the host, the pid
+    and a per-process count compared as text: a resume within that second in the same process (tests,
+    notebooks) could sort before the segment it continues ('.10' < '.9') and be read as purged."""
+    began = [int(part) for path in run_dir.glob("events.out.tfevents.*")
+             if (part := path.name.split(".")[3]).isdigit()]
+    wait = max(began, default=0) + 1 - time.time()
+    if wait > 0:
+        time.sleep(wait)
 
 
 class Trainer:
@@ -207,6 +220,8 @@ class Trainer:
 
     def _open_logs(self, checkpoint: dict[str, Any] | None) -> None:
         # purge_step hides what a stopped or killed run logged after its last checkpoint.
+        if self.ctx.is_main:
+            after_earlier_logs(self.run_dir)
         self.writer = SummaryWriter(self.run_dir, purge_step=self.step + 1) if self.ctx.is_main else None
         if self.writer and checkpoint is None:   # a resumed run has them already
             self.writer.add_text("data", self.data, self.step)
