@@ -127,6 +127,15 @@ def run_with_record(data_dir: Path, out_dir: Path, seed: int, val: float) -> Pat
     return config.run.run_dir
 
 
+def grid_report(data_dir: Path, tiny: list[str], out_dir: Path, run_main) -> str:
+    """results.md of grid g (seeds 0 and 1 of linear-elu-post) rewritten by grid.py --report-only."""
+    argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(out_dir), "--run-name", "g", "--seeds", "0,1",
+            "--variants", "linear-elu-post", "--report-only"]
+    code, _, err = run_main(grid.main, argv)
+    assert code == 0, err
+    return (out_dir / "g" / "results.md").read_text()
+
+
 def test_eval_records_the_split_and_the_report_tabulates_it(data_dir: Path, tiny: list[str], tmp_path: Path,
                                                              run_main) -> None:
     runs = [run_with_record(data_dir, tmp_path, seed, 3.0 + seed) for seed in (0, 1)]
@@ -138,11 +147,7 @@ def test_eval_records_the_split_and_the_report_tabulates_it(data_dir: Path, tiny
     scores = record["ar_split"]["val"]["64"]
     assert set(scores) == {"hit_bpc", "rest_bpc", "hit_fraction"} and 0 < scores["hit_fraction"] < 1
     assert record["scores"]["val"]["64"] == 3.0   # the rest of the record as it was
-    argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "g", "--seeds", "0,1",
-            "--variants", "linear-elu-post", "--report-only"]
-    code, _, err = run_main(grid.main, argv)
-    assert code == 0, err
-    report = (tmp_path / "g" / "results.md").read_text()
+    report = grid_report(data_dir, tiny, tmp_path, run_main)
     assert "## Associative recall split" in report
     splits = [json.loads((run_dir / "result.json").read_text())["ar_split"]["val"]["64"] for run_dir in runs]
     hit = [split["hit_bpc"] for split in splits]
@@ -160,11 +165,7 @@ def test_eval_records_the_far_split_and_the_report_pairs_it(data_dir: Path, tiny
         assert "match8 source < 16 back" in out
     far = json.loads((runs[0] / "result.json").read_text())["ar_split"]["val"]["64"]["far"]
     assert far["window"] == 16 and set(far) == {"window", "bigram", "match8"}
-    argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "g", "--seeds", "0,1",
-            "--variants", "linear-elu-post", "--report-only"]
-    code, _, err = run_main(grid.main, argv)
-    assert code == 0, err
-    report = (tmp_path / "g" / "results.md").read_text()
+    report = grid_report(data_dir, tiny, tmp_path, run_main)
     assert "## Far-only split at W = 16" in report
     far_bpc = [json.loads((r / "result.json").read_text())["ar_split"]["val"]["64"]["far"]["match8"]["far_bpc"]
                for r in runs]
