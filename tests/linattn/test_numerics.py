@@ -101,7 +101,7 @@ def test_float32_log_features_take_half_values_as_under_autocast(dtype):
 def test_step_refuses_inputs_of_different_dtypes():
     from linattn.functional import linear_attention_step
     q, k, v = torch.rand(1, 2, 4), torch.rand(1, 2, 4), torch.rand(1, 2, 4, dtype=torch.float64)
-    with pytest.raises(ValueError, match="v is torch.float64 but the features are torch.float32"):
+    with pytest.raises(ValueError, match="v is torch.float64 but the features are"):
         linear_attention_step(q, k, v, None, rotary=True)
 
 
@@ -148,7 +148,7 @@ def test_favor_block_is_finite_up_to_the_bound_and_refuses_beyond_it(rope, backe
         assert _finite(y, x.grad, *(p.grad for p in block.parameters())), scale
         block.zero_grad()
     for scale in (3e3, 1e5, 1e10, 1e19, 1e30):
-        with pytest.raises(ValueError, match=r"log-features reach .* beyond 8.39e\+06 \(1/eps of float32\)"):
+        with pytest.raises(ValueError, match=r"beyond 8.39e\+06 \(1/eps of float32\)"):
             block(torch.randn(2, 128, 64) * scale)
 
 
