@@ -13,6 +13,7 @@ import linattn
 from linattn import FavorFeatureMap, FeatureMap, LinearAttention, make_feature_map, register_feature_map
 from linattn.feature_maps import FEATURE_MAPS, feature_map_options
 from linattn.functional import linear_attention, softmax_attention_reference
+from tests.conftest import LIBRARY_MAPS
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -451,7 +452,6 @@ def test_option_names_are_checked_once_per_map_built(monkeypatch: pytest.MonkeyP
     assert len(calls) == 1
 
 
-LIBRARY_MAPS = sorted(name for name, cls in FEATURE_MAPS.items() if cls.__module__ == "linattn.feature_maps")
 SIZE_OPTIONS = {"favor": {"num_features": 24}, "hedgehog": {"num_features": 10}, "taylor": {"dim": 5}}
 
 

@@ -5,8 +5,8 @@ import torch
 from linattn import make_feature_map
 from linattn.functional import (linear_attention, linear_attention_reference, linear_attention_step)
 from linattn.rotary import apply_rotary
+from tests.conftest import LIBRARY_MAPS
 
-FEATURE_MAPS = ["elu", "favor", "softmax", "hedgehog", "taylor"]   # taylor: negative features
 OPTIONS = {"favor": {"num_features": 16}, "taylor": {"dim": 3}}
 PLACEMENTS = ["post", "pre", "none"]
 B, H, D, DV = 2, 2, 8, 6
@@ -28,7 +28,7 @@ def inputs(n, requires_grad=False):
             for d in (D, D, DV)]
 
 
-@pytest.mark.parametrize("name", FEATURE_MAPS)
+@pytest.mark.parametrize("name", LIBRARY_MAPS)
 @pytest.mark.parametrize("rope", PLACEMENTS)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("n,chunk", [(1, 4), (17, 4), (31, 16), (64, 64), (65, 8), (40, 128)])

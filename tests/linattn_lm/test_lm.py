@@ -10,6 +10,7 @@ import torch
 
 from linattn_lm import ByteLM, ModelConfig, layer_seed
 from linattn_lm.checkpoint import saved_section
+from tests.conftest import LIBRARY_MAPS
 
 VARIANTS = {
     **{f"linear-{name}-{rope}": dict(feature_map=name, rope=rope)
@@ -153,10 +154,6 @@ def test_building_a_layers_map_checks_its_option_names_once(monkeypatch) -> None
     assert len(calls) == 1
     with pytest.raises(ValueError, match=r"\['heads'\] are set by the attention block"):
         ModelConfig(feature_map="taylor", feature_map_options={"heads": 2}).validate()
-
-
-LIBRARY_MAPS = sorted(name for name in linattn.available_feature_maps()
-                      if linattn.feature_map_class(name).__module__ == "linattn.feature_maps")
 
 
 @pytest.mark.parametrize("name", LIBRARY_MAPS)
