@@ -61,8 +61,10 @@ EXTERNAL_PATHS = {"tests/path/test_x.py", "my.toml"}   # examples' own files
 
 @functools.cache
 def tracked_files() -> tuple[str, ...]:
-    return tuple(subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.split())
+    """The repository's files as they are in the working tree (new ones too, removed ones not)."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.split()
+    return tuple(name for name in dict.fromkeys(listed) if (ROOT / name).is_file())
 
 
 @functools.cache
