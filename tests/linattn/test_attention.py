@@ -239,12 +239,12 @@ def test_pre_and_post_differ():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(feature_map="nope"), r"registered feature maps: elu, favor"),
-    (dict(normalization="layernorm"), r"normalization must be one of \('denominator', 'rmsnorm'\)"),
+    (dict(normalization="layernorm"), r"one of \('denominator', 'rmsnorm'\)"),
     (dict(rope="after"), r"rope must be one of \('post', 'pre', 'none'\)"),
     (dict(feature_map_options={"num_features": 15}), r"num_features M must be even"),
     (dict(heads=3), r"multiple of heads"),
     (dict(chunk_size=0), r"chunk_size"),
-    (dict(chunk_size=2.5), r"chunk_size must be a positive integer number of tokens, got 2.5"),
+    (dict(chunk_size=2.5), "chunk_size must be a positive integer"),
     (dict(chunk_size=True), r"chunk_size must be a positive integer"),
     (dict(rope_base=0), r"rope_base must be a finite number > 0"),
     (dict(rope_base=-1.0), r"rope_base must be"),
@@ -252,7 +252,7 @@ def test_pre_and_post_differ():
     (dict(feature_map_options={"num_features": 8.0}), r"num_features must be a positive integer, got 8.0"),
     (dict(feature_map_options={"redraw_interval": 2.5}), r"redraw_interval must be an integer >= 0"),
     (dict(feature_map_options={"redraw_interval": True}), r"redraw_interval must be an integer"),
-    (dict(feature_map=FavorFeatureMap(4)), r"made for head_dim 4 but this block's heads have head_dim 8"),
+    (dict(feature_map=FavorFeatureMap(4)), "made for head_dim 4"),
     (dict(feature_map=EluFeatureMap(4)), r"made for head_dim 4"),
 ])
 def test_linear_block_bad_arguments(kwargs, message):
@@ -426,7 +426,7 @@ def _prefilled(block, batch=2):
 
 @pytest.mark.parametrize("make_state, message", [
     (lambda block: (torch.zeros(2, 4, 16, 8), torch.zeros(2, 4, 16), 3), "must be the LinearState"),
-    (lambda block: _prefilled(block, batch=3), r"state.kv must be a floating tensor of shape \(2, 4, "),
+    (lambda block: _prefilled(block, batch=3), "state.kv must be a floating tensor of shape"),
     (lambda block: _prefilled(LinearAttention(32, 2, feature_map="elu")), r"state.kv must be"),
     (lambda block: _prefilled(block)._replace(position=2.0), "state.position must be a non-negative int"),
     (lambda block: _prefilled(block)._replace(k_sum=None), r"state.k_sum must be a floating tensor"),
@@ -439,7 +439,7 @@ def test_linear_step_refuses_a_mismatched_state(make_state, message):
 
 @pytest.mark.parametrize("make_state, message", [
     (lambda block: _prefilled(LinearAttention(32, 4)), "must be the KVCache"),
-    (lambda block: _prefilled(block, batch=1), r"state.k must be a floating tensor of shape \(2, 4, 3, 8\)"),
+    (lambda block: _prefilled(block, batch=1), r"state.k must be .*shape \(2, 4, 3, 8\)"),
     (lambda block: _prefilled(SoftmaxAttention(32, 2)), r"state.k must be"),
     (lambda block: _prefilled(block)._replace(v=torch.zeros(2, 4, 5, 8)), r"state.v must be"),
 ])
@@ -516,9 +516,9 @@ def test_rmsnorm_under_autocast_normalises_in_float32_without_a_warning() -> Non
     (lambda t: t.long(), r"q must be floating point, got torch.int64"),
     (lambda t: t.bool(), r"q must be floating point, got torch.bool"),
     (lambda t: t.to(torch.complex64), r"q must be a real floating-point tensor"),
-    (lambda t: t[:1], r"one shape \(batch, heads, seq_len, head_dim\), got \(1, 4, 5, 8\), \(2, 4, 5, 8\)"),
+    (lambda t: t[:1], r"got \(1, 4, 5, 8\), \(2, 4, 5, 8\)"),
     (lambda t: t[:, :, :3], r"one shape .*got \(2, 4, 3, 8\), \(2, 4, 5, 8\)"),
-    (lambda t: t.to("meta"), r"on one device that computes \(not meta\), got meta, cpu and cpu"),
+    (lambda t: t.to("meta"), "got meta, cpu and cpu"),
 ])
 def test_attend_refuses_queries_that_do_not_match_the_keys_and_values(block, change, message):
     """elu's attend returned int64 (truncated) or bool outputs for such inputs, and softmax's broadcast

@@ -356,10 +356,10 @@ def test_hedgehog_and_taylor_draws_follow_torch_manual_seed():
     ("hedgehog", {"num_features": 7}, "num_features must be an even integer >= 2"),
     ("hedgehog", {"num_features": 0}, "num_features must be an even integer >= 2"),
     ("hedgehog", {"num_features": 8.0}, "num_features must be an even integer >= 2"),
-    ("hedgehog", {"activation": "relu"}, r"activation must be one of \('softmax', 'exp'\), got 'relu'"),
+    ("hedgehog", {"activation": "relu"}, "activation must be one of.*got 'relu'"),
     ("taylor", {"dim": 0}, "dim must be a positive integer"),
     ("taylor", {"dim": "16"}, "dim must be a positive integer"),
-    ("taylor", {"num_features": 16}, r"does not take option\(s\) \['num_features'\]; it accepts: \['dim'\]"),
+    ("taylor", {"num_features": 16}, r"\['num_features'\]; it accepts: \['dim'\]"),
 ])
 def test_trainable_map_options_are_validated(name, options, message):
     with pytest.raises(ValueError, match=message):
