@@ -6,7 +6,7 @@
 #   setup     install the carried wheels (.whl/, bash benchmarks/gpu_wheels.sh) and record the versions
 #   warm      fla autotunes every measured shape once (two processes side by side); Triton's cache
 #             (.gpu-cache/, autotune results included) is saved as OUT/gpu-cache.tgz for a later run to carry in
-#   accuracy  the block in bf16 against float64 at N = 16k and 64k (tests/linattn/ops/test_bf16_accuracy.py)
+#   accuracy  the block in bf16 against float64 at N = 16k and 64k (tests/linattn/ops/linear_attention/test_fla_kernels_bf16.py)
 #   profile   torch.profiler: one FAVOR+ post forward + backward at 64k beside one bare chunk_gla
 #   blocks    the block table: softmax, FAVOR+ post, elu post at 4k / 16k / 64k, bf16
 #   kernels   the op against chunk_gla at M = 64 and 256
@@ -37,12 +37,12 @@ check[setup]="bash -n $0"
 run[warm]="python3 -m benchmarks.gpu_checks warm blocks & first=\$!; python3 -m benchmarks.gpu_checks warm kernels && wait \$first \
 && { [ ! -d .gpu-cache ] || tar -czf $out/gpu-cache.tgz .gpu-cache; }"
 check[warm]="python3 -m benchmarks.gpu_checks warm blocks --check && python3 -m benchmarks.gpu_checks warm kernels --check"
-run[accuracy]="$pytest_gpu -s tests/linattn/ops/test_bf16_accuracy.py"
+run[accuracy]="$pytest_gpu -s tests/linattn/ops/linear_attention/test_fla_kernels_bf16.py"
 run[profile]="python3 -m benchmarks.gpu_checks profile --length 65536 --out $out/profile.txt"
 flags[blocks]="--sections block --block-methods softmax,favor-post,elu-post --out $out/blocks"
 flags[kernels]="--sections kernels --kernel-methods linattn-fla-log,fla-gla --kernel-features 64,256 --out $out/kernels"
 flags[model]="--preset gpu-targets --sections model --out $out/model"
-run[gpu_tests]="$pytest_gpu --deselect tests/linattn/ops/test_bf16_accuracy.py"
+run[gpu_tests]="$pytest_gpu --deselect tests/linattn/ops/linear_attention/test_fla_kernels_bf16.py"
 for name in accuracy gpu_tests; do check[$name]="${run[$name]} --collect-only | grep -q 'collected'"; done
 check[profile]="${run[profile]} --check"
 for name in blocks kernels model; do

@@ -26,14 +26,16 @@ INIT_STD = 0.02
 
 
 def make_attention(config: ModelConfig, layer: int) -> nn.Module:
-    if config.attention == "softmax":
+    if config.attention == "softmax":   # the window-only control takes the window and short_conv only
         return linattn.SoftmaxAttention(config.d_model, config.n_head, rope=config.rope == "post",
-                                        backend=config.block_backend, **config.block_options)
+                                        backend=config.block_backend, window=config.window,
+                                        short_conv=config.short_conv)
     if layer in config.softmax_layer_indices:   # a hybrid's softmax + RoPE layer (sdpa runs on every device)
         return linattn.SoftmaxAttention(config.d_model, config.n_head, rope=True, backend="sdpa")
     return linattn.LinearAttention(config.d_model, config.n_head, feature_map=config.build_feature_map(layer),
                                    rope=config.rope, chunk_size=config.chunk_size, backend=config.block_backend,
-                                   normalization=config.normalization, **config.block_options)
+                                   normalization=config.normalization, window=config.window,
+                                   decay=config.decay_option, short_conv=config.short_conv)
 
 
 class Block(nn.Module):

@@ -254,14 +254,6 @@ class ModelConfig:
         return layers
 
     @property
-    def block_options(self) -> dict[str, Any]:
-        """The attention block's window, decay and short_conv keywords, those that are not the default only (so a
-        default config builds the same block as before the options existed); softmax takes the window
-        only (validation refuses a decay there)."""
-        options = {"window": self.window, "decay": self.decay_option, "short_conv": self.short_conv}
-        return {key: value for key, value in options.items() if value not in (0, None)}
-
-    @property
     def block_backend(self) -> str:
         """The backend the attention block takes: softmax's "auto" is sdpa."""
         return "sdpa" if self.attention == "softmax" and self.backend == "auto" else self.backend

@@ -19,6 +19,14 @@ if not torch.cuda.is_available():
 # session (the benchmark tests run each config in a fresh process) and not again in later sessions.
 os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
 
+import linattn  # noqa: E402  (after the switches above: importing it may import the kernels)
+
+# The library's own feature maps, from its registry, for the tests over every map (`from tests.conftest
+# import LIBRARY_MAPS`): a map the library adds is tested everywhere, and maps that tests register are not
+# the library's.
+LIBRARY_MAPS = tuple(sorted(name for name in linattn.available_feature_maps()
+                            if linattn.feature_map_class(name).__module__ == "linattn.feature_maps"))
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = REPO_ROOT / "data" / "enwik8" / "enwik8-sample.gz"   # bundled with the repository
 SLICE_BYTES = 400_000     # -> train 360,000 / val 20,000 / test 20,000 bytes

@@ -45,7 +45,7 @@ def test_the_session_runs_its_stages_in_order_each_to_its_file_within_the_budget
     out = tmp_path / "out"
     assert subprocess.run(["bash", str(SESSION), str(out)], env=env, capture_output=True).returncode == 0
     calls = [call for call in (tmp_path / "calls").read_text().splitlines() if not call.startswith("-c")]
-    order = ["benchmarks.gpu_checks warm", "test_bf16_accuracy.py", "gpu_checks profile", "--sections block",
+    order = ["benchmarks.gpu_checks warm", "test_fla_kernels_bf16.py", "gpu_checks profile", "--sections block",
              "--sections kernels", "--deselect", "--sections model"]
     found = [next(i for i, call in enumerate(calls) if want in call) for want in order]
     assert found == sorted(found), calls

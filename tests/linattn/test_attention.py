@@ -16,9 +16,9 @@ from linattn.feature_maps import EluFeatureMap, FavorFeatureMap
 from linattn.functional import linear_attention_reference, softmax_attention_reference
 from linattn.ops.linear_attention import cpp_logspace
 from linattn.rotary import apply_rotary
+from tests.conftest import LIBRARY_MAPS
 
-MAPS = ("elu", "favor", "softmax", "hedgehog", "taylor")
-LINEAR_VARIANTS = [(fm, rope) for fm in MAPS for rope in ("post", "pre", "none")]
+LINEAR_VARIANTS = [(fm, rope) for fm in LIBRARY_MAPS for rope in ("post", "pre", "none")]
 OPTIONS = {"favor": {"num_features": 16}, "taylor": {"dim": 4}}   # taylor: M = 1 + 4 + 10, padded to 16
 
 
@@ -190,7 +190,7 @@ def test_weight_sums_are_the_explicit_weights_summed(fm, rope, causal, normaliza
         torch.testing.assert_close(sums, torch.ones_like(sums))
 
 
-@pytest.mark.parametrize("fm", MAPS)
+@pytest.mark.parametrize("fm", LIBRARY_MAPS)
 def test_weight_sums_of_a_float32_block_are_float32_at_any_offset(fm):
     """The float32 route (the cpp kernel for the log-space maps on CPU) against the float64 block."""
     torch.manual_seed(0)
@@ -224,7 +224,7 @@ def test_maps_with_weights_per_head_get_the_blocks_head_count():
     block = LinearAttention(32, 4, feature_map="hedgehog")
     assert block.feature_map.weight.shape == (4, 8, 8) and block.feature_map.heads == 4
     assert LinearAttention(32, 2, feature_map="taylor").feature_map.weight.shape == (2, 16, 16)
-    with pytest.raises(ValueError, match="weights for 2 heads but this block has 4; make it with heads=4"):
+    with pytest.raises(ValueError, match="weights for 2 heads but this block has 4"):
         LinearAttention(32, 4, feature_map=make_feature_map("hedgehog", 8, heads=2))
 
 
@@ -238,13 +238,13 @@ def test_pre_and_post_differ():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(feature_map="nope"), r"registered feature maps: elu, favor, hedgehog, softmax, taylor"),
-    (dict(normalization="layernorm"), r"normalization must be one of \('denominator', 'rmsnorm'\)"),
+    (dict(feature_map="nope"), r"registered feature maps: elu, favor"),
+    (dict(normalization="layernorm"), r"one of \('denominator', 'rmsnorm'\)"),
     (dict(rope="after"), r"rope must be one of \('post', 'pre', 'none'\)"),
     (dict(feature_map_options={"num_features": 15}), r"num_features M must be even"),
     (dict(heads=3), r"multiple of heads"),
     (dict(chunk_size=0), r"chunk_size"),
-    (dict(chunk_size=2.5), r"chunk_size must be a positive integer number of tokens, got 2.5"),
+    (dict(chunk_size=2.5), "chunk_size must be a positive integer"),
     (dict(chunk_size=True), r"chunk_size must be a positive integer"),
     (dict(rope_base=0), r"rope_base must be a finite number > 0"),
     (dict(rope_base=-1.0), r"rope_base must be"),
@@ -252,7 +252,7 @@ def test_pre_and_post_differ():
     (dict(feature_map_options={"num_features": 8.0}), r"num_features must be a positive integer, got 8.0"),
     (dict(feature_map_options={"redraw_interval": 2.5}), r"redraw_interval must be an integer >= 0"),
     (dict(feature_map_options={"redraw_interval": True}), r"redraw_interval must be an integer"),
-    (dict(feature_map=FavorFeatureMap(4)), r"made for head_dim 4 but this block's heads have head_dim 8"),
+    (dict(feature_map=FavorFeatureMap(4)), "made for head_dim 4"),
     (dict(feature_map=EluFeatureMap(4)), r"made for head_dim 4"),
 ])
 def test_linear_block_bad_arguments(kwargs, message):
@@ -292,8 +292,7 @@ def test_softmax_forward_refuses_a_return_state_that_is_not_a_bool():
 def test_attend_refuses_queries_keys_and_values_of_several_dtypes():
     """The linear block decides from v's dtype how the op computes (a bf16 block's v goes to float32)."""
     q = torch.randn(1, 4, 5, 8)
-    with pytest.raises(ValueError, match=r"attend takes queries, keys and values of one dtype, got torch.float32, "
-                                         r"torch.float32 and torch.bfloat16"):
+    with pytest.raises(ValueError, match="queries, keys and values of one dtype"):
         LinearAttention(32, 4).attend(q, q, q.bfloat16())
 
 
@@ -305,7 +304,7 @@ def test_odd_head_dim_with_pre_rotation_is_refused_but_fine_without():
 
 @pytest.mark.parametrize("block", [LinearAttention(32, 4), SoftmaxAttention(32, 4)], ids=["linear", "softmax"])
 def test_blocks_reject_wrong_shapes(block):
-    with pytest.raises(ValueError, match=r"expects input of shape \(batch, seq_len, dim\) with dim=32"):
+    with pytest.raises(ValueError, match=r"input of shape \(batch, seq_len, dim\)"):
         block(torch.randn(2, 5, 31))
     with pytest.raises(ValueError, match=r"expects input of shape"):
         block(torch.randn(5, 32))
@@ -354,9 +353,9 @@ def test_decoding_continues_at_the_prefill_offset_of_any_integer_type(block):
 
 @pytest.mark.parametrize("block", [LinearAttention(32, 4), SoftmaxAttention(32, 4)], ids=["linear", "softmax"])
 def test_an_input_of_another_dtype_than_the_block_is_refused_clearly(block):
-    with pytest.raises(ValueError, match=r"parameters are torch.float32 but the input is torch.float64; convert"):
+    with pytest.raises(ValueError, match="torch.float32 but the input is torch.float64"):
         block(torch.randn(1, 3, 32, dtype=torch.float64))
-    with pytest.raises(ValueError, match=r"input must be floating point, got torch.int64; .*\.float\(\)"):
+    with pytest.raises(ValueError, match="must be floating point, got torch.int64"):
         block(torch.ones(1, 3, 32, dtype=torch.int64))
 
 
@@ -364,7 +363,7 @@ def test_an_input_of_another_dtype_than_the_block_is_refused_clearly(block):
 def test_an_input_on_another_device_or_on_meta_is_refused_clearly(block):
     """torch's own errors here came from inside autocast and meta registrations."""
     x = torch.randn(1, 3, 32, device="meta")
-    with pytest.raises(ValueError, match=r"parameters are on cpu and the input on meta; put both on one device"):
+    with pytest.raises(ValueError, match="on cpu and the input on meta"):
         block(x)
     with pytest.raises(ValueError, match=r"parameters are on cpu and the input on meta"):
         block.step(x[:, 0])
@@ -375,7 +374,7 @@ def test_an_input_on_another_device_or_on_meta_is_refused_clearly(block):
 def test_attend_refuses_tensors_that_are_not_this_blocks_heads():
     block = LinearAttention(32, 4)
     q = torch.randn(1, 4, 5, 8)
-    with pytest.raises(ValueError, match=r"attend takes \(batch, heads=4, seq_len, head_dim=8\) .* got k of shape"):
+    with pytest.raises(ValueError, match="got k of shape"):
         block.attend(q, torch.randn(1, 4, 5, 6), q)
     with pytest.raises(ValueError, match=r"got q of shape \(4, 5, 8\)"):
         block.attend(q[0], q, q)
@@ -427,7 +426,7 @@ def _prefilled(block, batch=2):
 
 @pytest.mark.parametrize("make_state, message", [
     (lambda block: (torch.zeros(2, 4, 16, 8), torch.zeros(2, 4, 16), 3), "must be the LinearState"),
-    (lambda block: _prefilled(block, batch=3), r"state.kv must be a floating tensor of shape \(2, 4, "),
+    (lambda block: _prefilled(block, batch=3), "state.kv must be a floating tensor of shape"),
     (lambda block: _prefilled(LinearAttention(32, 2, feature_map="elu")), r"state.kv must be"),
     (lambda block: _prefilled(block)._replace(position=2.0), "state.position must be a non-negative int"),
     (lambda block: _prefilled(block)._replace(k_sum=None), r"state.k_sum must be a floating tensor"),
@@ -440,7 +439,7 @@ def test_linear_step_refuses_a_mismatched_state(make_state, message):
 
 @pytest.mark.parametrize("make_state, message", [
     (lambda block: _prefilled(LinearAttention(32, 4)), "must be the KVCache"),
-    (lambda block: _prefilled(block, batch=1), r"state.k must be a floating tensor of shape \(2, 4, 3, 8\)"),
+    (lambda block: _prefilled(block, batch=1), r"state.k must be .*shape \(2, 4, 3, 8\)"),
     (lambda block: _prefilled(SoftmaxAttention(32, 2)), r"state.k must be"),
     (lambda block: _prefilled(block)._replace(v=torch.zeros(2, 4, 5, 8)), r"state.v must be"),
 ])
@@ -470,7 +469,7 @@ def test_softmax_attend_is_what_forward_runs_between_the_projections():
     q, k, v = (t.reshape(2, 6, 4, 8).transpose(1, 2) for t in block.to_qkv(x).chunk(3, dim=-1))
     out = block.attend(q, k, v, offset=3)
     torch.testing.assert_close(block.to_out(out.transpose(1, 2).reshape(2, 6, 32)), block(x, offset=3))
-    with pytest.raises(ValueError, match=r"attend takes \(batch, heads=4, seq_len, head_dim=8\) .* got v of shape"):
+    with pytest.raises(ValueError, match="got v of shape"):
         block.attend(q, k, v[:, :2])
 
 
@@ -479,15 +478,15 @@ def test_resolve_backend_says_what_runs_where():
     assert linattn.resolve_backend("torch", cpu) == "torch"
     assert linattn.resolve_backend("auto", "cpu", log_space=False) == "torch"   # the C++ kernel is log-space only
     assert linattn.resolve_backend("sdpa", cpu, attention="softmax") == "sdpa"
-    with pytest.raises(ValueError, match="backend='cpp' runs on CPU tensors, got tensors on meta"):
+    with pytest.raises(ValueError, match="runs on CPU tensors, got tensors on meta"):
         linattn.resolve_backend("cpp", "meta")
-    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'torch', 'cpp', 'fla'\)"):
+    with pytest.raises(ValueError, match=r"one of \('auto', 'torch', 'cpp', 'fla'\)"):
         linattn.resolve_backend("sdpa", cpu)
     with pytest.raises(ValueError, match="softmax attention's backend must be one of"):
         linattn.resolve_backend("flash", cpu, attention="softmax")
     assert linattn.resolve_backend("auto", cpu, attention="softmax") == "sdpa"   # as the harness's auto
     assert SoftmaxAttention(32, 4, backend="auto").backend == "sdpa"
-    with pytest.raises(ValueError, match="backend='xformers' runs on CUDA only, got cpu; use backend='sdpa'"):
+    with pytest.raises(ValueError, match="runs on CUDA only, got cpu"):
         linattn.resolve_backend("xformers", cpu, attention="softmax")
     with pytest.raises(ValueError, match="attention must be 'linear' or 'softmax'"):
         linattn.resolve_backend("auto", cpu, attention="performer")
@@ -495,8 +494,7 @@ def test_resolve_backend_says_what_runs_where():
 
 @pytest.mark.parametrize("device", ["gpu", "cuda:x", None])
 def test_resolve_backend_refuses_a_device_torch_does_not_know_in_one_line(device):
-    with pytest.raises(ValueError, match=r"^device must be a torch.device or a device name such as 'cpu', 'cuda' "
-                                         r"or 'cuda:1', got [^\n]*$"):
+    with pytest.raises(ValueError, match=r"^device must be a torch.device[^\n]*$"):
         linattn.resolve_backend("auto", device)
 
 
@@ -518,9 +516,9 @@ def test_rmsnorm_under_autocast_normalises_in_float32_without_a_warning() -> Non
     (lambda t: t.long(), r"q must be floating point, got torch.int64"),
     (lambda t: t.bool(), r"q must be floating point, got torch.bool"),
     (lambda t: t.to(torch.complex64), r"q must be a real floating-point tensor"),
-    (lambda t: t[:1], r"one shape \(batch, heads, seq_len, head_dim\), got \(1, 4, 5, 8\), \(2, 4, 5, 8\)"),
+    (lambda t: t[:1], r"got \(1, 4, 5, 8\), \(2, 4, 5, 8\)"),
     (lambda t: t[:, :, :3], r"one shape .*got \(2, 4, 3, 8\), \(2, 4, 5, 8\)"),
-    (lambda t: t.to("meta"), r"on one device that computes \(not meta\), got meta, cpu and cpu"),
+    (lambda t: t.to("meta"), "got meta, cpu and cpu"),
 ])
 def test_attend_refuses_queries_that_do_not_match_the_keys_and_values(block, change, message):
     """elu's attend returned int64 (truncated) or bool outputs for such inputs, and softmax's broadcast
@@ -535,7 +533,7 @@ def test_softmax_step_refuses_a_cache_of_another_precision(dtype):
     block = SoftmaxAttention(32, 4).eval()
     _, cache = block(torch.randn(1, 3, 32), return_state=True)
     cache = cache._replace(k=cache.k.to(dtype))
-    with pytest.raises(ValueError, match=rf"state.k is {dtype} but this step computes in torch.float32"):
+    with pytest.raises(ValueError, match=rf"state.k is {dtype} but this step computes"):
         block.step(torch.randn(1, 32), cache)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from linattn import NORMALIZATIONS, LinearAttention
 from linattn.functional import LogProjection
+from tests.conftest import LIBRARY_MAPS
 
 BOUND = 2e-2
 
@@ -85,7 +86,6 @@ def test_the_plain_block_compiles_fullgraph_under_autocast(backend):
 
 # ---- blocks converted to bf16/fp16 (block.bfloat16(), block.half()), without autocast ----------------
 
-MAPS = ("favor", "elu", "softmax", "hedgehog", "taylor")
 OPTIONS = {"favor": {"num_features": 16}, "taylor": {"dim": 4}}
 HALF_DTYPES = [torch.bfloat16, torch.float16]
 HALF_BOUND = {torch.bfloat16: BOUND, torch.float16: 5e-3}   # measured: 4e-3 to 6e-3 and 5e-4 to 7e-4
@@ -101,7 +101,7 @@ def float_and_half_blocks(feature_map: str, dtype: torch.dtype, normalization: s
 
 @pytest.mark.parametrize("normalization", NORMALIZATIONS)
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("feature_map", MAPS)
+@pytest.mark.parametrize("feature_map", LIBRARY_MAPS)
 def test_a_half_precision_block_runs_forward_and_backward_close_to_float32(feature_map, dtype, normalization):
     full, half = float_and_half_blocks(feature_map, dtype, normalization)
     x = torch.randn(2, 21, 32)
@@ -120,7 +120,7 @@ def test_a_half_precision_block_runs_forward_and_backward_close_to_float32(featu
 
 @pytest.mark.parametrize("normalization", NORMALIZATIONS)
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("feature_map", MAPS)
+@pytest.mark.parametrize("feature_map", LIBRARY_MAPS)
 def test_a_half_precision_block_computes_what_its_float32_copy_computes_under_autocast(feature_map, dtype,
                                                                                         normalization):
     """The same numbers: maps in float32, the op's sums in float32, outputs rounded where autocast's are."""
@@ -134,7 +134,7 @@ def test_a_half_precision_block_computes_what_its_float32_copy_computes_under_au
 
 @pytest.mark.parametrize("normalization", NORMALIZATIONS)
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("feature_map", MAPS)
+@pytest.mark.parametrize("feature_map", LIBRARY_MAPS)
 def test_a_half_precision_block_decodes_what_it_computes_in_parallel(feature_map, dtype, normalization):
     """step() from the start and from a prefill's state (float32, as under autocast) against forward."""
     _, half = float_and_half_blocks(feature_map, dtype, normalization)

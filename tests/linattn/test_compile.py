@@ -166,7 +166,8 @@ def _op_arguments(backend: str, projected: bool, return_state: bool):
 @pytest.mark.parametrize("backend,projected", [("torch", False), ("torch", True), ("cpp", False), ("cpp", True)])
 def test_custom_op_registration(backend, projected):
     """torch.library.opcheck: schema, fake shapes and dtypes against the real op, and its autograd
-    registration.  (The fla backend goes through the same op: tests/linattn/ops/test_fla_kernels.py's
+    registration.  (The fla backend goes through the same op: its test is
+    tests/linattn/ops/linear_attention/test_fla_kernels.py's
     test_compiled_block_on_the_fla_backend_gives_eager_outputs_and_gradients.)"""
     torch.library.opcheck(linear_attention_op, _op_arguments(backend, projected, return_state=True))
 

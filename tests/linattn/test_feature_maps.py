@@ -13,6 +13,7 @@ import linattn
 from linattn import FavorFeatureMap, FeatureMap, LinearAttention, make_feature_map, register_feature_map
 from linattn.feature_maps import FEATURE_MAPS, feature_map_options
 from linattn.functional import linear_attention, softmax_attention_reference
+from tests.conftest import LIBRARY_MAPS
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -27,12 +28,12 @@ def test_registry_lists_the_three_maps_and_builds_them_by_name():
 
 
 def test_options_given_as_keywords_are_refused_with_the_dict_form():
-    with pytest.raises(ValueError, match=r"options=\{'num_features': 100\} rather than num_features=..."):
+    with pytest.raises(ValueError, match=r"options=\{'num_features': 100\}"):
         make_feature_map("favor", 64, num_features=100)
 
 
 def test_unknown_feature_map_lists_registered_ones():
-    with pytest.raises(ValueError, match=r"unknown feature map 'relu2'.*elu, favor, hedgehog, softmax, taylor"):
+    with pytest.raises(ValueError, match="unknown feature map 'relu2'.*elu, favor"):
         make_feature_map("relu2", 16)
     with pytest.raises(ValueError, match=r"unknown feature map"):
         LinearAttention(32, 2, feature_map="nope")
@@ -83,8 +84,7 @@ def test_registering_a_taken_name_for_another_class_fails():
 
 @pytest.mark.parametrize("name", ["", 3, None, "two words"])
 def test_registering_under_a_name_that_is_not_one_word_fails_at_once(name):
-    with pytest.raises(ValueError, match=r"a feature map's name must be a non-empty string without spaces, "
-                                         rf"such as 'relu', got {name!r}$"):
+    with pytest.raises(ValueError, match=rf"without spaces, such as 'relu', got {name!r}$"):
         register_feature_map(name)
     assert name not in FEATURE_MAPS
 
@@ -92,8 +92,7 @@ def test_registering_under_a_name_that_is_not_one_word_fails_at_once(name):
 @pytest.mark.parametrize("cls", [int, torch.nn.Linear, FeatureMap(4), "elu"], ids=["int", "module", "instance", "str"])
 def test_registering_something_that_is_not_a_feature_map_class_fails(cls):
     """It used to be accepted, and a block asking for it by name then failed with an AttributeError."""
-    with pytest.raises(ValueError, match=r"register_feature_map\('zz'\) registers FeatureMap subclasses, got .*; "
-                                         r"derive the class from linattn.FeatureMap"):
+    with pytest.raises(ValueError, match="registers FeatureMap subclasses"):
         register_feature_map("zz")(cls)
     assert "zz" not in FEATURE_MAPS
 
@@ -243,7 +242,7 @@ def test_a_damaged_redraw_state_is_refused_by_name(state):
     block = LinearAttention(16, 2, feature_map_options={"num_features": 8})
     saved = block.state_dict()
     saved["feature_map._extra_state"] = state
-    with pytest.raises(ValueError, match=r"the FAVOR\+ map's saved redraw state should be integers in \[0, 2\*\*63\)"):
+    with pytest.raises(ValueError, match=r"redraw state should be integers in \[0, 2\*\*63\)"):
         block.load_state_dict(saved)
 
 
@@ -357,10 +356,10 @@ def test_hedgehog_and_taylor_draws_follow_torch_manual_seed():
     ("hedgehog", {"num_features": 7}, "num_features must be an even integer >= 2"),
     ("hedgehog", {"num_features": 0}, "num_features must be an even integer >= 2"),
     ("hedgehog", {"num_features": 8.0}, "num_features must be an even integer >= 2"),
-    ("hedgehog", {"activation": "relu"}, r"activation must be one of \('softmax', 'exp'\), got 'relu'"),
+    ("hedgehog", {"activation": "relu"}, "activation must be one of.*got 'relu'"),
     ("taylor", {"dim": 0}, "dim must be a positive integer"),
     ("taylor", {"dim": "16"}, "dim must be a positive integer"),
-    ("taylor", {"num_features": 16}, r"does not take option\(s\) \['num_features'\]; it accepts: \['dim'\]"),
+    ("taylor", {"num_features": 16}, r"\['num_features'\]; it accepts: \['dim'\]"),
 ])
 def test_trainable_map_options_are_validated(name, options, message):
     with pytest.raises(ValueError, match=message):
@@ -420,7 +419,7 @@ def test_a_map_class_and_its_options_are_found_by_name():
     assert linattn.feature_map_options("favor") == linattn.feature_map_options(FavorFeatureMap)
     assert linattn.feature_map_options("hedgehog") == ["num_features", "activation"]   # heads: structural
     for unknown in ("nope", None, ["favor"]):
-        with pytest.raises(ValueError, match=r"unknown feature map .*registered feature maps: elu, favor"):
+        with pytest.raises(ValueError, match="registered feature maps: elu, favor"):
             linattn.feature_map_class(unknown)
     with pytest.raises(ValueError, match="unknown feature map 'nope'"):
         linattn.feature_map_options("nope")
@@ -436,7 +435,7 @@ def test_options_the_block_sets_are_refused_as_options(option: str) -> None:
 def test_make_feature_map_takes_options_as_a_dict_beside_the_structural_heads(option: str) -> None:
     """An option named like a structural parameter cannot collide with heads=: it is refused."""
     assert make_feature_map("hedgehog", 8, heads=2, options={"num_features": 6}).num_features == 6
-    with pytest.raises(ValueError, match=f"feature map 'taylor': \\['{option}'\\] are set by the attention block"):
+    with pytest.raises(ValueError, match=rf"\['{option}'\] are set by the attention block"):
         make_feature_map("taylor", 8, heads=2, options={option: 3})
     with pytest.raises(ValueError, match="feature-map options must be a dict"):
         make_feature_map("favor", 8, options=[("num_features", 8)])
@@ -453,7 +452,6 @@ def test_option_names_are_checked_once_per_map_built(monkeypatch: pytest.MonkeyP
     assert len(calls) == 1
 
 
-LIBRARY_MAPS = sorted(name for name, cls in FEATURE_MAPS.items() if cls.__module__ == "linattn.feature_maps")
 SIZE_OPTIONS = {"favor": {"num_features": 24}, "hedgehog": {"num_features": 10}, "taylor": {"dim": 5}}
 
 
@@ -553,16 +551,16 @@ def test_check_feature_map_draws_nothing_and_moves_no_redraw_schedule():
 
 
 def test_the_registry_helpers_refuse_what_they_cannot_answer():
-    with pytest.raises(ValueError, match=r"takes a registered map name or a FeatureMap subclass, got 3"):
+    with pytest.raises(ValueError, match="a FeatureMap subclass, got 3"):
         feature_map_options(3)
-    with pytest.raises(ValueError, match=r"a registered map name or a FeatureMap subclass, got EluFeatureMap"):
+    with pytest.raises(ValueError, match="a FeatureMap subclass, got EluFeatureMap"):
         feature_map_options(make_feature_map("elu", 4))
-    with pytest.raises(ValueError, match=r"options must be a dict of option name to value, got NoneType"):
+    with pytest.raises(ValueError, match="options must be a dict.*got NoneType"):
         linattn.check_option_names("favor", None)
     with pytest.raises(ValueError, match=r"unknown feature map 'nope'"):
         linattn.check_option_names("nope", {"seed": 1})
     with pytest.raises(ValueError, match=r"heads must be a positive integer, got 'x'"):
         make_feature_map("elu", 4, heads="x")
     elu = type(make_feature_map("elu", 4))
-    with pytest.raises(ValueError, match=r"by its registered name or as an instance \(EluFeatureMap\(head_dim, ...\)\)"):
+    with pytest.raises(ValueError, match=r"as an instance \(EluFeatureMap\(head_dim"):
         LinearAttention(8, 2, feature_map=elu)

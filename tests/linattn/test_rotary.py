@@ -54,9 +54,8 @@ def test_bad_offsets_are_refused(offset):
 
 
 @pytest.mark.parametrize("x, message", [
-    (torch.arange(16).reshape(1, 1, 4, 4), r"x must be floating point, got torch.int64; integer inputs would give "
-                                           r"truncated outputs"),
-    (torch.randn(1, 4, 4, dtype=torch.complex64), r"x must be a real floating-point tensor, got torch.complex64"),
+    (torch.arange(16).reshape(1, 1, 4, 4), "integer inputs would give truncated outputs"),
+    (torch.randn(1, 4, 4, dtype=torch.complex64), "real floating-point tensor, got torch.complex64"),
     (torch.randn(4), r"takes x of shape \(..., N, dim\).*got shape \(4,\)"),
     ([[1.0, 2.0]], r"takes a tensor of shape \(..., N, dim\), got list"),
     (torch.randn(1, 4, 4, device="meta"), r"on a device that computes, not meta"),

@@ -12,8 +12,8 @@ from linattn.feature_maps import FeatureMap
 from linattn.functional import softmax_attention_reference
 from linattn.ops.window_decay import WindowState, window_decay_reference
 from linattn.rotary import apply_rotary
+from tests.conftest import LIBRARY_MAPS
 
-MAPS = ("elu", "favor", "softmax", "hedgehog", "taylor")
 PLACEMENTS = ("post", "pre", "none")
 OPTIONS = {"favor": {"num_features": 16}, "taylor": {"dim": 4}}   # taylor: M = 1 + 4 + 10, padded to 16
 SETTINGS = [(w, d) for w in (0, 1, 8, 64, 200) for d in (None, "retnet") if w or d]   # N = 80 < 200
@@ -43,7 +43,7 @@ def reference(b, q, k, v, offset):
 
 @pytest.mark.parametrize("window, decay", SETTINGS)
 @pytest.mark.parametrize("rope", PLACEMENTS)
-@pytest.mark.parametrize("fm", MAPS)
+@pytest.mark.parametrize("fm", LIBRARY_MAPS)
 def test_matches_explicit_weights(fm, rope, window, decay):
     b = block(fm, rope, window, decay)
     q, k, v = (torch.randn(1, 2, 80, 8, dtype=torch.float64) for _ in range(3))

@@ -146,13 +146,14 @@ def test_a_checkpoint_config_with_options_on_softmax_attention_is_refused() -> N
     ({"decay": "retnet"}, {"decay": "retnet"}),
     ({"window": 8, "decay": "0.5,0.9,0.99,1.0"}, {"window": 8, "decay": (0.5, 0.9, 0.99, 1.0)}),
 ])
-def test_options_reach_every_linear_block_only_when_set(given: dict, expected: dict, block_kwargs) -> None:
+def test_options_reach_every_linear_block(given: dict, expected: dict, block_kwargs) -> None:
     config = config_from_flags({"preset": "cpu", **given})
     ByteLM(config.model)
     assert len(block_kwargs) == config.model.n_layer
     for kwargs in block_kwargs:
-        assert {key: kwargs[key] for key in ("window", "decay") if key in kwargs} == expected
-        assert set(kwargs) - {"window", "decay"} == {"feature_map", "rope", "chunk_size", "backend", "normalization"}
+        assert {key: kwargs[key] for key in ("window", "decay")} == {"window": 0, "decay": None, **expected}
+        assert set(kwargs) - {"window", "decay"} == {"feature_map", "rope", "chunk_size", "backend", "normalization",
+                                                     "short_conv"}
 
 
 def test_hybrid_layers_are_softmax_rope_blocks(block_kwargs) -> None:
@@ -229,14 +230,16 @@ def test_the_window_only_control_round_trips_through_its_name(name: str, flags: 
     assert variant_flags(name) == flags
     config = config_from_flags({**flags, "preset": "cpu"})
     assert config.model.variant == config.run.run_name == name
-    assert config.model.block_options == {key: flags[key] for key in ("window", "short_conv") if key in flags}
+    block = ByteLM(config.model).blocks[0].attn
+    assert block.window == flags["window"]
+    assert (block.short_conv.kernel_size if block.short_conv else 0) == flags.get("short_conv", 0)
     assert config_from_flags({"preset": "cpu", "attention": "softmax", **flags}).model.variant == name
 
 
 def test_softmax_defaults_keep_todays_names_and_blocks() -> None:
     for name in ("softmax-rope", "softmax-abs", "softmax-none", "softmax-rope-abs"):
         config = config_from_flags({**variant_flags(name), "preset": "cpu"}).model
-        assert config.variant == name and config.window == 0 and config.block_options == {}
+        assert config.variant == name and config.window == config.short_conv == 0
         assert "window" not in variant_flags(name)
     model = ByteLM(config_from_flags({"preset": "tiny", "attention": "softmax"}).model)
     assert all(block.attn.window == 0 for block in model.blocks)

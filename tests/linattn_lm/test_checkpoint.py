@@ -107,5 +107,5 @@ def test_a_checkpoint_of_another_version_is_refused_naming_both(tmp_path: Path, 
     path = tmp_path / "ckpt.pt"
     torch.save({"format": "linattn-byte-lm", "version": version, **payload}, path)
     kind = "" if isinstance(version, int) else rf" \(a {type(version).__name__}, not a number\)"
-    with pytest.raises(CheckpointError, match=rf"version {version!r}{kind}; this code reads version 2: read it with"):
+    with pytest.raises(CheckpointError, match=rf"version {version!r}.*reads version 2"):
         load_checkpoint(path)

@@ -101,8 +101,7 @@ def test_seq_len_longer_than_split(data_dir: Path) -> None:
 
 def test_missing_data_names_the_prepare_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # outside the repository: the command names the script by its full path
-    with pytest.raises(DataNotFoundError, match=r"data not found at nowhere/train\.bin: run python /.*/data/enwik8/prepare"
-                                                r"\.py --out-dir nowhere \(offline, it uses the sample bundled"):
+    with pytest.raises(DataNotFoundError, match=r"prepare\.py --out-dir nowhere"):
         load_split("nowhere", "train")
     monkeypatch.chdir(REPO_ROOT)
     message = str(pytest.raises(DataNotFoundError, load_split, tmp_path, "val").value)
@@ -113,7 +112,7 @@ def test_size_mismatch_with_meta_is_detected(data_dir: Path, tmp_path: Path) -> 
     copy = copy_of(data_dir, tmp_path)
     with open(copy / "test.bin", "ab") as f:
         f.write(b"extra")
-    with pytest.raises(DataError, match=r"test\.bin is 20,005 bytes but .*meta\.json says 20,000"):
+    with pytest.raises(DataError, match=r"20,005 bytes but .*meta\.json says 20,000"):
         load_split(copy, "test")
     (copy / "meta.json").unlink()
     with pytest.raises(DataNotFoundError, match="incompletely prepared"):
@@ -124,8 +123,7 @@ def test_a_split_overwritten_at_its_size_is_detected_by_its_hash(data_dir: Path,
     """Zeros at the right size trained without a word: only --verify re-hashed the splits."""
     copy = copy_of(data_dir, tmp_path)
     (copy / "train.bin").write_bytes(bytes((copy / "train.bin").stat().st_size))
-    with pytest.raises(DataError, match=r"train\.bin does not hash to the sha256 in .*meta\.json \(changed since it "
-                                        r"was prepared\?\): run python .*prepare\.py .*, with --force"):
+    with pytest.raises(DataError, match=r"train\.bin does not hash to the sha256"):
         load_split(copy, "train")
     assert len(load_split(copy, "val")) == (copy / "val.bin").stat().st_size
 

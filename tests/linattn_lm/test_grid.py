@@ -215,7 +215,7 @@ def test_backend_goes_to_the_variants_of_its_attention(data_dir: Path) -> None:
     for backend, softmax, linear in (("torch", "auto", "torch"), ("sdpa", "sdpa", "auto"), ("auto", "auto", "auto")):
         configs = grid.run_configs(dict(preset="tiny", data_dir=str(data_dir), backend=backend), mixed, [0])
         assert [configs[0, name].model.backend for name in mixed] == [softmax, linear]
-    with pytest.raises(ValueError, match="--backend sdpa is a kernel of no listed variant's attention"):
+    with pytest.raises(ValueError, match="kernel of no listed variant's attention"):
         grid.run_configs(dict(preset="tiny", data_dir=str(data_dir), backend="sdpa"), ["linear-favor-post"], [0])
 
 
@@ -353,8 +353,7 @@ def test_grid_rejects_bad_flags(argv: list[str], message: str, run_main) -> None
 @pytest.mark.parametrize("text", ["softmax-rope,,linear-elu-post", "softmax-rope,", ",softmax-rope", " , "])
 def test_a_list_flag_with_an_empty_item_is_refused(text: str) -> None:
     """As an empty list is, not read as 'a,b'; called directly: through grid.main, an accepted list trains."""
-    with pytest.raises(ValueError, match=f"--variants must list distinct variant names separated by commas, "
-                                         f"with no empty item, got '{text}'"):
+    with pytest.raises(ValueError, match=f"no empty item, got '{text}'"):
         grid.listed(text, [], str, "--variants", "variant names")
 
 

@@ -10,6 +10,7 @@ import torch
 
 from linattn_lm import ByteLM, ModelConfig, layer_seed
 from linattn_lm.checkpoint import saved_section
+from tests.conftest import LIBRARY_MAPS
 
 VARIANTS = {
     **{f"linear-{name}-{rope}": dict(feature_map=name, rope=rope)
@@ -128,9 +129,9 @@ def test_favor_layer_seeds_differ_per_layer_and_reproduce(make_model) -> None:
     (dict(attention="rnn"), "attention must be one of"),
     (dict(feature_map_options={"num_features": 10**9}), "would need about"),
     (dict(backend="cuda"), "linear attention's backend must be one of"),
-    (dict(normalization="layernorm"), r"normalization must be one of \('denominator', 'rmsnorm'\)"),
+    (dict(normalization="layernorm"), r"one of \('denominator', 'rmsnorm'\)"),
     (dict(attention="softmax", feature_map="", feature_map_options={}, normalization="rmsnorm"),
-     "normalization='rmsnorm' applies to linear attention only"),
+     "'rmsnorm' applies to linear attention only"),
     (dict(feature_map="hedgehog", feature_map_options={"num_features": 9}), "num_features must be an even integer"),
     (dict(feature_map="taylor", feature_map_options={"dim": -2}), "dim must be a positive integer"),
     (dict(attention="softmax", feature_map="", feature_map_options={}, backend="triton"),
@@ -153,10 +154,6 @@ def test_building_a_layers_map_checks_its_option_names_once(monkeypatch) -> None
     assert len(calls) == 1
     with pytest.raises(ValueError, match=r"\['heads'\] are set by the attention block"):
         ModelConfig(feature_map="taylor", feature_map_options={"heads": 2}).validate()
-
-
-LIBRARY_MAPS = sorted(name for name in linattn.available_feature_maps()
-                      if linattn.feature_map_class(name).__module__ == "linattn.feature_maps")
 
 
 @pytest.mark.parametrize("name", LIBRARY_MAPS)

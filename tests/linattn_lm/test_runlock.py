@@ -29,7 +29,7 @@ def start_holder(directory: Path) -> subprocess.Popen:
 def test_a_second_process_is_refused_with_the_holders_pid_and_kill_9_leaves_no_stale_lock(tmp_path: Path) -> None:
     holder = start_holder(tmp_path / "run")
     try:
-        with pytest.raises(DirectoryBusy, match=rf"{tmp_path / 'run'} is in use by another run \(pid {holder.pid}\)"):
+        with pytest.raises(DirectoryBusy, match=rf"in use by another run \(pid {holder.pid}\)"):
             DirectoryLock(tmp_path / "run")
     finally:
         holder.send_signal(signal.SIGKILL)
@@ -43,7 +43,7 @@ def test_a_second_process_is_refused_with_the_holders_pid_and_kill_9_leaves_no_s
 
 def test_an_unusable_directory_is_a_one_line_usage_error(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
-    with pytest.raises(UsageError, match="cannot lock the directory .*a file stands where a directory of that path would go"):
+    with pytest.raises(UsageError, match="a file stands where a directory"):
         DirectoryLock(tmp_path / "file" / "run")
 
 
