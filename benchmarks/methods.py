@@ -26,9 +26,8 @@ LINATTN_ROPES = ("post", "none")
 
 # The block and kernels sections' names (settings.py checks --block-methods and --kernel-methods against them).
 SOFTMAX_BLOCKS = {"softmax": "sdpa", "softmax-xformers": "xformers"}   # name -> SoftmaxAttention backend
-ROPES = ("post", "pre", "none")
+ROPES = linattn.ROPE_PLACEMENTS
 LINEAR_BACKENDS = tuple(b for b in linattn.functional.BACKENDS if b != "auto")   # named as a suffix
-BLOCK_OPTIONS = ("window", "decay")   # after '+' in a block's or LM's name (block_parts)
 OURS = {"linattn-log": "fla-gla", "linattn-plain": "fla-linear",           # ours -> its fla peer (auto backend)
         "linattn-fla-log": "fla-gla", "linattn-fla-plain": "fla-linear"}   # backend="fla"
 FLA_METHODS = ("fla-gla", "fla-linear")
@@ -230,14 +229,14 @@ def model_size(size: str) -> dict:
 
 
 def block_parts(name: str) -> tuple[str, dict[str, int | str | tuple[float, ...]]]:
-    """(name without options, block options) of `<name>[+window=W][+decay=retnet|g1_g2_...]`, the options
-    as the training harness names them (docs/gap-closers.md): favor-pre+window=64, softmax+window=64 (the
-    window-only control), elu-post+decay=retnet.  Softmax blocks take the window only."""
+    """(name without options, block options) of `<name>[+window=W][+decay=retnet|g1_g2_...][+short_conv=K]`,
+    the options the block takes (`linattn.BLOCK_OPTIONS`) as the training harness names them:
+    favor-pre+window=64, softmax+window=64 (the window-only control), elu-post+decay=retnet."""
     base, *texts = name.split("+")
     options: dict[str, int | str | tuple[float, ...]] = {}
     for text in texts:
         key, _, value = text.partition("=")
-        allowed = ("window",) if base in SOFTMAX_BLOCKS else BLOCK_OPTIONS
+        allowed = linattn.BLOCK_OPTIONS["softmax" if base in SOFTMAX_BLOCKS else "linear"]
         if key not in allowed or key in options:
             raise ValueError(f"{name}: after its name a block takes {' and '.join(f'+{k}=...' for k in allowed)}, "
                              f"each once, got +{text}")

@@ -112,7 +112,7 @@ def block_name_list(text: str) -> tuple[str, ...]:
         raise ValueError(f"unknown name(s) {','.join(unknown)}: expected {', '.join(SOFTMAX_BLOCKS)} or "
                          f"<map>-<rope>[-<backend>] with map one of {', '.join(linattn.available_feature_maps())}, "
                          f"rope one of {', '.join(ROPES)}, backend one of {', '.join(LINEAR_BACKENDS)}; then "
-                         f"+window=W and (linear) +decay=retnet if wanted")
+                         f"+window=W, +short_conv=K and (linear) +decay=retnet if wanted")
     for name in given:
         block_parts(name)   # says what is wrong with an option
     return given
@@ -167,8 +167,8 @@ class Settings:
                              "layers, width and heads", one_of(MODEL_SIZES))
     block_methods: tuple[str, ...] = option(("softmax", "favor-post", "elu-post"), "blocks of the block section: "
                                             "softmax, softmax-xformers or <map>-<rope>[-<backend>], each optionally "
-                                            "+window=W (softmax: the window-only control) and, linear, "
-                                            "+decay=retnet (e.g. favor-pre+window=64)", block_name_list)
+                                            "+window=W (softmax: the window-only control), +short_conv=K "
+                                            "and, linear, +decay=retnet (e.g. favor-pre+window=64)", block_name_list)
     kernel_methods: tuple[str, ...] = option(KERNEL_METHODS, "ops of the kernels section", names(KERNEL_METHODS))
     kernel_features: tuple[int, ...] = option((64, 256), "feature counts M of the kernels section",
                                               lambda text: int_list(text, high=MAX_SIZE))

@@ -33,6 +33,9 @@ ROPE_PLACEMENTS = ("post", "pre", "none")
 NORMALIZATIONS = ("denominator", "rmsnorm")
 RMSNORM_EPS = 1e-5   # flash-linear-attention's layers' default norm_eps
 SOFTMAX_BACKENDS = ("auto", "sdpa", "xformers")   # auto = sdpa
+# Each block's options beside attention, every one off by default (0 or None): the one table that callers
+# naming blocks by their options read (the harness's variant names, the benchmarks' block names)
+BLOCK_OPTIONS = {"linear": ("window", "decay", "short_conv"), "softmax": ("window", "short_conv")}
 
 
 class KVCache(NamedTuple):

@@ -16,11 +16,11 @@ import linattn
 SOFTMAX_VARIANTS = {"softmax-rope": ("post", False), "softmax-abs": ("none", True),
                     "softmax-none": ("none", False), "softmax-rope-abs": ("post", True)}
 LINEAR_SUFFIXES = ("rmsnorm", "abs")   # after the placement, in this order: normalization, positions
-# Settings of the attention block, named after '+' in this order; each one's default is falsy (0, '')
-# and left out of names.  A list's commas would split grid.py's --variants, so a name joins its items
-# with '_'.
+# The blocks' options (linattn.BLOCK_OPTIONS) and the LM's softmax_layers, named after '+' in this order
+# (a name is a run's directory, so the order stays); each one's default is falsy (0, '') and left out of
+# names.  A list's commas would split grid.py's --variants, so a name joins its items with '_'.
 BLOCK_OPTIONS = ("window", "decay", "softmax_layers", "short_conv")
-SOFTMAX_BLOCK_OPTIONS = ("window", "short_conv")
+SOFTMAX_BLOCK_OPTIONS = linattn.BLOCK_OPTIONS["softmax"]
 COUNT_BLOCK_OPTIONS = ("window", "short_conv")   # whole numbers; the others are text
 LINEAR_BLOCK_OPTIONS = tuple(name for name in BLOCK_OPTIONS if name not in SOFTMAX_BLOCK_OPTIONS)
 NAME_LIST_SEPARATOR = "_"

@@ -34,6 +34,8 @@ def test_a_blocks_name_gives_its_window_and_decay_as_the_training_harness_names_
     config = lm_config("favor-post+window=64+decay=retnet", 256, 64)
     assert (config.window, config.decay, config.feature_map, config.rope) == (64, "retnet", "favor", "post")
     assert lm_config("softmax+window=64", 256, 64).window == 64
+    assert methods.build_block("softmax+window=8+short_conv=3", 32, 2, 16).short_conv.kernel_size == 3   # the library's table
+    assert methods.build_block("favor-post+short_conv=3", 32, 2, 16).short_conv.kernel_size == 3
 
 
 @pytest.mark.parametrize("name, dtype", [("favor-post", "fp32"), ("elu-post", "bf16"), ("softmax", "bf16"),

@@ -2,6 +2,7 @@
 decoding against the parallel forward, relative positions, and bad input."""
 import copy
 import importlib
+import inspect
 import warnings
 
 import numpy as np
@@ -25,6 +26,13 @@ OPTIONS = {"favor": {"num_features": 16}, "taylor": {"dim": 4}}   # taylor: M = 
 def linear_block(fm, rope, causal=True, dim=32, heads=4, normalization="denominator"):
     return LinearAttention(dim, heads, feature_map=fm, rope=rope, causal=causal, normalization=normalization,
                            feature_map_options=OPTIONS.get(fm, {}), chunk_size=8).double().eval()
+
+
+@pytest.mark.parametrize("kind, block", [("linear", LinearAttention), ("softmax", SoftmaxAttention)])
+def test_block_options_table_names_each_blocks_keywords_that_default_off(kind, block):
+    parameters = inspect.signature(block).parameters
+    for name in linattn.BLOCK_OPTIONS[kind]:
+        assert not parameters[name].default and parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
 
 
 @pytest.mark.parametrize("rope", [True, False])

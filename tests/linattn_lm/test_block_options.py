@@ -318,3 +318,7 @@ def test_a_short_convolution_trains_decodes_and_names_its_run(data_dir: Path, ti
     assert (tmp_path / "linear-favor-post-M32+short_conv=3" / "ckpt.pt").is_file()
     code, _, err = run_main(training.main, [*argv, "--short-conv", "-1"])
     assert code == 2 and "short_conv" in err
+
+
+def test_variant_names_take_the_librarys_block_options_and_the_lms_softmax_layers():
+    assert set(BLOCK_OPTIONS) == {*linattn.BLOCK_OPTIONS["linear"], "softmax_layers"}
