@@ -485,18 +485,14 @@ class TrainConfig:
         return {key: value for section in asdict(self).values() for key, value in section.items()}
 
 
-
 FIELDS = {f.name: (section, f) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
-
 RESUMABLE = {name for name, (_, f) in FIELDS.items() if f.metadata["resumable"]}
 VARIANT = {name for name, (_, f) in FIELDS.items() if f.metadata["variant"]}
-
-
-ABSENT = "<absent>"
+ABSENT = "<absent>"   # field_default's answer for a name that is no setting
 
 
 def field_default(key: str) -> Any:
-    """A setting's default (ABSENT for a name that is no setting)."""
+    """A setting's default, or ABSENT."""
     if key not in FIELDS:
         return ABSENT
     field = FIELDS[key][1]

@@ -1,8 +1,6 @@
 """Train a byte-level language model on enwik8 with softmax or linear attention: `python train.py`.
 
-A preset sets sizes and schedule; flags given explicitly override it.  The attention variant comes
-from --attention/--feature-map/--feature-map-option/--rope/--abs-pos.  For softmax attention --rope
-is 'post' (RoPE on q and k) or 'none'; 'pre' (rotate before the feature map) is for linear attention.
+A preset sets sizes and schedule; flags given explicitly override it (`python train.py --help`).
 """
 from __future__ import annotations
 
