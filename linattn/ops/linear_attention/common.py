@@ -38,10 +38,16 @@ class LogProjection(NamedTuple):
     def rows(self, positions: slice) -> torch.Tensor:
         """The log-features (B, H, len, M) of some positions, projected from their inputs alone."""
         x = self.inputs[:, :, positions]
-        logits = (x.reshape(-1, x.shape[-1]) @ self.weight.transpose(-1, -2)).view(*x.shape[:-1], -1)
+        logits = (x.reshape(-1, x.shape[-1]) @ self.weight.transpose(-1, -2)).view(*x.shape[:-1],
+                                                                                    self.weight.shape[0])
         shift = self.shift[:, :, positions] if isinstance(self.shift, torch.Tensor) else self.shift
         row_shift = self.row_shift(x, shift)
         return logits.add_(row_shift) if isinstance(row_shift, torch.Tensor) or row_shift else logits
+
+    def take(self, positions: slice) -> LogProjection:
+        """The projection of some positions' rows (views of the inputs and shift)."""
+        shift = self.shift[:, :, positions] if isinstance(self.shift, torch.Tensor) else self.shift
+        return self._replace(inputs=self.inputs[:, :, positions], shift=shift)
 
     def materialize(self) -> torch.Tensor:
         """The log-features, in the inputs' dtype whatever autocast says (adding the shift keeps its

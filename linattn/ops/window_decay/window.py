@@ -69,32 +69,35 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
                            log_space: bool, offset: int, rope_base: float, chunk_size: int, backend: str,
                            return_state: bool):
     """The parallel pass: (B, H, N, D) score inputs q_hat, k_hat, (B, H, N, M) features (log-features
-    if `log_space`), (B, H, N, Dv) values -> (B, H, N, Dv) in float32 (float64 stays), and the
+    if `log_space`, or their `LogProjection`s), (B, H, N, Dv) values -> (B, H, N, Dv) in float32 (float64 stays), and the
     `WindowState` with `return_state`.  log_decay (H,) log gamma or None; log_gain (H,) log g or None
     (used only with a window); rotary: Eq. 19's numerator; backend: the block's, for the linear part (the
     window's band runs in torch).  It is resolved here, as the op resolves it: "auto" is fla on CUDA where
     installed.  While torch.compile traces, names decide instead (resolving asks the machine, and fla's
     kernels are no graph ops): the log-space op is a custom op that resolves when it runs, and plain
     features take the torch loop."""
-    dtype = torch.float64 if v.dtype == torch.float64 or phi_q.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(*feature_tensors(phi_q, phi_k), v)
     if torch.compiler.is_compiling():
         backend = backend if log_space else "torch"
     else:
         backend = resolve(backend, v.device, float64=dtype == torch.float64, log_space=log_space, causal=True)
     with torch.autocast(v.device.type, enabled=False):
         values = v
-        q_hat, k_hat, phi_q, phi_k, v = (t.to(dtype) for t in (q_hat, k_hat, phi_q, phi_k, v))
+        q_hat, k_hat, v = (t.to(dtype) for t in (q_hat, k_hat, v))
+        phi_q, phi_k = (cast_features(x, dtype) for x in (phi_q, phi_k))
         # bf16 values stay bf16 for the linear part on fla's kernels, which multiply them on tensor cores
         linear_values = values if backend == "fla" and values.dtype == HALF_DOTS else v
         rate = None if log_decay is None else log_decay.to(dtype)
         n = v.shape[-2]
         linear_state, lin_log, ratio = None, None, None
         if n == 0:   # no tokens: an empty output (the chunk loops want one)
-            empty = WindowState(None, k_hat, v, phi_k, offset, offset, window)
+            empty = WindowState(None, k_hat, v, feature_rows(phi_k, slice(0, 0), materialize=True), offset, offset,
+                                window)
             return (v.clone(), empty) if return_state else v.clone()
         if window < n:   # queries W.. against keys ..N-W-1: query m reads the keys n <= m - W
             part = log_linear_part if log_space else plain_linear_part
-            lin_log, ratio, linear_state = part(phi_q[..., window:, :], phi_k[..., :n - window, :],
+            lin_log, ratio, linear_state = part(feature_rows(phi_q, slice(window, n)),
+                                                feature_rows(phi_k, slice(0, n - window)),
                                                 linear_values[..., :n - window, :], window=window, rate=rate,
                                                 rotary=rotary, offset=offset, rope_base=rope_base,
                                                 chunk_size=chunk_size, backend=backend, return_state=return_state)
@@ -106,21 +109,47 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
     if not return_state:
         return out
     kept = min(window, n)
-    cache = (t[..., n - kept:, :].detach() for t in (k_hat, v, phi_k))
+    cache = (feature_rows(t, slice(n - kept, n), materialize=True).detach() for t in (k_hat, v, phi_k))
     return out, WindowState(linear_state, *cache, position=offset + n, origin=offset, window=window)
 
 
-def guard_window_features(phi_q, phi_k, v: torch.Tensor, *, log_space: bool, nonnegative_features: bool):
+def guard_window_features(phi_q, phi_k, v: torch.Tensor, *, log_space: bool, nonnegative_features: bool,
+                          materialize: bool = False):
     """(phi_q, phi_k, v) as the op guards them (`guard_features`: in debug mode checked, which reads them on
     the host; otherwise log-features beyond the dtype's range, or a projection whose bound is, and negative
-    plain features made NaN in the rows they reach), once, where the block hands them to this path; a
+    plain features made NaN in the rows they reach), once, where the block hands them to this path.  A
     `LogProjection` (FAVOR+'s: its bound sees |x|^2 overflow, which its log-features show as -inf, exactly
-    0, for every feature) then made into its (B, H, N, M) log-features."""
+    0, for every feature) stays one, so that the op projects the linear part's rows chunk by chunk (no
+    (B, H, N, M) log-features are made or kept), unless `materialize` (a step's one token)."""
     dtype = compute_dtype(*feature_tensors(phi_q, phi_k), v)
     phi_q, phi_k, v = guard_features(phi_q, phi_k, v, dtype, log_space=log_space,
                                      nonnegative_features=nonnegative_features)
-    phi_q, phi_k = (x.materialize() if isinstance(x, LogProjection) else x for x in (phi_q, phi_k))
+    if materialize:
+        phi_q, phi_k = (x.materialize() if isinstance(x, LogProjection) else x for x in (phi_q, phi_k))
     return phi_q, phi_k, v
+
+
+def cast_features(x, dtype: torch.dtype):
+    """Features (a tensor or a `LogProjection`) in `dtype`."""
+    if not isinstance(x, LogProjection):
+        return x.to(dtype)
+    shift = x.shift.to(dtype) if isinstance(x.shift, torch.Tensor) else x.shift
+    return x._replace(inputs=x.inputs.to(dtype), weight=x.weight.to(dtype), shift=shift)
+
+
+def feature_rows(x, positions: slice, materialize: bool = False):
+    """Some positions' features (B, H, len, M), of a tensor or a `LogProjection` (a projection of those
+    rows, or with `materialize` their log-features)."""
+    if not isinstance(x, LogProjection):
+        return x[..., positions, :]
+    return x.rows(positions) if materialize else x.take(positions)
+
+
+def add_to_log_features(x, extra: torch.Tensor):
+    """Log-features plus a (H, N, 1) per-row term: to a tensor, or to a `LogProjection`'s shift."""
+    if not isinstance(x, LogProjection):
+        return x + extra
+    return x._replace(shift=(x.shift + extra).expand(*x.inputs.shape[:-1], 1))
 
 
 def linear_log_factor(window: int, rate, log_gain, dtype) -> torch.Tensor | float:
@@ -197,21 +226,22 @@ def decayed_chunks(q_num, k_num, q_den, k_den, v, rate, chunk: int):
 
 
 def log_linear_part(b, a, v, *, window, rate, rotary, offset, rope_base, chunk_size, backend, return_state):
-    """`plain_linear_part` from log-features b = log phi_q, a = log phi_k: one call of the op's exact
+    """`plain_linear_part` from log-features b = log phi_q, a = log phi_k (tensors or `LogProjection`s): one
+    call of the op's exact
     log-space pass, query j at offset + W + j and key n at offset + n (its key offset), whose
     log-normaliser is the row's log sum kappa.  The decay is folded into the log-features, b_j + j log gamma
     and a_n - n log gamma, j and n counted from the call's first token (the state's `origin`)."""
     if rate is not None:
-        steps = torch.arange(v.shape[-2], device=v.device, dtype=b.dtype)[:, None] * rate[:, None, None]
-        b, a = b + steps, a - steps   # (H, N, 1): as many queries as keys
+        steps = torch.arange(v.shape[-2], device=v.device, dtype=v.dtype)[:, None] * rate[:, None, None]
+        b, a = add_to_log_features(b, steps), add_to_log_features(a, -steps)   # (H, N, 1): as many queries as keys
     result = run_linear_attention(b, a, v, causal=True, rotary=rotary, offset=offset + window, key_offset=offset,
                                   chunk_size=chunk_size, rope_base=rope_base, backend=backend, log_space=True,
                                   return_state=return_state, nonnegative_features=True,
                                   return_log_normalizer=bool(window))
     ratio, *rest = result if isinstance(result, tuple) else (result,)
     state = rest.pop(0) if return_state else None
-    lin_log = rest[0].to(b.dtype) if window else None
-    return lin_log, ratio.to(b.dtype), state
+    lin_log = rest[0].to(v.dtype) if window else None
+    return lin_log, ratio.to(v.dtype), state
 
 
 # ---- the window and the combination -------------------------------------------------------------
