@@ -44,6 +44,11 @@ class LogProjection(NamedTuple):
         row_shift = self.row_shift(x, shift)
         return logits.add_(row_shift) if isinstance(row_shift, torch.Tensor) or row_shift else logits
 
+    def to(self, dtype: torch.dtype) -> LogProjection:
+        """The projection with its tensors in `dtype`."""
+        shift = self.shift.to(dtype) if isinstance(self.shift, torch.Tensor) else self.shift
+        return self._replace(inputs=self.inputs.to(dtype), weight=self.weight.to(dtype), shift=shift)
+
     def take(self, positions: slice) -> LogProjection:
         """The projection of some positions' rows (views of the inputs and shift)."""
         shift = self.shift[:, :, positions] if isinstance(self.shift, torch.Tensor) else self.shift

@@ -50,8 +50,8 @@ def _to(x, dtype):
     """In the compute dtype; a projection's inputs in any layout (each chunk's rows are gathered when
     projected), log-feature tensors contiguous."""
     if isinstance(x, LogProjection):
-        return x._replace(inputs=x.inputs.to(dtype), weight=x.weight.to(dtype).contiguous(),
-                          shift=x.shift.to(dtype) if isinstance(x.shift, torch.Tensor) else x.shift)
+        x = x.to(dtype)
+        return x._replace(weight=x.weight.contiguous())
     return x.to(dtype).contiguous()
 
 

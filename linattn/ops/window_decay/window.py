@@ -41,8 +41,8 @@ from ..linear_attention.recurrent import LinearState, check_state, initial_state
 from .band import band_attention, merge
 from ...rotary import rotate
 
-# The log-weight of a row with no linear key: -inf, not a finite floor, since the window's log-normalisers are not
-# bounded (scores of -1e36 at inputs of 1e18 lost a row among the first W to a floor of -1e30 beside it).
+# The log-weight of a row with no linear key: -inf, not a finite floor, since the window's log-normalisers are
+# not bounded (scores of -1e36 at inputs of 1e18 lost a row among the first W to a floor of -1e30 beside it).
 # `merge` takes its stabiliser from the window's, which is finite or NaN, never -inf (the diagonal is inside).
 NO_WEIGHT = float("-inf")
 
@@ -69,8 +69,8 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
                            log_space: bool, offset: int, rope_base: float, chunk_size: int, backend: str,
                            return_state: bool):
     """The parallel pass: (B, H, N, D) score inputs q_hat, k_hat, (B, H, N, M) features (log-features
-    if `log_space`, or their `LogProjection`s), (B, H, N, Dv) values -> (B, H, N, Dv) in float32 (float64 stays), and the
-    `WindowState` with `return_state`.  log_decay (H,) log gamma or None; log_gain (H,) log g or None
+    if `log_space`, or their `LogProjection`s), (B, H, N, Dv) values -> (B, H, N, Dv) in float32 (float64
+    stays), and the `WindowState` with `return_state`.  log_decay (H,) log gamma or None; log_gain (H,) log g or None
     (used only with a window); rotary: Eq. 19's numerator; backend: the block's, for the linear part (the
     window's band runs in torch).  It is resolved here, as the op resolves it: "auto" is fla on CUDA where
     installed.  While torch.compile traces, names decide instead (resolving asks the machine, and fla's
@@ -84,7 +84,7 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
     with torch.autocast(v.device.type, enabled=False):
         values = v
         q_hat, k_hat, v = (t.to(dtype) for t in (q_hat, k_hat, v))
-        phi_q, phi_k = (cast_features(x, dtype) for x in (phi_q, phi_k))
+        phi_q, phi_k = (x.to(dtype) for x in (phi_q, phi_k))
         # bf16 values stay bf16 for the linear part on fla's kernels, which multiply them on tensor cores
         linear_values = values if backend == "fla" and values.dtype == HALF_DOTS else v
         rate = None if log_decay is None else log_decay.to(dtype)
@@ -127,14 +127,6 @@ def guard_window_features(phi_q, phi_k, v: torch.Tensor, *, log_space: bool, non
     if materialize:
         phi_q, phi_k = (x.materialize() if isinstance(x, LogProjection) else x for x in (phi_q, phi_k))
     return phi_q, phi_k, v
-
-
-def cast_features(x, dtype: torch.dtype):
-    """Features (a tensor or a `LogProjection`) in `dtype`."""
-    if not isinstance(x, LogProjection):
-        return x.to(dtype)
-    shift = x.shift.to(dtype) if isinstance(x.shift, torch.Tensor) else x.shift
-    return x._replace(inputs=x.inputs.to(dtype), weight=x.weight.to(dtype), shift=shift)
 
 
 def feature_rows(x, positions: slice, materialize: bool = False):
@@ -231,8 +223,9 @@ def log_linear_part(b, a, v, *, window, rate, rotary, offset, rope_base, chunk_s
     log-space pass, query j at offset + W + j and key n at offset + n (its key offset), whose
     log-normaliser is the row's log sum kappa.  The decay is folded into the log-features, b_j + j log gamma
     and a_n - n log gamma, j and n counted from the call's first token (the state's `origin`)."""
+    dtype = feature_tensors(b)[0].dtype   # the compute dtype (v may be bf16 for fla's kernels)
     if rate is not None:
-        steps = torch.arange(v.shape[-2], device=v.device, dtype=v.dtype)[:, None] * rate[:, None, None]
+        steps = torch.arange(v.shape[-2], device=v.device, dtype=dtype)[:, None] * rate[:, None, None]
         b, a = add_to_log_features(b, steps), add_to_log_features(a, -steps)   # (H, N, 1): as many queries as keys
     result = run_linear_attention(b, a, v, causal=True, rotary=rotary, offset=offset + window, key_offset=offset,
                                   chunk_size=chunk_size, rope_base=rope_base, backend=backend, log_space=True,
@@ -240,8 +233,8 @@ def log_linear_part(b, a, v, *, window, rate, rotary, offset, rope_base, chunk_s
                                   return_log_normalizer=bool(window))
     ratio, *rest = result if isinstance(result, tuple) else (result,)
     state = rest.pop(0) if return_state else None
-    lin_log = rest[0].to(v.dtype) if window else None
-    return lin_log, ratio.to(v.dtype), state
+    lin_log = rest[0].to(dtype) if window else None
+    return lin_log, ratio.to(dtype), state
 
 
 # ---- the window and the combination -------------------------------------------------------------
