@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from linattn import LinearAttention, functional
+from linattn.custom_ops import linear_attention_op
 from linattn.ops.linear_attention.naive import logspace_attention_reference
 from linattn.rotary import apply_rotary
 
@@ -118,6 +119,15 @@ def test_the_compiled_op_gives_eager_log_normalizers_and_gradients():
     torch.testing.assert_close(c_lse, lse)
     for got, want in zip(c_grads, grads):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_custom_op_registration_with_a_key_offset_and_the_log_normalizer(backend):
+    """torch.library.opcheck: the op's schema, fake and autograd with both options."""
+    q, k, v = (torch.randn(2, 1, 6, size).requires_grad_() for size in (4, 4, 3))
+    arguments = (q, None, None, 0.0, 0.0, k, None, None, 0.0, 0.0, v, True, True, 5, 4, 10000.0, True, backend, True,
+                 True, 1, True)
+    torch.library.opcheck(linear_attention_op, arguments)
 
 
 def test_key_offset_and_log_normalizer_are_log_space_options():
