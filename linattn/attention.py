@@ -341,12 +341,12 @@ class LinearAttention(_Projections):
                                         backend=self.backend, return_state=return_state)
         return (result[0], result[1]._replace(**self._made_for())) if return_state else result
 
-    def _window_features(self, q, k, v, position: int):
+    def _window_features(self, q, k, v, position: int, materialize: bool = False):
         """The window path's features, guarded as the op guards its own (from the map's projection, where
-        it has one, so that FAVOR+'s overflowing |x|^2 is seen), and v."""
+        it has one, so that FAVOR+'s overflowing |x|^2 is seen; log-features with `materialize`), and v."""
         fm = self.feature_map
         return guard_window_features(*self._features(q, k, position, projected=True), v, log_space=fm.log_space,
-                                     nonnegative_features=fm.nonnegative_features)
+                                     nonnegative_features=fm.nonnegative_features, materialize=materialize)
 
     def _made_for(self) -> dict:
         """What a WindowState records of the block that made it, and a step checks."""
@@ -369,7 +369,7 @@ class LinearAttention(_Projections):
         position = 0 if state is None else check_window_state(
             state, self._made_for(), (q.shape[0], self.heads), self.head_dim, self.feature_map.num_features,
             v.device, self._step_dtype(q), self.feature_map.log_space)
-        phi_q, phi_k, v = self._window_features(q, k, v, position)
+        phi_q, phi_k, v = self._window_features(q, k, v, position, materialize=True)
         q_hat, k_hat = self._scored(q, k, position)
         out, state = window_decay_step(q_hat[:, :, 0], k_hat[:, :, 0], phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0],
                                        state, **self._window_decay_options(), rope_base=self.rope_base)

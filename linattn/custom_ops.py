@@ -28,10 +28,10 @@ from .ops.linear_attention.common import LogProjection, compute_dtype
 from .ops.linear_attention.dispatch import compute_linear_attention
 from .ops.linear_attention.recurrent import LinearState
 
-# Where the forward op's tensors are among its 20 arguments: q, q_weight, q_shift, k, k_weight, k_shift, v
+# Where the forward op's tensors are among its 22 arguments: q, q_weight, q_shift, k, k_weight, k_shift, v
 # (the rest are numbers and flags, which take no gradient).
 TENSOR_ARGUMENTS = (0, 1, 2, 5, 6, 7, 10)
-ARGUMENTS = 20
+ARGUMENTS = 22
 
 
 def _split(x) -> tuple:
@@ -52,12 +52,13 @@ def _join(inputs, weight, shift, shift_value, square_scale):
 
 def _compute(q, q_weight, q_shift, q_shift_value, q_square, k, k_weight, k_shift, k_shift_value, k_square, v,
              causal, rotary, offset, chunk_size, rope_base, return_state, backend, log_space,
-             nonnegative_features=False, check_range=True):
+             nonnegative_features=False, check_range=True, key_offset=None, return_log_normalizer=False):
     return compute_linear_attention(
         _join(q, q_weight, q_shift, q_shift_value, q_square), _join(k, k_weight, k_shift, k_shift_value, k_square),
         v, causal=causal, rotary=rotary, offset=offset, chunk_size=chunk_size, rope_base=rope_base,
         return_state=return_state, backend=backend, log_space=log_space,
-        nonnegative_features=nonnegative_features, check_range=check_range)
+        nonnegative_features=nonnegative_features, check_range=check_range, key_offset=key_offset,
+        return_log_normalizer=return_log_normalizer)
 
 
 @torch.library.custom_op("linattn::linear_attention", mutates_args=())
@@ -65,20 +66,25 @@ def linear_attention_op(q: torch.Tensor, q_weight: Optional[torch.Tensor], q_shi
                         q_shift_value: float, q_square: float, k: torch.Tensor, k_weight: Optional[torch.Tensor],
                         k_shift: Optional[torch.Tensor], k_shift_value: float, k_square: float, v: torch.Tensor,
                         causal: bool, rotary: bool, offset: int, chunk_size: int, rope_base: float,
-                        return_state: bool, backend: str, log_space: bool, nonnegative_features: bool
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, kv, k_sum, log_scale): the state's tensors are empty without return_state, and
-    log_scale is empty from plain features.  Outputs are made contiguous: the fake promises that, and
-    inductor plans the ops after this one from the fake's strides."""
+                        return_state: bool, backend: str, log_space: bool, nonnegative_features: bool,
+                        key_offset: Optional[int] = None, return_log_normalizer: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, kv, k_sum, log_scale, log-normaliser): the state's tensors are empty without return_state,
+    log_scale is empty from plain features, the log-normaliser without return_log_normalizer.  Outputs
+    are made contiguous: the fake promises that, and inductor plans the ops after this one from the
+    fake's strides."""
     with torch.no_grad():
         result = _compute(q, q_weight, q_shift, q_shift_value, q_square, k, k_weight, k_shift, k_shift_value,
                           k_square, v, causal, rotary, offset, chunk_size, rope_base, return_state, backend,
-                          log_space, nonnegative_features)
-    out, state = result if return_state else (result, None)
+                          log_space, nonnegative_features, key_offset=key_offset,
+                          return_log_normalizer=return_log_normalizer)
+    result = result if isinstance(result, tuple) else (result,)
+    out, state = result[0], (result[1] if return_state else None)
+    lse = result[-1].contiguous() if return_log_normalizer else v.new_empty(0)
     if state is None:
-        return out.contiguous(), v.new_empty(0), v.new_empty(0), v.new_empty(0)
+        return out.contiguous(), v.new_empty(0), v.new_empty(0), v.new_empty(0), lse
     log_scale = v.new_empty(0) if state.log_scale is None else state.log_scale.contiguous()
-    return out.contiguous(), state.kv.contiguous(), state.k_sum.contiguous(), log_scale
+    return out.contiguous(), state.kv.contiguous(), state.k_sum.contiguous(), log_scale, lse
 
 
 def _state_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
@@ -89,15 +95,17 @@ def _state_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
 
 @linear_attention_op.register_fake
 def _(q, q_weight, q_shift, q_shift_value, q_square, k, k_weight, k_shift, k_shift_value, k_square, v,
-      causal, rotary, offset, chunk_size, rope_base, return_state, backend, log_space, nonnegative_features):
+      causal, rotary, offset, chunk_size, rope_base, return_state, backend, log_space, nonnegative_features,
+      key_offset=None, return_log_normalizer=False):
     out = v.new_empty(v.shape)
+    dtype = _state_dtype(q, q_weight, q_shift, k, k_weight, k_shift, v)
+    lse = v.new_empty(v.shape[:-1], dtype=dtype) if return_log_normalizer else v.new_empty(0)
     if not return_state:
-        return out, v.new_empty(0), v.new_empty(0), v.new_empty(0)
+        return out, v.new_empty(0), v.new_empty(0), v.new_empty(0), lse
     b, h, _, dv = v.shape
     m = k_weight.shape[0] if k_weight is not None else k.shape[-1]
-    dtype = _state_dtype(q, q_weight, q_shift, k, k_weight, k_shift, v)
     kv, k_sum = v.new_empty(b, h, m, dv, dtype=dtype), v.new_empty(b, h, m, dtype=dtype)
-    return out, kv, k_sum, (v.new_empty(b, h, m, dtype=dtype) if log_space else v.new_empty(0))
+    return out, kv, k_sum, (v.new_empty(b, h, m, dtype=dtype) if log_space else v.new_empty(0)), lse
 
 
 @torch.library.custom_op("linattn::linear_attention_backward", mutates_args=())
@@ -106,9 +114,11 @@ def linear_attention_backward_op(grad: torch.Tensor, q: torch.Tensor, q_weight: 
                                  k: torch.Tensor, k_weight: Optional[torch.Tensor], k_shift: Optional[torch.Tensor],
                                  k_shift_value: float, k_square: float, v: torch.Tensor, causal: bool, rotary: bool,
                                  offset: int, chunk_size: int, rope_base: float, backend: str, log_space: bool,
-                                 needs: Sequence[bool]) -> list[torch.Tensor]:
-    """d loss / d (q, q_weight, q_shift, k, k_weight, k_shift, v) given d loss / d out, by autograd
-    through the eager computation (the backends' own backward); an empty tensor where `needs` is False."""
+                                 needs: Sequence[bool], key_offset: Optional[int] = None,
+                                 grad_lse: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+    """d loss / d (q, q_weight, q_shift, k, k_weight, k_shift, v) given d loss / d out (and d loss / d the
+    log-normaliser, or None), by autograd through the eager computation (the backends' own backward); an
+    empty tensor where `needs` is False."""
     given = (q, q_weight, q_shift, k, k_weight, k_shift, v)
     leaves = [t.detach().requires_grad_(need) if t is not None else None for t, need in zip(given, needs)]
     lq, lqw, lqs, lk, lkw, lks, lv = leaves
@@ -116,10 +126,11 @@ def linear_attention_backward_op(grad: torch.Tensor, q: torch.Tensor, q_weight: 
 
     def gradients():
         with torch.enable_grad():   # the forward already checked the features' signs and log range
-            out = _compute(lq, lqw, lqs, q_shift_value, q_square, lk, lkw, lks, k_shift_value, k_square, lv,
-                           causal, rotary, offset, chunk_size, rope_base, False, backend, log_space,
-                           check_range=False)
-            return torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ()
+            result = _compute(lq, lqw, lqs, q_shift_value, q_square, lk, lkw, lks, k_shift_value, k_square, lv,
+                              causal, rotary, offset, chunk_size, rope_base, False, backend, log_space,
+                              check_range=False, key_offset=key_offset, return_log_normalizer=grad_lse is not None)
+            outputs, given = (result, (grad, grad_lse)) if grad_lse is not None else (result, grad)
+            return torch.autograd.grad(outputs, wanted, given, allow_unused=True) if wanted else ()
 
     grads = iter(_with_autograd(gradients, grad.device))
     result = []
@@ -164,7 +175,7 @@ def _with_autograd(compute, device: torch.device):
 
 @linear_attention_backward_op.register_fake
 def _(grad, q, q_weight, q_shift, q_shift_value, q_square, k, k_weight, k_shift, k_shift_value, k_square, v,
-      causal, rotary, offset, chunk_size, rope_base, backend, log_space, needs):
+      causal, rotary, offset, chunk_size, rope_base, backend, log_space, needs, key_offset=None, grad_lse=None):
     given = (q, q_weight, q_shift, k, k_weight, k_shift, v)
     return [torch.empty_like(t) if need else v.new_empty(0)
             for t, need in zip(given, needs)]
@@ -174,18 +185,22 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*(inputs[i] for i in TENSOR_ARGUMENTS))
     ctx.numbers = (inputs[3], inputs[4], inputs[8], inputs[9])
     ctx.options = inputs[11:16] + inputs[17:19]   # causal, rotary, offset, chunk_size, rope_base, backend, log_space
+    ctx.key_offset = inputs[20] if len(inputs) > 20 else None
+    ctx.return_log_normalizer = len(inputs) > 21 and inputs[21]
 
 
-def _backward(ctx, grad, _kv_grad, _k_sum_grad, _log_scale_grad):
+def _backward(ctx, grad, _kv_grad, _k_sum_grad, _log_scale_grad, lse_grad=None):
     needs = [ctx.needs_input_grad[i] for i in TENSOR_ARGUMENTS]
-    if grad is None or not any(needs):
+    lse_grad = lse_grad if ctx.return_log_normalizer else None   # else the empty placeholder's (zeros)
+    if grad is None and lse_grad is None or not any(needs):
         return (None,) * ARGUMENTS
     q, q_weight, q_shift, k, k_weight, k_shift, v = ctx.saved_tensors
     q_shift_value, q_square, k_shift_value, k_square = ctx.numbers
     causal, rotary, offset, chunk_size, rope_base, backend, log_space = ctx.options
+    grad = torch.zeros(v.shape, dtype=v.dtype, device=v.device) if grad is None else grad
     grads = linear_attention_backward_op(grad, q, q_weight, q_shift, q_shift_value, q_square, k, k_weight, k_shift,
                                          k_shift_value, k_square, v, causal, rotary, offset, chunk_size, rope_base,
-                                         backend, log_space, needs)
+                                         backend, log_space, needs, ctx.key_offset, lse_grad)
     by_argument = [None] * ARGUMENTS
     for i, g, need in zip(TENSOR_ARGUMENTS, grads, needs):
         by_argument[i] = g if need else None
@@ -197,18 +212,22 @@ linear_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 def linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rotary: bool, offset: int, chunk_size: int,
                      rope_base: float, return_state: bool, backend: str, log_space: bool,
-                     nonnegative_features: bool):
+                     nonnegative_features: bool, key_offset: int | None = None, return_log_normalizer: bool = False):
     """`functional.linear_attention`'s computation through the custom op (its arguments checked):
-    the output, and with return_state the `LinearState` rebuilt from the op's tensors."""
-    out, kv, k_sum, log_scale = linear_attention_op(
+    the output, with return_state the `LinearState` rebuilt from the op's tensors, with
+    return_log_normalizer the rows' log-normalisers."""
+    out, kv, k_sum, log_scale, lse = linear_attention_op(
         *_split(phi_q), *_split(phi_k), v, causal, rotary, offset, chunk_size, float(rope_base), return_state,
-        backend, log_space, nonnegative_features)
-    if not return_state:
-        return out
-    # The state carries no gradient, as in eager (decoding is for inference): detached, so a loss on it
-    # raises instead of getting zeros from the op's autograd formula.
-    kv, k_sum, log_scale = kv.detach(), k_sum.detach(), log_scale.detach()
-    return out, LinearState(kv, k_sum, offset + v.shape[-2], log_scale if log_space else None)
+        backend, log_space, nonnegative_features, key_offset, return_log_normalizer)
+    result = (out,)
+    if return_state:
+        # The state carries no gradient, as in eager (decoding is for inference): detached, so a loss on it
+        # raises instead of getting zeros from the op's autograd formula.
+        kv, k_sum, log_scale = kv.detach(), k_sum.detach(), log_scale.detach()
+        position = (offset if key_offset is None else key_offset) + v.shape[-2]
+        result += (LinearState(kv, k_sum, position, log_scale if log_space else None),)
+    result += (lse,) if return_log_normalizer else ()
+    return result if len(result) > 1 else out
 
 
 __all__ = ["linear_attention", "linear_attention_backward_op", "linear_attention_op"]

@@ -40,7 +40,8 @@ __all__ = ["BACKENDS", "DEFAULT_CHUNK_SIZE", "LinearState", "LogProjection", "in
 def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                      rotary: bool, offset: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE,
                      rope_base: float = DEFAULT_BASE, return_state: bool = False,
-                     backend: str = "auto", log_space: bool = False, nonnegative_features: bool = True):
+                     backend: str = "auto", log_space: bool = False, nonnegative_features: bool = True,
+                     key_offset: int | None = None, return_log_normalizer: bool = False):
     """Linear attention of (B, H, N, M) non-negative features and (B, H, N, Dv) values.
 
     `rotary=True` is Eq. 19 at positions offset..offset+N-1; `causal=True` sums over n <= m only.
@@ -58,10 +59,25 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     `nonnegative_features=False` skips the guard that every feature is >= 0, for features whose
     kernel phi_q . phi_k is positive though single features are not (a map's own guarantee, such
     as taylor's; the denominator must be positive for the output to mean anything).
+
+    Args:
+        key_offset: log_space only: the keys' first position, apart from the queries' `offset` (None: the
+            same).  Query m is rotated at offset + m, key n at key_offset + n, and still attends to n <= m:
+            a block that reads the keys W tokens late (a window's linear part) gives its queries at
+            offset + W and its keys at offset.  The state's position is then the keys' next one.
+        return_log_normalizer: log_space only: also return, as flash attention returns its log-sum-exp,
+            the log of each row's denominator, log sum_{n} phi_q_m . phi_k_n over the keys it attends to,
+            from the same pass and differentiable (to merge this attention with another by their weights).
+
+    Returns:
+        the output (B, H, N, Dv) in v's dtype; with return_state also the `LinearState`; with
+        return_log_normalizer, last, the log-normalisers (B, H, N) in the compute dtype (float32, or
+        float64 for float64 inputs).
     """
     check_flags(causal=causal, rotary=rotary, return_state=return_state, log_space=log_space,
-                nonnegative_features=nonnegative_features)
+                nonnegative_features=nonnegative_features, return_log_normalizer=return_log_normalizer)
     check_feature_kind(log_space, nonnegative_features)
+    check_log_space_options(log_space, key_offset, return_log_normalizer)
     if log_space:
         check_log_features(phi_q, phi_k, v)
     else:
@@ -71,15 +87,20 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     check_dtypes(phi_q, phi_k, v, log_space)
     check_chunk_size(chunk_size)
     check_positions(offset, v.shape[-2])
+    if key_offset is not None:
+        check_positions(key_offset, v.shape[-2])
     check_rope_base(rope_base)
     if rotary:
         check_rotated_dim(phi_k.shape[-1])
     check_return_state(return_state, causal)
     dispatch.check_backend(backend)
     dispatch.check_output_fits(phi_k.shape[-1], v, compute_dtype(*feature_tensors(phi_q, phi_k), v))
+    log_options = dict(key_offset=None if key_offset is None else int(key_offset),
+                       return_log_normalizer=return_log_normalizer) if log_space else {}
     return run_linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=int(offset),
                                 chunk_size=chunk_size, rope_base=rope_base, return_state=return_state,
-                                backend=backend, log_space=log_space, nonnegative_features=nonnegative_features)
+                                backend=backend, log_space=log_space, nonnegative_features=nonnegative_features,
+                                **log_options)
 
 
 def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
@@ -260,6 +281,13 @@ def check_device(phi_q, phi_k, v: torch.Tensor) -> None:
 def check_not_projection(phi_q, phi_k) -> None:
     if any(isinstance(x, LogProjection) for x in (phi_q, phi_k)):
         raise ValueError("a LogProjection holds log-features: pass log_space=True")
+
+
+def check_log_space_options(log_space: bool, key_offset, return_log_normalizer: bool) -> None:
+    """key_offset and return_log_normalizer are options of the log-space pass."""
+    if not log_space and (key_offset is not None or return_log_normalizer):
+        raise ValueError("key_offset and return_log_normalizer are options of the log-space pass: pass "
+                         "log_space=True with log-features (or leave them at None and False)")
 
 
 def check_feature_kind(log_space: bool, nonnegative_features: bool) -> None:

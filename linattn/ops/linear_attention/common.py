@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 
 from ...checks import debug_enabled
-from ...rotary import rotate
+from ...rotary import rotary_phases, rotate
 
 DEFAULT_CHUNK_SIZE = 64   # tokens per chunk of the torch backend's causal passes
 
@@ -38,10 +38,21 @@ class LogProjection(NamedTuple):
     def rows(self, positions: slice) -> torch.Tensor:
         """The log-features (B, H, len, M) of some positions, projected from their inputs alone."""
         x = self.inputs[:, :, positions]
-        logits = (x.reshape(-1, x.shape[-1]) @ self.weight.transpose(-1, -2)).view(*x.shape[:-1], -1)
+        logits = (x.reshape(-1, x.shape[-1]) @ self.weight.transpose(-1, -2)).view(*x.shape[:-1],
+                                                                                    self.weight.shape[0])
         shift = self.shift[:, :, positions] if isinstance(self.shift, torch.Tensor) else self.shift
         row_shift = self.row_shift(x, shift)
         return logits.add_(row_shift) if isinstance(row_shift, torch.Tensor) or row_shift else logits
+
+    def to(self, dtype: torch.dtype) -> LogProjection:
+        """The projection with its tensors in `dtype`."""
+        shift = self.shift.to(dtype) if isinstance(self.shift, torch.Tensor) else self.shift
+        return self._replace(inputs=self.inputs.to(dtype), weight=self.weight.to(dtype), shift=shift)
+
+    def take(self, positions: slice) -> LogProjection:
+        """The projection of some positions' rows (views of the inputs and shift)."""
+        shift = self.shift[:, :, positions] if isinstance(self.shift, torch.Tensor) else self.shift
+        return self._replace(inputs=self.inputs[:, :, positions], shift=shift)
 
     def materialize(self) -> torch.Tensor:
         """The log-features, in the inputs' dtype whatever autocast says (adding the shift keeps its
@@ -196,9 +207,32 @@ def output_gradients(grad: torch.Tensor, out: torch.Tensor, denominator: torch.T
     return g_num, g_den
 
 
-def numerator_features(phi_q, phi_k, *, rotary: bool, offset: int, base: float):
+def numerator_features(phi_q, phi_k, *, rotary: bool, offset: int, base: float, key_offset: int | None = None):
+    """Eq. 19's rotated features, the queries at offset.., the keys at key_offset.. (None: offset too)."""
     return (numerator_feature(phi_q, rotary=rotary, offset=offset, base=base),
-            numerator_feature(phi_k, rotary=rotary, offset=offset, base=base))
+            numerator_feature(phi_k, rotary=rotary, offset=offset if key_offset is None else key_offset, base=base))
+
+
+def query_key_phases(n: int, m: int, *, offset: int, key_offset: int, base: float, device,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """The rotations of the log-space passes, (2, N, M/2) complex: [0] the queries' at offset..offset+N-1,
+    [1] the keys' at key_offset..; where both start at one position, one tensor expanded (no copy)."""
+    keys = rotary_phases(n, m, offset=key_offset, base=base, device=device, dtype=dtype)
+    if key_offset == offset:
+        return keys.unsqueeze(0).expand(2, -1, -1)
+    return torch.stack((rotary_phases(n, m, offset=offset, base=base, device=device, dtype=dtype), keys))
+
+
+def same_rotation(phases: torch.Tensor) -> bool:
+    """Whether `query_key_phases` (or a slice of it) rotates queries and keys at the same positions."""
+    return phases.stride(0) == 0
+
+
+def log_normalizer(denominator: torch.Tensor, query_scale: torch.Tensor) -> torch.Tensor:
+    """log sum_{n} phi_q . phi_k per row from a log-space pass's scaled denominator (sum e^(b + a - Q))
+    and its Q: log(den) + Q, with `divide`'s guard (no gradient where the denominator was clamped)."""
+    guard = torch.finfo(denominator.dtype).tiny ** 0.5
+    return denominator.clamp_min(guard).log() + query_scale
 
 
 def numerator_feature(phi, *, rotary: bool, offset: int, base: float):
@@ -211,8 +245,9 @@ def without_autocast(backward):
     float64), and a backward called inside an autocast region would otherwise run its products in
     bf16/fp16 and write them into float32 buffers (index_put refuses the mismatch outright)."""
     @functools.wraps(backward)
-    def run(ctx, grad, *grads):
-        with torch.autocast(grad.device.type, enabled=False):
+    def run(ctx, grad, *grads):   # grads of unused outputs may be None (set_materialize_grads(False))
+        device = next((g.device.type for g in (grad, *grads) if g is not None), "cpu")
+        with torch.autocast(device, enabled=False):
             return backward(ctx, grad, *grads)
     return run
 

@@ -157,9 +157,7 @@ def _load(path: Path) -> ctypes.CDLL:
     signatures = {   # stable_cpu.cpp's extern "C" entry points: (result, arguments)
         "forward": (i64, [ctypes.c_int, call, i64, i64, *[ptr] * 7, i64, ptr]),
         "states": (i64, [ctypes.c_int, call, i64, i64, *[ptr] * 5]),
-        "backward": (i64, [ctypes.c_int, call, i64, i64, ptr, ptr, ptr, i64, i64, *[ptr] * 6, grads, grads, ptr]),
-        "log_cumsum_exp": (i64, [ctypes.c_int, ptr, ptr, i64, i64, i64, i64]),
-        "log_cumsum_exp_backward": (i64, [ctypes.c_int, *[ptr] * 4, i64, i64, i64, i64]),
+        "backward": (i64, [ctypes.c_int, call, i64, i64, ptr, ptr, ptr, i64, i64, *[ptr] * 7, grads, grads, ptr]),
     }
     for name, (result, arguments) in signatures.items():
         function = getattr(lib, f"linattn_{name}")
@@ -194,7 +192,8 @@ class _Call(ctypes.Structure):
     _fields_ = [("batch", ctypes.c_int64), ("heads", ctypes.c_int64), ("n", ctypes.c_int64), ("m", ctypes.c_int64),
                 ("dv", ctypes.c_int64), ("length", ctypes.c_int64), ("q", _Source), ("k", _Source),
                 ("v", ctypes.c_void_p), ("v_b", ctypes.c_int64), ("v_h", ctypes.c_int64), ("v_n", ctypes.c_int64),
-                ("phases", ctypes.c_void_p), ("feat", ctypes.c_void_p), ("threads", ctypes.c_int64)]
+                ("phases", ctypes.c_void_p), ("q_phases", ctypes.c_void_p), ("feat", ctypes.c_void_p),
+                ("threads", ctypes.c_int64)]
 
 
 _OUT_OF_MEMORY = -2   # stable_cpu.cpp's error results
@@ -234,11 +233,13 @@ class _Kernel:
         self.dtype = 1 if v.dtype == torch.float64 else 0
         v = _rows_layout(v)
         (q, q_keep), (k, k_keep) = _source(queries), _source(keys)
-        real_phases = None if phases is None else torch.view_as_real(phases).contiguous()
+        # phases: the queries' and keys' rotations (common.query_key_phases), each as (N, M/2, 2) reals
+        q_phases, k_phases = (None, None) if phases is None else \
+            (torch.view_as_real(p).contiguous() for p in (phases[0], phases[1]))
         batch, heads, n, dv = v.shape
-        self.keep = [v, real_phases, feat, *q_keep, *k_keep]
+        self.keep = [v, q_phases, k_phases, feat, *q_keep, *k_keep]
         self.call = _Call(batch, heads, n, feat.shape[-1], dv, length, q, k, _pointer(v), *v.stride()[:3],
-                          _pointer(real_phases), _pointer(feat), torch.get_num_threads())
+                          _pointer(k_phases), _pointer(q_phases), _pointer(feat), torch.get_num_threads())
 
     def run(self, name: str, *args) -> int:
         """lib.linattn_<name>(dtype, call, *args), tensors passed as pointers; its result, or the error
@@ -261,49 +262,6 @@ def _checked(result: int, name: str, buffers: str, remedy: str) -> int:
     return result
 
 
-def log_cumsum_exp(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """torch.logcumsumexp(x, dim) of a float32 or float64 CPU tensor in the C++ kernel, a scan along `dim`
-    over contiguous columns (torch's own took a third of the windowed FAVOR+ block's CPU time), with
-    its gradient.
-
-    Args:
-        x: a CPU tensor, float32 or float64.
-        dim: the dimension to scan.
-    Returns:
-        log sum_{n <= m} e^(x_n) along `dim`, contiguous."""
-    return first_derivatives_only(_LogCumSumExp.apply(x, dim % x.dim()))
-
-
-def _scan_shape(x: torch.Tensor, dim: int) -> tuple[int, int, int]:
-    """(outer, n, inner) of a contiguous x scanned along dim."""
-    return x.shape[:dim].numel(), x.shape[dim], x.shape[dim + 1:].numel()
-
-
-def _run_scan(name: str, *tensors: torch.Tensor, shape: tuple[int, int, int]) -> None:
-    result = getattr(library(), f"linattn_{name}")(int(tensors[0].dtype == torch.float64),
-                                                   *map(_pointer, tensors), *shape, torch.get_num_threads())
-    _checked(result, name, "a row of carries per thread", "use backend='torch'")
-
-
-class _LogCumSumExp(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int) -> torch.Tensor:
-        x = x.contiguous()
-        y = torch.empty_like(x)
-        _run_scan("log_cumsum_exp", x, y, shape=_scan_shape(x, dim))
-        ctx.save_for_backward(x, y)
-        ctx.dim = dim
-        return y
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        x, y = ctx.saved_tensors
-        dx = torch.empty_like(x)
-        _run_scan("log_cumsum_exp_backward", x, y, grad.contiguous(), dx, shape=_scan_shape(x, ctx.dim))
-        return dx, None
-
-
 def logspace_attention(b, a, v, **call):
     """torch_logspace.logspace_attention (dispatch.py's call shape) with its causal pass in the C++ kernel."""
     return torch_logspace.logspace_attention(b, a, v, causal_pass=causal, **call)
@@ -311,9 +269,10 @@ def logspace_attention(b, a, v, **call):
 
 def causal(b, a, v, phases, length: int, base: float):
     """Causal Eq. 19 from log-features (tensors or `LogProjection`s) on CPU: (out, state, key sum, F
-    after the last token), as torch_logspace.causal_log_attention gives them."""
-    out, *state = _FusedCausalLogAttention.apply(*source_parts(b), *source_parts(a), v, phases, length, base)
-    return (first_derivatives_only(out), *state)
+    after the last token, log-normaliser), as torch_logspace.causal_log_attention gives them."""
+    out, kv, k_sum, last, lse = _FusedCausalLogAttention.apply(*source_parts(b), *source_parts(a), v, phases, length,
+                                                               base)
+    return first_derivatives_only(out), kv, k_sum, last, first_derivatives_only(lse)
 
 
 class _FusedCausalLogAttention(torch.autograd.Function):
@@ -349,12 +308,13 @@ class _FusedCausalLogAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     @without_autocast
-    def backward(ctx, grad, _state_grad, _key_sum_grad, _last_grad):
+    def backward(ctx, grad, _state_grad, _key_sum_grad, _last_grad, lse_grad):
         queries, keys, (v, out, den, query_scale, feat, phases), (saved_states, saved_sums, flags) = \
             torch_logspace.saved_sources(ctx)
         needs = ctx.needs_input_grad
         kernel = _Kernel(queries, keys, v, phases, feat, ctx.length)
-        grad = grad.contiguous()
+        grad = torch.zeros_like(out) if grad is None else grad.contiguous()
+        lse_grad = None if lse_grad is None else lse_grad.contiguous()
         q_grads, k_grads = _FusedGradients(queries, needs[0:3]), _FusedGradients(keys, needs[4:7])
         dv = torch.empty(v.shape, dtype=v.dtype)
         later, later_sum = torch.zeros_like(saved_states[0]), torch.zeros_like(saved_sums[0])
@@ -366,13 +326,13 @@ class _FusedCausalLogAttention(torch.autograd.Function):
             kernel.run("states", lo, hi, flags, saved_states[group], saved_sums[group], states, sums)
             top = hi - 1
             while top >= lo:
-                top = kernel.run("backward", top, lo, flags, states, sums, lo, hi - lo, grad, out, den, query_scale,
-                                 later, later_sum, ctypes.byref(q_grads.c), ctypes.byref(k_grads.c), dv)
+                top = kernel.run("backward", top, lo, flags, states, sums, lo, hi - lo, grad, lse_grad, out, den,
+                                 query_scale, later, later_sum, ctypes.byref(q_grads.c), ctypes.byref(k_grads.c), dv)
                 if top >= lo:   # an irregular chunk: torch_logspace.py's backward of it
                     torch_logspace.irregular_chunk_backward(
                         top, queries, keys, v, phases, feat, length, ctx.base, states[:, :, top - lo],
                         sums[:, :, top - lo], grad, out, den, query_scale, later, later_sum, q_grads.eager,
-                        k_grads.eager, dv, capped=bool(flags[top] & 1))
+                        k_grads.eager, dv, capped=bool(flags[top] & 1), lse_grad=lse_grad)
                     top -= 1
         return (*q_grads.result(), None, *k_grads.result(), None, dv, None, None, None)
 

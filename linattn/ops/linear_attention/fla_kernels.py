@@ -12,7 +12,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ...rotary import rotary_phases, rotate_pairs
-from .common import LogProjection, compute_dtype, divide, feature_tensors, first_derivatives_only
+from .common import (LogProjection, compute_dtype, divide, feature_tensors, first_derivatives_only, log_normalizer,
+                     query_key_phases)
 from .recurrent import LinearState
 from .stable import numerator_query
 
@@ -157,20 +158,29 @@ def plain_factors(phi_q, phi_k, phases, *, work: torch.dtype, dot: torch.dtype):
 
 
 def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope_base: float,
-                       chunk_size: int, return_state: bool):
+                       chunk_size: int, return_state: bool, key_offset: int | None = None,
+                       return_log_normalizer: bool = False):
     """Log-features b, a (tensors or `LogProjection`s); see docs/derivations.md.  One call of fla, for
-    the numerator; the denominator from the keys' log-sums (running_max.py's scans)."""
+    the numerator; the denominator from the keys' log-sums (running_max.py's scans).  Queries rotated at
+    offset.., keys at key_offset.. (None: offset); with return_log_normalizer the rows' log sum phi_q . phi_k
+    last, (B, H, N) in the work dtype."""
     del causal, chunk_size
     n, m = v.shape[-2], a.shape[-1]
+    key_offset = int(offset) if key_offset is None else int(key_offset)
     work, dot = dtypes(v, b, a)
     with torch.autocast(v.device.type, enabled=False):
-        phases = rotary_phases(n, m, offset=offset, base=rope_base, device=v.device, dtype=work) if rotary else None
-        q_num, k_num, decay, denominator, last_scale, last_log_sums = checkpoint(
+        phases = query_key_phases(n, m, offset=int(offset), key_offset=key_offset, base=rope_base, device=v.device,
+                                  dtype=work) if rotary else None
+        q_num, k_num, decay, denominator, row_scale, last_scale, last_log_sums = checkpoint(
             log_factors, b, a, phases, work=work, dot=dot, use_reentrant=False, preserve_rng_state=False)
         numerator, kv = gated_linear_attention(q_num, k_num, fla_layout(v).to(dot), decay, return_state=return_state)
     sums = torch.exp(last_log_sums.detach() - last_scale).to(work) if return_state else None
-    return finish(numerator, denominator, v, kv=kv, sums=sums, work=work, position=int(offset) + n,
-                  log_scale=last_scale.detach() if return_state else None)
+    result = finish(numerator, denominator, v, kv=kv, sums=sums, work=work, position=key_offset + n,
+                    log_scale=last_scale.detach() if return_state else None)
+    if not return_log_normalizer:
+        return result
+    lse = log_normalizer(denominator, row_scale.squeeze(-1)).transpose(1, 2)
+    return (*result, lse) if return_state else (result, lse)
 
 
 def log_features(x, work: torch.dtype) -> torch.Tensor:
@@ -189,8 +199,9 @@ def log_features(x, work: torch.dtype) -> torch.Tensor:
 def log_factors(b, a, phases, *, work: torch.dtype, dot: torch.dtype):
     """fla's inputs from log-features (tensors or `LogProjection`s), in its layout: the numerator's
     q, k (in `dot`) and decays (in `work`); the denominator sum_j e^(b_j + L_j - Q) (B, T, H) with
-    L = log sum_{n<=m} e^(a_n); and F and L at the last token.  Each full-size op is one pass (the
-    budget of test_fla_budget.py)."""
+    L = log sum_{n<=m} e^(a_n), and Q (B, T, H, 1); and F and L at the last token.  phases: the queries'
+    and keys' rotations (2, T, M/2) or None.  Each full-size op is one pass (the budget of
+    test_fla_budget.py)."""
     from .running_max import running_max_and_log_sums   # here: triton, like fla, is a GPU dependency
     b, a = log_features(b, work), log_features(a, work)
     feature_scale, log_sums = running_max_and_log_sums(a)               # F (a constant to autograd), L
@@ -202,14 +213,14 @@ def log_factors(b, a, phases, *, work: torch.dtype, dot: torch.dtype):
         with torch.no_grad():
             decay = step_decays(feature_scale)
         q_num = torch.exp(b + feature_scale - row_scale).to(dot)          # e^(b + F - Q) <= 1
-        return q_num, torch.exp(a - feature_scale).to(dot), decay, denominator, *last
+        return q_num, torch.exp(a - feature_scale).to(dot), decay, denominator, row_scale, *last
     with torch.no_grad():   # P, kept per pair (M / 2): broadcast over the pair where it is used
         pair_scale = feature_scale.unflatten(-1, (-1, 2)).amax(-1, keepdim=True)
         decay = step_decays(pair_scale).expand(*pair_scale.shape[:-1], 2).flatten(-2)
         pair_shift = pair_scale - row_scale.unsqueeze(-1)                # P - Q
-    k_num = rotated(torch.exp(per_pair(a, torch.sub, pair_scale)), phases).to(dot)
-    q_num = rotated(numerator_query(per_pair(b, torch.add, pair_shift)), phases).to(dot)
-    return q_num, k_num, decay, denominator, *last
+    k_num = rotated(torch.exp(per_pair(a, torch.sub, pair_scale)), phases[1]).to(dot)
+    q_num = rotated(numerator_query(per_pair(b, torch.add, pair_shift)), phases[0]).to(dot)
+    return q_num, k_num, decay, denominator, row_scale, *last
 
 
 def per_pair(x: torch.Tensor, op, pair_values: torch.Tensor) -> torch.Tensor:

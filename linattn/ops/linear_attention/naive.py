@@ -48,12 +48,20 @@ def softmax_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def logspace_attention_reference(b: torch.Tensor, a: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                                   rotary: bool, offset: int = 0, rope_base: float = DEFAULT_BASE) -> torch.Tensor:
+                                 rotary: bool, offset: int = 0, rope_base: float = DEFAULT_BASE,
+                                 key_offset: int | None = None, return_log_normalizer: bool = False):
     """Eq. 19 from log-features b = log phi_q, a = log phi_k, in float64, never exponentiating more
     than it must: every term e^(b_ms + a_nt) of query m is shifted by the largest exponent of that
     query's numerator and denominator, so nothing overflows and the largest term is 1.  Per pair,
-    (R_m x)^T (R_n y) = Re((x1 + i x2)(y1 - i y2) e^(i (m - n) theta)).  O(N^2 M) memory: tests only."""
+    (R_s x)^T (R_t y) = Re((x1 + i x2)(y1 - i y2) e^(i (s - t) theta)), the query m at s = offset + m and
+    the key n at t = key_offset + n (key_offset None: offset).  O(N^2 M) memory: tests only.
+
+    Returns:
+        the output (B, H, N, Dv), and with return_log_normalizer also log sum_n phi_q_m . phi_k_n (B, H, N)
+        over the keys each query attends to (-inf where it attends to none)."""
     check_offset(offset)
+    key_offset = offset if key_offset is None else key_offset
+    check_offset(key_offset)
     b, a, v = b.double(), a.double(), v.double()
     n, m = a.shape[-2:]
     pairs = m // 2 if rotary else m
@@ -68,10 +76,14 @@ def logspace_attention_reference(b: torch.Tensor, a: torch.Tensor, v: torch.Tens
     diagonal = weights.diagonal(dim1=-2, dim2=-1)          # (B, H, N, N, P, s): same coordinate
     denominator = diagonal.sum((-1, -2, -3))
     if rotary:
-        phases = rotary_phases(n, m, offset=offset, base=rope_base, device=b.device, dtype=torch.float64)
-        relative = phases.unsqueeze(1) * phases.conj().unsqueeze(0)     # (N, N, P): e^(i (m - n) theta)
+        queries, keys = (rotary_phases(n, m, offset=at, base=rope_base, device=b.device, dtype=torch.float64)
+                         for at in (offset, key_offset))
+        relative = queries.unsqueeze(1) * keys.conj().unsqueeze(0)     # (N, N, P): e^(i (s - t) theta)
         scores = (diagonal.sum(-1) * relative.real
                   + (weights[..., 0, 1] - weights[..., 1, 0]) * relative.imag).sum(-1)
     else:
         scores = diagonal.sum((-1, -2))
-    return (scores @ v) / denominator.unsqueeze(-1)
+    out = (scores @ v) / denominator.unsqueeze(-1)
+    if not return_log_normalizer:
+        return out
+    return out, denominator.log() + shift.flatten(-5)

@@ -7,7 +7,7 @@ import torch
 
 from ...checks import check_state_position, check_state_tensors, debug_enabled
 from ...rotary import rotate
-from .common import compute_dtype, divide, guard_features
+from .common import compute_dtype, divide, guard_features, log_normalizer
 from .plain_scale import power_of_two_below, query_scale
 from .stable import numerator_query, numerator_scale
 
@@ -35,8 +35,11 @@ def initial_state(batch: int, heads: int, num_features: int, value_dim: int, *,
 
 
 def recurrent_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, state: LinearState | None, *,
-                   rotary: bool, rope_base: float, log_space: bool, nonnegative_features: bool):
-    """`functional.linear_attention_step` after its argument checks (the state's too)."""
+                   rotary: bool, rope_base: float, log_space: bool, nonnegative_features: bool,
+                   query_position: int | None = None, return_log_normalizer: bool = False):
+    """`functional.linear_attention_step` after its argument checks (the state's too).  For log-features
+    also what the parallel pass's key_offset and return_log_normalizer give: the query rotated at
+    `query_position` (None: the key's, state.position), and the row's log-normaliser (B, H) last."""
     dtype = compute_dtype(phi_q, phi_k, v)
     phi_q, phi_k, v = guard_features(phi_q, phi_k, v, dtype, log_space=log_space,
                                      nonnegative_features=nonnegative_features)
@@ -46,7 +49,9 @@ def recurrent_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, st
     with torch.autocast(phi_q.device.type, enabled=False):
         phi_q, phi_k, v_c = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
         if log_space:
-            return _log_step(phi_q, phi_k, v_c, state, rotary=rotary, rope_base=rope_base, out_dtype=v.dtype)
+            out, new, lse = _log_step(phi_q, phi_k, v_c, state, rotary=rotary, rope_base=rope_base, out_dtype=v.dtype,
+                                      query_position=state.position if query_position is None else query_position)
+            return (out, new, lse) if return_log_normalizer else (out, new)
         return _plain_step(phi_q, phi_k, v_c, state, rotary=rotary, rope_base=rope_base, out_dtype=v.dtype)
 
 
@@ -74,8 +79,9 @@ def _plain_step(q, k, v, state: LinearState, *, rotary: bool, rope_base: float, 
     return out.to(out_dtype), LinearState(kv * scale.unsqueeze(-1), k_sum * scale, state.position + 1)
 
 
-def _log_step(b, a, v, state: LinearState, *, rotary: bool, rope_base: float, out_dtype):
-    """The step of stable.py's recurrence: rescale the state to the new maxima, add the token, read."""
+def _log_step(b, a, v, state: LinearState, *, rotary: bool, rope_base: float, out_dtype, query_position: int):
+    """The step of stable.py's recurrence: rescale the state to the new maxima, add the token, read.
+    (out, state, log-normaliser)."""
     with torch.no_grad():
         feat_old, feat_new = state.log_scale, torch.maximum(state.log_scale, a)
         pair_old, pair_new = numerator_scale(feat_old, rotary), numerator_scale(feat_new, rotary)
@@ -83,12 +89,13 @@ def _log_step(b, a, v, state: LinearState, *, rotary: bool, rope_base: float, ou
     key = torch.exp(a - pair_new)
     query = numerator_query(b + pair_new - query_scale)
     if rotary:
-        key, query = (_rotate_token(t, state.position, rope_base) for t in (key, query))
+        key, query = _rotate_token(key, state.position, rope_base), _rotate_token(query, query_position, rope_base)
     kv = torch.exp(pair_old - pair_new).unsqueeze(-1) * state.kv + key.unsqueeze(-1) * v.unsqueeze(-2)
     k_sum = torch.exp(feat_old - feat_new) * state.k_sum + torch.exp(a - feat_new)
     numerator = (query.unsqueeze(-2) @ kv).squeeze(-2)
-    out = divide(numerator, (torch.exp(b + feat_new - query_scale) * k_sum).sum(-1))
-    return out.to(out_dtype), LinearState(kv, k_sum, state.position + 1, feat_new)
+    denominator = (torch.exp(b + feat_new - query_scale) * k_sum).sum(-1)
+    return (divide(numerator, denominator).to(out_dtype), LinearState(kv, k_sum, state.position + 1, feat_new),
+            log_normalizer(denominator, query_scale.squeeze(-1)))
 
 
 def state_position(state) -> int:

@@ -113,7 +113,8 @@ struct Call {
   Source q, k;
   const void* v;                            // (B, H, N, Dv), strides below, last dimension contiguous
   int64_t v_b, v_h, v_n;
-  const void* phases;                       // (N, M/2, 2): cos, sin per position and pair; null: no rotation
+  const void* phases;                       // (N, M/2, 2): cos, sin per key position and pair; null: no rotation
+  const void* q_phases;                     // the same per query position (queries and keys may start apart)
   void* feat;                               // (B, H, chunks + 1, M): F at each chunk's first token, and after the last
   int64_t threads;
 };
@@ -257,7 +258,7 @@ template <typename T> struct Chunk {
     for (int64_t r = 0; r < rows; ++r)
 #pragma omp simd
       for (int64_t j = 0; j < m; ++j) query_rot[r * m + j] = query_den[r * m + j] * query_ratio[j];
-    rotate(query_rot.data(), call.phases, row, rows, m, false);
+    rotate(query_rot.data(), call.q_phases, row, rows, m, false);
   }
 
   const T* q_num() const { return rotary ? query_rot.data() : query_den.data(); }
@@ -457,11 +458,13 @@ void states(const Call& c, int64_t lo, int64_t hi, const std::int32_t* flags, co
 // Backward (chunk.py 4.) from chunk hi down to lo, stopping at an irregular chunk (left to
 // chunk.py) or below lo; returns that chunk, or lo - 1.  states, sums: the states before each chunk
 // of [first, first + count) (B H, count, .), from `states`.  later, later_sum: d loss / d S and
-// d loss / d Z after chunk hi, updated to before the last chunk done.
+// d loss / d Z after chunk hi, updated to before the last chunk done.  grad_lse: d loss / d the rows'
+// log-normalisers log(den) + Q (B H, N), or null.
 template <typename T>
 int64_t backward(const Call& c, int64_t hi, int64_t lo, const std::int32_t* flags, const T* states_in,
-                 const T* sums_in, int64_t first, int64_t count, const T* grad, const T* out, const T* den,
-                 const T* query_scale, T* later, T* later_sum, const SourceGrad& dq, const SourceGrad& dk, T* dv_out) {
+                 const T* sums_in, int64_t first, int64_t count, const T* grad, const T* grad_lse, const T* out,
+                 const T* den, const T* query_scale, T* later, T* later_sum, const SourceGrad& dq,
+                 const SourceGrad& dk, T* dv_out) {
   int64_t stop = hi;
   while (stop >= lo && !flags[stop]) --stop;
   const int64_t heads = c.batch * c.heads, m = c.m, dv = c.dv, L = c.length;
@@ -489,10 +492,10 @@ int64_t backward(const Call& c, int64_t hi, int64_t lo, const std::int32_t* flag
         ch.keys();
         ch.queries(true);
         ch.masked_scores();
-        // g_num = g / den, g_den = -(g . out) / den (common.output_gradients)
+        // g_num = g / den, g_den = -(g . out) / den (common.output_gradients), + g_lse / den
         for (int64_t r = 0; r < rows; ++r) {
           const T d = den[at + r], divisor = std::max(d, guard<T>());
-          T dot = 0;
+          T dot = grad_lse ? -grad_lse[at + r] : T(0);
           for (int64_t e = 0; e < dv; ++e) {
             g_num[r * dv + e] = grad[(at + r) * dv + e] / divisor;
             dot += grad[(at + r) * dv + e] * out[(at + r) * dv + e];
@@ -524,7 +527,7 @@ int64_t backward(const Call& c, int64_t hi, int64_t lo, const std::int32_t* flag
         gemm(false, true, rows, m, dv, v, c.v_n, decayed.data(), dv, T(0), d_k.data(), m);
         gemm(true, false, rows, m, rows, d_scores.data(), L, ch.q_num(), m, T(1), d_k.data(), m);
         if (ch.rotary) {   // back through R, then to the factors' own scale: d num * num / den = d num * ratio
-          rotate(d_q.data(), c.phases, row, rows, m, true);
+          rotate(d_q.data(), c.q_phases, row, rows, m, true);
           rotate(d_k.data(), c.phases, row, rows, m, true);
           for (int64_t r = 0; r < rows; ++r)
             for (int64_t j = 0; j < m; ++j) {
@@ -556,56 +559,6 @@ int64_t backward(const Call& c, int64_t hi, int64_t lo, const std::int32_t* flag
     }
   }
   return stop;
-}
-
-// ---- log-cumsum-exp along a sequence (the window's row sums, ops/window_decay) ----------------------
-// x, y: contiguous (outer, n, inner), scanned along n; each thread takes whole outer slices, and the
-// inner loop runs over contiguous columns.
-
-template <typename T> inline T log_add(T a, T b) {
-  const T hi = a > b ? a : b, lo = a > b ? b : a;
-  if (a != a || b != b) return std::numeric_limits<T>::quiet_NaN();
-  if (lo == -std::numeric_limits<T>::infinity() || hi == std::numeric_limits<T>::infinity()) return hi;
-  return hi + std::log1p(std::exp(lo - hi));
-}
-
-template <typename T> void log_cumsum_exp(const T* x, T* y, int64_t outer, int64_t n, int64_t inner, int64_t threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t o = 0; o < outer; ++o) {
-    const T* xo = x + o * n * inner;
-    T* yo = y + o * n * inner;
-    std::copy(xo, xo + inner, yo);
-    for (int64_t r = 1; r < n; ++r)
-      for (int64_t j = 0; j < inner; ++j) yo[r * inner + j] = log_add(yo[(r - 1) * inner + j], xo[r * inner + j]);
-  }
-}
-
-// dx_r = sum_{s >= r} g_s e^(x_r - y_s) = e^(x_r - y_r) t_r with t_r = g_r + e^(y_r - y_{r+1}) t_{r+1}: every
-// factor is <= 1 (y grows along the scan), so the reverse scan is stable; an x of -inf gets 0.
-template <typename T>
-void log_cumsum_exp_backward(const T* x, const T* y, const T* g, T* dx, int64_t outer, int64_t n, int64_t inner,
-                             int64_t threads) {
-  const T ninf = -std::numeric_limits<T>::infinity();
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<T> carry(inner);
-#pragma omp for schedule(static)
-    for (int64_t o = 0; o < outer; ++o) {
-      const int64_t base = o * n * inner;
-      for (int64_t r = n - 1; r >= 0; --r) {
-        for (int64_t j = 0; j < inner; ++j) {
-          const int64_t i = base + r * inner + j;
-          T t = g[i];
-          if (r + 1 < n) {
-            const T later = y[i + inner];
-            t += (y[i] == later ? T(1) : std::exp(y[i] - later)) * carry[j];
-          }
-          carry[j] = t;
-          dx[i] = x[i] == ninf ? T(0) : std::exp(x[i] - y[i]) * t;
-        }
-      }
-    }
-  }
 }
 
 // Results below -1 are errors (a C caller cannot catch C++ exceptions): the buffers did not fit in
@@ -661,40 +614,16 @@ int64_t linattn_states(int dtype, const Call* c, int64_t lo, int64_t hi, const s
 
 int64_t linattn_backward(int dtype, const Call* c, int64_t hi, int64_t lo, const std::int32_t* flags,
                          const void* states_in, const void* sums_in, int64_t first, int64_t count, const void* grad,
-                         const void* out, const void* den, const void* query_scale, void* later, void* later_sum,
-                         const SourceGrad* dq, const SourceGrad* dk, void* dv) {
+                         const void* grad_lse, const void* out, const void* den, const void* query_scale, void* later,
+                         void* later_sum, const SourceGrad* dq, const SourceGrad* dk, void* dv) {
   return guarded([&] {
     if (dtype == 0)
       return backward<float>(*c, hi, lo, flags, (const float*)states_in, (const float*)sums_in, first, count,
-                             (const float*)grad, (const float*)out, (const float*)den, (const float*)query_scale,
-                             (float*)later, (float*)later_sum, *dq, *dk, (float*)dv);
+                             (const float*)grad, (const float*)grad_lse, (const float*)out, (const float*)den,
+                             (const float*)query_scale, (float*)later, (float*)later_sum, *dq, *dk, (float*)dv);
     return backward<double>(*c, hi, lo, flags, (const double*)states_in, (const double*)sums_in, first, count,
-                            (const double*)grad, (const double*)out, (const double*)den, (const double*)query_scale,
-                            (double*)later, (double*)later_sum, *dq, *dk, (double*)dv);
-  });
-}
-
-int64_t linattn_log_cumsum_exp(int dtype, const void* x, void* y, int64_t outer, int64_t n, int64_t inner,
-                               int64_t threads) {
-  return guarded([&] {
-    if (dtype == 0)
-      log_cumsum_exp<float>((const float*)x, (float*)y, outer, n, inner, threads);
-    else
-      log_cumsum_exp<double>((const double*)x, (double*)y, outer, n, inner, threads);
-    return int64_t(0);
-  });
-}
-
-int64_t linattn_log_cumsum_exp_backward(int dtype, const void* x, const void* y, const void* g, void* dx,
-                                        int64_t outer, int64_t n, int64_t inner, int64_t threads) {
-  return guarded([&] {
-    if (dtype == 0)
-      log_cumsum_exp_backward<float>((const float*)x, (const float*)y, (const float*)g, (float*)dx, outer, n, inner,
-                                     threads);
-    else
-      log_cumsum_exp_backward<double>((const double*)x, (const double*)y, (const double*)g, (double*)dx, outer, n,
-                                      inner, threads);
-    return int64_t(0);
+                            (const double*)grad, (const double*)grad_lse, (const double*)out, (const double*)den,
+                            (const double*)query_scale, (double*)later, (double*)later_sum, *dq, *dk, (double*)dv);
   });
 }
 

@@ -11,9 +11,10 @@ from typing import NamedTuple
 
 import torch
 
-from ...rotary import rotary_phases, rotate_pairs
-from .common import (LogProjection, compute_dtype, divide, feature_tensors, first_derivatives_only,
-                     numerator_features, source_from_parts, source_parts, without_autocast)
+from ...rotary import rotate_pairs
+from .common import (LogProjection, compute_dtype, divide, feature_tensors, first_derivatives_only, log_normalizer,
+                     numerator_features, query_key_phases, same_rotation, source_from_parts, source_parts,
+                     without_autocast)
 from .recurrent import LinearState
 from .stable import JUMP_LIMIT, NUMERATOR_CAP, PAIR_SPREAD, numerator_query, numerator_scale
 from .torch_plain import nothing_to_attend
@@ -24,52 +25,60 @@ RUN_ELEMENTS = 2 ** 19    # chunks computed together: at most this many elements
 
 @torch.compiler.disable
 def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope_base: float, chunk_size: int,
-                       return_state: bool, causal_pass=None):
+                       return_state: bool, key_offset: int | None = None, return_log_normalizer: bool = False,
+                       causal_pass=None):
     """Eq. 19 from log-features b = log phi_q, a = log phi_k, each a tensor or a `LogProjection`
     (the causal op then projects chunk by chunk), in float32 (float64 stays float64) with autocast
-    off; outputs in v's dtype.  The state (if asked) carries F.  Under torch.compile it runs eagerly
+    off; outputs in v's dtype.  The queries are rotated at offset.., the keys at key_offset.. (None:
+    offset).  The state (if asked) carries F and the keys' next position; with return_log_normalizer
+    the rows' log sum_n phi_q . phi_k come last (in the compute dtype).  Under torch.compile it runs eagerly
     (a graph break): its loop over chunks is Python's, and inductor failed on a ragged
     last chunk ("Exponent must be non-negative").  `causal_pass`: what computes the causal pass, with
     `causal_log_attention`'s arguments and results (None: that function; cpp_logspace.py gives its C++ kernel's)."""
     out_dtype, dtype = v.dtype, compute_dtype(*feature_tensors(b, a), v)
     with torch.autocast(v.device.type, enabled=False):
         b, a = (_to(x, dtype) for x in (b, a))
-        result = _logspace_attention(b, a, v.to(dtype), causal=causal, rotary=rotary, offset=offset,
-                                       base=rope_base, chunk_size=chunk_size, return_state=return_state,
-                                       causal_pass=causal_pass or causal_log_attention)
-    return (result[0].to(out_dtype), result[1]) if return_state else result.to(out_dtype)
+        out, state, lse = _logspace_attention(b, a, v.to(dtype), causal=causal, rotary=rotary, offset=offset,
+                                              key_offset=offset if key_offset is None else key_offset,
+                                              base=rope_base, chunk_size=chunk_size,
+                                              causal_pass=causal_pass or causal_log_attention)
+    result = (out.to(out_dtype), *((state,) if return_state else ()), *((lse,) if return_log_normalizer else ()))
+    return result if len(result) > 1 else result[0]
 
 
 def _to(x, dtype):
     """In the compute dtype; a projection's inputs in any layout (each chunk's rows are gathered when
     projected), log-feature tensors contiguous."""
     if isinstance(x, LogProjection):
-        return x._replace(inputs=x.inputs.to(dtype), weight=x.weight.to(dtype).contiguous(),
-                          shift=x.shift.to(dtype) if isinstance(x.shift, torch.Tensor) else x.shift)
+        x = x.to(dtype)
+        return x._replace(weight=x.weight.contiguous())
     return x.to(dtype).contiguous()
 
 
-def _logspace_attention(b, a, v, *, causal, rotary, offset, base, chunk_size, return_state, causal_pass):
+def _logspace_attention(b, a, v, *, causal, rotary, offset, key_offset, base, chunk_size, causal_pass):
+    """(out, state, log-normaliser): the state None where the call is not causal."""
     n = v.shape[-2]
     if not causal or n == 0:   # no chunk loop: the log-features themselves
         b, a = (x.materialize() if isinstance(x, LogProjection) else x for x in (b, a))
     m = a.shape[-1]
     if v.shape[:-1].numel() == 0:
-        return nothing_to_attend(v, m, v.dtype, position=offset + n, return_state=return_state, log_space=True)
+        out, state = nothing_to_attend(v, m, v.dtype, position=key_offset + n, return_state=True, log_space=True)
+        return out, state, v.new_full(v.shape[:-1], float("-inf"))
     if causal:
-        phases = rotary_phases(n, m, offset=offset, base=base, device=v.device, dtype=v.dtype) \
-            if rotary else None
-        out, kv, k_sum, last = causal_pass(b, a, v, phases, chunk_size, base)
-        return (out, LinearState(kv, k_sum, offset + n, last)) if return_state else out
+        phases = query_key_phases(n, m, offset=offset, key_offset=key_offset, base=base, device=v.device,
+                                  dtype=v.dtype) if rotary else None
+        out, kv, k_sum, last, lse = causal_pass(b, a, v, phases, chunk_size, base)
+        return out, LinearState(kv, k_sum, key_offset + n, last), lse
     with torch.no_grad():   # the scales cancel exactly: no gradient
         feature_scale = a.amax(dim=-2, keepdim=True)
         query_scale = (b + feature_scale).amax(dim=-1, keepdim=True)
     pair_scale = numerator_scale(feature_scale, rotary)
     q_num, k_num = numerator_features(numerator_query(b + pair_scale - query_scale), torch.exp(a - pair_scale),
-                                      rotary=rotary, offset=offset, base=base)
+                                      rotary=rotary, offset=offset, key_offset=key_offset, base=base)
     key_sum = torch.exp(a - feature_scale).sum(-2, keepdim=True)
     denominator = (torch.exp(b + feature_scale - query_scale) * key_sum).sum(-1)
-    return divide(q_num @ (k_num.transpose(-1, -2) @ v), denominator)
+    return (divide(q_num @ (k_num.transpose(-1, -2) @ v), denominator), None,
+            log_normalizer(denominator, query_scale.squeeze(-1)))
 
 
 class _Scales(NamedTuple):
@@ -135,7 +144,8 @@ class _Chunks(NamedTuple):
 def _chunks(b_j, a_j, v_j, state, key_sum, scales: _Scales, phases, query_scale=None) -> _Chunks:
     """A run of chunks (B, H, G, L, .) given the state before it, with the same ops whatever the data
     (1.-3. of its derivation, docs/derivations.md).  Differentiable: backward is autograd through it.  `query_scale`:
-    Q per row if given (it need only be at least the row's own Q minus JUMP_LIMIT), else the row's own."""
+    Q per row if given (it need only be at least the row's own Q minus JUMP_LIMIT), else the row's own.
+    phases: the queries' and keys' rotations, (2, G, L, M/2), or None."""
     rotary = phases is not None
     with torch.no_grad():   # the scales cancel exactly: no gradient
         feat_rows = _running_max(torch.maximum(a_j, scales.feat))           # F_m, (B, H, G, L, M)
@@ -143,10 +153,10 @@ def _chunks(b_j, a_j, v_j, state, key_sum, scales: _Scales, phases, query_scale=
         if query_scale is None:
             query_scale = (b_j + feat_rows).amax(-1)
     shifted = b_j - query_scale.unsqueeze(-1)                                # b - Q
-    states, key_sums, state, key_sum = _run_states(state, key_sum, a_j, v_j, scales, phases)
+    states, key_sums, state, key_sum = _run_states(state, key_sum, a_j, v_j, scales, _keys(phases))
     # 1. the state before each chunk, read at the chunk's first-token scales
     q_den = _exp(shifted + scales.feat)
-    q_num = _factors((shifted + scales.pair).clamp_max(NUMERATOR_CAP), phases) if rotary else q_den
+    q_num = _factors((shifted + scales.pair).clamp_max(NUMERATOR_CAP), phases[0]) if rotary else q_den
     numerator, denominator = _within_chunks(shifted, a_j, v_j, feat_rows, pair_rows, phases)
     numerator = numerator + q_num @ states
     denominator = denominator + (q_den @ key_sums.unsqueeze(-1)).squeeze(-1)
@@ -162,7 +172,10 @@ def _within_chunks(shifted, a_j, v_j, feat_rows, pair_rows, phases):
     own term."""
     rotary = phases is not None
     denominator = _exp(shifted + a_j).sum(-1)
-    if rotary:   # (R_m x)^T (R_m y) = x^T y: the diagonal is unrotated, its query factor capped
+    if rotary and not same_rotation(phases):   # queries and keys at different positions: (R_s x)^T (R_t y)
+        own = (_factors((shifted + pair_rows).clamp_max(NUMERATOR_CAP), phases[0])
+               * _factors(a_j - pair_rows, phases[1])).sum(-1)
+    elif rotary:   # (R_m x)^T (R_m y) = x^T y: the diagonal is unrotated, its query factor capped
         own = _exp((shifted + pair_rows).clamp_max(NUMERATOR_CAP) + a_j - pair_rows).sum(-1)
     else:
         own = denominator
@@ -185,7 +198,8 @@ def _within_chunks(shifted, a_j, v_j, feat_rows, pair_rows, phases):
         feat_ref, pair_ref = feat[..., -1:, :], pair[..., -1:, :]     # (..., blocks, 1, M)
         k_den, q_den = _exp(k - feat_ref), _exp(q + feat_ref)
         if rotary:
-            ph_k, ph_q = phases.unflatten(-2, (-1, 2, half)).unbind(-3)
+            left, right = phases.unflatten(-2, (-1, 2, half)).unbind(-3)
+            ph_k, ph_q = left[1], right[0]
             k_num = rotate_pairs(_exp(k - pair_ref), ph_k)
             q_num = rotate_pairs(_exp((q + pair_ref).clamp_max(NUMERATOR_CAP)), ph_q)
         else:
@@ -223,8 +237,14 @@ def _add_right(total: torch.Tensor, right: torch.Tensor, half: int) -> torch.Ten
     return torch.stack([blocks.select(-3, 0), blocks.select(-3, 1) + right], -3).flatten(-4, -2)
 
 
+def _keys(phases):
+    """The keys' rotation of `query_key_phases` (or of its rows), or None."""
+    return None if phases is None else phases[1]
+
+
 def _run_states(state, key_sum, a_j, v_j, scales: _Scales, phases):
-    """The states before each chunk of a run, (B, H, G, M, Dv) and (B, H, G, M), and after its last:
+    """The states before each chunk of a run, (B, H, G, M, Dv) and (B, H, G, M), and after its last
+    (phases: the keys' rotation or None):
     2.'s update as S_{k+1} = e^{P_k - P_{k+1}} S_k + U_k, U_k = sum_n R_n e^{a_n - P_{k+1}} v_n^T
     (key factors <= 1), so that every U_k comes from one batched product and only the decayed sums
     are sequential."""
@@ -284,23 +304,29 @@ def _run_inputs(source, run: _Run):
 
 def finish_forward(ctx, parts: tuple, length: int, base: float, v, out, den, query_scale, feat, phases, state,
                    key_sum, *extra):
-    """The causal function's outputs (out, state, key sum, F after the last token), with what backward
-    needs saved: the sources' parts (numbers such as a constant shift on ctx, tensors through
-    autograd), the chunk length, the rotary base, v, out, den, Q, F, the rotation and `extra`."""
+    """The causal function's outputs (out, state, key sum, F after the last token, log-normaliser), with what
+    backward needs saved: the sources' parts (numbers such as a constant shift on ctx, tensors through
+    autograd), the chunk length, the rotary base, v, out, den, Q, F, the rotation and `extra`.  Gradients
+    of unused outputs come to backward as None (the log-normaliser's then costs nothing)."""
     ctx.numbers = [None if isinstance(x, torch.Tensor) else x for x in parts]
+    ctx.same_rotation = phases is not None and same_rotation(phases)   # then saved once, expanded again
     ctx.save_for_backward(*(x if isinstance(x, torch.Tensor) else None for x in parts), v, out, den, query_scale,
-                          feat, phases, *extra)
+                          feat, phases[1] if ctx.same_rotation else phases, *extra)
     ctx.length, ctx.base = length, base
     last = feat[:, :, -1]
     ctx.mark_non_differentiable(state, key_sum, last)
-    return out, state, key_sum, last
+    ctx.set_materialize_grads(False)
+    return out, state, key_sum, last, log_normalizer(den, query_scale)
 
 
 def saved_sources(ctx):
     """What `finish_forward` saved: the query and key sources, (v, out, den, Q, F, rotation) and `extra`."""
     saved = ctx.saved_tensors
     parts = [x if number is None else number for x, number in zip(saved[:8], ctx.numbers)]
-    return source_from_parts(*parts[:4]), source_from_parts(*parts[4:]), saved[8:14], saved[14:]
+    tensors = saved[8:14]
+    if ctx.same_rotation:
+        tensors = (*tensors[:5], tensors[5].unsqueeze(0).expand(2, -1, -1))
+    return source_from_parts(*parts[:4]), source_from_parts(*parts[4:]), tensors, saved[14:]
 
 
 class SourceGradients(NamedTuple):
@@ -372,8 +398,9 @@ class _CausalLogAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     @without_autocast
-    def backward(ctx, grad, _state_grad, _key_sum_grad, _last_grad):
+    def backward(ctx, grad, _state_grad, _key_sum_grad, _last_grad, lse_grad):
         queries, keys, (v, out, den, query_scale, feat, phases), saved = saved_sources(ctx)
+        grad = torch.zeros_like(out) if grad is None else grad
         needs = ctx.needs_input_grad
         q_grads, k_grads = SourceGradients.of(queries, needs[0:3]), SourceGradients.of(keys, needs[4:7])
         dv = torch.empty_like(v)
@@ -387,13 +414,14 @@ class _CausalLogAttention(torch.autograd.Function):
                 befores.append((state, key_sum))
                 scales, ph = _run_scales(feat, run, phases)
                 state, key_sum = _run_states(state, key_sum, _run_inputs(keys, run), _run_inputs(v, run), scales,
-                                             ph)[2:]
+                                             _keys(ph))[2:]
             for run, (state, key_sum) in reversed(list(zip(runs, befores))):
                 chunks = (run.count, -1)
                 inputs = tuple(_run_inputs(x, run) for x in (queries, keys, v))
                 qs, g = (x[:, :, run.tokens].unflatten(2, chunks) for x in (query_scale, grad))
+                g_lse = None if lse_grad is None else lse_grad[:, :, run.tokens].unflatten(2, chunks)
                 (db, da, dv_r), later, later_sum = _chunk_backward(
-                    inputs, state, key_sum, *_run_scales(feat, run, phases), qs, g, later, later_sum)
+                    inputs, state, key_sum, *_run_scales(feat, run, phases), qs, g, later, later_sum, g_lse)
                 dv[:, :, run.tokens] = dv_r.flatten(2, 3)
                 q_grads.write(queries, db.flatten(2, 3), run.tokens)
                 k_grads.write(keys, da.flatten(2, 3), run.tokens)
@@ -402,25 +430,30 @@ class _CausalLogAttention(torch.autograd.Function):
 
 def causal_log_attention(b, a, v, phases, chunk_size: int, base: float):
     """Causal Eq. 19 from log-features (tensors or `LogProjection`s) in torch ops: (out, state, key sum,
-    F after the last token), the state scaled as docs/derivations.md says."""
-    out, *state = _CausalLogAttention.apply(*source_parts(b), *source_parts(a), v, phases, chunk_size, base)
-    return (first_derivatives_only(out), *state)
+    F after the last token, log-normaliser), the state scaled as docs/derivations.md says."""
+    out, kv, k_sum, last, lse = _CausalLogAttention.apply(*source_parts(b), *source_parts(a), v, phases, chunk_size,
+                                                          base)
+    return first_derivatives_only(out), kv, k_sum, last, first_derivatives_only(lse)
 
 
 def _run_scales(feat, run: _Run, phases):
-    """A run's scales, from F (B, H, chunks + 1, M), and the rotation of its tokens (G, L, M/2) or None."""
+    """A run's scales, from F (B, H, chunks + 1, M), and the rotations of its tokens (2, G, L, M/2) or None."""
     scales = _Scales.of(feat[:, :, run.first:run.first + run.count + 1], phases is not None)
-    return scales, None if phases is None else phases[run.tokens].unflatten(0, (run.count, -1))
+    return scales, None if phases is None else phases[:, run.tokens].unflatten(1, (run.count, -1))
 
 
-def _chunk_backward(inputs, state, key_sum, scales, phases, query_scale, grad, later, later_sum):
+def _chunk_backward(inputs, state, key_sum, scales, phases, query_scale, grad, later, later_sum, lse_grad=None):
     """4. of the derivation (docs/derivations.md): autograd through a run's recomputed forward, given the state before
-    it and d loss / d S, d loss / d Z after it: the gradients of b, a, v, and d loss / d S, d loss / d Z
-    before the run."""
+    it and d loss / d S, d loss / d Z after it (and d loss / d log-normaliser, or None): the gradients of b,
+    a, v, and d loss / d S, d loss / d Z before the run."""
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (*inputs, state, key_sum)]
         chunks = _chunks(*leaves, scales, phases, query_scale)
-        grads = torch.autograd.grad((chunks.out, chunks.state, chunks.key_sum), leaves, (grad, later, later_sum))
+        outputs, given = [chunks.out, chunks.state, chunks.key_sum], [grad, later, later_sum]
+        if lse_grad is not None:   # Q is a constant of the chunks: the log-normaliser is log(den) + Q
+            outputs.append(log_normalizer(chunks.den, query_scale))
+            given.append(lse_grad)
+        grads = torch.autograd.grad(outputs, leaves, given)
     return grads[:3], grads[3], grads[4]
 
 
@@ -429,7 +462,7 @@ def _chunk_inputs(chunk: int, queries, keys, v, phases, feat, length: int):
     s = slice(chunk * length, min((chunk + 1) * length, v.shape[-2]))
     b, a, v_c = (_rows(x, s).contiguous().unsqueeze(2) for x in (queries, keys, v))
     scales = _Scales.of(feat[:, :, chunk:chunk + 2], phases is not None)
-    return s, (b, a, v_c), scales, None if phases is None else phases[s].unsqueeze(0)
+    return s, (b, a, v_c), scales, None if phases is None else phases[:, s].unsqueeze(1)
 
 
 def irregular_chunk_forward(chunk, queries, keys, v, phases, feat, length, base, state, key_sum, out, den,
@@ -452,14 +485,16 @@ def irregular_chunk_forward(chunk, queries, keys, v, phases, feat, length, base,
 
 def irregular_chunk_backward(chunk, queries, keys, v, phases, feat, length, base, state, key_sum, grad, out, den,
                              query_scale, later, later_sum, q_grads: SourceGradients, k_grads: SourceGradients, dv,
-                             capped: bool):
+                             capped: bool, lse_grad=None):
     """The backward of one irregular chunk for a kernel (cpp_logspace.py's), updating `later`, `later_sum`
     and writing the chunk's gradients.  (`base`, `out`, `den` and the kernel's flag `capped` are not
     needed: every chunk takes autograd through `_chunks` with the saved Q.)"""
     del base, out, den, capped
     s, inputs, scales, ph = _chunk_inputs(chunk, queries, keys, v, phases, feat, length)
     qs, g = query_scale[:, :, s].unsqueeze(2), grad[:, :, s].unsqueeze(2)
-    (db, da, dv_c), after, after_sum = _chunk_backward(inputs, state, key_sum, scales, ph, qs, g, later, later_sum)
+    g_lse = None if lse_grad is None else lse_grad[:, :, s].unsqueeze(2)
+    (db, da, dv_c), after, after_sum = _chunk_backward(inputs, state, key_sum, scales, ph, qs, g, later, later_sum,
+                                                       g_lse)
     later.copy_(after)
     later_sum.copy_(after_sum)
     dv[:, :, s] = dv_c.squeeze(2)

@@ -9,10 +9,10 @@ For query m and key n <= m at distance d = m - n (docs/gap-closers.md has the de
   work and O(N) memory), with each row's log-normaliser;
 * the linear part: linear attention of queries W.. against keys ..N-W-1 (query m reads the state at
   m - W), as a ratio r_m (its nu-weighted mean of values) and a log-weight l_m = log(g gamma^W sum kappa gamma^(d-W)):
-  - log-features: the op (`run_linear_attention`: any backend's exact log-space pass), the
-    decay folded into the log-features (b_j + j log gamma, a_n - n log gamma); the row sums of kappa
-    come from a log-cumsum-exp of the keys.  The op rotates query m at its index, m - W, so for Eq. 19
-    (`post`) the queries go in as R_W e^b, split into two non-negative parts (two calls);
+  - log-features: one call of the op (`run_linear_attention`: any backend's exact log-space pass), the
+    decay folded into the log-features (b_j + j log gamma, a_n - n log gamma), the queries at their
+    positions m and the keys at theirs (the op's key offset, W apart), so that Eq. 19 (`post`) is
+    rotated at each token's true position; the row sums of kappa are the op's log-normaliser;
   - plain features: the chunked decayed form (`decayed_chunks`: an intra-chunk decay matrix, the state
     decayed per chunk, as RetNet and fla's simple_gla), which keeps numerator and denominator apart;
     on the fla backend, fla's own kernels (`fla_kernels.decayed_attention`);
@@ -30,22 +30,19 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from ...checks import check_state_finite, check_state_position, check_state_tensors, debug_enabled, is_integer
 from ...custom_ops import run_linear_attention
 from ..linear_attention.common import LogProjection, compute_dtype, feature_tensors, guard_features
-from ..linear_attention.cpp_logspace import log_cumsum_exp
 from ..linear_attention.dispatch import resolve
 from ..linear_attention.plain_scale import power_of_two_below, query_scale, scale_plain_features
 from ..linear_attention.fla_kernels import HALF_DOTS, decayed_attention
 from ..linear_attention.recurrent import LinearState, check_state, initial_state, recurrent_step
 from .band import band_attention, merge
-from ...rotary import rotary_phases, rotate
+from ...rotary import rotate
 
-FLOOR = -1e30    # a log-feature that is exactly 0 beside any real one, finite so that no inf - inf appears
-# The log-weight of a row with no linear key: -inf, not FLOOR, since the window's log-normalisers are not
-# bounded (scores of -1e36 at inputs of 1e18 lost a row among the first W to a FLOOR beside it: exactly 0).
+# The log-weight of a row with no linear key: -inf, not a finite floor, since the window's log-normalisers are
+# not bounded (scores of -1e36 at inputs of 1e18 lost a row among the first W to a floor of -1e30 beside it).
 # `merge` takes its stabiliser from the window's, which is finite or NaN, never -inf (the diagonal is inside).
 NO_WEIGHT = float("-inf")
 
@@ -72,32 +69,35 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
                            log_space: bool, offset: int, rope_base: float, chunk_size: int, backend: str,
                            return_state: bool):
     """The parallel pass: (B, H, N, D) score inputs q_hat, k_hat, (B, H, N, M) features (log-features
-    if `log_space`), (B, H, N, Dv) values -> (B, H, N, Dv) in float32 (float64 stays), and the
-    `WindowState` with `return_state`.  log_decay (H,) log gamma or None; log_gain (H,) log g or None
+    if `log_space`, or their `LogProjection`s), (B, H, N, Dv) values -> (B, H, N, Dv) in float32 (float64
+    stays), and the `WindowState` with `return_state`.  log_decay (H,) log gamma or None; log_gain (H,) log g or None
     (used only with a window); rotary: Eq. 19's numerator; backend: the block's, for the linear part (the
     window's band runs in torch).  It is resolved here, as the op resolves it: "auto" is fla on CUDA where
     installed.  While torch.compile traces, names decide instead (resolving asks the machine, and fla's
     kernels are no graph ops): the log-space op is a custom op that resolves when it runs, and plain
     features take the torch loop."""
-    dtype = torch.float64 if v.dtype == torch.float64 or phi_q.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(*feature_tensors(phi_q, phi_k), v)
     if torch.compiler.is_compiling():
         backend = backend if log_space else "torch"
     else:
         backend = resolve(backend, v.device, float64=dtype == torch.float64, log_space=log_space, causal=True)
     with torch.autocast(v.device.type, enabled=False):
         values = v
-        q_hat, k_hat, phi_q, phi_k, v = (t.to(dtype) for t in (q_hat, k_hat, phi_q, phi_k, v))
+        q_hat, k_hat, v = (t.to(dtype) for t in (q_hat, k_hat, v))
+        phi_q, phi_k = (x.to(dtype) for x in (phi_q, phi_k))
         # bf16 values stay bf16 for the linear part on fla's kernels, which multiply them on tensor cores
         linear_values = values if backend == "fla" and values.dtype == HALF_DOTS else v
         rate = None if log_decay is None else log_decay.to(dtype)
         n = v.shape[-2]
         linear_state, lin_log, ratio = None, None, None
         if n == 0:   # no tokens: an empty output (the chunk loops want one)
-            empty = WindowState(None, k_hat, v, phi_k, offset, offset, window)
+            empty = WindowState(None, k_hat, v, feature_rows(phi_k, slice(0, 0), materialize=True), offset, offset,
+                                window)
             return (v.clone(), empty) if return_state else v.clone()
         if window < n:   # queries W.. against keys ..N-W-1: query m reads the keys n <= m - W
             part = log_linear_part if log_space else plain_linear_part
-            lin_log, ratio, linear_state = part(phi_q[..., window:, :], phi_k[..., :n - window, :],
+            lin_log, ratio, linear_state = part(feature_rows(phi_q, slice(window, n)),
+                                                feature_rows(phi_k, slice(0, n - window)),
                                                 linear_values[..., :n - window, :], window=window, rate=rate,
                                                 rotary=rotary, offset=offset, rope_base=rope_base,
                                                 chunk_size=chunk_size, backend=backend, return_state=return_state)
@@ -109,21 +109,39 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
     if not return_state:
         return out
     kept = min(window, n)
-    cache = (t[..., n - kept:, :].detach() for t in (k_hat, v, phi_k))
+    cache = (feature_rows(t, slice(n - kept, n), materialize=True).detach() for t in (k_hat, v, phi_k))
     return out, WindowState(linear_state, *cache, position=offset + n, origin=offset, window=window)
 
 
-def guard_window_features(phi_q, phi_k, v: torch.Tensor, *, log_space: bool, nonnegative_features: bool):
+def guard_window_features(phi_q, phi_k, v: torch.Tensor, *, log_space: bool, nonnegative_features: bool,
+                          materialize: bool = False):
     """(phi_q, phi_k, v) as the op guards them (`guard_features`: in debug mode checked, which reads them on
     the host; otherwise log-features beyond the dtype's range, or a projection whose bound is, and negative
-    plain features made NaN in the rows they reach), once, where the block hands them to this path; a
+    plain features made NaN in the rows they reach), once, where the block hands them to this path.  A
     `LogProjection` (FAVOR+'s: its bound sees |x|^2 overflow, which its log-features show as -inf, exactly
-    0, for every feature) then made into its (B, H, N, M) log-features."""
+    0, for every feature) stays one, so that the op projects the linear part's rows chunk by chunk (no
+    (B, H, N, M) log-features are made or kept), unless `materialize` (a step's one token)."""
     dtype = compute_dtype(*feature_tensors(phi_q, phi_k), v)
     phi_q, phi_k, v = guard_features(phi_q, phi_k, v, dtype, log_space=log_space,
                                      nonnegative_features=nonnegative_features)
-    phi_q, phi_k = (x.materialize() if isinstance(x, LogProjection) else x for x in (phi_q, phi_k))
+    if materialize:
+        phi_q, phi_k = (x.materialize() if isinstance(x, LogProjection) else x for x in (phi_q, phi_k))
     return phi_q, phi_k, v
+
+
+def feature_rows(x, positions: slice, materialize: bool = False):
+    """Some positions' features (B, H, len, M), of a tensor or a `LogProjection` (a projection of those
+    rows, or with `materialize` their log-features)."""
+    if not isinstance(x, LogProjection):
+        return x[..., positions, :]
+    return x.rows(positions) if materialize else x.take(positions)
+
+
+def add_to_log_features(x, extra: torch.Tensor):
+    """Log-features plus a (H, N, 1) per-row term: to a tensor, or to a `LogProjection`'s shift."""
+    if not isinstance(x, LogProjection):
+        return x + extra
+    return x._replace(shift=(x.shift + extra).expand(*x.inputs.shape[:-1], 1))
 
 
 def linear_log_factor(window: int, rate, log_gain, dtype) -> torch.Tensor | float:
@@ -200,76 +218,23 @@ def decayed_chunks(q_num, k_num, q_den, k_den, v, rate, chunk: int):
 
 
 def log_linear_part(b, a, v, *, window, rate, rotary, offset, rope_base, chunk_size, backend, return_state):
-    """`plain_linear_part` from log-features b = log phi_q, a = log phi_k, through the op's exact
-    log-space pass, which puts query j and key n at positions offset + j and offset + n (W early for
-    the query: `rotated_query_parts` makes up for it in Eq. 19's rotation).  The decay is folded into
-    the log-features, b_j + j log gamma and a_n - n log gamma, j and n counted from the call's first
-    token (the state's `origin`)."""
+    """`plain_linear_part` from log-features b = log phi_q, a = log phi_k (tensors or `LogProjection`s): one
+    call of the op's exact
+    log-space pass, query j at offset + W + j and key n at offset + n (its key offset), whose
+    log-normaliser is the row's log sum kappa.  The decay is folded into the log-features, b_j + j log gamma
+    and a_n - n log gamma, j and n counted from the call's first token (the state's `origin`)."""
+    dtype = feature_tensors(b)[0].dtype   # the compute dtype (v may be bf16 for fla's kernels)
     if rate is not None:
-        steps = torch.arange(v.shape[-2], device=v.device, dtype=b.dtype)[:, None] * rate[:, None, None]
-        b, a = b + steps, a - steps   # (H, N, 1): as many queries as keys
-    call = dict(causal=True, rotary=rotary, offset=offset, chunk_size=chunk_size, rope_base=rope_base,
-                backend=backend, log_space=True, return_state=return_state, nonnegative_features=True)
-    # a window weighs the linear part against it by each row's sum of kappa: log sum_{n<=j} e^(a_n), per feature
-    log_sums = running_log_sums(a, backend) if window else None
-    if rotary and window:   # the parts are recomputed in backward: their logaddexps kept 4 (N, M) tensors
-        (pos_op, pos), (neg_op, neg) = checkpoint(rotated_query_parts, b, window, rope_base, use_reentrant=False,
-                                                  preserve_rng_state=False)
-        result = run_linear_attention(pos_op, a, v, **call)
-        out_pos, state = result if return_state else (result, None)
-        out_neg = run_linear_attention(neg_op, a, v, **(call | {"return_state": False}))
-        return (*rotated_ratio(b, pos, neg, out_pos.to(b.dtype), out_neg.to(b.dtype), log_sums), state)
-    result = run_linear_attention(b, a, v, **call)
-    ratio, state = result if return_state else (result, None)
-    return (row_log_sums(b, log_sums) if window else None), ratio.to(b.dtype), state
-
-
-def running_log_sums(a, backend: str) -> torch.Tensor:
-    """log sum_{n<=j} e^(a_n) per feature: the C++ kernel's scan on the cpp backend (torch's logcumsumexp
-    was a third of the windowed block's CPU time), torch's elsewhere and while torch.compile traces."""
-    if backend == "cpp" and not torch.compiler.is_compiling():
-        return log_cumsum_exp(a, -2)
-    return torch.logcumsumexp(a, dim=-2)
-
-
-def row_log_sums(b, log_sums) -> torch.Tensor:
-    """log sum_j e^(b_mj) K_mj from log K: each query's denominator."""
-    return torch.logsumexp(b + log_sums, dim=-1)
-
-
-def rotated_ratio(b, pos, neg, out_pos, out_neg, log_sums):
-    """(log den, ratio) of Eq. 19 from the op's outputs for the parts P and N of R_W e^b: each output is
-    its numerator over its own denominator P . K (N . K), so ratio = (out_P P.K - out_N N.K) / (e^b . K)."""
-    log_den = row_log_sums(b, log_sums)
-    return log_den, (out_pos * torch.exp(row_log_sums(pos, log_sums) - log_den).unsqueeze(-1)
-                     - out_neg * torch.exp(row_log_sums(neg, log_sums) - log_den).unsqueeze(-1))
-
-
-def rotated_query_parts(b, window: int, base: float):
-    """R_W e^b = P - N with P, N >= 0 per coordinate, as (log P for the op, log P with FLOOR) and the same
-    for N.  The op rotates query m at m - W, so it is given R_W e^b:
-    (R_(m-W) R_W x) . (R_n y) = (R_m x) . (R_n y).  Per pair, with cos, sin of W theta:
-    (R_W x)_1 = cos x_1 - sin x_2, (R_W x)_2 = sin x_1 + cos x_2, each split by the coefficients' signs."""
-    phase = rotary_phases(1, b.shape[-1], offset=window, base=base, device=b.device, dtype=b.dtype)[0]
-    cos, sin = phase.real, phase.imag
-    x1, x2 = b.unflatten(-1, (-1, 2)).unbind(-1)
-    plus, minus = (lambda c: c.clamp_min(0)), (lambda c: (-c).clamp_min(0))
-    parts = []
-    for sign, other in ((plus, minus), (minus, plus)):   # P: the positive coefficients; N: the negative ones
-        first = log_combination(x1, x2, sign(cos), other(sin))
-        second = log_combination(x1, x2, sign(sin), sign(cos))
-        zero = torch.stack(((sign(cos) == 0) & (other(sin) == 0), (sign(sin) == 0) & (sign(cos) == 0)), -1)
-        logs = torch.stack((first, second), -1).flatten(-2)
-        parts.append((logs.masked_fill(zero.flatten(-2), float("-inf")), logs))
-    return parts
-
-
-def log_combination(x1, x2, c1, c2) -> torch.Tensor:
-    """log(c1 e^x1 + c2 e^x2) for constant coefficients >= 0; FLOOR where both are 0 (finite gradients)."""
-    zero = (c1 == 0) & (c2 == 0)
-    first = torch.where(zero, 0.0, c1.log() + x1)
-    second = torch.where(zero, 0.0, c2.log() + x2)
-    return torch.where(zero, FLOOR, torch.logaddexp(first, second))
+        steps = torch.arange(v.shape[-2], device=v.device, dtype=dtype)[:, None] * rate[:, None, None]
+        b, a = add_to_log_features(b, steps), add_to_log_features(a, -steps)   # (H, N, 1): as many queries as keys
+    result = run_linear_attention(b, a, v, causal=True, rotary=rotary, offset=offset + window, key_offset=offset,
+                                  chunk_size=chunk_size, rope_base=rope_base, backend=backend, log_space=True,
+                                  return_state=return_state, nonnegative_features=True,
+                                  return_log_normalizer=bool(window))
+    ratio, *rest = result if isinstance(result, tuple) else (result,)
+    state = rest.pop(0) if return_state else None
+    lin_log = rest[0].to(dtype) if window else None
+    return lin_log, ratio.to(dtype), state
 
 
 # ---- the window and the combination -------------------------------------------------------------
@@ -390,23 +355,15 @@ def plain_linear_step(phi_q, phi_k, v, linear, *, position, origin, window, rate
 
 
 def log_linear_step(b, a, v, linear, *, position, origin, window, rate, rotary, rope_base):
-    """`plain_linear_step` from log-features, through the op's exact recurrence (`recurrent_step`)."""
+    """`plain_linear_step` from log-features, through the op's exact recurrence (`recurrent_step`): the
+    leaving key at position - W, the query at its own position, as the parallel pass's key offset puts them."""
     if rate is not None:   # the leaving key's index (and the query's) from the origin, as in log_linear_part
         steps = (position - window - origin) * rate[:, None]
         b, a = b + steps, a - steps
-    if linear is None:   # the op's state puts the query and the leaving key at the key's position
+    if linear is None:   # the op's state starts at the leaving key's position
         linear = initial_state(*v.shape[:2], a.shape[-1], v.shape[-1], device=v.device, dtype=v.dtype,
                                log_space=True)._replace(position=position - window)
-    call = dict(rotary=rotary, rope_base=rope_base, log_space=True, nonnegative_features=True)
-    if rotary and window:
-        (pos_op, pos), (neg_op, neg) = rotated_query_parts(b, window, rope_base)
-        out_pos, new = recurrent_step(pos_op, a, v, linear, **call)
-        out_neg, _ = recurrent_step(neg_op, a, v, linear, **call)
-        return (*rotated_ratio(b, pos, neg, out_pos, out_neg, state_log_sums(new)), new)
-    ratio, new = recurrent_step(b, a, v, linear, **call)
-    return row_log_sums(b, state_log_sums(new)), ratio, new
-
-
-def state_log_sums(state: LinearState) -> torch.Tensor:
-    """log sum_n e^(a_n) per feature from a log-space LinearState (k_sum is kept scaled by e^-log_scale)."""
-    return guarded_log(state.k_sum)[0] + state.log_scale.clamp_min(FLOOR)
+    ratio, new, lin_log = recurrent_step(b, a, v, linear, rotary=rotary, rope_base=rope_base, log_space=True,
+                                         nonnegative_features=True, query_position=position,
+                                         return_log_normalizer=True)
+    return lin_log, ratio, new

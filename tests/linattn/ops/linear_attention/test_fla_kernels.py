@@ -112,6 +112,24 @@ def test_mapping_matches_torch_backend(fla_reference, log_space, rotary, n, offs
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("rotary", [True, False], ids=["post", "unrotated"])
+@pytest.mark.parametrize("offset,key_offset", [(7, 2), (0, 5)])
+def test_key_offset_and_log_normalizer_match_the_torch_backend(fla_reference, rotary, offset, key_offset):
+    """The fla route's key offset, log-normaliser and their gradients, as the torch backend's."""
+    tensors = features(9, 8, 4, log_space=True, scale=3.0)
+    gen = torch.Generator().manual_seed(5)
+    weights, lse_weights = (torch.randn(B, H, 9, *size, generator=gen, dtype=torch.float64) for size in ((4,), ()))
+    results = []
+    for backend in ("fla", "torch"):
+        out, state, lse = call(backend, True, tensors, rotary=rotary, offset=offset, key_offset=key_offset,
+                               return_state=True, return_log_normalizer=True)
+        loss = (out * weights).sum() + (lse * lse_weights).sum()
+        results.append([out, lse, state.kv, *torch.autograd.grad(loss, tensors)])
+        assert state.position == key_offset + 9
+    for name, g, w in zip(("out", "log-normaliser", "state", "d q", "d k", "dv"), *results):
+        torch.testing.assert_close(g, w.to(g.dtype), rtol=1e-10, atol=1e-12, msg=name)
+
+
 @pytest.mark.parametrize("log_space", [True, False], ids=["log", "plain"])
 def test_state_equals_torch_backends_and_decoding_continues_from_it(fla_reference, log_space):
     tensors = [t.detach() for t in features(24, 8, 4, log_space=log_space)]
