@@ -6,7 +6,7 @@ head and one chunk at a time, in cache, with the BLAS that torch links (MKL's sg
 per head, and hands the rare irregular chunks (exact rows, wide pairs) back to torch_logspace.py
 (`irregular_chunk_forward`, `irregular_chunk_backward`).  `logspace_attention` is the entry that
 dispatch.py's table holds for causal log-space calls on CPU.  Outputs, states
-and gradients are those of the torch backend up to float rounding (tests/linattn/ops/test_cpp_logspace.py).
+and gradients are those of the torch backend up to float rounding (tests/linattn/ops/linear_attention/test_cpp_logspace.py).
 
 It is built on first use with the system's C++ compiler and OpenMP (a few seconds), into a cache
 (`LINATTN_CACHE_DIR`, else `$XDG_CACHE_HOME/linattn` or `~/.cache/linattn`) under a name that holds
