@@ -27,15 +27,49 @@ def band_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: in
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor | None,
-          other_lse: torch.Tensor | None) -> torch.Tensor:
+          other_lse: torch.Tensor | None, start: int = 0) -> torch.Tensor:
     """The attention over the keys of both: (e^lse out + e^other_lse other) / (e^lse + e^other_lse), with
-    one stabiliser per row, the larger log-normaliser (so both weights are <= 1, the larger 1); other None:
-    out."""
+    one stabiliser per row, the larger log-normaliser (so both weights are <= 1, the larger 1); other and
+    other_lse cover the rows start.. of out and lse (the rows before: out); other None: out.  Backward keeps
+    only the four inputs (out and other are what their own passes keep) and recomputes the weights."""
     if other is None:
         return out
-    top = torch.maximum(lse, other_lse).detach()   # any constant per row cancels
+    return Merge.apply(out, lse, other, other_lse, start)
+
+
+def merge_weights(lse: torch.Tensor, other_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's two weights e^lse / (e^lse + e^other_lse) and e^other_lse / (...), (..., 1)."""
+    top = torch.maximum(lse, other_lse)   # any constant per row cancels
     mine, theirs = torch.exp(lse - top), torch.exp(other_lse - top)
-    return (mine.unsqueeze(-1) * out + theirs.unsqueeze(-1) * other) / (mine + theirs).unsqueeze(-1)
+    den = mine + theirs
+    return (mine / den).unsqueeze(-1), (theirs / den).unsqueeze(-1)
+
+
+class Merge(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, lse, other, other_lse, start: int):
+        ctx.save_for_backward(out, lse, other, other_lse)
+        ctx.start = start
+        mine, theirs = merge_weights(lse[..., start:], other_lse)
+        merged = out.clone()
+        merged[..., start:, :].mul_(mine).add_(theirs * other)
+        return merged
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, lse, other, other_lse = ctx.saved_tensors
+        start = ctx.start
+        mine, theirs = merge_weights(lse[..., start:], other_lse)
+        own = out[..., start:, :]
+        tail = grad[..., start:, :]
+        grad_out = grad.clone()
+        grad_out[..., start:, :].mul_(mine)
+        # d merged / d lse = mine (out - merged), d merged / d other_lse = theirs (other - merged), and
+        # merged = mine out + theirs other: both are mine theirs (out - other) . grad, opposite in sign
+        grad_lse = mine.squeeze(-1) * theirs.squeeze(-1) * (torch.linalg.vecdot(tail, own)
+                                                            - torch.linalg.vecdot(tail, other))
+        grad_lse = F.pad(grad_lse, (start, 0))
+        return grad_out, grad_lse, tail * theirs, -grad_lse[..., start:], None
 
 
 class BandAttention(torch.autograd.Function):

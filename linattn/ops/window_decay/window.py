@@ -101,10 +101,8 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
                                                 linear_values[..., :n - window, :], window=window, rate=rate,
                                                 rotary=rotary, offset=offset, rope_base=rope_base,
                                                 chunk_size=chunk_size, backend=backend, return_state=return_state)
-            if window:
+            if window:   # rows W.. of the window's (the first W have no linear key)
                 lin_log = lin_log + linear_log_factor(window, rate, log_gain, dtype)
-                lin_log = F.pad(lin_log, (window, 0), value=NO_WEIGHT)
-                ratio = F.pad(ratio, (0, 0, window, 0))
         out = ratio if window == 0 else windowed(q_hat, k_hat, v, window, rate, lin_log, ratio)
     if not return_state:
         return out
@@ -240,10 +238,10 @@ def log_linear_part(b, a, v, *, window, rate, rotary, offset, rope_base, chunk_s
 # ---- the window and the combination -------------------------------------------------------------
 
 def windowed(q_hat, k_hat, v, window: int, rate, lin_log, ratio) -> torch.Tensor:
-    """The window's exact softmax terms (band.py: O(N W)) merged with the linear part (lin_log, ratio; None
-    when no key is older than the window) by their log-normalisers."""
+    """The window's exact softmax terms (band.py: O(N W)) merged with the linear part (lin_log, ratio of the
+    rows W..; None when no key is older than the window) by their log-normalisers."""
     out, lse = band_attention(q_hat, k_hat, v, window, rate)
-    return merge(out, lse, ratio, lin_log)
+    return merge(out, lse, ratio, lin_log, start=window)
 
 
 # ---- decoding -------------------------------------------------------------------------------------

@@ -95,3 +95,21 @@ def test_merge_is_one_softmax_over_both_sets_of_keys():
     out, lse = band_attention(q, k, v, 4)
     torch.testing.assert_close(merge(out, lse, far_out, far_lse), torch.softmax(full, -1) @ v)
     assert merge(out, lse, None, None) is out
+
+
+def test_merge_from_a_start_row_matches_the_explicit_softmax_and_its_gradients():
+    generator = torch.Generator().manual_seed(3)
+    out, other = (torch.randn(2, 3, 10, 5, generator=generator, dtype=torch.float64) for _ in range(2))
+    lse, other_lse = (3 * torch.randn(2, 3, 10, generator=generator, dtype=torch.float64) for _ in range(2))
+    inputs = [out, lse, other[..., 4:, :], other_lse[..., 4:]]
+    for t in inputs:
+        t.requires_grad_()
+
+    def explicit(out, lse, other, other_lse):
+        logs = torch.stack((lse[..., 4:], other_lse), -1)
+        weights = torch.softmax(logs, -1).unsqueeze(-2)
+        tail = (torch.stack((out[..., 4:, :], other), -1) * weights).sum(-1)
+        return torch.cat((out[..., :4, :], tail), -2)
+
+    torch.testing.assert_close(merge(*inputs, start=4), explicit(*inputs))
+    assert torch.autograd.gradcheck(lambda *t: merge(*t, start=4), inputs)
