@@ -246,6 +246,10 @@ class LinearAttention(_Projections):
         if self.rope == "pre":
             q = rotate(q, offset=offset, base=self.rope_base)
             k = rotate(k, offset=offset, base=self.rope_base)
+        return self._mapped(q, k, projected)
+
+    def _mapped(self, q, k, projected: bool):
+        """`_features` of q, k as they are (rotated already where `pre` rotates them)."""
         if not self.feature_map.log_space:
             return self.feature_map(q, is_query=True), self.feature_map(k, is_query=False)
         if projected and (q_proj := self.feature_map.log_projection(q, is_query=True)) is not None:
@@ -334,18 +338,20 @@ class LinearAttention(_Projections):
 
     def _window_decay_values(self, q, k, v, offset: int, return_state: bool):
         """`_weighted_values` with a window or a decay (ops/window_decay), in float32 (float64 stays)."""
-        phi_q, phi_k, v = self._window_features(q, k, v, offset)
         q_hat, k_hat = self._scored(q, k, offset)
+        phi_q, phi_k, v = self._window_features(q, k, q_hat, k_hat, v)
         result = window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, **self._window_decay_options(),
                                         offset=offset, rope_base=self.rope_base, chunk_size=self.chunk_size,
                                         backend=self.backend, return_state=return_state)
         return (result[0], result[1]._replace(**self._made_for())) if return_state else result
 
-    def _window_features(self, q, k, v, position: int, materialize: bool = False):
+    def _window_features(self, q, k, q_hat, k_hat, v, materialize: bool = False):
         """The window path's features, guarded as the op guards its own (from the map's projection, where
-        it has one, so that FAVOR+'s overflowing |x|^2 is seen; log-features with `materialize`), and v."""
+        it has one, so that FAVOR+'s overflowing |x|^2 is seen; log-features with `materialize`), and v.
+        `pre` maps the scores' rotated q_hat, k_hat (one rotation, one copy kept for backward)."""
         fm = self.feature_map
-        return guard_window_features(*self._features(q, k, position, projected=True), v, log_space=fm.log_space,
+        mapped = self._mapped(*((q_hat, k_hat) if self.rope == "pre" else (q, k)), projected=True)
+        return guard_window_features(*mapped, v, log_space=fm.log_space,
                                      nonnegative_features=fm.nonnegative_features, materialize=materialize)
 
     def _made_for(self) -> dict:
@@ -369,8 +375,8 @@ class LinearAttention(_Projections):
         position = 0 if state is None else check_window_state(
             state, self._made_for(), (q.shape[0], self.heads), self.head_dim, self.feature_map.num_features,
             v.device, self._step_dtype(q), self.feature_map.log_space)
-        phi_q, phi_k, v = self._window_features(q, k, v, position, materialize=True)
         q_hat, k_hat = self._scored(q, k, position)
+        phi_q, phi_k, v = self._window_features(q, k, q_hat, k_hat, v, materialize=True)
         out, state = window_decay_step(q_hat[:, :, 0], k_hat[:, :, 0], phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0],
                                        state, **self._window_decay_options(), rope_base=self.rope_base)
         return out, state._replace(**self._made_for())
