@@ -63,6 +63,21 @@ def _log_sums_step(log_ref, sums, x):
 
 
 @triton.jit
+def _program(PAIRS: tl.constexpr):
+    """A program's (chunk, head, batch) and its pairs' indices, with their even features' (int64)."""
+    pairs = tl.arange(0, PAIRS)
+    return tl.program_id(0), tl.program_id(1), tl.program_id(2), pairs, pairs.to(tl.int64) * 2
+
+
+@triton.jit
+def _token(t, length, batch, heads, head, even, width):
+    """Token t of a program: t, whether it exists, its row in (B, T, H) tensors, and which features exist."""
+    inside = t < length
+    return (t, inside, (batch.to(tl.int64) * length + t) * heads + head, inside & (even < width),
+            inside & (even + 1 < width))
+
+
+@triton.jit
 def _row(ptr, shift_ptr, bounds_ptr, offset, row, pairs, width, stride_m, inside,
          SHIFT: tl.constexpr, GUARD: tl.constexpr, CT: tl.constexpr):
     """One token's row as (even, odd) halves in CT, -inf in lanes past the row: its shift added and
@@ -107,11 +122,15 @@ def _query_factor(b, pair_scale, row_scale, ROTARY: tl.constexpr, CAP: tl.conste
 
 
 @triton.jit
-def _rotate(x_e, x_o, cos, sin, INVERSE: tl.constexpr):
-    """(x_e + i x_o) e^(i theta), or e^(-i theta) (the gradient's)."""
+def _rotated_at(phases_ptr, t, pairs, width, valid, x_e, x_o, y_e, y_o, INVERSE: tl.constexpr):
+    """Two rows of pairs (x_e + i x_o, y_e + i y_o) times token t's e^(i theta), or e^(-i theta) (the
+    gradient's), theta from the (T, M/2, 2) phases."""
+    phase = (t * (width // 2) + pairs) * 2
+    cos = tl.load(phases_ptr + phase, mask=valid, other=1.0)
+    sin = tl.load(phases_ptr + phase + 1, mask=valid, other=0.0)
     if INVERSE:
         sin = -sin
-    return x_e * cos - x_o * sin, x_e * sin + x_o * cos
+    return x_e * cos - x_o * sin, x_e * sin + x_o * cos, y_e * cos - y_o * sin, y_e * sin + y_o * cos
 
 
 @triton.jit
@@ -119,10 +138,8 @@ def _factor_summary_kernel(a_ptr, a_shift_ptr, bounds_ptr, top_ptr, lse_ptr, len
                            sa_b, sa_t, sa_h, sa_m, A_SHIFT: tl.constexpr, GUARD: tl.constexpr,
                            CHUNK: tl.constexpr, PAIRS: tl.constexpr):
     """Each chunk's own maximum and log-sum-exp of a, per feature, (B, chunks, H, M)."""
-    chunk, head, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    chunk, head, batch, pairs, even = _program(PAIRS)
     CT: tl.constexpr = lse_ptr.dtype.element_ty
-    pairs = tl.arange(0, PAIRS)
-    even = pairs.to(tl.int64) * 2
     base = batch.to(tl.int64) * sa_b + head.to(tl.int64) * sa_h
     top_e = tl.full([PAIRS], float("-inf"), CT)
     top_o, ref_e, ref_o = top_e, top_e, top_e
@@ -130,9 +147,7 @@ def _factor_summary_kernel(a_ptr, a_shift_ptr, bounds_ptr, top_ptr, lse_ptr, len
     sums_o = sums_e
     first = chunk.to(tl.int64) * CHUNK
     for i in range(CHUNK):
-        t = first + i
-        inside = t < length
-        row = (batch.to(tl.int64) * length + t) * heads + head
+        t, inside, row, _, _ = _token(first + i, length, batch, heads, head, even, width)
         a_e, a_o, _, _ = _row(a_ptr, a_shift_ptr, bounds_ptr, base + t * sa_t, row, pairs, width, sa_m, inside,
                               A_SHIFT, GUARD, CT)
         top_e, top_o = _maximum(top_e, a_e), _maximum(top_o, a_o)
@@ -152,10 +167,8 @@ def _factors_kernel(b_ptr, b_shift_ptr, a_ptr, a_shift_ptr, bounds_ptr, phases_p
                     A_SHIFT: tl.constexpr, GUARD: tl.constexpr, ROTARY: tl.constexpr, DECAY_FLOOR: tl.constexpr,
                     CAP: tl.constexpr, CHUNK: tl.constexpr, PAIRS: tl.constexpr):
     """fla's q, k (rotated, in the dots' dtype) and decays, the denominator, and L, P, Q for backward."""
-    chunk, head, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    chunk, head, batch, pairs, even = _program(PAIRS)
     CT: tl.constexpr = lse_ptr.dtype.element_ty
-    pairs = tl.arange(0, PAIRS)
-    even = pairs.to(tl.int64) * 2
     base_b = batch.to(tl.int64) * sb_b + head.to(tl.int64) * sb_h
     base_a = batch.to(tl.int64) * sa_b + head.to(tl.int64) * sa_h
     carry = ((batch.to(tl.int64) * chunks + chunk) * heads + head) * width + even
@@ -168,10 +181,7 @@ def _factors_kernel(b_ptr, b_shift_ptr, a_ptr, a_shift_ptr, bounds_ptr, phases_p
     before_e, before_o = _pair_scales(scale_e, scale_o, ROTARY)
     first = chunk.to(tl.int64) * CHUNK
     for i in range(CHUNK):
-        t = first + i
-        inside = t < length
-        row = (batch.to(tl.int64) * length + t) * heads + head
-        valid_e, valid_o = inside & (even < width), inside & (even + 1 < width)
+        t, inside, row, valid_e, valid_o = _token(first + i, length, batch, heads, head, even, width)
         a_e, a_o, _, _ = _row(a_ptr, a_shift_ptr, bounds_ptr, base_a + t * sa_t, row, pairs, width, sa_m, inside,
                               A_SHIFT, GUARD, CT)
         b_e, b_o, _, _ = _row(b_ptr, b_shift_ptr, bounds_ptr, base_b + t * sb_t, row, pairs, width, sb_m, inside,
@@ -191,11 +201,7 @@ def _factors_kernel(b_ptr, b_shift_ptr, a_ptr, a_shift_ptr, bounds_ptr, phases_p
         q_o, _ = _query_factor(b_o, pair_o, row_scale, ROTARY, CAP)
         k_e, k_o = tl.exp(a_e - pair_e), tl.exp(a_o - pair_o)
         if ROTARY:
-            phase = (t * (width // 2) + pairs) * 2
-            cos = tl.load(phases_ptr + phase, mask=valid_e, other=1.0)
-            sin = tl.load(phases_ptr + phase + 1, mask=valid_e, other=0.0)
-            q_e, q_o = _rotate(q_e, q_o, cos, sin, False)
-            k_e, k_o = _rotate(k_e, k_o, cos, sin, False)
+            q_e, q_o, k_e, k_o = _rotated_at(phases_ptr, t, pairs, width, valid_e, q_e, q_o, k_e, k_o, False)
         dense = row * width + even
         tl.store(q_ptr + dense, q_e, mask=valid_e)
         tl.store(q_ptr + dense + 1, q_o, mask=valid_o)
@@ -239,10 +245,8 @@ def _factor_grad_summary_kernel(b_ptr, b_shift_ptr, bounds_ptr, lse_ptr, row_sca
                                 length, width, heads, chunks, sb_b, sb_t, sb_h, sb_m, B_SHIFT: tl.constexpr,
                                 GUARD: tl.constexpr, CHUNK: tl.constexpr, PAIRS: tl.constexpr):
     """Each chunk's sum_m dL_m e^(L_s - L_m), s its first token, with dL = d den e^(b + L - Q)."""
-    chunk, head, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    chunk, head, batch, pairs, even = _program(PAIRS)
     CT: tl.constexpr = lse_ptr.dtype.element_ty
-    pairs = tl.arange(0, PAIRS)
-    even = pairs.to(tl.int64) * 2
     base_b = batch.to(tl.int64) * sb_b + head.to(tl.int64) * sb_h
     first = chunk.to(tl.int64) * CHUNK
     start = ((batch.to(tl.int64) * length + first) * heads + head) * width + even
@@ -250,10 +254,7 @@ def _factor_grad_summary_kernel(b_ptr, b_shift_ptr, bounds_ptr, lse_ptr, row_sca
     total_e = tl.zeros([PAIRS], CT)
     total_o = total_e
     for i in range(CHUNK):
-        t = first + i
-        inside = t < length
-        row = (batch.to(tl.int64) * length + t) * heads + head
-        valid_e, valid_o = inside & (even < width), inside & (even + 1 < width)
+        t, inside, row, valid_e, valid_o = _token(first + i, length, batch, heads, head, even, width)
         b_e, b_o, _, _ = _row(b_ptr, b_shift_ptr, bounds_ptr, base_b + t * sb_t, row, pairs, width, sb_m, inside,
                               B_SHIFT, GUARD, CT)
         log_sums_e, log_sums_o = _load_pair(lse_ptr, row * width + even, valid_e, valid_o, 0.0, CT)
@@ -278,10 +279,8 @@ def _factors_grad_kernel(b_ptr, b_shift_ptr, a_ptr, a_shift_ptr, bounds_ptr, pha
     """d b and d a (and their shifts' row sums), token by token from the chunk's last: the two
     exponentials' terms, the denominator's, and L's reverse scan (later chunks' part as in
     _reverse_scan_kernel)."""
-    chunk, head, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    chunk, head, batch, pairs, even = _program(PAIRS)
     CT: tl.constexpr = lse_ptr.dtype.element_ty
-    pairs = tl.arange(0, PAIRS)
-    even = pairs.to(tl.int64) * 2
     carry = ((batch.to(tl.int64) * chunks + chunk) * heads + head) * width + even
     after_pos_e, after_pos_o = _load_pair(after_pos_ptr, carry, even < width, even + 1 < width, float("-inf"), CT)
     after_neg_e, after_neg_o = _load_pair(after_neg_ptr, carry, even < width, even + 1 < width, float("-inf"), CT)
@@ -295,10 +294,7 @@ def _factors_grad_kernel(b_ptr, b_shift_ptr, a_ptr, a_shift_ptr, bounds_ptr, pha
     later_o = later_e
     first = chunk.to(tl.int64) * CHUNK
     for j in range(CHUNK):
-        t = first + (CHUNK - 1 - j)
-        inside = t < length
-        row = (batch.to(tl.int64) * length + t) * heads + head
-        valid_e, valid_o = inside & (even < width), inside & (even + 1 < width)
+        t, inside, row, valid_e, valid_o = _token(first + (CHUNK - 1 - j), length, batch, heads, head, even, width)
         b_e, b_o, keep_b_e, keep_b_o = _row(b_ptr, b_shift_ptr, bounds_ptr, base_b + t * sb_t, row, pairs, width, sb_m,
                                             inside, B_SHIFT, GUARD, CT)
         a_e, a_o, keep_a_e, keep_a_o = _row(a_ptr, a_shift_ptr, bounds_ptr, base_a + t * sa_t, row, pairs, width, sa_m,
@@ -310,11 +306,8 @@ def _factors_grad_kernel(b_ptr, b_shift_ptr, a_ptr, a_shift_ptr, bounds_ptr, pha
         grad_q_e, grad_q_o = _load_pair(grad_q_ptr, dense, valid_e, valid_o, 0.0, CT)
         grad_k_e, grad_k_o = _load_pair(grad_k_ptr, dense, valid_e, valid_o, 0.0, CT)
         if ROTARY:
-            phase = (t * (width // 2) + pairs) * 2
-            cos = tl.load(phases_ptr + phase, mask=valid_e, other=1.0)
-            sin = tl.load(phases_ptr + phase + 1, mask=valid_e, other=0.0)
-            grad_q_e, grad_q_o = _rotate(grad_q_e, grad_q_o, cos, sin, True)
-            grad_k_e, grad_k_o = _rotate(grad_k_e, grad_k_o, cos, sin, True)
+            grad_q_e, grad_q_o, grad_k_e, grad_k_o = _rotated_at(phases_ptr, t, pairs, width, valid_e, grad_q_e,
+                                                                 grad_q_o, grad_k_e, grad_k_o, True)
         # b: the denominator's e^(b + L - Q) and the query factor's
         grad_l_e = tl.where(valid_e, grad_den * tl.exp(b_e + log_sums_e - row_scale), 0.0)   # dL
         grad_l_o = tl.where(valid_o, grad_den * tl.exp(b_o + log_sums_o - row_scale), 0.0)
