@@ -12,7 +12,7 @@ The budget (see docs/backends.md):
   forward, backward and the factors' recomputation together, moving at most TRAFFIC_UNITS float32
   full-size tensors' worth (each op's full-size inputs and outputs at their dtypes' sizes);
 * FLA_CALLS calls of fla per forward (the numerator: the denominator is factor_kernels.py's).
-Issue 47's counts (units, full-size ops, fla calls), printed by `python tests/linattn/ops/test_fla_budget.py`:
+Issue 47's counts (units, full-size ops, fla calls), printed by `python tests/linattn/ops/linear_attention/test_fla_budget.py`:
 block 122.0, 66, 2 before, 105.0, 58, 1 after the denominator's scans (their kernels uncounted), 119.0,
 64, 1 with them counted (117.0, 62, 1 with the backward outside autocast, as now); op 137.5, 70, 2
 before, 120.5, 62, 1 after, 134.5, 68, 1 counted; with the log factors in factor_kernels.py's fused
@@ -224,7 +224,7 @@ def test_the_fla_route_calls_fla_once_a_forward(counted):
     assert counted.fla_calls == FLA_CALLS, counted.fla_calls
 
 
-if __name__ == "__main__":   # TRITON_INTERPRET=1 PYTHONPATH=. python tests/linattn/ops/test_fla_budget.py
+if __name__ == "__main__":   # TRITON_INTERPRET=1 PYTHONPATH=. python tests/linattn/ops/linear_attention/test_fla_budget.py
     for what, forward_backward in (("FAVOR+ post block", block_forward_backward), ("op", op_forward_backward)):
         counts = count(forward_backward)
         ops = {name: n for name, n in sorted(counts.ops.items()) if name != "host reads"}
