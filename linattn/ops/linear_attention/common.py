@@ -190,17 +190,21 @@ def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+def denominator_guard(dtype: torch.dtype) -> float:
+    """The least denominator divided by.  Features are non-negative, so a denominator is >= 0; it is
+    clamped only where (nearly) every key feature underflowed; sqrt(tiny) keeps 1/den^2 finite in the
+    backward pass."""
+    return torch.finfo(dtype).tiny ** 0.5
+
+
 def divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-    # Features are non-negative, so the denominator is >= 0.  Clamp it only where (nearly) every
-    # key feature underflowed; sqrt(tiny) keeps 1/den^2 finite in the backward pass.
-    guard = torch.finfo(denominator.dtype).tiny ** 0.5
-    return numerator / denominator.clamp_min(guard).unsqueeze(-1)
+    return numerator / denominator.clamp_min(denominator_guard(denominator.dtype)).unsqueeze(-1)
 
 
 def output_gradients(grad: torch.Tensor, out: torch.Tensor, denominator: torch.Tensor):
     """d loss / d numerator and d loss / d denominator of out = `divide`(numerator, denominator),
     given g = d loss / d out: g / den and -(g . out) / den, none where the denominator was clamped."""
-    guard = torch.finfo(denominator.dtype).tiny ** 0.5
+    guard = denominator_guard(denominator.dtype)
     clamped, denominator = denominator < guard, denominator.clamp_min(guard)
     g_num = grad / denominator.unsqueeze(-1)
     g_den = (-(grad * out).sum(-1) / denominator).masked_fill_(clamped, 0)
@@ -231,8 +235,7 @@ def same_rotation(phases: torch.Tensor) -> bool:
 def log_normalizer(denominator: torch.Tensor, query_scale: torch.Tensor) -> torch.Tensor:
     """log sum_{n} phi_q . phi_k per row from a log-space pass's scaled denominator (sum e^(b + a - Q))
     and its Q: log(den) + Q, with `divide`'s guard (no gradient where the denominator was clamped)."""
-    guard = torch.finfo(denominator.dtype).tiny ** 0.5
-    return denominator.clamp_min(guard).log() + query_scale
+    return denominator.clamp_min(denominator_guard(denominator.dtype)).log() + query_scale
 
 
 def numerator_feature(phi, *, rotary: bool, offset: int, base: float):

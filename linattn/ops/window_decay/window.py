@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from ...checks import check_state_finite, check_state_position, check_state_tensors, debug_enabled, is_integer
 from ...custom_ops import run_linear_attention
-from ..linear_attention.common import LogProjection, compute_dtype, feature_tensors, guard_features
+from ..linear_attention.common import (LogProjection, compute_dtype, denominator_guard, feature_tensors,
+                                      guard_features)
 from ..linear_attention.dispatch import resolve
 from ..linear_attention.plain_scale import power_of_two_below, query_scale, scale_plain_features
 from ..linear_attention.fla_kernels import HALF_DOTS, decayed_attention
@@ -150,8 +151,7 @@ def linear_log_factor(window: int, rate, log_gain, dtype) -> torch.Tensor | floa
 
 def guarded_log(den: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(log den, den clamped for dividing): NO_WEIGHT where den is 0 (a row with no linear key)."""
-    guard = torch.finfo(den.dtype).tiny ** 0.5
-    safe = den.clamp_min(guard)
+    safe = den.clamp_min(denominator_guard(den.dtype))
     return torch.where(den > 0, safe.log(), NO_WEIGHT), safe
 
 
