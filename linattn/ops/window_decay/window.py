@@ -68,8 +68,9 @@ def retnet_decay(heads: int) -> tuple[float, ...]:
 
 def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_decay, log_gain, rotary: bool,
                            log_space: bool, offset: int, rope_base: float, chunk_size: int, backend: str,
-                           return_state: bool):
-    """The parallel pass: (B, H, N, D) score inputs q_hat, k_hat, (B, H, N, M) features (log-features
+                           return_state: bool, rotate_scores: bool = False):
+    """The parallel pass: (B, H, N, D) score inputs q_hat, k_hat (with `rotate_scores`: before RoPE, which
+    the window's band applies as it goes, keeping no rotated copy), (B, H, N, M) features (log-features
     if `log_space`, or their `LogProjection`s), (B, H, N, Dv) values -> (B, H, N, Dv) in float32 (float64
     stays), and the `WindowState` with `return_state`.  log_decay (H,) log gamma or None; log_gain (H,) log g or None
     (used only with a window); rotary: Eq. 19's numerator; backend: the block's, for the linear part (the
@@ -104,11 +105,17 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
                                                 chunk_size=chunk_size, backend=backend, return_state=return_state)
             if window:   # rows W.. of the window's (the first W have no linear key)
                 lin_log = lin_log + linear_log_factor(window, rate, log_gain, dtype)
-        out = ratio if window == 0 else windowed(q_hat, k_hat, v, window, rate, lin_log, ratio)
+        rotary_offset = offset if rotate_scores else None
+        out = ratio if window == 0 else windowed(q_hat, k_hat, v, window, rate, lin_log, ratio, rotary_offset,
+                                                 rope_base)
     if not return_state:
         return out
     kept = min(window, n)
-    cache = (feature_rows(t, slice(n - kept, n), materialize=True).detach() for t in (k_hat, v, phi_k))
+    keys = k_hat[..., n - kept:, :]
+    if rotate_scores:   # the cache holds the keys as the scores take them
+        keys = rotate(keys, offset=offset + n - kept, base=rope_base)
+    features = feature_rows(phi_k, slice(n - kept, n), materialize=True)
+    cache = (t.detach() for t in (keys, v[..., n - kept:, :], features))
     return out, WindowState(linear_state, *cache, position=offset + n, origin=offset, window=window)
 
 
@@ -237,11 +244,13 @@ def log_linear_part(b, a, v, *, window, rate, rotary, offset, rope_base, chunk_s
 
 # ---- the window and the combination -------------------------------------------------------------
 
-def windowed(q_hat, k_hat, v, window: int, rate, lin_log, ratio) -> torch.Tensor:
+def windowed(q_hat, k_hat, v, window: int, rate, lin_log, ratio, rotary_offset: int | None,
+             rope_base: float) -> torch.Tensor:
     """The window's exact softmax terms (band.py: O(N W)) merged with the linear part (lin_log, ratio of the
-    rows W..; None when no key is older than the window) by their log-normalisers."""
-    out, lse = band_attention(q_hat, k_hat, v, window, rate)
-    return merge(out, lse, ratio, lin_log, start=window)
+    rows W..; None when no key is older than the window) by their log-normalisers, in the band's one pass;
+    q_hat, k_hat rotated there at positions rotary_offset.. unless it is None."""
+    return band_attention(q_hat, k_hat, v, window, rate, rotary_offset=rotary_offset, rope_base=rope_base,
+                          other=ratio, other_lse=lin_log)[0]
 
 
 # ---- decoding -------------------------------------------------------------------------------------
