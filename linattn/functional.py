@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .checks import (as_device, check_flags, check_real_floating, check_return_state, check_rope_base,
-                     check_state_dtype, is_integer, is_real)
+                     check_state_dtype, debug_enabled, is_integer, is_real)
 from .custom_ops import run_linear_attention
 from .ops.linear_attention import dispatch
 from .ops.linear_attention.common import (DEFAULT_CHUNK_SIZE, LogProjection, check_nonnegative, compute_dtype,
@@ -73,7 +73,8 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
             decay).  Query m weights key n by gamma^d more, in numerator and denominator, at the distance
             d = (offset + m) - (key_offset + n) in positions, inside the kernels' chunks: exact at any
             position.  A constant (no gradient flows to it); the state then continues with the same decay
-            (`linear_attention_step(..., log_decay=)`).
+            (`linear_attention_step(..., log_decay=)`).  Values that are not finite and <= 0 raise on CPU and in
+            debug mode; elsewhere (no host read on a GPU) they make their head's outputs NaN.
 
     Returns:
         the output (B, H, N, Dv) in v's dtype; with return_state also the `LinearState`; with
@@ -84,7 +85,7 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
                 nonnegative_features=nonnegative_features, return_log_normalizer=return_log_normalizer)
     check_feature_kind(log_space, nonnegative_features)
     check_log_space_options(log_space, key_offset, return_log_normalizer)
-    check_log_decay(log_decay, v, log_space=log_space, causal=causal)
+    log_decay = check_log_decay(log_decay, v, log_space=log_space, causal=causal)
     if log_space:
         check_log_features(phi_q, phi_k, v)
     else:
@@ -124,7 +125,7 @@ def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Ten
     check_feature_kind(log_space, nonnegative_features)
     check_device(phi_q, phi_k, v)
     check_dtypes(phi_q, phi_k, v, log_space)
-    check_log_decay(log_decay, v, log_space=log_space, causal=True)
+    log_decay = check_log_decay(log_decay, v, log_space=log_space, causal=True)
     check_rope_base(rope_base)
     if rotary:
         check_rotated_dim(phi_k.shape[-1])
@@ -299,11 +300,13 @@ def check_log_space_options(log_space: bool, key_offset, return_log_normalizer: 
                          "log_space=True with log-features (or leave them at None and False)")
 
 
-def check_log_decay(log_decay, v: torch.Tensor, *, log_space: bool, causal: bool) -> None:
-    """log_decay: None, or an (H,) real floating tensor on v's device of finite log gamma <= 0 (one read of
-    H values on the host, skipped while torch.compile traces), for causal log-space calls."""
+def check_log_decay(log_decay, v: torch.Tensor, *, log_space: bool, causal: bool):
+    """log_decay: None, or an (H,) real floating tensor on v's device of finite log gamma <= 0, for causal
+    log-space calls; returned as the computation takes it.  Its values are read on the host (H numbers) on
+    CPU and in debug mode; elsewhere (a GPU, no synchronisation) a bad one is made NaN, so its head's
+    outputs are NaN rather than finite and wrong."""
     if log_decay is None:
-        return
+        return None
     if not log_space or not causal:
         raise ValueError("log_decay is an option of the causal log-space pass: pass causal=True and "
                          "log_space=True (or log_decay=None)")
@@ -315,10 +318,13 @@ def check_log_decay(log_decay, v: torch.Tensor, *, log_space: bool, causal: bool
         raise ValueError(f"log_decay must have shape ({heads},), one log gamma per head, got {tuple(log_decay.shape)}")
     if log_decay.device != v.device:
         raise ValueError(f"log_decay is on {log_decay.device} but the values on {v.device}; put them on one device")
-    if not torch.compiler.is_compiling() and heads and not bool(
-            (torch.isfinite(log_decay) & (log_decay <= 0)).all()):
+    valid = torch.isfinite(log_decay) & (log_decay <= 0)
+    if torch.compiler.is_compiling() or not (debug_enabled() or log_decay.device.type == "cpu"):
+        return torch.where(valid, log_decay, float("nan"))
+    if heads and not bool(valid.all()):
         raise ValueError(f"log_decay must be finite and <= 0 (log gamma of a decay 0 < gamma <= 1), got "
                          f"{log_decay.tolist()}")
+    return log_decay
 
 
 def check_feature_kind(log_space: bool, nonnegative_features: bool) -> None:

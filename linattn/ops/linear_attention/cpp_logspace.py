@@ -286,7 +286,6 @@ class _FusedCausalLogAttention(torch.autograd.Function):
                 length, base, decay):
         queries = source_from_parts(q_inputs, q_weight, q_shift, q_square)
         keys = source_from_parts(k_inputs, k_weight, k_shift, k_square)
-        ctx.decay = decay
         batch, heads, n, dv = v.shape
         m = k_inputs.shape[-1] if k_weight is None else k_weight.shape[0]
         chunks, groups = -(-n // length), -(-n // (length * torch_logspace.STATE_GROUP))
@@ -306,8 +305,8 @@ class _FusedCausalLogAttention(torch.autograd.Function):
                                                        key_sum, out, den, query_scale, decay)
                 start += 1
         parts = (q_inputs, q_weight, q_shift, q_square, k_inputs, k_weight, k_shift, k_square)
-        return torch_logspace.finish_forward(ctx, parts, length, base, v, out, den, query_scale, feat, phases, state,
-                                             key_sum, saved_states, saved_sums, flags)
+        return torch_logspace.finish_forward(ctx, parts, length, base, decay, v, out, den, query_scale, feat, phases,
+                                             state, key_sum, saved_states, saved_sums, flags)
 
     @staticmethod
     @torch.autograd.function.once_differentiable

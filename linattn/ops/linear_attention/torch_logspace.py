@@ -352,17 +352,18 @@ def _carry_scales(feat, a_r, run: _Run, decay) -> None:
                                               torch.maximum(feat[:, :, chunk], ends[:, :, g]) + step)
 
 
-def finish_forward(ctx, parts: tuple, length: int, base: float, v, out, den, query_scale, feat, phases, state,
+def finish_forward(ctx, parts: tuple, length: int, base: float, decay, v, out, den, query_scale, feat, phases, state,
                    key_sum, *extra):
     """The causal function's outputs (out, state, key sum, F after the last token, log-normaliser), with what
     backward needs saved: the sources' parts (numbers such as a constant shift on ctx, tensors through
-    autograd), the chunk length, the rotary base, v, out, den, Q, F, the rotation and `extra`.  Gradients
+    autograd), the chunk length, the rotary base, the decay (`chunk_decay`'s), v, out, den, Q, F, the rotation
+    and `extra`.  Gradients
     of unused outputs come to backward as None (the log-normaliser's then costs nothing)."""
     ctx.numbers = [None if isinstance(x, torch.Tensor) else x for x in parts]
     ctx.same_rotation = phases is not None and same_rotation(phases)   # then saved once, expanded again
     ctx.save_for_backward(*(x if isinstance(x, torch.Tensor) else None for x in parts), v, out, den, query_scale,
                           feat, phases[1] if ctx.same_rotation else phases, *extra)
-    ctx.length, ctx.base = length, base
+    ctx.length, ctx.base, ctx.decay = length, base, decay
     last = feat[:, :, -1]
     ctx.mark_non_differentiable(state, key_sum, last)
     ctx.set_materialize_grads(False)
@@ -422,7 +423,6 @@ class _CausalLogAttention(torch.autograd.Function):
                 length, base, decay):
         queries = source_from_parts(q_inputs, q_weight, q_shift, q_square)
         keys = source_from_parts(k_inputs, k_weight, k_shift, k_square)
-        ctx.decay = decay
         first_keys = _rows(keys, slice(0, v.shape[-2], length))     # every chunk's first token
         m = first_keys.shape[-1]
         out, den = v.new_empty(v.shape), v.new_empty(v.shape[:-1])
@@ -447,7 +447,7 @@ class _CausalLogAttention(torch.autograd.Function):
                 x.flatten(2, 3) for x in chunks[:3])
             state, key_sum = chunks.state, chunks.key_sum
         return finish_forward(ctx, (q_inputs, q_weight, q_shift, q_square, k_inputs, k_weight, k_shift, k_square),
-                              length, base, v, out, den, query_scale, feat, phases, state, key_sum, *saved)
+                              length, base, decay, v, out, den, query_scale, feat, phases, state, key_sum, *saved)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
