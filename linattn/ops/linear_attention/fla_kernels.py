@@ -159,22 +159,27 @@ def plain_factors(phi_q, phi_k, phases, *, work: torch.dtype, dot: torch.dtype):
 
 def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope_base: float,
                        chunk_size: int, return_state: bool, key_offset: int | None = None,
-                       return_log_normalizer: bool = False):
+                       return_log_normalizer: bool = False, log_decay: torch.Tensor | None = None):
     """Log-features b, a (tensors or `LogProjection`s); see docs/derivations.md.  One call of fla, for
     the numerator; the denominator from the keys' log-sums (running_max.py's scans).  Queries rotated at
     offset.., keys at key_offset.. (None: offset); with return_log_normalizer the rows' log sum phi_q . phi_k
-    last, (B, H, N) in the work dtype."""
+    last, (B, H, N) in the work dtype.  log_decay (H,) log gamma: folded into the log-features (`fold_decay`),
+    the state returned in the frame of the keys' next position as the other backends return it."""
     del causal, chunk_size
     n, m = v.shape[-2], a.shape[-1]
     key_offset = int(offset) if key_offset is None else int(key_offset)
     work, dot = dtypes(v, b, a)
+    folding = None if log_decay is None else (log_decay.detach().to(work), int(offset) - key_offset)
     with torch.autocast(v.device.type, enabled=False):
         phases = query_key_phases(n, m, offset=int(offset), key_offset=key_offset, base=rope_base, device=v.device,
                                   dtype=work) if rotary else None
         q_num, k_num, decay, denominator, row_scale, last_scale, last_log_sums = checkpoint(
-            log_factors, b, a, phases, work=work, dot=dot, use_reentrant=False, preserve_rng_state=False)
+            log_factors, b, a, phases, work=work, dot=dot, folding=folding, use_reentrant=False,
+            preserve_rng_state=False)
         numerator, kv = gated_linear_attention(q_num, k_num, fla_layout(v).to(dot), decay, return_state=return_state)
     sums = torch.exp(last_log_sums.detach() - last_scale).to(work) if return_state else None
+    if folding is not None and return_state:   # from the folded keys' frame (index 0) to the next position's
+        last_scale = last_scale + n * folding[0][:, None]
     result = finish(numerator, denominator, v, kv=kv, sums=sums, work=work, position=key_offset + n,
                     log_scale=last_scale.detach() if return_state else None)
     if not return_log_normalizer:
@@ -196,7 +201,18 @@ def log_features(x, work: torch.dtype) -> torch.Tensor:
     return logits + row_shift if isinstance(row_shift, torch.Tensor) or row_shift else logits
 
 
-def log_factors(b, a, phases, *, work: torch.dtype, dot: torch.dtype):
+def fold_decay(b: torch.Tensor, a: torch.Tensor, folding) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-features in fla's layout (B, T, H, M) with the decay folded in: query j + (j + lead) log gamma, key
+    n - n log gamma, so that the pair (j, n) gets (j - n + lead) log gamma.  Exact in the maths, but the
+    rounding grows with the index (about 2e-4 relative at 1e5 tokens in float32), where the cpp and torch
+    backends decay inside their chunks; left so until this entry's fused kernels take the decay in fla's
+    gates (issue 45 item 4)."""
+    log_decay, lead = folding   # (H,) log gamma, the queries' lead offset - key_offset
+    steps = torch.arange(b.shape[1], device=b.device, dtype=b.dtype)[:, None] * log_decay    # (T, H)
+    return b + (steps + lead * log_decay)[..., None], a - steps[..., None]
+
+
+def log_factors(b, a, phases, *, work: torch.dtype, dot: torch.dtype, folding=None):
     """fla's inputs from log-features (tensors or `LogProjection`s), in its layout: the numerator's
     q, k (in `dot`) and decays (in `work`); the denominator sum_j e^(b_j + L_j - Q) (B, T, H) with
     L = log sum_{n<=m} e^(a_n), and Q (B, T, H, 1); and F and L at the last token.  phases: the queries'
@@ -204,6 +220,8 @@ def log_factors(b, a, phases, *, work: torch.dtype, dot: torch.dtype):
     test_fla_budget.py)."""
     from .running_max import running_max_and_log_sums   # here: triton, like fla, is a GPU dependency
     b, a = log_features(b, work), log_features(a, work)
+    if folding is not None:   # the block's decay (`fold_decay`)
+        b, a = fold_decay(b, a, folding)
     feature_scale, log_sums = running_max_and_log_sums(a)               # F (a constant to autograd), L
     with torch.no_grad():   # the scales cancel exactly: constants to autograd
         row_scale = (b + feature_scale).amax(-1, keepdim=True)         # Q
