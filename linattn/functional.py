@@ -41,7 +41,8 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
                      rotary: bool, offset: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE,
                      rope_base: float = DEFAULT_BASE, return_state: bool = False,
                      backend: str = "auto", log_space: bool = False, nonnegative_features: bool = True,
-                     key_offset: int | None = None, return_log_normalizer: bool = False):
+                     key_offset: int | None = None, return_log_normalizer: bool = False,
+                     log_decay: torch.Tensor | None = None):
     """Linear attention of (B, H, N, M) non-negative features and (B, H, N, Dv) values.
 
     `rotary=True` is Eq. 19 at positions offset..offset+N-1; `causal=True` sums over n <= m only.
@@ -61,13 +62,19 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     as taylor's; the denominator must be positive for the output to mean anything).
 
     Args:
-        key_offset: log_space only: the keys' first position, apart from the queries' `offset` (None: the
-            same).  Query m is rotated at offset + m, key n at key_offset + n, and still attends to n <= m:
-            a block that reads the keys W tokens late (a window's linear part) gives its queries at
-            offset + W and its keys at offset.  The state's position is then the keys' next one.
-        return_log_normalizer: log_space only: also return, as flash attention returns its log-sum-exp,
-            the log of each row's denominator, log sum_{n} phi_q_m . phi_k_n over the keys it attends to,
-            from the same pass and differentiable (to merge this attention with another by their weights).
+        key_offset: the keys' first position, apart from the queries' `offset` (None: the same).  Query m
+            is rotated at offset + m, key n at key_offset + n, and still attends to n <= m: a block that
+            reads the keys W tokens late (a window's linear part) gives its queries at offset + W and its
+            keys at offset.  The state's position is then the keys' next one.
+        return_log_normalizer: also return, as flash attention returns its log-sum-exp, the log of each
+            row's denominator, log sum_{n} phi_q_m . phi_k_n over the keys it attends to (with the decay's
+            weights, if any), from the same pass and differentiable (to merge this attention with another
+            by their weights); for plain features -inf where that sum is exactly 0.
+        log_decay: plain features and causal only: (H,) log gamma_h <= 0, a decay per head, each key's
+            weight in numerator and denominator times gamma_h^(m-n) (m - n counted in tokens, whatever
+            the offsets), computed inside the chunks so that it is exact at any position.  A constant to
+            autograd; a value above 0 gives NaN outputs in its head (an error in debug mode).  The state
+            then holds the decayed sums.  None: no decay.
 
     Returns:
         the output (B, H, N, Dv) in v's dtype; with return_state also the `LinearState`; with
@@ -77,7 +84,6 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     check_flags(causal=causal, rotary=rotary, return_state=return_state, log_space=log_space,
                 nonnegative_features=nonnegative_features, return_log_normalizer=return_log_normalizer)
     check_feature_kind(log_space, nonnegative_features)
-    check_log_space_options(log_space, key_offset, return_log_normalizer)
     if log_space:
         check_log_features(phi_q, phi_k, v)
     else:
@@ -85,6 +91,7 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
         check_features(phi_q, phi_k, v, rank=4)
     check_device(phi_q, phi_k, v)
     check_dtypes(phi_q, phi_k, v, log_space)
+    check_decay_options(log_decay, log_space, causal, v)
     check_chunk_size(chunk_size)
     check_positions(offset, v.shape[-2])
     if key_offset is not None:
@@ -95,12 +102,11 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     check_return_state(return_state, causal)
     dispatch.check_backend(backend)
     dispatch.check_output_fits(phi_k.shape[-1], v, compute_dtype(*feature_tensors(phi_q, phi_k), v))
-    log_options = dict(key_offset=None if key_offset is None else int(key_offset),
-                       return_log_normalizer=return_log_normalizer) if log_space else {}
     return run_linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=int(offset),
                                 chunk_size=chunk_size, rope_base=rope_base, return_state=return_state,
                                 backend=backend, log_space=log_space, nonnegative_features=nonnegative_features,
-                                **log_options)
+                                key_offset=None if key_offset is None else int(key_offset),
+                                return_log_normalizer=return_log_normalizer, log_decay=log_decay)
 
 
 def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
@@ -283,11 +289,23 @@ def check_not_projection(phi_q, phi_k) -> None:
         raise ValueError("a LogProjection holds log-features: pass log_space=True")
 
 
-def check_log_space_options(log_space: bool, key_offset, return_log_normalizer: bool) -> None:
-    """key_offset and return_log_normalizer are options of the log-space pass."""
-    if not log_space and (key_offset is not None or return_log_normalizer):
-        raise ValueError("key_offset and return_log_normalizer are options of the log-space pass: pass "
-                         "log_space=True with log-features (or leave them at None and False)")
+def check_decay_options(log_decay, log_space: bool, causal: bool, v: torch.Tensor) -> None:
+    """log_decay: None, or a floating (H,) tensor on v's device, for causal attention of plain features."""
+    if log_decay is None:
+        return
+    if log_space:
+        raise ValueError("log_decay is computed inside the plain features' pass: the log-space pass does not "
+                         "take it yet (a window's or a block's decay folds it into the log-features)")
+    if not causal:
+        raise ValueError("log_decay weighs keys by their distance before the query: pass causal=True")
+    heads = v.shape[1]
+    if not (isinstance(log_decay, torch.Tensor) and log_decay.is_floating_point()
+            and tuple(log_decay.shape) == (heads,)):
+        shown = tuple(log_decay.shape) if isinstance(log_decay, torch.Tensor) else type(log_decay).__name__
+        raise ValueError(f"log_decay must be a floating tensor of shape (H,) = ({heads},), log gamma per head, "
+                         f"got {shown}")
+    if log_decay.device != v.device:
+        raise ValueError(f"log_decay is on {log_decay.device} but v on {v.device}; move it with .to(device)")
 
 
 def check_feature_kind(log_space: bool, nonnegative_features: bool) -> None:

@@ -15,8 +15,9 @@ Every entry takes one call shape and returns the output, or (output, LinearState
 
     implementation(phi_q, phi_k, v, *, causal, rotary, offset, rope_base, chunk_size, return_state)
 
-and the log-space entries two more keywords: key_offset (the keys' first position, apart from the
-queries' offset) and return_log_normalizer (the rows' log-denominators, after the output and state).
+and two more keywords: key_offset (the keys' first position, apart from the queries' offset) and
+return_log_normalizer (the rows' log-denominators, after the output and state); the plain entries also
+log_decay (H,) log gamma <= 0 (each key's weight times gamma^(m-n); None: none).
 
 The naive references (naive.py) and the recurrent step (recurrent.py) are not in the table: they are
 called by name.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from . import cpp_logspace, fla_kernels, torch_logspace, torch_plain
+from ...checks import debug_enabled
 from .backends import cpp_runs_here, cpp_unavailable, fla_installed
 from .common import compute_dtype, feature_tensors, guard_features
 from .memory import check_fits
@@ -102,14 +104,16 @@ def resolve(backend: str, device: torch.device, float64: bool = False, *, log_sp
 def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rotary: bool, offset: int,
                              chunk_size: int, rope_base: float, return_state: bool, backend: str, log_space: bool,
                              nonnegative_features: bool = True, check_range: bool = True,
-                             key_offset: int | None = None, return_log_normalizer: bool = False):
+                             key_offset: int | None = None, return_log_normalizer: bool = False,
+                             log_decay: torch.Tensor | None = None):
     """`functional.linear_attention` after its argument checks: the inputs guarded (values out of
-    range made NaN, -inf log-features raised to a floor; in debug mode checked, which reads them on
-    the host), plain features brought to unit size (plain_scale.py: every backend computes at any
-    scale of them), then the implementation the table holds for the call.  What the custom op
-    `linattn::linear_attention` runs under torch.compile.  `check_range=False`: the caller's forward
-    checked these very features already (the compiled backward, which runs the computation again).
-    key_offset and return_log_normalizer: log-space calls only (the caller checked)."""
+    range made NaN, -inf log-features raised to a floor, a log_decay above 0 made NaN; in debug mode
+    checked, which reads them on the host), plain features brought to unit size (plain_scale.py: every
+    backend computes at any scale of them, their scales' logs added back to the log-normaliser), then
+    the implementation the table holds for the call.  What the custom op `linattn::linear_attention`
+    runs under torch.compile.  `check_range=False`: the caller's forward checked these very features
+    already (the compiled backward, which runs the computation again).  log_decay: plain features only
+    (the caller checked)."""
     dtype = compute_dtype(*feature_tensors(phi_q, phi_k), v)
     resolved = resolve(backend, v.device, float64=dtype == torch.float64, log_space=log_space, causal=causal)
     phi_q, phi_k, v = guard_features(phi_q, phi_k, v, dtype, log_space=log_space,
@@ -117,16 +121,31 @@ def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rot
     tokens, rows = v.shape[-2], v.shape[:-1].numel()
     scaled = not log_space and rows
     if scaled:   # plain features at unit size: the output does not depend on their scale
-        phi_q, phi_k, key_scale = scale_plain_features(phi_q, phi_k, causal=causal)
+        phi_q, phi_k, query_scale, key_scale = scale_plain_features(phi_q, phi_k, causal=causal)
     attend = implementation(log_space, resolved, causal, rows)
-    log_options = dict(key_offset=key_offset, return_log_normalizer=return_log_normalizer) if log_space else {}
+    decay = {} if log_decay is None else dict(log_decay=guard_log_decay(log_decay, check_range))
     result = attend(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset, rope_base=rope_base,
                     chunk_size=max(1, min(chunk_size, tokens)),   # a short sequence is one chunk, unpadded
-                    return_state=return_state, **log_options)
-    if scaled and return_state:   # the state in the features' own scale, as a step continues it
-        out, state = result
-        return out, state._replace(kv=state.kv * key_scale, k_sum=state.k_sum * key_scale.squeeze(-1))
-    return result
+                    return_state=return_state, key_offset=key_offset,
+                    return_log_normalizer=return_log_normalizer, **decay)
+    if not scaled or not (return_state or return_log_normalizer):
+        return result
+    out, *rest = result
+    if return_state:   # the state in the features' own scale, as a step continues it
+        state = rest[0]
+        rest[0] = state._replace(kv=state.kv * key_scale, k_sum=state.k_sum * key_scale.squeeze(-1))
+    if return_log_normalizer:   # logs added, not scales multiplied: each may be 2^127
+        rest[-1] = rest[-1] + (query_scale.log() + key_scale.log()).squeeze(-1)
+    return out, *rest
+
+
+def guard_log_decay(log_decay: torch.Tensor, check: bool = True) -> torch.Tensor:
+    """log_decay (H,) with NaN where it is above 0 (gamma > 1 grows without bound), so that the heads it
+    reaches give NaN outputs; in debug mode (and `check`) refused instead, which reads it on the host."""
+    if check and debug_enabled() and bool((log_decay > 0).any()):
+        raise ValueError(f"log_decay must be <= 0 (log gamma of a decay gamma in (0, 1]), got "
+                         f"{log_decay.detach().cpu().tolist()}")
+    return torch.where(log_decay <= 0, log_decay, float("nan"))
 
 
 def check_output_fits(num_features: int, v: torch.Tensor, dtype: torch.dtype) -> None:
