@@ -109,6 +109,11 @@ def test_the_compiled_op_gives_eager_log_normalizers_and_gradients():
     leaves = [torch.randn(1, 2, 9, 4, generator=generator) for _ in range(3)]
     attend = partial(functional.linear_attention, causal=True, rotary=True, chunk_size=4, offset=3, key_offset=0,
                      log_space=True, return_log_normalizer=True)
+    check_compiled_matches_eager(attend, leaves)
+
+
+def check_compiled_matches_eager(attend, leaves):
+    """attend(q, k, v) -> (out, lse) compiled (fullgraph, aot_eager) gives eager's outputs and gradients."""
     results = []
     for run in (attend, torch.compile(attend, fullgraph=True, backend="aot_eager")):
         inputs = [t.clone().requires_grad_() for t in leaves]

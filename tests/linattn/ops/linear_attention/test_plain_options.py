@@ -11,6 +11,7 @@ from linattn import LinearAttention, functional, set_debug
 from linattn.custom_ops import linear_attention_op
 from linattn.ops.linear_attention.naive import reference_attention
 from linattn.rotary import apply_rotary
+from tests.linattn.ops.linear_attention.test_log_normalizer import check_compiled_matches_eager
 
 PLAIN_MAPS = ("elu", "taylor")
 OPTIONS = {"taylor": {"dim": 4}}   # head dim 8; taylor's M = 1 + 4 + 10, padded to 16
@@ -119,16 +120,7 @@ def test_the_compiled_op_gives_eager_outputs_log_normalizers_and_gradients():
     leaves = [torch.rand(1, 2, 9, 4, generator=generator) for _ in range(3)]
     attend = partial(functional.linear_attention, causal=True, rotary=True, chunk_size=4, offset=3, key_offset=0,
                      return_log_normalizer=True, log_decay=LOG_DECAY.float())
-    results = []
-    for run in (attend, torch.compile(attend, fullgraph=True, backend="aot_eager")):
-        inputs = [t.clone().requires_grad_() for t in leaves]
-        out, lse = run(*inputs)
-        results.append((out, lse, torch.autograd.grad(out.sum() + lse.square().sum(), inputs)))
-    (out, lse, grads), (c_out, c_lse, c_grads) = results
-    torch.testing.assert_close(c_out, out)
-    torch.testing.assert_close(c_lse, lse)
-    for got, want in zip(c_grads, grads):
-        torch.testing.assert_close(got, want)
+    check_compiled_matches_eager(attend, leaves)
 
 
 def test_custom_op_registration_with_plain_features_and_a_decay():
