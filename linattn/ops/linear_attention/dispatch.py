@@ -122,6 +122,9 @@ def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rot
     scaled = not log_space and rows
     if scaled:   # plain features at unit size: the output does not depend on their scale
         phi_q, phi_k, query_scale, key_scale = scale_plain_features(phi_q, phi_k, causal=causal)
+        # logs added, not scales multiplied (each may be 2^127); the (B, H, N, 1) query scale not kept otherwise
+        log_scale = (query_scale.log() + key_scale.log()).squeeze(-1) if return_log_normalizer else None
+        del query_scale
     attend = implementation(log_space, resolved, causal, rows)
     decay = {} if log_decay is None else dict(log_decay=guard_log_decay(log_decay, check_range))
     result = attend(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset, rope_base=rope_base,
@@ -134,8 +137,8 @@ def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rot
     if return_state:   # the state in the features' own scale, as a step continues it
         state = rest[0]
         rest[0] = state._replace(kv=state.kv * key_scale, k_sum=state.k_sum * key_scale.squeeze(-1))
-    if return_log_normalizer:   # logs added, not scales multiplied: each may be 2^127
-        rest[-1] = rest[-1] + (query_scale.log() + key_scale.log()).squeeze(-1)
+    if return_log_normalizer:
+        rest[-1] = rest[-1] + log_scale
     return out, *rest
 
 
