@@ -240,8 +240,9 @@ def log_normalizer(denominator: torch.Tensor, query_scale: torch.Tensor) -> torc
 
 def plain_log_normalizer(denominator: torch.Tensor) -> torch.Tensor:
     """log sum_n phi_q . phi_k per row from a plain pass's denominator: log of it with `divide`'s guard,
-    and -inf (no weight, no gradient) where it is 0, a row with no key to weigh (an exact 0 of non-negative
-    features, which a merge must not weigh as a finite floor)."""
+    and -inf (no weight, no gradient) where it is 0, a row with no key to weigh.  Not a finite floor: what
+    it is merged with may be weighed by unbounded log-normalisers (a window's scores of -1e36 at inputs of
+    1e18 lost a row to a floor of -1e30 beside it)."""
     guarded = denominator.clamp_min(denominator_guard(denominator.dtype)).log()
     return torch.where(denominator > 0, guarded, float("-inf"))
 

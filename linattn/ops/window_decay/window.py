@@ -32,20 +32,14 @@ import torch
 
 from ...checks import check_state_finite, check_state_position, check_state_tensors, debug_enabled, is_integer
 from ...custom_ops import run_linear_attention
-from ..linear_attention.common import (LogProjection, compute_dtype, denominator_guard, feature_tensors,
-                                      guard_features)
+from ..linear_attention.common import (LogProjection, compute_dtype, divide, feature_tensors, guard_features,
+                                      plain_log_normalizer)
 from ..linear_attention.dispatch import resolve
 from ..linear_attention.plain_scale import power_of_two_below, query_scale
 from ..linear_attention.fla_kernels import HALF_DOTS
 from ..linear_attention.recurrent import LinearState, check_state, initial_state, recurrent_step
 from .band import band_attention, merge
 from ...rotary import rotate
-
-# The log-weight of a row with no linear key: -inf, not a finite floor, since the window's log-normalisers are
-# not bounded (scores of -1e36 at inputs of 1e18 lost a row among the first W to a floor of -1e30 beside it).
-# `merge` takes its stabiliser from the window's, which is finite or NaN, never -inf (the diagonal is inside).
-NO_WEIGHT = float("-inf")
-
 
 class WindowState(NamedTuple):
     """Decoding state of a block with a window or a decay, after `position` tokens."""
@@ -143,12 +137,6 @@ def linear_log_factor(window: int, rate, log_gain, dtype) -> torch.Tensor | floa
     """log(g gamma^W) per head, (H, 1): what every linear weight shares beyond its decay from m - W."""
     factor = 0.0 if log_gain is None else log_gain.to(dtype)[:, None]
     return factor if rate is None else factor + window * rate[:, None]
-
-
-def guarded_log(den: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log den, den clamped for dividing): NO_WEIGHT where den is 0 (a row with no linear key)."""
-    safe = den.clamp_min(denominator_guard(den.dtype))
-    return torch.where(den > 0, safe.log(), NO_WEIGHT), safe
 
 
 # ---- the linear part ---------------------------------------------------------------------------
@@ -303,10 +291,10 @@ def plain_linear_step(phi_q, phi_k, v, linear, *, position, origin, window, rate
     kv = kv + k_num.unsqueeze(-1) * v.unsqueeze(-2)
     k_sum = k_sum + phi_k
     num = (q_num.unsqueeze(-2) @ kv).squeeze(-2)
-    log_den, safe = guarded_log((phi_q * k_sum).sum(-1))
-    log_den = log_den + (q_scale.log() + scale.log()).squeeze(-1)
+    den = (phi_q * k_sum).sum(-1)
+    log_den = plain_log_normalizer(den) + (q_scale.log() + scale.log()).squeeze(-1)
     state = LinearState(kv * scale.unsqueeze(-1), k_sum * scale, position - window + 1)
-    return log_den, num / safe.unsqueeze(-1), state
+    return log_den, divide(num, den), state
 
 
 def log_linear_step(b, a, v, linear, *, position, origin, window, rate, rotary, rope_base):
