@@ -58,6 +58,12 @@ def test_outputs_log_normalizers_and_gradients_match_the_reference(fm, projected
                                                 key_offset=key_offset, return_log_normalizer=True)
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-11)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-9, atol=1e-11)
+    check_gradients_match((out, lse), (ref, ref_lse), inputs, expected, generator)
+
+
+def check_gradients_match(results, references, inputs, expected, generator):
+    """The gradients of one random weighting of (output, log-normaliser) and of the reference's agree."""
+    (out, lse), (ref, ref_lse) = results, references
     weights = torch.randn(out.shape, generator=generator, dtype=torch.float64)
     lse_weights = torch.randn(lse.shape, generator=generator, dtype=torch.float64)
     grads = torch.autograd.grad((out * weights).sum() + (lse * lse_weights).sum(), inputs)
