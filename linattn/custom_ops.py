@@ -29,7 +29,7 @@ from .ops.linear_attention.dispatch import compute_linear_attention
 from .ops.linear_attention.recurrent import LinearState
 
 # Where the forward op's tensors are among its 23 arguments: q, q_weight, q_shift, k, k_weight, k_shift, v
-# (the rest are numbers and flags, which take no gradient, and the decay, a constant).
+# (the rest are numbers and flags, which take no gradient, and log_decay, last, a constant to autograd).
 TENSOR_ARGUMENTS = (0, 1, 2, 5, 6, 7, 10)
 ARGUMENTS = 23
 
@@ -59,7 +59,7 @@ def _compute(q, q_weight, q_shift, q_shift_value, q_square, k, k_weight, k_shift
         v, causal=causal, rotary=rotary, offset=offset, chunk_size=chunk_size, rope_base=rope_base,
         return_state=return_state, backend=backend, log_space=log_space,
         nonnegative_features=nonnegative_features, check_range=check_range, key_offset=key_offset,
-        return_log_normalizer=return_log_normalizer, **({"log_decay": log_decay} if log_space else {}))
+        return_log_normalizer=return_log_normalizer, log_decay=log_decay)
 
 
 @torch.library.custom_op("linattn::linear_attention", mutates_args=())

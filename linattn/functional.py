@@ -62,19 +62,21 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     as taylor's; the denominator must be positive for the output to mean anything).
 
     Args:
-        key_offset: log_space only: the keys' first position, apart from the queries' `offset` (None: the
-            same).  Query m is rotated at offset + m, key n at key_offset + n, and still attends to n <= m:
-            a block that reads the keys W tokens late (a window's linear part) gives its queries at
-            offset + W and its keys at offset.  The state's position is then the keys' next one.
-        return_log_normalizer: log_space only: also return, as flash attention returns its log-sum-exp,
-            the log of each row's denominator, log sum_{n} phi_q_m . phi_k_n over the keys it attends to,
-            from the same pass and differentiable (to merge this attention with another by their weights).
-        log_decay: log_space and causal only: a per-head decay, an (H,) tensor of log gamma_h <= 0 (None: no
-            decay).  Query m weights key n by gamma^d more, in numerator and denominator, at the distance
+        key_offset: the keys' first position, apart from the queries' `offset` (None: the same).  Query m
+            is rotated at offset + m, key n at key_offset + n, and still attends to n <= m: a block that
+            reads the keys W tokens late (a window's linear part) gives its queries at offset + W and its
+            keys at offset.  The state's position is then the keys' next one.
+        return_log_normalizer: also return, as flash attention returns its log-sum-exp, the log of each
+            row's denominator, log sum_{n} phi_q_m . phi_k_n over the keys it attends to (with the decay's
+            weights, if any), from the same pass and differentiable (to merge this attention with another
+            by their weights); for plain features -inf where that sum is exactly 0.
+        log_decay: causal only: a per-head decay, an (H,) tensor of log gamma_h <= 0 (None: no decay).
+            Query m weights key n by gamma^d more, in numerator and denominator, at the distance
             d = (offset + m) - (key_offset + n) in positions, inside the kernels' chunks: exact at any
-            position.  A constant (no gradient flows to it); the state then continues with the same decay
-            (`linear_attention_step(..., log_decay=)`).  Values that are not finite and <= 0 raise on CPU and in
-            debug mode; elsewhere (no host read on a GPU) they make their head's outputs NaN.
+            position.  A constant (no gradient flows to it).  Values that are not finite and <= 0 raise on
+            CPU and in debug mode; elsewhere (no host read on a GPU) they make their head's outputs NaN.
+            Log-features' states continue with `linear_attention_step(..., log_decay=)`; plain features'
+            decayed states are for the blocks' own steps.
 
     Returns:
         the output (B, H, N, Dv) in v's dtype; with return_state also the `LinearState`; with
@@ -84,8 +86,6 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     check_flags(causal=causal, rotary=rotary, return_state=return_state, log_space=log_space,
                 nonnegative_features=nonnegative_features, return_log_normalizer=return_log_normalizer)
     check_feature_kind(log_space, nonnegative_features)
-    check_log_space_options(log_space, key_offset, return_log_normalizer)
-    log_decay = check_log_decay(log_decay, v, log_space=log_space, causal=causal)
     if log_space:
         check_log_features(phi_q, phi_k, v)
     else:
@@ -93,6 +93,7 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
         check_features(phi_q, phi_k, v, rank=4)
     check_device(phi_q, phi_k, v)
     check_dtypes(phi_q, phi_k, v, log_space)
+    log_decay = check_log_decay(log_decay, v, causal=causal)
     check_chunk_size(chunk_size)
     check_positions(offset, v.shape[-2])
     if key_offset is not None:
@@ -103,12 +104,11 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     check_return_state(return_state, causal)
     dispatch.check_backend(backend)
     dispatch.check_output_fits(phi_k.shape[-1], v, compute_dtype(*feature_tensors(phi_q, phi_k), v))
-    log_options = dict(key_offset=None if key_offset is None else int(key_offset),
-                       return_log_normalizer=return_log_normalizer, log_decay=log_decay) if log_space else {}
     return run_linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=int(offset),
                                 chunk_size=chunk_size, rope_base=rope_base, return_state=return_state,
                                 backend=backend, log_space=log_space, nonnegative_features=nonnegative_features,
-                                **log_options)
+                                key_offset=None if key_offset is None else int(key_offset),
+                                return_log_normalizer=return_log_normalizer, log_decay=log_decay)
 
 
 def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
@@ -125,7 +125,10 @@ def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Ten
     check_feature_kind(log_space, nonnegative_features)
     check_device(phi_q, phi_k, v)
     check_dtypes(phi_q, phi_k, v, log_space)
-    log_decay = check_log_decay(log_decay, v, log_space=log_space, causal=True)
+    if log_decay is not None and not log_space:
+        raise ValueError("log_decay in a step takes log-features (log_space=True); a plain-feature block "
+                         "with a decay continues with its own step")
+    log_decay = check_log_decay(log_decay, v, causal=True)
     check_rope_base(rope_base)
     if rotary:
         check_rotated_dim(phi_k.shape[-1])
@@ -293,23 +296,16 @@ def check_not_projection(phi_q, phi_k) -> None:
         raise ValueError("a LogProjection holds log-features: pass log_space=True")
 
 
-def check_log_space_options(log_space: bool, key_offset, return_log_normalizer: bool) -> None:
-    """key_offset and return_log_normalizer are options of the log-space pass."""
-    if not log_space and (key_offset is not None or return_log_normalizer):
-        raise ValueError("key_offset and return_log_normalizer are options of the log-space pass: pass "
-                         "log_space=True with log-features (or leave them at None and False)")
-
-
-def check_log_decay(log_decay, v: torch.Tensor, *, log_space: bool, causal: bool):
+def check_log_decay(log_decay, v: torch.Tensor, *, causal: bool):
     """log_decay: None, or an (H,) real floating tensor on v's device of finite log gamma <= 0, for causal
-    log-space calls; returned as the computation takes it.  Its values are read on the host (H numbers) on
+    calls; returned as the computation takes it.  Its values are read on the host (H numbers) on
     CPU and in debug mode; elsewhere (a GPU, no synchronisation) a bad one is made NaN, so its head's
     outputs are NaN rather than finite and wrong."""
     if log_decay is None:
         return None
-    if not log_space or not causal:
-        raise ValueError("log_decay is an option of the causal log-space pass: pass causal=True and "
-                         "log_space=True (or log_decay=None)")
+    if not causal:
+        raise ValueError("log_decay weighs keys by their distance before the query: pass causal=True "
+                         "(or log_decay=None)")
     heads = v.shape[1]
     if not isinstance(log_decay, torch.Tensor) or not log_decay.is_floating_point() or log_decay.is_complex():
         raise ValueError(f"log_decay must be a real floating-point tensor of log gamma per head, got "

@@ -238,6 +238,15 @@ def log_normalizer(denominator: torch.Tensor, query_scale: torch.Tensor) -> torc
     return denominator.clamp_min(denominator_guard(denominator.dtype)).log() + query_scale
 
 
+def plain_log_normalizer(denominator: torch.Tensor) -> torch.Tensor:
+    """log sum_n phi_q . phi_k per row from a plain pass's denominator: log of it with `divide`'s guard,
+    and -inf (no weight, no gradient) where it is 0, a row with no key to weigh.  Not a finite floor: what
+    it is merged with may be weighed by unbounded log-normalisers (a window's scores of -1e36 at inputs of
+    1e18 lost a row to a floor of -1e30 beside it)."""
+    guarded = denominator.clamp_min(denominator_guard(denominator.dtype)).log()
+    return torch.where(denominator > 0, guarded, float("-inf"))
+
+
 def numerator_feature(phi, *, rotary: bool, offset: int, base: float):
     """Eq. 19's R_n phi_n (phi itself when unrotated): one side of `numerator_features`."""
     return rotate(phi, offset=offset, base=base) if rotary else phi

@@ -15,9 +15,9 @@ Every entry takes one call shape and returns the output, or (output, LinearState
 
     implementation(phi_q, phi_k, v, *, causal, rotary, offset, rope_base, chunk_size, return_state)
 
-and the log-space entries two more keywords: key_offset (the keys' first position, apart from the
-queries' offset), return_log_normalizer (the rows' log-denominators, after the output and state) and
-log_decay (None, or (H,) log gamma <= 0 of causal calls: the pair (m, n) weighted by gamma^(distance)).
+and three more keywords: key_offset (the keys' first position, apart from the queries' offset),
+return_log_normalizer (the rows' log-denominators, after the output and state) and log_decay (None, or
+(H,) log gamma <= 0 of causal calls: the pair (m, n) weighted by gamma^(distance in positions)).
 
 The naive references (naive.py) and the recurrent step (recurrent.py) are not in the table: they are
 called by name.
@@ -108,10 +108,10 @@ def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rot
     """`functional.linear_attention` after its argument checks: the inputs guarded (values out of
     range made NaN, -inf log-features raised to a floor; in debug mode checked, which reads them on
     the host), plain features brought to unit size (plain_scale.py: every backend computes at any
-    scale of them), then the implementation the table holds for the call.  What the custom op
-    `linattn::linear_attention` runs under torch.compile.  `check_range=False`: the caller's forward
-    checked these very features already (the compiled backward, which runs the computation again).
-    key_offset, return_log_normalizer and log_decay: log-space calls only (the caller checked)."""
+    scale of them, their scales' logs added back to the log-normaliser), then the implementation the
+    table holds for the call.  What the custom op `linattn::linear_attention` runs under torch.compile.
+    `check_range=False`: the caller's forward checked these very features already (the compiled
+    backward, which runs the computation again).  log_decay: checked by the caller."""
     dtype = compute_dtype(*feature_tensors(phi_q, phi_k), v)
     resolved = resolve(backend, v.device, float64=dtype == torch.float64, log_space=log_space, causal=causal)
     phi_q, phi_k, v = guard_features(phi_q, phi_k, v, dtype, log_space=log_space,
@@ -119,17 +119,27 @@ def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rot
     tokens, rows = v.shape[-2], v.shape[:-1].numel()
     scaled = not log_space and rows
     if scaled:   # plain features at unit size: the output does not depend on their scale
-        phi_q, phi_k, key_scale = scale_plain_features(phi_q, phi_k, causal=causal)
+        phi_q, phi_k, query_scale, key_scale = scale_plain_features(phi_q, phi_k, causal=causal)
+        # logs added, not scales multiplied (each may be 2^127); the (B, H, N, 1) query scale not kept otherwise
+        log_scale = (query_scale.log() + key_scale.log()).squeeze(-1) if return_log_normalizer else None
+        del query_scale
+        if return_log_normalizer and log_decay is not None and key_offset not in (None, offset):
+            # the plain pass weighs by tokens apart; the distance counts positions (the log-space pass's)
+            log_scale = log_scale + (offset - key_offset) * log_decay.to(log_scale.dtype)[:, None]
     attend = implementation(log_space, resolved, causal, rows)
-    log_options = dict(key_offset=key_offset, return_log_normalizer=return_log_normalizer,
-                       log_decay=log_decay) if log_space else {}
     result = attend(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset, rope_base=rope_base,
                     chunk_size=max(1, min(chunk_size, tokens)),   # a short sequence is one chunk, unpadded
-                    return_state=return_state, **log_options)
-    if scaled and return_state:   # the state in the features' own scale, as a step continues it
-        out, state = result
-        return out, state._replace(kv=state.kv * key_scale, k_sum=state.k_sum * key_scale.squeeze(-1))
-    return result
+                    return_state=return_state, key_offset=key_offset,
+                    return_log_normalizer=return_log_normalizer, log_decay=log_decay)
+    if not scaled or not (return_state or return_log_normalizer):
+        return result
+    out, *rest = result
+    if return_state:   # the state in the features' own scale, as a step continues it
+        state = rest[0]
+        rest[0] = state._replace(kv=state.kv * key_scale, k_sum=state.k_sum * key_scale.squeeze(-1))
+    if return_log_normalizer:
+        rest[-1] = rest[-1] + log_scale
+    return out, *rest
 
 
 def check_output_fits(num_features: int, v: torch.Tensor, dtype: torch.dtype) -> None:

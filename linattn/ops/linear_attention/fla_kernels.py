@@ -11,9 +11,9 @@ from functools import partial
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ...rotary import rotary_phases, rotate_pairs
+from ...rotary import rotate_pairs
 from .common import (LogProjection, compute_dtype, divide, feature_tensors, first_derivatives_only, log_normalizer,
-                     query_key_phases)
+                     plain_log_normalizer, query_key_phases)
 from .recurrent import LinearState
 from .stable import numerator_query
 
@@ -48,26 +48,6 @@ def decayed_linear_attention(q, k, v, log_decay, *, return_state: bool):
     from fla.ops.simple_gla import chunk_simple_gla
     return _padded(lambda q, k, v: chunk_simple_gla(q, k, v, g_gamma=log_decay, scale=1.0,
                                                     output_final_state=return_state), q, k, v)
-
-
-def decayed_attention(q_num, k_num, q_den, k_den, v, log_decay, *, return_state: bool):
-    """The window's plain linear part (ops/window_decay) on fla, (B, H, N, .) tensors in and out:
-    sum_{n<=m} gamma^(m-n) (q_num_m . k_num_n) v_n and sum_{n<=m} gamma^(m-n) q_den_m . k_den_n, with the
-    states after the last token (kv, k_sum; None without return_state).  log_decay: (H,) log gamma, or
-    None for no decay.  One kernel call each, no scan along the sequence; the dots in bf16 where v is
-    bf16 (`dtypes`), the results in the features' dtype."""
-    work, dot = dtypes(v, q_num, k_num)
-
-    def attend(q, k, values):
-        q, k = fla_layout(q).to(dot), fla_layout(k).to(dot)
-        if log_decay is None:
-            return plain_linear_attention(q, k, values, return_state=return_state)
-        return decayed_linear_attention(q, k, values, log_decay.float(), return_state=return_state)
-
-    numerator, denominator, kv, sums = numerator_and_denominator(attend, (q_num, k_num), (q_den, k_den),
-                                                                 fla_layout(v).to(dot))
-    states = (None, None) if kv is None else (kv.to(work), sums.to(work))
-    return fla_layout(numerator).to(work), denominator.transpose(1, 2).to(work), *states
 
 
 def numerator_and_denominator(attend, numerator_inputs, denominator_inputs, values):
@@ -132,29 +112,41 @@ def finish(numerator, denominator, v, *, kv, sums, work: torch.dtype, position: 
 
 
 def plain_attention(phi_q, phi_k, v, *, causal: bool, rotary: bool, offset: int, rope_base: float,
-                    chunk_size: int, return_state: bool):
-    """Plain features (dispatch.py's call shape; causal, N >= 1: the table routes the rest)."""
+                    chunk_size: int, return_state: bool, key_offset: int | None = None,
+                    return_log_normalizer: bool = False, log_decay: torch.Tensor | None = None):
+    """Plain features (dispatch.py's call shape; causal, N >= 1: the table routes the rest): queries rotated
+    at offset.., keys at key_offset.. (None: offset); log_decay (H,) log gamma: fla's constant gates
+    (`chunk_simple_gla`); with return_log_normalizer the rows' log-denominators last, (B, H, N) in the
+    work dtype."""
     del causal, chunk_size   # causal by the table; fla picks its own chunks
     n, m = phi_q.shape[-2:]
+    key_offset = int(offset) if key_offset is None else int(key_offset)
     work, dot = dtypes(v, phi_q, phi_k)
+    attend, gates = (plain_linear_attention, ()) if log_decay is None else (decayed_linear_attention,
+                                                                             (log_decay.float(),))
     with torch.autocast(v.device.type, enabled=False):
-        phases = rotary_phases(n, m, offset=offset, base=rope_base, device=v.device, dtype=work) if rotary else None
+        phases = query_key_phases(n, m, offset=int(offset), key_offset=key_offset, base=rope_base, device=v.device,
+                                  dtype=work) if rotary else None
         q_num, k_num, q_den, k_den = checkpoint(plain_factors, phi_q, phi_k, phases, work=work, dot=dot,
                                                 use_reentrant=False, preserve_rng_state=False)
         numerator, denominator, kv, sums = numerator_and_denominator(
-            partial(plain_linear_attention, return_state=return_state), (q_num, k_num), (q_den, k_den),
+            partial(attend, return_state=return_state), (q_num, k_num, *gates), (q_den, k_den, *gates),
             fla_layout(v).to(dot))
-    return finish(numerator, denominator, v, kv=kv, sums=sums, work=work, position=int(offset) + n)
+    result = finish(numerator, denominator, v, kv=kv, sums=sums, work=work, position=key_offset + n)
+    if not return_log_normalizer:
+        return result
+    lse = plain_log_normalizer(denominator.to(work)).transpose(1, 2)
+    return (*result, lse) if return_state else (result, lse)
 
 
 def plain_factors(phi_q, phi_k, phases, *, work: torch.dtype, dot: torch.dtype):
-    """fla's inputs in its layout and in `dot`: the rotated features for the numerator, the features
-    for the denominator (the same tensors unrotated)."""
+    """fla's inputs in its layout and in `dot`: the rotated features for the numerator (phases: the
+    queries' and keys' rotations (2, T, M/2)), the features for the denominator (the same tensors unrotated)."""
     q, k = fla_layout(phi_q), fla_layout(phi_k)
     q_den, k_den = q.to(dot), k.to(dot)
     if phases is None:
         return q_den, k_den, q_den, k_den
-    return rotated(q.to(work), phases).to(dot), rotated(k.to(work), phases).to(dot), q_den, k_den
+    return rotated(q.to(work), phases[0]).to(dot), rotated(k.to(work), phases[1]).to(dot), q_den, k_den
 
 
 def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope_base: float,

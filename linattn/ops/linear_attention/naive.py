@@ -4,36 +4,51 @@ from __future__ import annotations
 import torch
 
 from ...rotary import DEFAULT_BASE, check_offset, rotary_phases
-from .common import compute_dtype, divide, numerator_features
+from .common import compute_dtype, divide, numerator_features, plain_log_normalizer
 from .memory import check_fits
 from .plain_scale import scale_plain_features
 
 
 def reference_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *,
-                               causal: bool, rotary: bool, offset: int = 0,
-                               rope_base: float = DEFAULT_BASE, nonnegative_features: bool = True,
-                               numerator_only: bool = False) -> torch.Tensor:
+                        causal: bool, rotary: bool, offset: int = 0,
+                        rope_base: float = DEFAULT_BASE, nonnegative_features: bool = True,
+                        numerator_only: bool = False, key_offset: int | None = None,
+                        log_decay: torch.Tensor | None = None, return_log_normalizer: bool = False):
     """`functional.linear_attention_reference` after its argument checks: the same maths as
     `linear_attention` with explicit N x N weight matrices.
     `nonnegative_features=False`: single features may be negative (see `linear_attention`);
-    `numerator_only=True`: the numerator alone, undivided (what normalization="rmsnorm" normalises)."""
+    `numerator_only=True`: the numerator alone, undivided (what normalization="rmsnorm" normalises);
+    key_offset: the keys rotated at key_offset.. (None: offset), the queries at offset..; log_decay (H,):
+    each weight times gamma^(m-n), causal; return_log_normalizer: also log sum_n of the denominator's
+    weights per row (B, H, N), as `linear_attention` gives it."""
     dtype = compute_dtype(phi_q, phi_k, v)
     n = v.shape[-2]
     check_fits(f"linear_attention_reference's two N x N weight matrices at N = {n}",
                2 * v.shape[:-2].numel() * n * n * torch.finfo(dtype).bits // 8, v.device,
                "the reference is O(N^2) in memory: use linear_attention for long sequences")
     phi_q, phi_k, v_c = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
+    log_scale = 0.0
     if not numerator_only and v.shape[:-1].numel():   # at unit size, as linear_attention (the ratio allows it)
-        phi_q, phi_k, _ = scale_plain_features(phi_q, phi_k, causal=causal)
-    q_num, k_num = numerator_features(phi_q, phi_k, rotary=rotary, offset=offset, base=rope_base)
+        phi_q, phi_k, q_scale, k_scale = scale_plain_features(phi_q, phi_k, causal=causal)
+        log_scale = (q_scale.log() + k_scale.log()).squeeze(-1)
+    q_num, k_num = numerator_features(phi_q, phi_k, rotary=rotary, offset=offset, base=rope_base,
+                                      key_offset=key_offset)
     numerator_weights = q_num @ k_num.transpose(-1, -2)
     denominator_weights = phi_q @ phi_k.transpose(-1, -2)
     if causal:
         numerator_weights = numerator_weights.tril()
         denominator_weights = denominator_weights.tril()
+    if log_decay is not None:
+        steps = torch.arange(n, device=v.device, dtype=dtype)
+        decay = torch.exp((steps[:, None] - steps[None, :]).clamp_min(0) * log_decay.to(dtype)[:, None, None])
+        numerator_weights, denominator_weights = numerator_weights * decay, denominator_weights * decay
     if numerator_only:
         return (numerator_weights @ v_c).to(v.dtype)
-    return divide(numerator_weights @ v_c, denominator_weights.sum(-1)).to(v.dtype)
+    denominator = denominator_weights.sum(-1)
+    out = divide(numerator_weights @ v_c, denominator).to(v.dtype)
+    if not return_log_normalizer:
+        return out
+    return out, plain_log_normalizer(denominator) + log_scale
 
 
 def softmax_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,

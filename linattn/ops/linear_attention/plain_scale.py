@@ -38,15 +38,16 @@ def query_scale(phi_q: torch.Tensor) -> torch.Tensor:
 
 
 def scale_plain_features(phi_q: torch.Tensor, phi_k: torch.Tensor, *, causal: bool):
-    """(phi_q, phi_k, key scale) for (B, H, N, M) features: both divided by their scales, and for causal
-    attention NaN in the query rows whose keys are all lost to underflow beside a much larger later key
-    (see `rows_without_keys`).  The key scale (B, H, 1, 1) multiplies a returned state back to the
-    features' own scale."""
+    """(phi_q, phi_k, query scale, key scale) for (B, H, N, M) features: both divided by their scales,
+    and for causal attention NaN in the query rows whose keys are all lost to underflow beside a much
+    larger later key (see `rows_without_keys`; the query scale holds it).  The key scale (B, H, 1, 1)
+    multiplies a returned state back to the features' own scale; the logs of both (B, H, N, 1) add
+    back to a row's log-denominator."""
     key_rows = largest_finite(phi_k, -1)                                     # (B, H, N, 1)
     k_scale, q_scale = power_of_two_below(key_rows.amax(-2, keepdim=True)), query_scale(phi_q)
     if causal:   # + NaN: the row divides by NaN
         q_scale = q_scale + rows_without_keys(key_rows, k_scale)
-    return phi_q / q_scale, phi_k / k_scale, k_scale
+    return phi_q / q_scale, phi_k / k_scale, q_scale, k_scale
 
 
 def rows_without_keys(key_rows: torch.Tensor, k_scale: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,9 @@ For query m and key n <= m at distance d = m - n (docs/gap-closers.md has the de
     at any position), the queries at their positions m and the keys at theirs (the op's key offset, W
     apart), so that Eq. 19 (`post`) is rotated at each token's true position; the row sums of
     gamma^(m-n) kappa are the op's log-normaliser;
-  - plain features: the chunked decayed form (`decayed_chunks`: an intra-chunk decay matrix, the state
-    decayed per chunk, as RetNet and fla's simple_gla), which keeps numerator and denominator apart;
-    on the fla backend, fla's own kernels (`fla_kernels.decayed_attention`);
+  - plain features: one call of the op's plain pass, with the same key offset, log-normaliser and decay
+    inside its chunks (an intra-chunk decay matrix, the state decayed per chunk, as RetNet and fla's
+    simple_gla; on the fla backend fla's gates);
 * the two merged by their log-normalisers (`band.merge`), L_m = log sum_window e^(s + d log gamma) and l_m,
   with one stabiliser per row, c_m = max(L_m, l_m):
       out_m = (e^(L - c) window_m + e^(l - c) r_m) / (e^(L - c) + e^(l - c)),
@@ -30,24 +30,17 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from ...checks import check_state_finite, check_state_position, check_state_tensors, debug_enabled
 from ...custom_ops import run_linear_attention
-from ..linear_attention.common import (LogProjection, compute_dtype, denominator_guard, feature_tensors,
-                                      guard_features)
+from ..linear_attention.common import (LogProjection, compute_dtype, divide, feature_tensors, guard_features,
+                                      plain_log_normalizer)
 from ..linear_attention.dispatch import resolve
-from ..linear_attention.plain_scale import power_of_two_below, query_scale, scale_plain_features
-from ..linear_attention.fla_kernels import HALF_DOTS, decayed_attention
+from ..linear_attention.plain_scale import power_of_two_below, query_scale
+from ..linear_attention.fla_kernels import HALF_DOTS
 from ..linear_attention.recurrent import LinearState, check_state, initial_state, recurrent_step
 from .band import band_attention, merge
 from ...rotary import rotate
-
-# The log-weight of a row with no linear key: -inf, not a finite floor, since the window's log-normalisers are
-# not bounded (scores of -1e36 at inputs of 1e18 lost a row among the first W to a floor of -1e30 beside it).
-# `merge` takes its stabiliser from the window's, which is finite or NaN, never -inf (the diagonal is inside).
-NO_WEIGHT = float("-inf")
-
 
 class WindowState(NamedTuple):
     """Decoding state of a block with a window or a decay, after `position` tokens."""
@@ -76,12 +69,9 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
     (used only with a window); rotary: Eq. 19's numerator; backend: the block's, for the linear part (the
     window's band runs in torch).  It is resolved here, as the op resolves it: "auto" is fla on CUDA where
     installed.  While torch.compile traces, names decide instead (resolving asks the machine, and fla's
-    kernels are no graph ops): the log-space op is a custom op that resolves when it runs, and plain
-    features take the torch loop."""
+    kernels are no graph ops): the op is a custom op that resolves when it runs."""
     dtype = compute_dtype(*feature_tensors(phi_q, phi_k), v)
-    if torch.compiler.is_compiling():
-        backend = backend if log_space else "torch"
-    else:
+    if not torch.compiler.is_compiling():
         backend = resolve(backend, v.device, float64=dtype == torch.float64, log_space=log_space, causal=True)
     with torch.autocast(v.device.type, enabled=False):
         values = v
@@ -103,7 +93,7 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
                                                 rotary=rotary, offset=offset, rope_base=rope_base,
                                                 chunk_size=chunk_size, backend=backend, return_state=return_state)
             if window:   # rows W.. of the window's (the first W have no linear key); the op's decay has gamma^W
-                lin_log = lin_log + linear_log_factor(window, None if log_space else rate, log_gain, dtype)
+                lin_log = lin_log + linear_log_factor(window, None, log_gain, dtype)
         rotary_offset = offset if rotate_scores else None
         out = ratio if window == 0 else windowed(q_hat, k_hat, v, window, rate, lin_log, ratio, rotary_offset,
                                                  rope_base)
@@ -148,77 +138,33 @@ def linear_log_factor(window: int, rate, log_gain, dtype) -> torch.Tensor | floa
     return factor if rate is None else factor + window * rate[:, None]
 
 
-def guarded_log(den: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log den, den clamped for dividing): NO_WEIGHT where den is 0 (a row with no linear key)."""
-    safe = den.clamp_min(denominator_guard(den.dtype))
-    return torch.where(den > 0, safe.log(), NO_WEIGHT), safe
-
-
 # ---- the linear part ---------------------------------------------------------------------------
 
 def plain_linear_part(phi_q, phi_k, v, *, window, rate, rotary, offset, rope_base, chunk_size, backend,
                       return_state):
-    """(log sum_n gamma^(j-n) kappa_jn, the nu-weighted mean of values, the state) of queries at positions
-    offset + W + j against keys at offset + n, n <= j, from plain features, brought to unit size first as
-    the op brings them (plain_scale.py: NaN where keys are lost to underflow), their scales' logs added
-    back to the log-weight: the window is weighed against the linear part at any scale of the features."""
-    log_q_scale = query_scale(phi_q).log()   # logs added, not scales multiplied: each may be 2^127
-    phi_q, phi_k, k_scale = scale_plain_features(phi_q, phi_k, causal=True)
-    log_scale = (log_q_scale + k_scale.log()).squeeze(-1)
-    q_num, k_num = phi_q, phi_k
-    if rotary:
-        q_num = rotate(phi_q, offset=offset + window, base=rope_base)
-        k_num = rotate(phi_k, offset=offset, base=rope_base)
-    if backend == "fla":   # fla's chunk kernels: no loop over chunks
-        num, den, kv, k_sum = decayed_attention(q_num, k_num, phi_q, phi_k, v, rate, return_state=return_state)
-    else:
-        num, den, kv, k_sum = decayed_chunks(q_num, k_num, phi_q, phi_k, v, rate, chunk_size)
-    log_den, safe = guarded_log(den)
-    state = None
-    if return_state:   # in the features' own scale, as the step continues it
-        state = LinearState((kv * k_scale).detach(), (k_sum * k_scale.squeeze(-1)).detach(), offset + v.shape[-2])
-    return log_den + log_scale, num / safe.unsqueeze(-1), state
-
-
-def decayed_chunks(q_num, k_num, q_den, k_den, v, rate, chunk: int):
-    """sum_{n<=m} gamma^(m-n) (q_num_m . k_num_n) v_n and sum_{n<=m} gamma^(m-n) q_den_m . k_den_n, with the
-    states (kv, k_sum) after the last token.  Chunks of L tokens (padded at the front, so that the last
-    chunk ends at the last token): inside a chunk the decay matrix gamma^(r-c) (r >= c), across chunks
-    the state before the chunk read with gamma^(r+1) and carried with gamma^L."""
-    b, h, n, m = q_num.shape
-    chunk = max(1, min(chunk, n))
-    pad = -n % chunk
-    q_num, k_num, q_den, k_den, v = (F.pad(t, (0, 0, pad, 0)).unflatten(-2, (-1, chunk))
-                                     for t in (q_num, k_num, q_den, k_den, v))
-    rate = q_num.new_zeros(h) if rate is None else rate
-    steps = torch.arange(chunk, device=v.device, dtype=v.dtype)
-    distance = steps[:, None] - steps[None, :]
-    inside = torch.exp(distance.clamp_min(0) * rate[:, None, None]) * (distance >= 0)   # (H, L, L)
-    inside = inside[None, :, None]
-    query_decay = torch.exp((steps + 1) * rate[:, None])[None, :, None, :, None]       # (1, H, 1, L, 1)
-    key_decay = torch.exp((chunk - 1 - steps) * rate[:, None])[None, :, None, :, None]
-    chunk_decay = torch.exp(chunk * rate)[None, :, None]                                 # (1, H, 1)
-    num = ((q_num @ k_num.transpose(-1, -2)) * inside) @ v
-    den = ((q_den @ k_den.transpose(-1, -2)) * inside).sum(-1)
-    kv_updates = (k_num * key_decay).transpose(-1, -2) @ v     # (B, H, K, M, Dv)
-    sum_updates = (k_den * key_decay).sum(-2)                  # (B, H, K, M)
-    kv, k_sum = kv_updates.new_zeros(b, h, m, v.shape[-1]), sum_updates.new_zeros(b, h, m)
-    kvs, sums = [], []
-    for c in range(kv_updates.shape[2]):
-        kvs.append(kv)
-        sums.append(k_sum)
-        kv = chunk_decay[..., None] * kv + kv_updates[:, :, c]
-        k_sum = chunk_decay * k_sum + sum_updates[:, :, c]
-    num = num + (q_num * query_decay) @ torch.stack(kvs, 2)
-    den = den + ((q_den * query_decay) * torch.stack(sums, 2).unsqueeze(-2)).sum(-1)
-    return num.flatten(2, 3)[:, :, pad:], den.flatten(2, 3)[:, :, pad:], kv, k_sum
+    """(log sum_n gamma^(j-n+W) kappa_jn, the nu-weighted mean of values, the state) of queries at positions
+    offset + W + j against keys at offset + n, n <= j, from plain features: one call of the op (any
+    backend's plain pass, `run_linear_attention`), the queries at their positions and the keys at theirs
+    (its key offset), the decay inside its chunks (its log_decay, at the distance in positions, so gamma^W
+    is in the log-normaliser); its log-normaliser (the plain scales'
+    logs added back, -inf for a row with no weight) weighs the window against the linear part at any scale
+    of the features.  The block guarded the features already (`guard_window_features`)."""
+    dtype = phi_q.dtype   # the compute dtype (v may be bf16 for fla's kernels)
+    result = run_linear_attention(phi_q, phi_k, v, causal=True, rotary=rotary, offset=offset + window,
+                                  key_offset=offset, chunk_size=chunk_size, rope_base=rope_base, backend=backend,
+                                  log_space=False, return_state=return_state, nonnegative_features=False,
+                                  return_log_normalizer=bool(window), log_decay=rate)
+    ratio, *rest = result if isinstance(result, tuple) else (result,)
+    state = rest.pop(0) if return_state else None
+    lin_log = rest[0].to(dtype) if window else None
+    return lin_log, ratio.to(dtype), state
 
 
 def log_linear_part(b, a, v, *, window, rate, rotary, offset, rope_base, chunk_size, backend, return_state):
     """`plain_linear_part` from log-features b = log phi_q, a = log phi_k (tensors or `LogProjection`s): one
     call of the op's exact log-space pass, query j at offset + W + j and key n at offset + n (its key offset),
     with the decay inside it (its log_decay, at the distance in positions j - n + W), whose log-normaliser is
-    the row's log sum gamma^(j-n+W) kappa: unlike `plain_linear_part`'s, with gamma^W in it."""
+    the row's log sum gamma^(j-n+W) kappa, as `plain_linear_part`'s."""
     dtype = feature_tensors(b)[0].dtype   # the compute dtype (v may be bf16 for fla's kernels)
     result = run_linear_attention(b, a, v, causal=True, rotary=rotary, offset=offset + window, key_offset=offset,
                                   chunk_size=chunk_size, rope_base=rope_base, backend=backend, log_space=True,
@@ -345,10 +291,10 @@ def plain_linear_step(phi_q, phi_k, v, linear, *, position, window, rate, rotary
     kv = kv + k_num.unsqueeze(-1) * v.unsqueeze(-2)
     k_sum = k_sum + phi_k
     num = (q_num.unsqueeze(-2) @ kv).squeeze(-2)
-    log_den, safe = guarded_log((phi_q * k_sum).sum(-1))
-    log_den = log_den + (q_scale.log() + scale.log()).squeeze(-1)
+    den = (phi_q * k_sum).sum(-1)
+    log_den = plain_log_normalizer(den) + (q_scale.log() + scale.log()).squeeze(-1)
     state = LinearState(kv * scale.unsqueeze(-1), k_sum * scale, position - window + 1)
-    return log_den, num / safe.unsqueeze(-1), state
+    return log_den, divide(num, den), state
 
 
 def log_linear_step(b, a, v, linear, *, position, window, rate, rotary, rope_base):

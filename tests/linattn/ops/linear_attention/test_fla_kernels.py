@@ -112,17 +112,22 @@ def test_mapping_matches_torch_backend(fla_reference, log_space, rotary, n, offs
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("log_space,decay", [(True, False), (False, False), (False, True)],
+                         ids=["log", "plain", "plain-decay"])
 @pytest.mark.parametrize("rotary", [True, False], ids=["post", "unrotated"])
 @pytest.mark.parametrize("offset,key_offset", [(7, 2), (0, 5)])
-def test_key_offset_and_log_normalizer_match_the_torch_backend(fla_reference, rotary, offset, key_offset):
-    """The fla route's key offset, log-normaliser and their gradients, as the torch backend's."""
-    tensors = features(9, 8, 4, log_space=True, scale=3.0)
+def test_key_offset_and_log_normalizer_match_the_torch_backend(fla_reference, log_space, decay, rotary, offset,
+                                                               key_offset):
+    """The fla route's key offset, log-normaliser (and the plain pass's decay, fla's gates) and their
+    gradients, as the torch backend's."""
+    tensors = features(9, 8, 4, log_space=log_space, scale=3.0 if log_space else 1.0)
     gen = torch.Generator().manual_seed(5)
     weights, lse_weights = (torch.randn(B, H, 9, *size, generator=gen, dtype=torch.float64) for size in ((4,), ()))
+    options = dict(log_decay=torch.tensor([-2.0 ** -1, -2.0 ** -4], dtype=torch.float64)) if decay else {}
     results = []
     for backend in ("fla", "torch"):
-        out, state, lse = call(backend, True, tensors, rotary=rotary, offset=offset, key_offset=key_offset,
-                               return_state=True, return_log_normalizer=True)
+        out, state, lse = call(backend, log_space, tensors, rotary=rotary, offset=offset, key_offset=key_offset,
+                               return_state=True, return_log_normalizer=True, **options)
         loss = (out * weights).sum() + (lse * lse_weights).sum()
         results.append([out, lse, state.kv, *torch.autograd.grad(loss, tensors)])
         assert state.position == key_offset + 9
@@ -188,7 +193,7 @@ def test_window_and_decay_run_their_linear_part_on_flas_kernels(fla_reference, m
     runs = {}
     for backend in ("torch", "fla"):
         if backend == "fla":   # the torch loop over chunks must not run on the fla route
-            monkeypatch.setattr(window_decay, "decayed_chunks", None)
+            monkeypatch.setattr(torch_plain, "causal_attention", None)
         out, state = window_decay.window_decay_attention(*inputs, backend=backend, **options)
         runs[backend] = [out, *torch.autograd.grad((out * weights).sum(), inputs, materialize_grads=True), state.linear.kv,
                          state.linear.k_sum]
@@ -528,25 +533,24 @@ def test_flas_own_kernels_give_the_torch_backends_outputs_gradients_and_state(fl
 
 
 @pytest.mark.slow
-def test_flas_own_decayed_kernel_gives_the_windows_torch_loop(fla_in_the_interpreter):
-    """chunk_simple_gla with a decay per head over two of fla's chunks, float32, against the window's
-    torch loop over chunks (decayed_chunks) in float64: numerator, denominator, states and gradients."""
+@pytest.mark.parametrize("rotary", [True, False], ids=["post", "unrotated"])
+def test_flas_own_decayed_kernel_gives_the_torch_backends_decay(fla_in_the_interpreter, rotary):
+    """chunk_simple_gla with a decay per head over two of fla's chunks, float32, the keys 3 positions
+    behind the queries, against the torch backend's decay inside its chunks in float64: output,
+    log-normaliser, state and gradients."""
     n, m, dv = 70, 16, 24
     q, k, v = (t.detach()[:1] for t in features(n, m, dv, log_space=False, scale=0.5))
     rate = torch.tensor([-2.0 ** -5, -2.0 ** -6], dtype=torch.float64)
-    weights = torch.randn(1, H, n, dv, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(1)
+    weights, lse_weights = (torch.randn(1, H, n, *size, dtype=torch.float64, generator=gen) for size in ((dv,), ()))
     runs = []
-    for dtype in (torch.float32, torch.float64):
+    for backend, dtype in (("fla", torch.float32), ("torch", torch.float64)):
         inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-        if dtype == torch.float32:
-            num, den, kv, k_sum = fla_kernels.decayed_attention(inputs[0], inputs[1], inputs[0], inputs[1], inputs[2],
-                                                               rate, return_state=True)
-        else:
-            num, den, kv, k_sum = window_decay.decayed_chunks(inputs[0], inputs[1], inputs[0], inputs[1], inputs[2],
-                                                              rate, 16)
-        loss = (num * weights.to(dtype)).sum() + den.sum()
-        runs.append([num, den, kv, k_sum, *torch.autograd.grad(loss, inputs)])
-    for name, got, want in zip(("num", "den", "kv", "k_sum", "d q", "d k", "dv"), *runs, strict=True):
+        out, state, lse = call(backend, False, inputs, rotary=rotary, offset=3, key_offset=0, return_state=True,
+                               return_log_normalizer=True, log_decay=rate.to(dtype))
+        loss = (out * weights.to(dtype)).sum() + (lse * lse_weights.to(dtype)).sum()
+        runs.append([out, lse, state.kv, state.k_sum, *torch.autograd.grad(loss, inputs)])
+    for name, got, want in zip(("out", "lse", "kv", "k_sum", "d q", "d k", "dv"), *runs, strict=True):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5 * max(want.abs().max().item(), 1.0),
                                    msg=name)
 
