@@ -19,7 +19,7 @@ def reference_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tenso
     `nonnegative_features=False`: single features may be negative (see `linear_attention`);
     `numerator_only=True`: the numerator alone, undivided (what normalization="rmsnorm" normalises);
     key_offset: the keys rotated at key_offset.. (None: offset), the queries at offset..; log_decay (H,):
-    each weight times gamma^(m-n), causal; return_log_normalizer: also log sum_n of the denominator's
+    each weight times gamma^((offset + m) - (key_offset + n)), causal; return_log_normalizer: also log sum_n of the denominator's
     weights per row (B, H, N), as `linear_attention` gives it."""
     dtype = compute_dtype(phi_q, phi_k, v)
     n = v.shape[-2]
@@ -38,9 +38,12 @@ def reference_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tenso
     if causal:
         numerator_weights = numerator_weights.tril()
         denominator_weights = denominator_weights.tril()
-    if log_decay is not None:
+    if log_decay is not None:   # gamma^(s - t), the distance in positions (t = key_offset + n)
         steps = torch.arange(n, device=v.device, dtype=dtype)
-        decay = torch.exp((steps[:, None] - steps[None, :]).clamp_min(0) * log_decay.to(dtype)[:, None, None])
+        keys_at = offset if key_offset is None else key_offset
+        distance = (offset + steps)[:, None] - (keys_at + steps)[None, :]
+        later = steps[:, None] < steps[None, :]   # masked by causality; its gamma^(negative) not formed
+        decay = torch.exp(distance.masked_fill(later, 0) * log_decay.to(dtype)[:, None, None])
         numerator_weights, denominator_weights = numerator_weights * decay, denominator_weights * decay
     if numerator_only:
         return (numerator_weights @ v_c).to(v.dtype)
