@@ -7,6 +7,7 @@ from functools import partial
 import pytest
 import torch
 
+from linattn import LinearAttention, functional
 from linattn.custom_ops import linear_attention_op
 from linattn.ops.linear_attention.naive import reference_attention
 from linattn.rotary import apply_rotary
