@@ -171,8 +171,9 @@ class _CausalAttention(torch.autograd.Function):
             _carry(k_sum, key_weights.sum(-2, keepdim=True), decay)
         ctx.save_for_backward(q, k, v, out, den, phases, rate)
         ctx.chunk = chunk
+        k_sum = k_sum.squeeze(-2)   # marked as returned: a view of a marked tensor would take a gradient
         ctx.mark_non_differentiable(state, k_sum)
-        return out, den, state, k_sum.squeeze(-2)
+        return out, den, state, k_sum
 
     @staticmethod
     @torch.autograd.function.once_differentiable
