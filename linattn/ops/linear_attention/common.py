@@ -151,8 +151,13 @@ def guard_log_features(x, dtype: torch.dtype):
     if isinstance(x, LogProjection):
         return x._replace(shift=x.shift + poison)
     # clamp_min as a where: its backward keeps a mask of the raised entries, not a copy of the log-features
-    floor = torch.finfo(x.dtype).min / 4
+    floor = log_feature_floor(x.dtype)
     return torch.where(x < floor, floor, x).add_(poison)
+
+
+def log_feature_floor(dtype: torch.dtype) -> float:
+    """Where `guard_log_features` raises -inf log-features to: finite, far below any real one."""
+    return torch.finfo(dtype).min / 4
 
 
 def nan_where_negative(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -166,13 +171,17 @@ def nan_where_negative(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor
 
 
 def guard_features(phi_q, phi_k, v: torch.Tensor, dtype: torch.dtype, *, log_space: bool,
-                   nonnegative_features: bool, check_range: bool = True):
+                   nonnegative_features: bool, check_range: bool = True, guard_log: bool = True):
     """(phi_q, phi_k, v) as the computation takes them: log-features raised to their floor (the range
     checked first in debug mode), or for non-negative plain features a negative one made NaN in the
-    values it reaches (checked in debug mode), so that bad features never give a finite wrong output."""
+    values it reaches (checked in debug mode), so that bad features never give a finite wrong output.
+    `guard_log=False`: the implementation guards log-features itself (`guard_log_features`' work done
+    where its kernels read them); the debug check still runs here."""
     if log_space:   # the bound first: -inf (a feature that is exactly 0) is raised to a floor below it
         if check_range and debug_enabled():
             check_log_feature_range(phi_q, phi_k, dtype)
+        if not guard_log:
+            return phi_q, phi_k, v
         return guard_log_features(phi_q, dtype), guard_log_features(phi_k, dtype), v
     if nonnegative_features:
         if debug_enabled():

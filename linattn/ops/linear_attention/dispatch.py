@@ -43,6 +43,10 @@ IMPLEMENTATIONS = {   # (numerics, backend, causal): implementation; only the re
     ("log", "fla", True): fla_kernels.logspace_attention,
 }
 
+# Implementations that apply common.guard_log_features' guard where their kernels read the log-features
+# (no pass of their own over them).
+GUARD_THEIR_OWN_LOG_FEATURES = (fla_kernels.logspace_attention,)
+
 
 def numerics(log_space: bool) -> str:
     return "log" if log_space else "plain"
@@ -112,13 +116,14 @@ def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rot
     key_offset and return_log_normalizer: log-space calls only (the caller checked)."""
     dtype = compute_dtype(*feature_tensors(phi_q, phi_k), v)
     resolved = resolve(backend, v.device, float64=dtype == torch.float64, log_space=log_space, causal=causal)
-    phi_q, phi_k, v = guard_features(phi_q, phi_k, v, dtype, log_space=log_space,
-                                     nonnegative_features=nonnegative_features, check_range=check_range)
     tokens, rows = v.shape[-2], v.shape[:-1].numel()
+    attend = implementation(log_space, resolved, causal, rows)
+    phi_q, phi_k, v = guard_features(phi_q, phi_k, v, dtype, log_space=log_space,
+                                     nonnegative_features=nonnegative_features, check_range=check_range,
+                                     guard_log=attend not in GUARD_THEIR_OWN_LOG_FEATURES)
     scaled = not log_space and rows
     if scaled:   # plain features at unit size: the output does not depend on their scale
         phi_q, phi_k, key_scale = scale_plain_features(phi_q, phi_k, causal=causal)
-    attend = implementation(log_space, resolved, causal, rows)
     log_options = dict(key_offset=key_offset, return_log_normalizer=return_log_normalizer) if log_space else {}
     result = attend(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset, rope_base=rope_base,
                     chunk_size=max(1, min(chunk_size, tokens)),   # a short sequence is one chunk, unpadded

@@ -12,8 +12,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ...rotary import rotary_phases, rotate_pairs
-from .common import (LogProjection, compute_dtype, divide, feature_tensors, first_derivatives_only, log_normalizer,
-                     query_key_phases)
+from .common import (LogProjection, compute_dtype, divide, feature_tensors, first_derivatives_only, guard_log_features,
+                     log_feature_floor, log_feature_limit, log_normalizer, query_key_phases)
 from .recurrent import LinearState
 from .stable import numerator_query
 
@@ -161,18 +161,26 @@ def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope
                        chunk_size: int, return_state: bool, key_offset: int | None = None,
                        return_log_normalizer: bool = False):
     """Log-features b, a (tensors or `LogProjection`s); see docs/derivations.md.  One call of fla, for
-    the numerator; the denominator from the keys' log-sums (running_max.py's scans).  Queries rotated at
-    offset.., keys at key_offset.. (None: offset); with return_log_normalizer the rows' log sum phi_q . phi_k
-    last, (B, H, N) in the work dtype."""
+    the numerator; the denominator from the keys' log-sums (factor_kernels.py's kernels, or torch's glue
+    `log_factors`).  Queries rotated at offset.., keys at key_offset.. (None: offset); with
+    return_log_normalizer the rows' log sum phi_q . phi_k last, (B, H, N) in the work dtype."""
     del causal, chunk_size
     n, m = v.shape[-2], a.shape[-1]
     key_offset = int(offset) if key_offset is None else int(key_offset)
     work, dot = dtypes(v, b, a)
     with torch.autocast(v.device.type, enabled=False):
-        phases = query_key_phases(n, m, offset=int(offset), key_offset=key_offset, base=rope_base, device=v.device,
-                                  dtype=work) if rotary else None
-        q_num, k_num, decay, denominator, row_scale, last_scale, last_log_sums = checkpoint(
-            log_factors, b, a, phases, work=work, dot=dot, use_reentrant=False, preserve_rng_state=False)
+        # the fused kernels take one rotation table and return no row scale: a key offset or the
+        # normaliser (the window's linear part) takes torch's glue
+        if kernels_run_on(v) and key_offset == int(offset) and not return_log_normalizer:
+            phases = rotary_phases(n, m, offset=offset, base=rope_base, device=v.device, dtype=work) if rotary else None
+            q_num, k_num, decay, denominator, last_scale, last_log_sums = fused_log_factors(b, a, phases, work=work,
+                                                                                            dot=dot, guard=True)
+        else:   # torch's glue (also on CPU outside Triton's interpreter): the factors recomputed for backward
+            phases = query_key_phases(n, m, offset=int(offset), key_offset=key_offset, base=rope_base,
+                                      device=v.device, dtype=work) if rotary else None
+            b, a = guard_log_features(b, work), guard_log_features(a, work)
+            q_num, k_num, decay, denominator, row_scale, last_scale, last_log_sums = checkpoint(
+                log_factors, b, a, phases, work=work, dot=dot, use_reentrant=False, preserve_rng_state=False)
         numerator, kv = gated_linear_attention(q_num, k_num, fla_layout(v).to(dot), decay, return_state=return_state)
     sums = torch.exp(last_log_sums.detach() - last_scale).to(work) if return_state else None
     result = finish(numerator, denominator, v, kv=kv, sums=sums, work=work, position=key_offset + n,
@@ -181,6 +189,38 @@ def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope
         return result
     lse = log_normalizer(denominator, row_scale.squeeze(-1)).transpose(1, 2)
     return (*result, lse) if return_state else (result, lse)
+
+
+def kernels_run_on(x: torch.Tensor) -> bool:
+    """Triton's kernels run on CUDA, or on CPU under TRITON_INTERPRET=1; CPU tensors outside the
+    interpreter (the fla tests' stand-ins on a GPU machine) take torch's glue."""
+    import triton   # here: triton, like fla, is a GPU dependency
+    return x.is_cuda or triton.knobs.runtime.interpret
+
+
+def fused_log_factors(b, a, phases, *, work: torch.dtype, dot: torch.dtype, guard: bool = False):
+    """`log_factors` by factor_kernels.py's fused kernels, reading the log-features where they are (a
+    `LogProjection` as its logits in fla's layout, its row shift added in the kernels).  `guard`:
+    common.guard_log_features' guard too (in the kernels for tensors; a projection's is on its parts)."""
+    from .factor_kernels import log_factors as kernel_log_factors
+    if guard:
+        b, a = (guard_log_features(x, work) if isinstance(x, LogProjection) else x for x in (b, a))
+    tensors = [x for x in (b, a) if not isinstance(x, LogProjection)]
+    parts = [part for x in (b, a) for part in kernel_inputs(x, work)]
+    return kernel_log_factors(*parts, phases, dot=dot, guard=guard and bool(tensors), limit=log_feature_limit(work),
+                              floor=log_feature_floor(tensors[0].dtype if tensors else work))
+
+
+def kernel_inputs(x, work: torch.dtype) -> tuple:
+    """(log-features or logits in fla's layout, row shift (B, T, H) or None) of a tensor or `LogProjection`."""
+    if not isinstance(x, LogProjection):
+        return fla_layout(x), None
+    inputs = fla_layout(x.inputs).to(work)
+    logits = inputs @ x.weight.to(work).transpose(-1, -2)
+    shift = x.row_shift(inputs, fla_layout(x.shift).to(work) if isinstance(x.shift, torch.Tensor) else x.shift)
+    if isinstance(shift, torch.Tensor):
+        return logits, shift.expand(*logits.shape[:-1], 1).squeeze(-1)
+    return logits, (torch.full(logits.shape[:-1], shift, dtype=work, device=logits.device) if shift else None)
 
 
 def log_features(x, work: torch.dtype) -> torch.Tensor:
@@ -200,11 +240,10 @@ def log_factors(b, a, phases, *, work: torch.dtype, dot: torch.dtype):
     """fla's inputs from log-features (tensors or `LogProjection`s), in its layout: the numerator's
     q, k (in `dot`) and decays (in `work`); the denominator sum_j e^(b_j + L_j - Q) (B, T, H) with
     L = log sum_{n<=m} e^(a_n), and Q (B, T, H, 1); and F and L at the last token.  phases: the queries'
-    and keys' rotations (2, T, M/2) or None.  Each full-size op is one pass (the budget of
-    test_fla_budget.py)."""
-    from .running_max import running_max_and_log_sums   # here: triton, like fla, is a GPU dependency
+    and keys' rotations (2, T, M/2) or None.  Torch's glue: the reference of factor_kernels.py's
+    kernels, and the route for a key offset, the normaliser and CPU outside Triton's interpreter."""
     b, a = log_features(b, work), log_features(a, work)
-    feature_scale, log_sums = running_max_and_log_sums(a)               # F (a constant to autograd), L
+    feature_scale, log_sums = a.detach().cummax(1).values, a.logcumsumexp(1)   # F (a constant to autograd), L
     with torch.no_grad():   # the scales cancel exactly: constants to autograd
         row_scale = (b + feature_scale).amax(-1, keepdim=True)         # Q
     denominator = torch.exp(b + log_sums.to(work) - row_scale).sum(-1)
