@@ -12,6 +12,14 @@ from ...rotary import rotary_phases, rotate
 
 DEFAULT_CHUNK_SIZE = 64   # tokens per chunk of the torch backend's causal passes
 
+# The log decays g of fla's route (fla_kernels.py, factor_kernels.py) are bounded below.  A key feature
+# of exactly 0 (log -inf, raised to `log_feature_floor`: a masked or left-padded key) before that
+# feature's first real key makes one step's decay about the floor, and fla's chunk-local float32 cumsum
+# of g then absorbs every later step of the chunk (seen in an emulation of chunk_gla: outputs 19x off).
+# A term carried through a step of e^-100 is below e^(30 - 100) of its row's denominator (>= 1), so the
+# floor changes no float32 result.
+DECAY_FLOOR = -100.0
+
 
 class LogProjection(NamedTuple):
     """Log-features given as inputs @ weight^T + square_scale |inputs|^2 + shift: (B, H, N, D) inputs,
@@ -134,7 +142,8 @@ def guard_log_features(x, dtype: torch.dtype):
     """Log-features as every backend takes them, made without reading a value on the host: -inf (a
     feature that is exactly 0, such as a masked key's) raised to a finite floor far below any real one
     (stable.py's running maxima are then finite, so no -inf - (-inf) makes a NaN, and e^(floor - F) is
-    still exactly 0 beside any real feature), and every row that holds a log-feature beyond
+    still exactly 0 beside any real feature; a value at the floor counts as -inf, so that guarding twice
+    changes nothing), and every row that holds a log-feature beyond
     `log_feature_limit(dtype)` (or +inf) made NaN, so that it gives NaN outputs rather than finite and
     wrong ones (debug mode raises instead: `check_log_feature_range`).  A `LogProjection` is judged by
     the bound of its parts and carries the NaN in its shift, so nothing (B, H, N, M) is made."""
@@ -145,8 +154,8 @@ def guard_log_features(x, dtype: torch.dtype):
             weight = torch.linalg.vector_norm(x.weight, dim=-1).amax().to(norm.dtype)
             shift = x.shift.abs() if isinstance(x.shift, torch.Tensor) else abs(x.shift)
             largest = norm * weight + abs(x.square_scale) * norm.square() + shift
-        else:
-            largest = x.nan_to_num(neginf=0.0).abs_().amax(-1, keepdim=True)   # NaN rows stay NaN anyway
+        else:   # -inf and the floor (log-features guarded before) are features of 0; NaN rows stay NaN
+            largest = torch.where(x <= log_feature_floor(x.dtype), 0.0, x).abs_().amax(-1, keepdim=True)
         poison = torch.where(largest <= limit, 0.0, float("nan")).to(feature_tensors(x)[0].dtype)
     if isinstance(x, LogProjection):
         return x._replace(shift=x.shift + poison)

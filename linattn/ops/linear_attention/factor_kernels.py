@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fla_kernels import DECAY_FLOOR
+from .common import DECAY_FLOOR
 from .stable import NUMERATOR_CAP
 
 CHUNK = 64     # tokens per program (fla's chunk)
@@ -90,8 +90,9 @@ def _row(ptr, shift_ptr, bounds_ptr, offset, row, pairs, width, stride_m, inside
     keep_e, keep_o = valid_e, valid_o
     if GUARD:
         limit, floor = tl.load(bounds_ptr), tl.load(bounds_ptr + 1)
-        beyond = tl.max(((tl.abs(x_e) > limit) & (x_e != float("-inf"))).to(tl.int32), 0) + \
-            tl.max(((tl.abs(x_o) > limit) & (x_o != float("-inf"))).to(tl.int32), 0)
+        # -inf and the floor (a tensor guarded before, as the window's) are features of 0
+        beyond = tl.max(((tl.abs(x_e) > limit) & (x_e > floor)).to(tl.int32), 0) + \
+            tl.max(((tl.abs(x_o) > limit) & (x_o > floor)).to(tl.int32), 0)
         poison = tl.where(beyond > 0, float("nan"), 0.0).to(CT)
         keep_e, keep_o = valid_e & ~(x_e < floor), valid_o & ~(x_o < floor)
         x_e = tl.where(x_e < floor, floor, x_e) + poison
@@ -122,15 +123,15 @@ def _query_factor(b, pair_scale, row_scale, ROTARY: tl.constexpr, CAP: tl.conste
 
 
 @triton.jit
-def _rotated_at(phases_ptr, t, pairs, width, valid, x_e, x_o, y_e, y_o, INVERSE: tl.constexpr):
-    """Two rows of pairs (x_e + i x_o, y_e + i y_o) times token t's e^(i theta), or e^(-i theta) (the
-    gradient's), theta from the (T, M/2, 2) phases."""
-    phase = (t * (width // 2) + pairs) * 2
+def _rotated_at(phases_ptr, position, pairs, width, valid, x_e, x_o, INVERSE: tl.constexpr):
+    """A row of pairs x_e + i x_o times e^(i theta), or e^(-i theta) (the gradient's), theta from row
+    `position` of the (2T, M/2, 2) phases: the queries' at t, the keys' at T + t."""
+    phase = (position * (width // 2) + pairs) * 2
     cos = tl.load(phases_ptr + phase, mask=valid, other=1.0)
     sin = tl.load(phases_ptr + phase + 1, mask=valid, other=0.0)
     if INVERSE:
         sin = -sin
-    return x_e * cos - x_o * sin, x_e * sin + x_o * cos, y_e * cos - y_o * sin, y_e * sin + y_o * cos
+    return x_e * cos - x_o * sin, x_e * sin + x_o * cos
 
 
 @triton.jit
@@ -201,7 +202,8 @@ def _factors_kernel(b_ptr, b_shift_ptr, a_ptr, a_shift_ptr, bounds_ptr, phases_p
         q_o, _ = _query_factor(b_o, pair_o, row_scale, ROTARY, CAP)
         k_e, k_o = tl.exp(a_e - pair_e), tl.exp(a_o - pair_o)
         if ROTARY:
-            q_e, q_o, k_e, k_o = _rotated_at(phases_ptr, t, pairs, width, valid_e, q_e, q_o, k_e, k_o, False)
+            q_e, q_o = _rotated_at(phases_ptr, t, pairs, width, valid_e, q_e, q_o, False)
+            k_e, k_o = _rotated_at(phases_ptr, length + t, pairs, width, valid_e, k_e, k_o, False)
         dense = row * width + even
         tl.store(q_ptr + dense, q_e, mask=valid_e)
         tl.store(q_ptr + dense + 1, q_o, mask=valid_o)
@@ -306,8 +308,8 @@ def _factors_grad_kernel(b_ptr, b_shift_ptr, a_ptr, a_shift_ptr, bounds_ptr, pha
         grad_q_e, grad_q_o = _load_pair(grad_q_ptr, dense, valid_e, valid_o, 0.0, CT)
         grad_k_e, grad_k_o = _load_pair(grad_k_ptr, dense, valid_e, valid_o, 0.0, CT)
         if ROTARY:
-            grad_q_e, grad_q_o, grad_k_e, grad_k_o = _rotated_at(phases_ptr, t, pairs, width, valid_e, grad_q_e,
-                                                                 grad_q_o, grad_k_e, grad_k_o, True)
+            grad_q_e, grad_q_o = _rotated_at(phases_ptr, t, pairs, width, valid_e, grad_q_e, grad_q_o, True)
+            grad_k_e, grad_k_o = _rotated_at(phases_ptr, length + t, pairs, width, valid_e, grad_k_e, grad_k_o, True)
         # b: the denominator's e^(b + L - Q) and the query factor's
         grad_l_e = tl.where(valid_e, grad_den * tl.exp(b_e + log_sums_e - row_scale), 0.0)   # dL
         grad_l_o = tl.where(valid_o, grad_den * tl.exp(b_o + log_sums_o - row_scale), 0.0)
@@ -356,9 +358,9 @@ def _factors_launch(kernel, a: torch.Tensor, *args, **constants):
 
 def log_factors(b, b_shift, a, a_shift, phases, *, dot: torch.dtype, guard: bool, limit: float, floor: float):
     """fla's inputs from log-features b, a (B, T, H, M) in fla's layout (any strides, any float dtype) and
-    their row shifts ((B, T, H) or None), by the fused kernels: q, k (rotated by `phases` (T, M/2)
-    complex, or None; in `dot`), the decays, the denominator sum_j e^(b_j + L_j - Q); F and L at the
-    last token.  `guard`: b and a raised to `floor` where below it, and NaN in a row that holds a value
+    their row shifts ((B, T, H) or None), by the fused kernels: q, k (rotated by the queries' and keys'
+    `phases` (2, T, M/2) complex, or None; in `dot`), the decays, the denominator sum_j e^(b_j + L_j - Q),
+    the row scale Q (B, T, H) (a constant to autograd); F and L at the last token.  `guard`: b and a raised to `floor` where below it, and NaN in a row that holds a value
     beyond `limit` (common.guard_log_features' work, in the kernels)."""
     return LogFactors.apply(b, b_shift, a, a_shift, phases, dot, guard, limit, floor)
 
@@ -371,7 +373,8 @@ class LogFactors(torch.autograd.Function):
         work = _sums_dtype(a)
         batch, length, heads, width = a.shape
         bounds = torch.tensor([limit, floor], dtype=work, device=a.device)
-        phases = torch.view_as_real(phases).to(work).contiguous() if phases is not None else None
+        if phases is not None:   # (2T, M/2, 2): the queries' rows, then the keys'
+            phases = torch.view_as_real(phases).to(work).flatten(0, 1).contiguous()
         rotary = phases is not None
         flags = dict(GUARD=guard)
         shifts = [t.contiguous() if t is not None else bounds for t in (b_shift, a_shift)]
@@ -394,11 +397,11 @@ class LogFactors(torch.autograd.Function):
         ctx.guard = guard
         ctx.set_materialize_grads(False)   # no zeros written for the decays' gradient, which is not used
         last_scale = torch.maximum(carry_max[:, -1], top[:, -1])
-        ctx.mark_non_differentiable(decay, last_scale)
-        return q, k, decay, den, last_scale, log_sums[:, -1]
+        ctx.mark_non_differentiable(decay, row_scale, last_scale)
+        return q, k, decay, den, row_scale, last_scale, log_sums[:, -1]
 
     @staticmethod
-    def backward(ctx, grad_q, grad_k, _, grad_den, __, ___):
+    def backward(ctx, grad_q, grad_k, _, grad_den, __, ___, ____):
         b, b_shift, a, a_shift, phases, bounds, log_sums, scale, row_scale = ctx.saved_tensors
         batch, length, heads, width = a.shape
         chunks = triton.cdiv(length, CHUNK)

@@ -12,17 +12,11 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ...rotary import rotary_phases, rotate_pairs
-from .common import (LogProjection, compute_dtype, divide, feature_tensors, first_derivatives_only, guard_log_features,
-                     log_feature_floor, log_feature_limit, log_normalizer, query_key_phases)
+from .common import (DECAY_FLOOR, LogProjection, compute_dtype, divide, feature_tensors, first_derivatives_only,
+                     guard_log_features, log_feature_floor, log_feature_limit, log_normalizer, query_key_phases)
 from .recurrent import LinearState
 from .stable import numerator_query
 
-# The log decays g are bounded below.  A key feature of exactly 0 (log -inf, raised to a floor near
-# -8.5e37: a masked or left-padded key) before that feature's first real key makes one step's decay
-# about -8.5e37, and fla's chunk-local float32 cumsum of g then absorbs every later step of the chunk
-# (seen in an emulation of chunk_gla: outputs 19x off).  A term carried through a step of e^-100 is
-# below e^(30 - 100) of its row's denominator (>= 1), so the floor changes no float32 result.
-DECAY_FLOOR = -100.0
 ONES = 16   # the denominator's values: a column of ones, as wide as fla's smallest tile
 HALF_DOTS = torch.bfloat16   # the half dtype fla's dots take from the values (not fp16: `dtypes`)
 
@@ -160,27 +154,24 @@ def plain_factors(phi_q, phi_k, phases, *, work: torch.dtype, dot: torch.dtype):
 def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope_base: float,
                        chunk_size: int, return_state: bool, key_offset: int | None = None,
                        return_log_normalizer: bool = False):
-    """Log-features b, a (tensors or `LogProjection`s); see docs/derivations.md.  One call of fla, for
-    the numerator; the denominator from the keys' log-sums (factor_kernels.py's kernels, or torch's glue
-    `log_factors`).  Queries rotated at offset.., keys at key_offset.. (None: offset); with
+    """Log-features b, a (tensors or `LogProjection`s, guarded here: dispatch.GUARD_THEIR_OWN_LOG_FEATURES);
+    see docs/derivations.md.  One call of fla, for the numerator; the denominator from the keys' log-sums
+    (factor_kernels.py's kernels, or torch's glue `log_factors`).  Queries rotated at offset.., keys at key_offset.. (None: offset); with
     return_log_normalizer the rows' log sum phi_q . phi_k last, (B, H, N) in the work dtype."""
     del causal, chunk_size
     n, m = v.shape[-2], a.shape[-1]
     key_offset = int(offset) if key_offset is None else int(key_offset)
     work, dot = dtypes(v, b, a)
     with torch.autocast(v.device.type, enabled=False):
-        # the fused kernels take one rotation table and return no row scale: a key offset or the
-        # normaliser (the window's linear part) takes torch's glue
-        if kernels_run_on(v) and key_offset == int(offset) and not return_log_normalizer:
-            phases = rotary_phases(n, m, offset=offset, base=rope_base, device=v.device, dtype=work) if rotary else None
-            q_num, k_num, decay, denominator, last_scale, last_log_sums = fused_log_factors(b, a, phases, work=work,
-                                                                                            dot=dot, guard=True)
-        else:   # torch's glue (also on CPU outside Triton's interpreter): the factors recomputed for backward
-            phases = query_key_phases(n, m, offset=int(offset), key_offset=key_offset, base=rope_base,
-                                      device=v.device, dtype=work) if rotary else None
+        phases = query_key_phases(n, m, offset=int(offset), key_offset=key_offset, base=rope_base,
+                                  device=v.device, dtype=work) if rotary else None
+        if kernels_run_on(v):
+            factors = fused_log_factors(b, a, phases, work=work, dot=dot, guard=True)
+        else:   # torch's glue (CPU outside Triton's interpreter): the factors recomputed for backward
             b, a = guard_log_features(b, work), guard_log_features(a, work)
-            q_num, k_num, decay, denominator, row_scale, last_scale, last_log_sums = checkpoint(
-                log_factors, b, a, phases, work=work, dot=dot, use_reentrant=False, preserve_rng_state=False)
+            factors = checkpoint(log_factors, b, a, phases, work=work, dot=dot, use_reentrant=False,
+                                 preserve_rng_state=False)
+        q_num, k_num, decay, denominator, row_scale, last_scale, last_log_sums = factors
         numerator, kv = gated_linear_attention(q_num, k_num, fla_layout(v).to(dot), decay, return_state=return_state)
     sums = torch.exp(last_log_sums.detach() - last_scale).to(work) if return_state else None
     result = finish(numerator, denominator, v, kv=kv, sums=sums, work=work, position=key_offset + n,
@@ -207,8 +198,10 @@ def fused_log_factors(b, a, phases, *, work: torch.dtype, dot: torch.dtype, guar
         b, a = (guard_log_features(x, work) if isinstance(x, LogProjection) else x for x in (b, a))
     tensors = [x for x in (b, a) if not isinstance(x, LogProjection)]
     parts = [part for x in (b, a) for part in kernel_inputs(x, work)]
-    return kernel_log_factors(*parts, phases, dot=dot, guard=guard and bool(tensors), limit=log_feature_limit(work),
-                              floor=log_feature_floor(tensors[0].dtype if tensors else work))
+    q_num, k_num, decay, denominator, row_scale, *last = kernel_log_factors(
+        *parts, phases, dot=dot, guard=guard and bool(tensors), limit=log_feature_limit(work),
+        floor=log_feature_floor(tensors[0].dtype if tensors else work))
+    return q_num, k_num, decay, denominator, row_scale.unsqueeze(-1), *last
 
 
 def kernel_inputs(x, work: torch.dtype) -> tuple:
@@ -241,7 +234,7 @@ def log_factors(b, a, phases, *, work: torch.dtype, dot: torch.dtype):
     q, k (in `dot`) and decays (in `work`); the denominator sum_j e^(b_j + L_j - Q) (B, T, H) with
     L = log sum_{n<=m} e^(a_n), and Q (B, T, H, 1); and F and L at the last token.  phases: the queries'
     and keys' rotations (2, T, M/2) or None.  Torch's glue: the reference of factor_kernels.py's
-    kernels, and the route for a key offset, the normaliser and CPU outside Triton's interpreter."""
+    kernels, and the route on CPU outside Triton's interpreter."""
     b, a = log_features(b, work), log_features(a, work)
     feature_scale, log_sums = a.detach().cummax(1).values, a.logcumsumexp(1)   # F (a constant to autograd), L
     with torch.no_grad():   # the scales cancel exactly: constants to autograd

@@ -19,9 +19,8 @@ import torch
 from linattn import LinearAttention, resolve_backend
 from linattn.functional import linear_attention, linear_attention_step
 from linattn.ops.linear_attention import dispatch, fla_kernels, torch_logspace, torch_plain
-from linattn.ops.linear_attention.common import LogProjection, guard_log_features
+from linattn.ops.linear_attention.common import LogProjection, guard_log_features, query_key_phases
 from linattn.ops.linear_attention.stable import NUMERATOR_CAP, pair_max
-from linattn.rotary import rotary_phases
 from linattn.ops.window_decay import window as window_decay
 
 B, H = 2, 2
@@ -344,6 +343,7 @@ def test_non_causal_calls_take_the_torch_entry():
         assert dispatch.has_own_kernel(log_space, "fla", True)
 
 
+FACTORS = ("q", "k", "decays", "denominator", "Q", "last F", "last L")   # log_factors' results
 INTERPRETED_OR_CUDA = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not CUDA,
                                          reason="the kernels run on CUDA, or in Triton's interpreter on CPU")
 KERNEL_DEVICE = "cuda" if CUDA else "cpu"
@@ -367,15 +367,22 @@ def leaves(features) -> list[torch.Tensor]:
             if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
-def factors_and_grads(log_factors, features, *, rotary, work=torch.float64, weights=None):
-    """log_factors' six results (fla_kernels.log_factors' call shape) and the gradients of a weighted
-    sum of q, k and the denominator with respect to the inputs."""
+def factors_and_grads(log_factors, features, *, rotary, key_offset=3, work=torch.float64, weights=None):
+    """log_factors' seven results (fla_kernels.log_factors' call shape), queries rotated at 3.. and keys
+    at key_offset.., and the gradients of a weighted sum of q, k and the denominator with respect to
+    the inputs."""
     n, m = features[0].shape[-2:]
-    phases = rotary_phases(n, m, offset=3, dtype=work, device=KERNEL_DEVICE) if rotary else None
+    phases = phases_at(n, m, 3, key_offset, work) if rotary else None
     out = log_factors(*features, phases, work=work, dot=work)
     weights = weights or [torch.randn_like(out[i]) for i in (0, 1, 3)]
     grads = torch.autograd.grad(sum((out[i] * w).sum() for i, w in zip((0, 1, 3), weights)), leaves(features))
     return out, grads, weights
+
+
+def phases_at(n, m, offset, key_offset, dtype=torch.float64):
+    """The queries' and keys' rotations as the op makes them, (2, N, M/2)."""
+    return query_key_phases(n, m, offset=offset, key_offset=key_offset, base=10000.0, device=KERNEL_DEVICE,
+                            dtype=dtype)
 
 
 @pytest.fixture
@@ -389,15 +396,18 @@ def small_chunks(monkeypatch):
 @INTERPRETED_OR_CUDA
 @pytest.mark.parametrize("inputs", ["tensor", "projection"])
 @pytest.mark.parametrize("rotary,m", [(True, 14), (False, 7)], ids=["post", "unrotated"])
-@pytest.mark.parametrize("length", [1, 8, 21])
-def test_the_factor_kernels_give_torchs_glue_and_its_gradients(small_chunks, inputs, rotary, m, length):
+@pytest.mark.parametrize("length,key_offset", [(1, 3), (8, 3), (21, 3), (8, 0), (21, 11)])
+def test_the_factor_kernels_give_torchs_glue_and_its_gradients(small_chunks, inputs, rotary, m, length, key_offset):
     """factor_kernels.py against fla_kernels.log_factors (torch ops) in float64: fla's q, k and decays,
-    the denominator, F and L at the last token, and the gradients; ragged and several chunks, a row of M
-    features that is no power of 2 (odd when unrotated), strided inputs, projections' row shifts."""
+    the denominator, Q, F and L at the last token, and the gradients; ragged and several chunks, a row of
+    M features that is no power of 2 (odd when unrotated), strided inputs, projections' row shifts, keys
+    rotated at the queries' positions or at a key offset of their own."""
     features = factor_inputs(length, m, inputs=inputs)
-    got, got_grads, weights = factors_and_grads(fla_kernels.fused_log_factors, features, rotary=rotary)
-    want, want_grads, _ = factors_and_grads(fla_kernels.log_factors, features, rotary=rotary, weights=weights)
-    names = ("q", "k", "decays", "denominator", "last F", "last L", *(f"grad {i}" for i in range(len(want_grads))))
+    got, got_grads, weights = factors_and_grads(fla_kernels.fused_log_factors, features, rotary=rotary,
+                                                key_offset=key_offset)
+    want, want_grads, _ = factors_and_grads(fla_kernels.log_factors, features, rotary=rotary, key_offset=key_offset,
+                                            weights=weights)
+    names = (*FACTORS, *(f"grad {i}" for i in range(len(want_grads))))
     for name, g, w in zip(names, (*got, *got_grads), (*want, *want_grads)):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=name)
 
@@ -420,7 +430,7 @@ def test_the_factor_kernels_guard_tensors_as_common_does(small_chunks):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
     with torch.no_grad():
         b[1, 0, 15, 5] = 1e17   # beyond 2^52
-        phases = rotary_phases(20, 8, dtype=torch.float64)
+        phases = phases_at(20, 8, 3, 3)
         got = fla_kernels.fused_log_factors(b, a, phases, work=torch.float64, dot=torch.float64, guard=True)
         want = guarded_glue(b, a, phases, work=torch.float64, dot=torch.float64)
     assert got[3][1, 15, 0].isnan() and got[3].isfinite().sum() == got[3].numel() - 1
@@ -437,8 +447,8 @@ def test_the_factor_kernels_keep_nan(small_chunks):
         a[0, 1, 14, 3] = float("nan")
     got = fla_kernels.fused_log_factors(b, a, None, work=torch.float32, dot=torch.float32)
     want = fla_kernels.log_factors(b, a, None, work=torch.float32, dot=torch.float32)
-    assert got[3][0, 14:, 1].isnan().all() and got[4][0, 1, 3].isnan()
-    for name, g, w in zip(("q", "k", "decays", "denominator", "last F", "last L"), got, want):
+    assert got[3][0, 14:, 1].isnan().all() and got[5][0, 1, 3].isnan()
+    for name, g, w in zip(FACTORS, got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, equal_nan=True, msg=name)
 
 
@@ -447,7 +457,7 @@ def test_gpu_the_factor_kernels_offset_past_two_to_the_31():
     """B N H M = 2^31 + 2^24 elements: int32 offsets would wrap (the interpreter's, in numpy, do not;
     and 2^31 floats do not fit this CPU's tests).  The last batch against torch's glue on it alone."""
     b, a = (torch.randn(17, 8, 65536, 256, device="cuda") for _ in range(2))
-    phases = rotary_phases(65536, 256, device="cuda")
+    phases = query_key_phases(65536, 256, offset=0, key_offset=0, base=10000.0, device="cuda", dtype=torch.float32)
     got = fla_kernels.fused_log_factors(b, a, phases, work=torch.float32, dot=torch.bfloat16)
     want = fla_kernels.log_factors(b[-1:], a[-1:], phases, work=torch.float32, dot=torch.bfloat16)
     for g, w in zip(got, want):
