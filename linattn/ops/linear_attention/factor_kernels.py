@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import DECAY_FLOOR
+from .common import DECAY_FLOOR, same_rotation
 from .stable import NUMERATOR_CAP
 
 CHUNK = 64     # tokens per program (fla's chunk)
@@ -125,7 +125,8 @@ def _query_factor(b, pair_scale, row_scale, ROTARY: tl.constexpr, CAP: tl.conste
 @triton.jit
 def _rotated_at(phases_ptr, position, pairs, width, valid, x_e, x_o, INVERSE: tl.constexpr):
     """A row of pairs x_e + i x_o times e^(i theta), or e^(-i theta) (the gradient's), theta from row
-    `position` of the (2T, M/2, 2) phases: the queries' at t, the keys' at T + t."""
+    `position` of the (T or 2T, M/2, 2) phases: the queries' at t, the keys' at key_rows + t (key_rows T
+    where their rotations differ, else 0)."""
     phase = (position * (width // 2) + pairs) * 2
     cos = tl.load(phases_ptr + phase, mask=valid, other=1.0)
     sin = tl.load(phases_ptr + phase + 1, mask=valid, other=0.0)
@@ -162,9 +163,9 @@ def _factor_summary_kernel(a_ptr, a_shift_ptr, bounds_ptr, top_ptr, lse_ptr, len
 
 
 @triton.jit
-def _factors_kernel(b_ptr, b_shift_ptr, a_ptr, a_shift_ptr, bounds_ptr, phases_ptr, carry_max_ptr, carry_lse_ptr,
-                    q_ptr, k_ptr, decay_ptr, lse_ptr, scale_ptr, row_scale_ptr, den_ptr, length, width, heads,
-                    chunks, sb_b, sb_t, sb_h, sb_m, sa_b, sa_t, sa_h, sa_m, B_SHIFT: tl.constexpr,
+def _factors_kernel(b_ptr, b_shift_ptr, a_ptr, a_shift_ptr, bounds_ptr, phases_ptr, key_rows, carry_max_ptr,
+                    carry_lse_ptr, q_ptr, k_ptr, decay_ptr, lse_ptr, scale_ptr, row_scale_ptr, den_ptr, length, width,
+                    heads, chunks, sb_b, sb_t, sb_h, sb_m, sa_b, sa_t, sa_h, sa_m, B_SHIFT: tl.constexpr,
                     A_SHIFT: tl.constexpr, GUARD: tl.constexpr, ROTARY: tl.constexpr, DECAY_FLOOR: tl.constexpr,
                     CAP: tl.constexpr, CHUNK: tl.constexpr, PAIRS: tl.constexpr):
     """fla's q, k (rotated, in the dots' dtype) and decays, the denominator, and L, P, Q for backward."""
@@ -203,7 +204,7 @@ def _factors_kernel(b_ptr, b_shift_ptr, a_ptr, a_shift_ptr, bounds_ptr, phases_p
         k_e, k_o = tl.exp(a_e - pair_e), tl.exp(a_o - pair_o)
         if ROTARY:
             q_e, q_o = _rotated_at(phases_ptr, t, pairs, width, valid_e, q_e, q_o, False)
-            k_e, k_o = _rotated_at(phases_ptr, length + t, pairs, width, valid_e, k_e, k_o, False)
+            k_e, k_o = _rotated_at(phases_ptr, key_rows + t, pairs, width, valid_e, k_e, k_o, False)
         dense = row * width + even
         tl.store(q_ptr + dense, q_e, mask=valid_e)
         tl.store(q_ptr + dense + 1, q_o, mask=valid_o)
@@ -272,7 +273,7 @@ def _factor_grad_summary_kernel(b_ptr, b_shift_ptr, bounds_ptr, lse_ptr, row_sca
 
 
 @triton.jit
-def _factors_grad_kernel(b_ptr, b_shift_ptr, a_ptr, a_shift_ptr, bounds_ptr, phases_ptr, lse_ptr, scale_ptr,
+def _factors_grad_kernel(b_ptr, b_shift_ptr, a_ptr, a_shift_ptr, bounds_ptr, phases_ptr, key_rows, lse_ptr, scale_ptr,
                          row_scale_ptr, grad_q_ptr, grad_k_ptr, grad_den_ptr, after_pos_ptr, after_neg_ptr,
                          grad_b_ptr, grad_a_ptr, grad_b_shift_ptr, grad_a_shift_ptr, length, width, heads, chunks,
                          sb_b, sb_t, sb_h, sb_m, sa_b, sa_t, sa_h, sa_m, gb_b, gb_t, gb_h, gb_m, ga_b, ga_t, ga_h,
@@ -309,7 +310,8 @@ def _factors_grad_kernel(b_ptr, b_shift_ptr, a_ptr, a_shift_ptr, bounds_ptr, pha
         grad_k_e, grad_k_o = _load_pair(grad_k_ptr, dense, valid_e, valid_o, 0.0, CT)
         if ROTARY:
             grad_q_e, grad_q_o = _rotated_at(phases_ptr, t, pairs, width, valid_e, grad_q_e, grad_q_o, True)
-            grad_k_e, grad_k_o = _rotated_at(phases_ptr, length + t, pairs, width, valid_e, grad_k_e, grad_k_o, True)
+            grad_k_e, grad_k_o = _rotated_at(phases_ptr, key_rows + t, pairs, width, valid_e, grad_k_e, grad_k_o,
+                                             True)
         # b: the denominator's e^(b + L - Q) and the query factor's
         grad_l_e = tl.where(valid_e, grad_den * tl.exp(b_e + log_sums_e - row_scale), 0.0)   # dL
         grad_l_o = tl.where(valid_o, grad_den * tl.exp(b_o + log_sums_o - row_scale), 0.0)
@@ -360,8 +362,9 @@ def log_factors(b, b_shift, a, a_shift, phases, *, dot: torch.dtype, guard: bool
     """fla's inputs from log-features b, a (B, T, H, M) in fla's layout (any strides, any float dtype) and
     their row shifts ((B, T, H) or None), by the fused kernels: q, k (rotated by the queries' and keys'
     `phases` (2, T, M/2) complex, or None; in `dot`), the decays, the denominator sum_j e^(b_j + L_j - Q),
-    the row scale Q (B, T, H) (a constant to autograd); F and L at the last token.  `guard`: b and a raised to `floor` where below it, and NaN in a row that holds a value
-    beyond `limit` (common.guard_log_features' work, in the kernels)."""
+    the row scale Q (B, T, H) (a constant to autograd); F and L at the last token.  `guard`: b and a
+    raised to `floor` where below it, and NaN in a row that holds a value beyond `limit`
+    (common.guard_log_features' work, in the kernels)."""
     return LogFactors.apply(b, b_shift, a, a_shift, phases, dot, guard, limit, floor)
 
 
@@ -373,8 +376,9 @@ class LogFactors(torch.autograd.Function):
         work = _sums_dtype(a)
         batch, length, heads, width = a.shape
         bounds = torch.tensor([limit, floor], dtype=work, device=a.device)
-        if phases is not None:   # (2T, M/2, 2): the queries' rows, then the keys'
-            phases = torch.view_as_real(phases).to(work).flatten(0, 1).contiguous()
+        key_rows = 0 if phases is None or same_rotation(phases) else length   # the keys' rows in the table
+        if phases is not None:   # (T or 2T, M/2, 2): the queries' rows, then the keys' where they differ
+            phases = torch.view_as_real(phases[:1] if key_rows == 0 else phases).to(work).flatten(0, 1).contiguous()
         rotary = phases is not None
         flags = dict(GUARD=guard)
         shifts = [t.contiguous() if t is not None else bounds for t in (b_shift, a_shift)]
@@ -390,11 +394,11 @@ class LogFactors(torch.autograd.Function):
         scale = a.new_empty(batch, length, heads, width // 2 if rotary else width, dtype=work)
         row_scale, den = (a.new_empty(batch, length, heads, dtype=work) for _ in range(2))
         _factors_launch(_factors_kernel, a, b, shifts[0], a, shifts[1], bounds, phases if rotary else bounds,
-                        carry_max, carry_lse, q, k, decay, log_sums, scale, row_scale, den,
+                        key_rows, carry_max, carry_lse, q, k, decay, log_sums, scale, row_scale, den,
                         strides=(*b.stride(), *a.stride()), B_SHIFT=b_shift is not None, A_SHIFT=a_shift is not None,
                         ROTARY=rotary, DECAY_FLOOR=DECAY_FLOOR, CAP=NUMERATOR_CAP, **flags)
         ctx.save_for_backward(b, b_shift, a, a_shift, phases, bounds, log_sums, scale, row_scale)
-        ctx.guard = guard
+        ctx.guard, ctx.key_rows = guard, key_rows
         ctx.set_materialize_grads(False)   # no zeros written for the decays' gradient, which is not used
         last_scale = torch.maximum(carry_max[:, -1], top[:, -1])
         ctx.mark_non_differentiable(decay, row_scale, last_scale)
@@ -419,8 +423,8 @@ class LogFactors(torch.autograd.Function):
         grad_shifts = [torch.empty_like(t, dtype=log_sums.dtype) if t is not None else bounds
                        for t in (b_shift, a_shift)]
         _factors_launch(_factors_grad_kernel, a, b, shifts[0], a, shifts[1], bounds,
-                        phases if phases is not None else bounds, log_sums, scale, row_scale, grad_q, grad_k,
-                        grad_den, *after, grad_b, grad_a, *grad_shifts,
+                        phases if phases is not None else bounds, ctx.key_rows, log_sums, scale, row_scale, grad_q,
+                        grad_k, grad_den, *after, grad_b, grad_a, *grad_shifts,
                         strides=(*b.stride(), *a.stride(), *grad_b.stride(), *grad_a.stride()),
                         A_SHIFT=a_shift is not None, ROTARY=phases is not None, CAP=NUMERATOR_CAP, **flags)
         grad_b_shift = grad_shifts[0].to(b_shift.dtype) if b_shift is not None else None
