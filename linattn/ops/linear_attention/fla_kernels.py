@@ -1,7 +1,8 @@
 """Eq. 19 on flash-linear-attention's chunk kernels: the `fla` backend (causal calls on CUDA; `pip
-install 'linattn[gpu]'`), the default of backend="auto" on CUDA.  Eq. 19's numerator and denominator are one call each
-of fla's gated linear attention, with glue that scans nothing along the sequence and reads nothing
-on the host.
+install 'linattn[gpu]'`), the default of backend="auto" on CUDA.  Eq. 19 is one call of fla per forward
+(plain features: numerator and denominator together; log-features: the numerator, the denominator
+from factor_kernels.py's kernels), with glue that scans nothing along the sequence with torch and
+reads nothing on the host.
 
 Derivation: docs/derivations.md, "Eq. 19 on fla's kernels (fla_kernels.py)"."""
 from __future__ import annotations
@@ -17,7 +18,7 @@ from .common import (DECAY_FLOOR, LogProjection, compute_dtype, divide, feature_
 from .recurrent import LinearState
 from .stable import numerator_query
 
-ONES = 16   # the denominator's values: a column of ones, as wide as fla's smallest tile
+TILE = 16   # fla's smallest tile: tl.dot's least width, to which K and V are padded
 HALF_DOTS = torch.bfloat16   # the half dtype fla's dots take from the values (not fp16: `dtypes`)
 
 
@@ -48,34 +49,80 @@ def decayed_attention(q_num, k_num, q_den, k_den, v, log_decay, *, return_state:
     """The window's plain linear part (ops/window_decay) on fla, (B, H, N, .) tensors in and out:
     sum_{n<=m} gamma^(m-n) (q_num_m . k_num_n) v_n and sum_{n<=m} gamma^(m-n) q_den_m . k_den_n, with the
     states after the last token (kv, k_sum; None without return_state).  log_decay: (H,) log gamma, or
-    None for no decay.  One kernel call each, no scan along the sequence; the dots in bf16 where v is
-    bf16 (`dtypes`), the results in the features' dtype."""
+    None for no decay.  One kernel call for both (`numerator_and_denominator`), no scan along the
+    sequence; the dots in bf16 where v is bf16 (`dtypes`), the results in the features' dtype."""
     work, dot = dtypes(v, q_num, k_num)
-
+    q, k = (heads_for_both(fla_layout(num), None if num is den else fla_layout(den), dot)
+            for num, den in ((q_num, q_den), (k_num, k_den)))
     def attend(q, k, values):
-        q, k = fla_layout(q).to(dot), fla_layout(k).to(dot)
         if log_decay is None:
             return plain_linear_attention(q, k, values, return_state=return_state)
-        return decayed_linear_attention(q, k, values, log_decay.float(), return_state=return_state)
+        rates = log_decay.float().repeat(q.shape[2] // v.shape[1])   # each set of heads at its heads' rates
+        return decayed_linear_attention(q, k, values, rates, return_state=return_state)
 
-    numerator, denominator, kv, sums = numerator_and_denominator(attend, (q_num, k_num), (q_den, k_den),
-                                                                 fla_layout(v).to(dot))
+    numerator, denominator, kv, sums = numerator_and_denominator(attend, q, k, fla_layout(v), dot)
     states = (None, None) if kv is None else (kv.to(work), sums.to(work))
     return fla_layout(numerator).to(work), denominator.transpose(1, 2).to(work), *states
 
 
-def numerator_and_denominator(attend, numerator_inputs, denominator_inputs, values):
-    """attend(q, k, v, *gates) -> (o, final state or None) on the numerator's (q, k, *gates) with the
-    values, and on the denominator's with a block of ones for values (fla's smallest tile; every column
-    is the sum): (numerator, denominator, kv, sums), the last two None without a state."""
-    q, k, *gates = numerator_inputs
-    numerator, kv = attend(q, k, values, *gates)
-    q, k, *gates = denominator_inputs
-    denominator, sums = attend(q, k, values.new_ones(*values.shape[:-1], ONES), *gates)
-    return numerator, denominator[..., 0], kv, None if sums is None else sums[..., 0]
+def heads_for_both(numerator, denominator, dot: torch.dtype) -> torch.Tensor:
+    """fla's q or k (B, T, H', M) in `dot` for the one call of `numerator_and_denominator`: the
+    numerator's (B, T, H, M) where the denominator uses the same (None; H' = H), else its heads and then
+    the denominator's (H' = 2H): a concatenation, whose backward is views (writing into slices of one
+    tensor would clone the gradient)."""
+    if denominator is None:
+        return numerator.to(dot)
+    return torch.cat((numerator.to(dot), denominator.to(dot)), 2)
 
 
-def _padded(kernel, q, k, v, *gates, multiple: int = 16):
+def numerator_and_denominator(attend, q, k, values, dot: torch.dtype):
+    """attend(q, k, v) -> (o, final state or None), one call for both sums: on q, k (B, T, H, M) with
+    values [v | 1] (the denominator is the column after v's), or on `heads_for_both`'s 2H heads with
+    values [v] on the numerator's and [1] on the denominator's; widths padded with zeros to fla's tile,
+    the values cast to `dot` as they are written.  (numerator, denominator, kv, sums), the last two None
+    without a state."""
+    heads, width = values.shape[2], values.shape[-1]
+    if q.shape[2] == heads:
+        o, state = attend(q, k, values_beside_ones(values, dot))
+        numerator_heads, denominator_heads, column = slice(None), slice(None), width
+    else:
+        o, state = attend(q, k, values_over_ones(values, dot))
+        numerator_heads, denominator_heads, column = slice(heads), slice(heads, None), 0
+    numerator, denominator = o[:, :, numerator_heads, :width], o[:, :, denominator_heads, column]
+    if state is None:
+        return numerator, denominator, None, None
+    return numerator, denominator, state[:, numerator_heads, :, :width], state[:, denominator_heads, :, column]
+
+
+def values_beside_ones(values: torch.Tensor, dot: torch.dtype) -> torch.Tensor:
+    """[v | 1 | 0 ...] (B, T, H, Dv + 1 padded to fla's tile) in `dot`: a concatenation (backward: a view)."""
+    width = values.shape[-1]
+    return torch.cat((values.to(dot), one_then_zeros(tile_multiple(width + 1) - width, values, dot).expand(
+        *values.shape[:-1], -1)), -1)
+
+
+def values_over_ones(values: torch.Tensor, dot: torch.dtype) -> torch.Tensor:
+    """[v | 0 ...] on the first H heads, [1 | 0 ...] on H more (B, T, 2H, Dv padded to fla's tile) in
+    `dot`: a padding and a concatenation (backward: views)."""
+    width = values.shape[-1]
+    padded = tile_multiple(width)
+    numerator = torch.nn.functional.pad(values.to(dot), (0, padded - width)) if padded > width else values.to(dot)
+    return torch.cat((numerator, one_then_zeros(padded, values, dot).expand_as(numerator)), 2)
+
+
+def one_then_zeros(width: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 0, ..., 0] of `width`, on like's device."""
+    row = like.new_zeros(width, dtype=dtype)
+    row[0] = 1
+    return row
+
+
+def tile_multiple(width: int) -> int:
+    """width rounded up to fla's smallest tile."""
+    return -(-width // TILE) * TILE
+
+
+def _padded(kernel, q, k, v, *gates, multiple: int = TILE):
     """`kernel` with K and V padded with zeros to multiples of 16: tl.dot takes tiles of at least 16, and
     fla's bf16 backward asserts even K and V (chunk_bwd_dv).  A zero feature adds nothing to any product
     (its decay, 0, is a factor of 1 on nothing) and a zero value column gives a zero output column, so
@@ -133,22 +180,21 @@ def plain_attention(phi_q, phi_k, v, *, causal: bool, rotary: bool, offset: int,
     work, dot = dtypes(v, phi_q, phi_k)
     with torch.autocast(v.device.type, enabled=False):
         phases = rotary_phases(n, m, offset=offset, base=rope_base, device=v.device, dtype=work) if rotary else None
-        q_num, k_num, q_den, k_den = checkpoint(plain_factors, phi_q, phi_k, phases, work=work, dot=dot,
-                                                use_reentrant=False, preserve_rng_state=False)
+        q, k = checkpoint(plain_factors, phi_q, phi_k, phases, work=work, dot=dot, use_reentrant=False,
+                          preserve_rng_state=False)
         numerator, denominator, kv, sums = numerator_and_denominator(
-            partial(plain_linear_attention, return_state=return_state), (q_num, k_num), (q_den, k_den),
-            fla_layout(v).to(dot))
+            partial(plain_linear_attention, return_state=return_state), q, k, fla_layout(v), dot)
     return finish(numerator, denominator, v, kv=kv, sums=sums, work=work, position=int(offset) + n)
 
 
 def plain_factors(phi_q, phi_k, phases, *, work: torch.dtype, dot: torch.dtype):
-    """fla's inputs in its layout and in `dot`: the rotated features for the numerator, the features
-    for the denominator (the same tensors unrotated)."""
+    """fla's q, k in its layout and in `dot` for the one call of `numerator_and_denominator`: the
+    features (unrotated: numerator and denominator share them), or the rotated features' heads and then
+    the features' own (`heads_for_both`)."""
     q, k = fla_layout(phi_q), fla_layout(phi_k)
-    q_den, k_den = q.to(dot), k.to(dot)
     if phases is None:
-        return q_den, k_den, q_den, k_den
-    return rotated(q.to(work), phases).to(dot), rotated(k.to(work), phases).to(dot), q_den, k_den
+        return q.to(dot), k.to(dot)
+    return tuple(heads_for_both(rotated(x.to(work), phases), x, dot) for x in (q, k))
 
 
 def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope_base: float,
@@ -156,8 +202,9 @@ def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope
                        return_log_normalizer: bool = False):
     """Log-features b, a (tensors or `LogProjection`s, guarded here: dispatch.GUARD_THEIR_OWN_LOG_FEATURES);
     see docs/derivations.md.  One call of fla, for the numerator; the denominator from the keys' log-sums
-    (factor_kernels.py's kernels, or torch's glue `log_factors`).  Queries rotated at offset.., keys at key_offset.. (None: offset); with
-    return_log_normalizer the rows' log sum phi_q . phi_k last, (B, H, N) in the work dtype."""
+    (factor_kernels.py's kernels, or torch's glue `log_factors`).  Queries rotated at offset.., keys at
+    key_offset.. (None: offset); with return_log_normalizer the rows' log sum phi_q . phi_k last,
+    (B, H, N) in the work dtype."""
     del causal, chunk_size
     n, m = v.shape[-2], a.shape[-1]
     key_offset = int(offset) if key_offset is None else int(key_offset)
