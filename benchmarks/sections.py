@@ -16,8 +16,7 @@ from typing import Callable
 import torch
 
 import linattn
-from linattn_lm.settings import ModelConfig
-from linattn_lm.lm import ByteLM, lm_loss
+from linattn_lm.lm import ByteLM, ModelConfig, lm_loss
 from linattn_lm.device import autocast
 
 from . import report as tables

@@ -337,12 +337,15 @@ class LinearAttention(_Projections):
         return phi_q, phi_k, v.to(dtype)
 
     def _window_decay_values(self, q, k, v, offset: int, return_state: bool):
-        """`_weighted_values` with a window or a decay (ops/window_decay), in float32 (float64 stays)."""
-        q_hat, k_hat = self._scored(q, k, offset)
+        """`_weighted_values` with a window or a decay (ops/window_decay), in float32 (float64 stays).
+        `post` hands the window q and k as they are, for its band to rotate as it goes (no rotated copy
+        kept); `pre` maps the rotated ones, so the band takes those."""
+        post = self.rope == "post"
+        q_hat, k_hat = (q, k) if post else self._scored(q, k, offset)
         phi_q, phi_k, v = self._window_features(q, k, q_hat, k_hat, v)
         result = window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, **self._window_decay_options(),
                                         offset=offset, rope_base=self.rope_base, chunk_size=self.chunk_size,
-                                        backend=self.backend, return_state=return_state)
+                                        backend=self.backend, return_state=return_state, rotate_scores=post)
         return (result[0], result[1]._replace(**self._made_for())) if return_state else result
 
     def _window_features(self, q, k, q_hat, k_hat, v, materialize: bool = False):
@@ -535,17 +538,19 @@ class SoftmaxAttention(_Projections):
         (B, H, N, head_dim), with this block's RoPE, mask and backend (what forward runs)."""
         self._check_heads(q, k, v)
         offset = self._check_call(offset, False, q.shape[-2])
-        q, k = self._rotate(q, k, offset)
-        return self._parallel(q, k, v)
+        return self._parallel(q, k, v, offset)
 
-    def _parallel(self, q, k, v):
-        """The whole-sequence pass on rotated inputs: the window's band, else the block's mask."""
+    def _parallel(self, q, k, v, offset: int):
+        """The whole-sequence pass on inputs before RoPE: the window's band (which rotates as it goes,
+        keeping no rotated copy), else the block's mask on rotated inputs."""
         n = q.shape[-2]
         if 0 < self.window < n:   # a window as long as the sequence is the causal mask
             dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
             with torch.autocast(v.device.type, enabled=False):
-                out, _ = band_attention(q.to(dtype), k.to(dtype), v.to(dtype), self.window)
+                out, _ = band_attention(q.to(dtype), k.to(dtype), v.to(dtype), self.window,
+                                        rotary_offset=offset if self.rope else None, rope_base=self.rope_base)
             return out.to(v.dtype)
+        q, k = self._rotate(q, k, offset)
         return self._kernel(q, k, v, self.causal)
 
     def _kernel(self, q, k, v, causal: bool):
@@ -562,12 +567,13 @@ class SoftmaxAttention(_Projections):
     def forward(self, x: torch.Tensor, *, offset: int = 0, return_state: bool = False):
         q, k, v, conv = self._qkv(x, 3)
         offset = self._check_call(offset, return_state, q.shape[-2])
-        q, k = self._rotate(q, k, offset)   # the cache holds rotated keys
-        out = self._merge(self._parallel(q, k, v))
+        out = self._merge(self._parallel(q, k, v, offset))
         if not return_state:
             return out
         # Detached as the linear block's state is: a prefill's cache is for decoding, not training.
         k, v = self._last_window(k), self._last_window(v)
+        if self.rope:   # the cache holds rotated keys
+            k = rotate(k, offset=offset + x.shape[1] - k.shape[-2], base=self.rope_base)
         return out, self._join_state(conv, KVCache(k.detach(), v.detach(), offset + x.shape[1], self.window))
 
     def _last_window(self, t: torch.Tensor) -> torch.Tensor:

@@ -28,10 +28,10 @@ from .ops.linear_attention.common import LogProjection, compute_dtype
 from .ops.linear_attention.dispatch import compute_linear_attention
 from .ops.linear_attention.recurrent import LinearState
 
-# Where the forward op's tensors are among its 22 arguments: q, q_weight, q_shift, k, k_weight, k_shift, v
-# (the rest are numbers and flags, which take no gradient).
+# Where the forward op's tensors are among its 23 arguments: q, q_weight, q_shift, k, k_weight, k_shift, v
+# (the rest are numbers and flags, which take no gradient, and the decay, a constant).
 TENSOR_ARGUMENTS = (0, 1, 2, 5, 6, 7, 10)
-ARGUMENTS = 22
+ARGUMENTS = 23
 
 
 def _split(x) -> tuple:
@@ -52,13 +52,14 @@ def _join(inputs, weight, shift, shift_value, square_scale):
 
 def _compute(q, q_weight, q_shift, q_shift_value, q_square, k, k_weight, k_shift, k_shift_value, k_square, v,
              causal, rotary, offset, chunk_size, rope_base, return_state, backend, log_space,
-             nonnegative_features=False, check_range=True, key_offset=None, return_log_normalizer=False):
+             nonnegative_features=False, check_range=True, key_offset=None, return_log_normalizer=False,
+             log_decay=None):
     return compute_linear_attention(
         _join(q, q_weight, q_shift, q_shift_value, q_square), _join(k, k_weight, k_shift, k_shift_value, k_square),
         v, causal=causal, rotary=rotary, offset=offset, chunk_size=chunk_size, rope_base=rope_base,
         return_state=return_state, backend=backend, log_space=log_space,
         nonnegative_features=nonnegative_features, check_range=check_range, key_offset=key_offset,
-        return_log_normalizer=return_log_normalizer)
+        return_log_normalizer=return_log_normalizer, **({"log_decay": log_decay} if log_space else {}))
 
 
 @torch.library.custom_op("linattn::linear_attention", mutates_args=())
@@ -67,7 +68,8 @@ def linear_attention_op(q: torch.Tensor, q_weight: Optional[torch.Tensor], q_shi
                         k_shift: Optional[torch.Tensor], k_shift_value: float, k_square: float, v: torch.Tensor,
                         causal: bool, rotary: bool, offset: int, chunk_size: int, rope_base: float,
                         return_state: bool, backend: str, log_space: bool, nonnegative_features: bool,
-                        key_offset: Optional[int] = None, return_log_normalizer: bool = False
+                        key_offset: Optional[int] = None, return_log_normalizer: bool = False,
+                        log_decay: Optional[torch.Tensor] = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, kv, k_sum, log_scale, log-normaliser): the state's tensors are empty without return_state,
     log_scale is empty from plain features, the log-normaliser without return_log_normalizer.  Outputs
@@ -77,7 +79,7 @@ def linear_attention_op(q: torch.Tensor, q_weight: Optional[torch.Tensor], q_shi
         result = _compute(q, q_weight, q_shift, q_shift_value, q_square, k, k_weight, k_shift, k_shift_value,
                           k_square, v, causal, rotary, offset, chunk_size, rope_base, return_state, backend,
                           log_space, nonnegative_features, key_offset=key_offset,
-                          return_log_normalizer=return_log_normalizer)
+                          return_log_normalizer=return_log_normalizer, log_decay=log_decay)
     result = result if isinstance(result, tuple) else (result,)
     out, state = result[0], (result[1] if return_state else None)
     lse = result[-1].contiguous() if return_log_normalizer else v.new_empty(0)
@@ -96,7 +98,7 @@ def _state_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
 @linear_attention_op.register_fake
 def _(q, q_weight, q_shift, q_shift_value, q_square, k, k_weight, k_shift, k_shift_value, k_square, v,
       causal, rotary, offset, chunk_size, rope_base, return_state, backend, log_space, nonnegative_features,
-      key_offset=None, return_log_normalizer=False):
+      key_offset=None, return_log_normalizer=False, log_decay=None):
     out = v.new_empty(v.shape)
     dtype = _state_dtype(q, q_weight, q_shift, k, k_weight, k_shift, v)
     lse = v.new_empty(v.shape[:-1], dtype=dtype) if return_log_normalizer else v.new_empty(0)
@@ -115,7 +117,8 @@ def linear_attention_backward_op(grad: torch.Tensor, q: torch.Tensor, q_weight: 
                                  k_shift_value: float, k_square: float, v: torch.Tensor, causal: bool, rotary: bool,
                                  offset: int, chunk_size: int, rope_base: float, backend: str, log_space: bool,
                                  needs: Sequence[bool], key_offset: Optional[int] = None,
-                                 grad_lse: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+                                 grad_lse: Optional[torch.Tensor] = None,
+                                 log_decay: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """d loss / d (q, q_weight, q_shift, k, k_weight, k_shift, v) given d loss / d out (and d loss / d the
     log-normaliser, or None), by autograd through the eager computation (the backends' own backward); an
     empty tensor where `needs` is False."""
@@ -128,7 +131,8 @@ def linear_attention_backward_op(grad: torch.Tensor, q: torch.Tensor, q_weight: 
         with torch.enable_grad():   # the forward already checked the features' signs and log range
             result = _compute(lq, lqw, lqs, q_shift_value, q_square, lk, lkw, lks, k_shift_value, k_square, lv,
                               causal, rotary, offset, chunk_size, rope_base, False, backend, log_space,
-                              check_range=False, key_offset=key_offset, return_log_normalizer=grad_lse is not None)
+                              check_range=False, key_offset=key_offset, return_log_normalizer=grad_lse is not None,
+                              log_decay=log_decay)
             outputs, given = (result, (grad, grad_lse)) if grad_lse is not None else (result, grad)
             return torch.autograd.grad(outputs, wanted, given, allow_unused=True) if wanted else ()
 
@@ -175,14 +179,15 @@ def _with_autograd(compute, device: torch.device):
 
 @linear_attention_backward_op.register_fake
 def _(grad, q, q_weight, q_shift, q_shift_value, q_square, k, k_weight, k_shift, k_shift_value, k_square, v,
-      causal, rotary, offset, chunk_size, rope_base, backend, log_space, needs, key_offset=None, grad_lse=None):
+      causal, rotary, offset, chunk_size, rope_base, backend, log_space, needs, key_offset=None, grad_lse=None,
+      log_decay=None):
     given = (q, q_weight, q_shift, k, k_weight, k_shift, v)
     return [torch.empty_like(t) if need else v.new_empty(0)
             for t, need in zip(given, needs)]
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*(inputs[i] for i in TENSOR_ARGUMENTS))
+    ctx.save_for_backward(*(inputs[i] for i in TENSOR_ARGUMENTS), inputs[22] if len(inputs) > 22 else None)
     ctx.numbers = (inputs[3], inputs[4], inputs[8], inputs[9])
     ctx.options = inputs[11:16] + inputs[17:19]   # causal, rotary, offset, chunk_size, rope_base, backend, log_space
     ctx.key_offset = inputs[20] if len(inputs) > 20 else None
@@ -194,13 +199,13 @@ def _backward(ctx, grad, _kv_grad, _k_sum_grad, _log_scale_grad, lse_grad=None):
     lse_grad = lse_grad if ctx.return_log_normalizer else None   # else the empty placeholder's (zeros)
     if grad is None and lse_grad is None or not any(needs):
         return (None,) * ARGUMENTS
-    q, q_weight, q_shift, k, k_weight, k_shift, v = ctx.saved_tensors
+    q, q_weight, q_shift, k, k_weight, k_shift, v, log_decay = ctx.saved_tensors
     q_shift_value, q_square, k_shift_value, k_square = ctx.numbers
     causal, rotary, offset, chunk_size, rope_base, backend, log_space = ctx.options
     grad = torch.zeros(v.shape, dtype=v.dtype, device=v.device) if grad is None else grad
     grads = linear_attention_backward_op(grad, q, q_weight, q_shift, q_shift_value, q_square, k, k_weight, k_shift,
                                          k_shift_value, k_square, v, causal, rotary, offset, chunk_size, rope_base,
-                                         backend, log_space, needs, ctx.key_offset, lse_grad)
+                                         backend, log_space, needs, ctx.key_offset, lse_grad, log_decay)
     by_argument = [None] * ARGUMENTS
     for i, g, need in zip(TENSOR_ARGUMENTS, grads, needs):
         by_argument[i] = g if need else None
@@ -212,13 +217,14 @@ linear_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 def linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rotary: bool, offset: int, chunk_size: int,
                      rope_base: float, return_state: bool, backend: str, log_space: bool,
-                     nonnegative_features: bool, key_offset: int | None = None, return_log_normalizer: bool = False):
+                     nonnegative_features: bool, key_offset: int | None = None, return_log_normalizer: bool = False,
+                     log_decay: torch.Tensor | None = None):
     """`functional.linear_attention`'s computation through the custom op (its arguments checked):
     the output, with return_state the `LinearState` rebuilt from the op's tensors, with
     return_log_normalizer the rows' log-normalisers."""
     out, kv, k_sum, log_scale, lse = linear_attention_op(
         *_split(phi_q), *_split(phi_k), v, causal, rotary, offset, chunk_size, float(rope_base), return_state,
-        backend, log_space, nonnegative_features, key_offset, return_log_normalizer)
+        backend, log_space, nonnegative_features, key_offset, return_log_normalizer, log_decay)
     result = (out,)
     if return_state:
         # The state carries no gradient, as in eager (decoding is for inference): detached, so a loss on it

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .checks import (as_device, check_flags, check_real_floating, check_return_state, check_rope_base,
-                     check_state_dtype, is_integer, is_real)
+                     check_state_dtype, debug_enabled, is_integer, is_real)
 from .custom_ops import run_linear_attention
 from .ops.linear_attention import dispatch
 from .ops.linear_attention.common import (DEFAULT_CHUNK_SIZE, LogProjection, check_nonnegative, compute_dtype,
@@ -41,7 +41,8 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
                      rotary: bool, offset: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE,
                      rope_base: float = DEFAULT_BASE, return_state: bool = False,
                      backend: str = "auto", log_space: bool = False, nonnegative_features: bool = True,
-                     key_offset: int | None = None, return_log_normalizer: bool = False):
+                     key_offset: int | None = None, return_log_normalizer: bool = False,
+                     log_decay: torch.Tensor | None = None):
     """Linear attention of (B, H, N, M) non-negative features and (B, H, N, Dv) values.
 
     `rotary=True` is Eq. 19 at positions offset..offset+N-1; `causal=True` sums over n <= m only.
@@ -68,6 +69,12 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
         return_log_normalizer: log_space only: also return, as flash attention returns its log-sum-exp,
             the log of each row's denominator, log sum_{n} phi_q_m . phi_k_n over the keys it attends to,
             from the same pass and differentiable (to merge this attention with another by their weights).
+        log_decay: log_space and causal only: a per-head decay, an (H,) tensor of log gamma_h <= 0 (None: no
+            decay).  Query m weights key n by gamma^d more, in numerator and denominator, at the distance
+            d = (offset + m) - (key_offset + n) in positions, inside the kernels' chunks: exact at any
+            position.  A constant (no gradient flows to it); the state then continues with the same decay
+            (`linear_attention_step(..., log_decay=)`).  Values that are not finite and <= 0 raise on CPU and in
+            debug mode; elsewhere (no host read on a GPU) they make their head's outputs NaN.
 
     Returns:
         the output (B, H, N, Dv) in v's dtype; with return_state also the `LinearState`; with
@@ -78,6 +85,7 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
                 nonnegative_features=nonnegative_features, return_log_normalizer=return_log_normalizer)
     check_feature_kind(log_space, nonnegative_features)
     check_log_space_options(log_space, key_offset, return_log_normalizer)
+    log_decay = check_log_decay(log_decay, v, log_space=log_space, causal=causal)
     if log_space:
         check_log_features(phi_q, phi_k, v)
     else:
@@ -96,7 +104,7 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     dispatch.check_backend(backend)
     dispatch.check_output_fits(phi_k.shape[-1], v, compute_dtype(*feature_tensors(phi_q, phi_k), v))
     log_options = dict(key_offset=None if key_offset is None else int(key_offset),
-                       return_log_normalizer=return_log_normalizer) if log_space else {}
+                       return_log_normalizer=return_log_normalizer, log_decay=log_decay) if log_space else {}
     return run_linear_attention(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=int(offset),
                                 chunk_size=chunk_size, rope_base=rope_base, return_state=return_state,
                                 backend=backend, log_space=log_space, nonnegative_features=nonnegative_features,
@@ -106,16 +114,18 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
 def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor,
                           state: LinearState | None, *, rotary: bool,
                           rope_base: float = DEFAULT_BASE, log_space: bool = False,
-                          nonnegative_features: bool = True):
+                          nonnegative_features: bool = True, log_decay: torch.Tensor | None = None):
     """One token of causal linear attention: (B, H, M) features and (B, H, Dv) values at position
     `state.position`.  O(M * Dv) time and memory, whatever the context length.  With
     `log_space=True`, phi_q and phi_k hold log-features and the state carries their running max.
-    `nonnegative_features=False`: single features may be negative (see `linear_attention`)."""
+    `nonnegative_features=False`: single features may be negative (see `linear_attention`).
+    `log_decay` (log_space only): (H,) log gamma <= 0, the decay `linear_attention` took."""
     check_flags(rotary=rotary, log_space=log_space, nonnegative_features=nonnegative_features)
     check_features(phi_q, phi_k, v, rank=3)
     check_feature_kind(log_space, nonnegative_features)
     check_device(phi_q, phi_k, v)
     check_dtypes(phi_q, phi_k, v, log_space)
+    log_decay = check_log_decay(log_decay, v, log_space=log_space, causal=True)
     check_rope_base(rope_base)
     if rotary:
         check_rotated_dim(phi_k.shape[-1])
@@ -124,7 +134,7 @@ def linear_attention_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Ten
         state = check_state(state, (*phi_q.shape, v.shape[-1]), v.device, dtype, log_space)
         check_positions(state.position, 1)
     return recurrent_step(phi_q, phi_k, v, state, rotary=rotary, rope_base=rope_base, log_space=log_space,
-                          nonnegative_features=nonnegative_features)
+                          nonnegative_features=nonnegative_features, log_decay=log_decay)
 
 
 def linear_attention_reference(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, *,
@@ -288,6 +298,33 @@ def check_log_space_options(log_space: bool, key_offset, return_log_normalizer: 
     if not log_space and (key_offset is not None or return_log_normalizer):
         raise ValueError("key_offset and return_log_normalizer are options of the log-space pass: pass "
                          "log_space=True with log-features (or leave them at None and False)")
+
+
+def check_log_decay(log_decay, v: torch.Tensor, *, log_space: bool, causal: bool):
+    """log_decay: None, or an (H,) real floating tensor on v's device of finite log gamma <= 0, for causal
+    log-space calls; returned as the computation takes it.  Its values are read on the host (H numbers) on
+    CPU and in debug mode; elsewhere (a GPU, no synchronisation) a bad one is made NaN, so its head's
+    outputs are NaN rather than finite and wrong."""
+    if log_decay is None:
+        return None
+    if not log_space or not causal:
+        raise ValueError("log_decay is an option of the causal log-space pass: pass causal=True and "
+                         "log_space=True (or log_decay=None)")
+    heads = v.shape[1]
+    if not isinstance(log_decay, torch.Tensor) or not log_decay.is_floating_point() or log_decay.is_complex():
+        raise ValueError(f"log_decay must be a real floating-point tensor of log gamma per head, got "
+                         f"{type(log_decay).__name__ if not isinstance(log_decay, torch.Tensor) else log_decay.dtype}")
+    if tuple(log_decay.shape) != (heads,):
+        raise ValueError(f"log_decay must have shape ({heads},), one log gamma per head, got {tuple(log_decay.shape)}")
+    if log_decay.device != v.device:
+        raise ValueError(f"log_decay is on {log_decay.device} but the values on {v.device}; put them on one device")
+    valid = torch.isfinite(log_decay) & (log_decay <= 0)
+    if torch.compiler.is_compiling() or not (debug_enabled() or log_decay.device.type == "cpu"):
+        return torch.where(valid, log_decay, float("nan"))
+    if heads and not bool(valid.all()):
+        raise ValueError(f"log_decay must be finite and <= 0 (log gamma of a decay 0 < gamma <= 1), got "
+                         f"{log_decay.tolist()}")
+    return log_decay
 
 
 def check_feature_kind(log_space: bool, nonnegative_features: bool) -> None:

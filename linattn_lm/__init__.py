@@ -5,8 +5,8 @@ from .checkpoint import (CHECKPOINT_NAME, CheckpointError, checkpoint_path, load
                          save_checkpoint)
 from .flags import config_from_flags
 from .presets import PRESETS
-from .settings import LogConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig, layer_seed
-from .lm import ByteLM, DecodeState, bits_per_byte, lm_loss
+from .settings import LogConfig, OptimConfig, RunConfig, TrainConfig
+from .lm import ByteLM, DecodeState, ModelConfig, bits_per_byte, layer_seed, lm_loss
 
 __all__ = [
     "CHECKPOINT_NAME", "ByteLM", "CheckpointError", "DecodeState", "LogConfig", "ModelConfig", "OptimConfig",

@@ -26,7 +26,8 @@ import torch
 import linattn
 
 from .cli import import_user_code
-from .settings import MAX_STEPS, SECTIONS, TrainConfig, check_types
+from .fields import check_types
+from .settings import MAX_STEPS, SECTIONS, TrainConfig
 from .lm import ByteLM
 from .device import PRECISIONS, precision_key, resolve_device
 from .errors import UsageError, first_line

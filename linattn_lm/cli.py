@@ -1,5 +1,5 @@
 """Command-line plumbing shared by train.py, grid.py and eval.py: user code loaded by --import before
-the flags are resolved (the flags themselves: linattn_lm.flags, from linattn_lm.settings' fields)."""
+the flags are resolved (the flags themselves: linattn_lm.flags, from the settings' fields)."""
 from __future__ import annotations
 
 import argparse

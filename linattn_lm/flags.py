@@ -1,7 +1,7 @@
 """Command-line flags generated from dataclass fields: the one generator behind the harness's settings
-(linattn_lm/settings.py) and the benchmark's (benchmarks/settings.py), its number and list parsers,
-and the harness's flags: one per settings field, parsed, and the settings they give: explicit flags
-over the preset over the defaults.
+(linattn_lm/settings.py; the model's, ModelConfig, in linattn_lm/lm.py) and the benchmark's
+(benchmarks/settings.py), its number and list parsers, and the harness's flags: one per settings
+field, parsed, and the settings they give: explicit flags over the preset over the defaults.
 
 A field's metadata holds its help text and how a flag's text becomes its value: `parse` (text ->
 value; a ValueError says what was expected; `bool` makes a --name/--no-name switch), by default
@@ -20,7 +20,8 @@ from typing import Any, Callable, Iterable
 from .cli import load_imports, one_line_warnings
 from .errors import Parser
 from .presets import DEFAULT_PRESET, TASK_PRESETS, is_preset_file, preset_changes, preset_file
-from .settings import FIELD_TYPES, FIELDS, PLAIN_OPTION_TYPES, SECTIONS, VARIANT, TrainConfig, field_default
+from .fields import FIELD_TYPES, PLAIN_OPTION_TYPES
+from .settings import FIELDS, SECTIONS, VARIANT, TrainConfig, field_default
 from .variants import LINEAR_BLOCK_OPTIONS
 
 

@@ -44,7 +44,8 @@ from .presets import DEFAULT_PRESET, TASK_PRESETS
 from .process import Distributed, distributed, launched_rank
 from .results import RunFailed, TrainResult, exit_code, run_reporting_errors
 from .resume import config_differences, contradictions
-from .settings import ATTENTION_BACKENDS, TrainConfig, field_default
+from .lm import ATTENTION_BACKENDS
+from .settings import TrainConfig, field_default
 from .data import check_window_fits, load_split
 from .errors import EXIT_INTERRUPTED, EXIT_SIGNAL_BASE, UsageError
 from .evaluate import bpc_table

@@ -1,6 +1,7 @@
-"""A decoder-only byte-level Transformer language model (vocab 256) on linattn's attention blocks.
+"""A decoder-only byte-level Transformer language model (vocab 256) on linattn's attention blocks, and
+its settings (`ModelConfig`, with their checks) beside it, as nanoGPT keeps GPTConfig in model.py.
 
-    config = ModelConfig(attention="linear", feature_map="favor", rope="post")   # linattn_lm.settings
+    config = ModelConfig(attention="linear", feature_map="favor", rope="post")
     model = ByteLM(config)
     logits = model(idx)                                   # (B, N) int64 -> (B, N, 256)
     ids = model.generate(prompt, max_new_tokens=100)      # parallel prefill, then O(1)-per-token steps
@@ -11,8 +12,10 @@ keeps input and output roles separate.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +23,235 @@ from torch import nn
 
 import linattn
 
-from .settings import ModelConfig
+from .fields import PLAIN_OPTION_TYPES, check_finite, check_types, default_value, setting
+from .map_check import checked_feature_map
+from .preflight import check_memory, parameter_bytes
+from .variants import LINEAR_BLOCK_OPTIONS, option, variant_name
 
 INIT_STD = 0.02
+ATTENTIONS = ("softmax", "linear")
+SOFTMAX_ROPE = ("post", "none")     # softmax has no feature map: "post" = RoPE on q and k
+SOFTMAX_BACKENDS = linattn.SOFTMAX_BACKENDS   # the library's: auto (= sdpa), sdpa, xformers
+ATTENTION_BACKENDS = {"linear": linattn.functional.BACKENDS, "softmax": SOFTMAX_BACKENDS}
+
+
+@dataclass
+class ModelConfig:
+    """Everything needed to rebuild a model, as plain values (feature_map_options too), so
+    checkpoints load with `torch.load(weights_only=True)`.  Defaults are the cpu preset's."""
+
+    vocab_size: int = setting(256, "vocabulary size: at least 256 for enwik8 (one id per byte); any that its "
+                                   "key-value pairs fit for mqar")
+    n_layer: int = setting(4, "number of Transformer blocks")
+    d_model: int = setting(128, "model width")
+    n_head: int = setting(4, "attention heads (must divide d-model)")
+    mlp_ratio: float = setting(4.0, "MLP hidden width / d-model")
+    dropout: float = setting(0.0, "residual and embedding dropout probability")
+    seq_len: int = setting(256, "training context length in bytes (learned positions cover exactly this)")
+    attention: str = setting("linear", "attention type: softmax or linear", variant=True)
+    feature_map: str = setting("favor", "linear attention feature map: a registered name, including "
+                                        "maps registered by --import (linear only)", variant=True)
+    feature_map_options: dict[str, Any] = setting(
+        {"num_features": 64, "redraw_interval": 0},
+        "an option of the feature map, KEY=VALUE with VALUE a Python literal (repeatable; linear only); "
+        "a preset's options apply to its own map only", variant=True,
+        flag=dict(name="--feature-map-option", metavar="KEY=VALUE", type=option, action="append"))
+    rope: str = setting("post", "linear: RoPE after the map (post), before it (pre) or none; "
+                                "softmax: post = RoPE on q,k, none = no RoPE", variant=True)
+    abs_pos: bool = setting(False, "add learned absolute position embeddings", variant=True)
+    normalization: str = setting("denominator", "linear attention's normalisation: denominator (divide by "
+                                                "sum phi(q).phi(k)) or rmsnorm (a per-head RMSNorm of the "
+                                                "output instead; linear only)", variant=True)
+    window: int = setting(0, "linear: keys fewer than N positions back get the exact softmax weight e^s, older ones "
+                             "the feature map's, under one normaliser; softmax: attend to those keys only (the "
+                             "window-only control); 0 = no window", variant=True)
+    decay: str = setting("", "linear: every attention weight times gamma_h^(distance): retnet (gamma_h = "
+                             "1 - 2^(-5-h)) or one value in (0, 1] per head, separated by commas ('' = none)",
+                         variant=True)
+    softmax_layers: str = setting("", "linear: these layers are softmax + RoPE blocks instead (a hybrid): 0-based "
+                                      "layer indices in increasing order separated by commas, e.g. 1 or 1,3 "
+                                      "('' = none)", variant=True)
+    short_conv: int = setting(0, "a depthwise causal convolution of K tokens on q, k and v before the attention "
+                                 "(H3's and Based's short convolution; linear and softmax); 0 = none", variant=True)
+    chunk_size: int = setting(64, "causal linear attention block size (speed only; linear only)")
+    backend: str = setting("auto", "attention kernels (speed only): linear auto, torch, cpp or fla (auto = "
+                                   "fla on CUDA when installed, cpp on CPU where it builds); softmax auto "
+                                   "(= sdpa), sdpa or xformers",
+                           resumable=True)
+    seed: int = setting(0, "seed for init, data order and feature-map draws")
+
+    def validate(self) -> None:
+        """The field checks, then the parameter memory, then the feature map (`check_map`)."""
+        self.check_fields()
+        check_memory(parameter_bytes(self), "the model's parameters and buffers")
+        self.check_map()
+
+    def check_map(self) -> None:
+        """Layer 0's feature map, built by `build_feature_map` as the model builds its maps (so bad
+        option names, types and values get the map's own message) and run on a probe input (so a
+        broken map is refused before any work), then RoPE's pairs.  Needs `check_fields` first."""
+        num_features = 0
+        if self.attention == "linear":
+            num_features = checked_feature_map(self.feature_map, lambda: self.build_feature_map(0)).num_features
+        self._validate_rope_pairs(num_features)
+
+    def check_fields(self) -> None:
+        """Checks that allocate nothing."""
+        check_types(self)
+        check_finite(self)
+        for name in ("vocab_size", "n_layer", "d_model", "n_head", "seq_len", "chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        for name in ("window", "short_conv"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = none), got {getattr(self, name)}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_head ({self.n_head})")
+        if self.mlp_ratio <= 0 or self.mlp_hidden < 1:
+            raise ValueError(f"mlp_ratio {self.mlp_ratio} gives an MLP {self.mlp_hidden} wide for "
+                             f"d_model {self.d_model}; use mlp_ratio >= {1 / self.d_model:.3g}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.attention == "softmax":
+            self._validate_softmax()
+        elif self.attention == "linear":
+            self._validate_linear()
+        else:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
+
+    def _validate_softmax(self) -> None:
+        if self.normalization != "denominator":
+            raise ValueError(f"normalization={self.normalization!r} applies to linear attention only; softmax "
+                             "attention normalises its weights itself: leave it 'denominator'")
+        if self.rope not in SOFTMAX_ROPE:
+            raise ValueError(f"softmax attention has no feature map, so rope is 'post' (RoPE on q and k) "
+                             f"or 'none', got {self.rope!r}; 'pre' applies to linear attention only")
+        if self.feature_map or self.feature_map_options:
+            raise ValueError("softmax attention takes no feature map: feature_map must be '' and "
+                             "feature_map_options empty")
+        defaults = {f.name: default_value(f) for f in dataclasses.fields(self)}
+        for name in LINEAR_BLOCK_OPTIONS:
+            if getattr(self, name) != defaults[name]:
+                raise ValueError(f"{name} applies to linear attention only (softmax attends to every key "
+                                 f"exactly), got {getattr(self, name)!r}; leave it {defaults[name]!r}")
+        if self.backend not in SOFTMAX_BACKENDS:
+            raise ValueError(f"softmax attention's backend must be one of {SOFTMAX_BACKENDS}, "
+                             f"got {self.backend!r}")
+
+    def _validate_linear(self) -> None:
+        if self.rope not in linattn.ROPE_PLACEMENTS:
+            raise ValueError(f"rope must be one of {linattn.ROPE_PLACEMENTS}, got {self.rope!r}")
+        if self.backend not in linattn.functional.BACKENDS:
+            raise ValueError(f"linear attention's backend must be one of {linattn.functional.BACKENDS}, "
+                             f"got {self.backend!r}")
+        if self.normalization not in linattn.NORMALIZATIONS:
+            raise ValueError(f"normalization must be one of {linattn.NORMALIZATIONS}, "
+                             f"got {self.normalization!r}")
+        for key, value in self.feature_map_options.items():
+            if not isinstance(key, str) or not isinstance(value, PLAIN_OPTION_TYPES):
+                raise ValueError(f"feature-map option {key}={value!r} is not a plain value: options are "
+                                 "str, int, float, bool or None")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"feature-map option {key} must be finite, got {value}")
+        linattn.feature_map_class(self.feature_map)   # an unknown name: the error lists the maps
+        self.decay_option, self.softmax_layer_indices   # each parses its text, or says what is wrong
+
+    def _validate_rope_pairs(self, num_features: int) -> None:
+        """RoPE rotates coordinate pairs: after the feature map it rotates its M features,
+        otherwise the head_dim coordinates of q and k."""
+        if self.rope == "none":
+            return
+        post_map = self.attention == "linear" and self.rope == "post"
+        size, name = (num_features, "the feature map's num_features") if post_map else (self.head_dim, "head_dim")
+        if size % 2:
+            raise ValueError(f"rope={self.rope!r} rotates pairs of coordinates, so {name} must be even, "
+                             f"got {size}; pick an even value or rope='none'")
+
+    def build_feature_map(self, layer: int) -> linattn.FeatureMap:
+        """Layer `layer`'s map: the one way from the feature-map settings to a map (validation and the
+        model both build with it).  A map that takes a `seed` gets one per layer unless the options fix
+        it, a map with weights per head gets n_head."""
+        options = dict(self.feature_map_options)
+        if "seed" in linattn.feature_map_options(self.feature_map):
+            options.setdefault("seed", layer_seed(self.seed, layer))
+        return linattn.make_feature_map(self.feature_map, self.head_dim, heads=self.n_head, options=options)
+
+    @property
+    def decay_option(self) -> str | tuple[float, ...] | None:
+        """LinearAttention's decay: None, "retnet" or one factor per head."""
+        if self.decay in ("", "retnet"):
+            return self.decay or None
+        try:   # no spaces: the text goes into the run's name as it is
+            factors = () if any(char.isspace() for char in self.decay) else tuple(map(float, self.decay.split(",")))
+        except ValueError:
+            factors = ()
+        if len(factors) != self.n_head or not all(0 < factor <= 1 for factor in factors):
+            raise ValueError(f"decay must be retnet or {self.n_head} numbers in (0, 1] separated by commas (one per "
+                             f"head), got {self.decay!r}")
+        # One spelling per value: the text names the run (and a grid's variant), so 1,0.5 and 1.0,0.50 would be
+        # two runs of one model; and a factor 1 for every head is no decay, the default, named without it.
+        canonical = ",".join(map(str, factors))
+        if all(factor == 1 for factor in factors):
+            raise ValueError(f"decay {self.decay!r} is 1 for every head, which is no decay: leave --decay out")
+        if self.decay != canonical:
+            raise ValueError(f"decay {self.decay!r} must be spelled as Python writes its numbers: {canonical!r}")
+        return factors
+
+    @property
+    def softmax_layer_indices(self) -> tuple[int, ...]:
+        """The layers that are softmax + RoPE blocks (a linear model's hybrid layers)."""
+        if not self.softmax_layers:
+            return ()
+        try:
+            layers = tuple(int(item) for item in self.softmax_layers.split(","))
+        except ValueError:
+            layers = ()
+        if ",".join(map(str, layers)) != self.softmax_layers or list(layers) != sorted(set(layers)) or not all(
+                0 <= layer < self.n_layer for layer in layers):
+            raise ValueError(f"softmax_layers must list 0-based layer indices below n_layer {self.n_layer} in "
+                             f"increasing order, each once, separated by commas (e.g. 1 or 1,3), got "
+                             f"{self.softmax_layers!r}")
+        if len(layers) == self.n_layer:   # no linear layer is left: a softmax model, not a linear hybrid
+            raise ValueError(f"softmax_layers {self.softmax_layers!r} makes every layer softmax: that is a softmax "
+                             "model, so use --attention softmax instead")
+        return layers
+
+    @property
+    def block_backend(self) -> str:
+        """The backend the attention block takes: softmax's "auto" is sdpa."""
+        return "sdpa" if self.attention == "softmax" and self.backend == "auto" else self.backend
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def mlp_hidden(self) -> int:
+        return int(self.mlp_ratio * self.d_model)
+
+    @property
+    def num_features(self) -> int:
+        """M of the feature map as its class gives it for these options, before anything is built
+        (memory estimates).  Options the map refuses give head_dim: building the map then says what
+        was wrong."""
+        try:
+            value = linattn.feature_map_class(self.feature_map).num_features_for(self.head_dim,
+                                                                                self.feature_map_options)
+        except Exception:   # a map registered by --import is user code: it may raise anything
+            return self.head_dim
+        return value if linattn.is_integer(value) and value >= 1 else self.head_dim
+
+    @property
+    def variant(self) -> str:
+        """Short name of the attention variant (linattn_lm.variants builds and parses them)."""
+        return variant_name(self)
+
+
+def layer_seed(run_seed: int, layer: int) -> int:
+    """Distinct, reproducible feature-map seed per layer: layers differ, every DDP rank agrees."""
+    return run_seed * 1_000_003 + layer
 
 
 def make_attention(config: ModelConfig, layer: int) -> nn.Module:

@@ -33,7 +33,7 @@ def check_calls(run) -> collections.Counter:
 
 @pytest.mark.parametrize("options, step_bound", [
     (dict(), 8), (dict(feature_map="elu"), 8), (dict(feature_map="taylor", rope="pre"), 8),
-    # its state holds a linear state too, checked as a plain step checks it, and an origin (issue 49)
+    # its state holds a linear state too, checked as a plain step checks it (issue 49)
     (dict(window=2, decay="retnet"), 11),
 ], ids=["favor", "elu", "taylor", "window"])
 def test_forward_and_step_check_their_arguments_a_few_times_only(options, step_bound):

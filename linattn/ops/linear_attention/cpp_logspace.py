@@ -193,7 +193,7 @@ class _Call(ctypes.Structure):
                 ("dv", ctypes.c_int64), ("length", ctypes.c_int64), ("q", _Source), ("k", _Source),
                 ("v", ctypes.c_void_p), ("v_b", ctypes.c_int64), ("v_h", ctypes.c_int64), ("v_n", ctypes.c_int64),
                 ("phases", ctypes.c_void_p), ("q_phases", ctypes.c_void_p), ("feat", ctypes.c_void_p),
-                ("threads", ctypes.c_int64)]
+                ("threads", ctypes.c_int64), ("log_decay", ctypes.c_void_p), ("lead", ctypes.c_int64)]
 
 
 _OUT_OF_MEMORY = -2   # stable_cpu.cpp's error results
@@ -228,7 +228,7 @@ def _source(x) -> tuple[_Source, list[torch.Tensor]]:
 class _Kernel:
     """One call's arguments for the C entry points, holding every tensor they point into."""
 
-    def __init__(self, queries, keys, v: torch.Tensor, phases, feat: torch.Tensor, length: int):
+    def __init__(self, queries, keys, v: torch.Tensor, phases, feat: torch.Tensor, length: int, decay=None):
         self.lib = library()
         self.dtype = 1 if v.dtype == torch.float64 else 0
         v = _rows_layout(v)
@@ -237,9 +237,12 @@ class _Kernel:
         q_phases, k_phases = (None, None) if phases is None else \
             (torch.view_as_real(p).contiguous() for p in (phases[0], phases[1]))
         batch, heads, n, dv = v.shape
-        self.keep = [v, q_phases, k_phases, feat, *q_keep, *k_keep]
+        # decay: torch_logspace.chunk_decay's (log gamma (H,), the queries' lead) or None
+        log_decay, lead = (None, 0) if decay is None else (decay[0].contiguous(), decay[1])
+        self.keep = [v, q_phases, k_phases, feat, log_decay, *q_keep, *k_keep]
         self.call = _Call(batch, heads, n, feat.shape[-1], dv, length, q, k, _pointer(v), *v.stride()[:3],
-                          _pointer(k_phases), _pointer(q_phases), _pointer(feat), torch.get_num_threads())
+                          _pointer(k_phases), _pointer(q_phases), _pointer(feat), torch.get_num_threads(),
+                          _pointer(log_decay), lead)
 
     def run(self, name: str, *args) -> int:
         """lib.linattn_<name>(dtype, call, *args), tensors passed as pointers; its result, or the error
@@ -267,11 +270,11 @@ def logspace_attention(b, a, v, **call):
     return torch_logspace.logspace_attention(b, a, v, causal_pass=causal, **call)
 
 
-def causal(b, a, v, phases, length: int, base: float):
+def causal(b, a, v, phases, length: int, base: float, decay=None):
     """Causal Eq. 19 from log-features (tensors or `LogProjection`s) on CPU: (out, state, key sum, F
-    after the last token, log-normaliser), as torch_logspace.causal_log_attention gives them."""
+    after the last token, log-normaliser), as torch_logspace.causal_log_attention gives them (with its decay)."""
     out, kv, k_sum, last, lse = _FusedCausalLogAttention.apply(*source_parts(b), *source_parts(a), v, phases, length,
-                                                               base)
+                                                               base, decay)
     return first_derivatives_only(out), kv, k_sum, last, first_derivatives_only(lse)
 
 
@@ -280,14 +283,14 @@ class _FusedCausalLogAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_inputs, q_weight, q_shift, q_square, k_inputs, k_weight, k_shift, k_square, v, phases,
-                length, base):
+                length, base, decay):
         queries = source_from_parts(q_inputs, q_weight, q_shift, q_square)
         keys = source_from_parts(k_inputs, k_weight, k_shift, k_square)
         batch, heads, n, dv = v.shape
         m = k_inputs.shape[-1] if k_weight is None else k_weight.shape[0]
         chunks, groups = -(-n // length), -(-n // (length * torch_logspace.STATE_GROUP))
         feat = v.new_empty(batch, heads, chunks + 1, m)
-        kernel = _Kernel(queries, keys, v, phases, feat, length)
+        kernel = _Kernel(queries, keys, v, phases, feat, length, decay)
         out, den = v.new_empty(batch, heads, n, dv), v.new_empty(batch, heads, n)
         query_scale = torch.empty_like(den)
         state, key_sum = v.new_zeros(batch, heads, m, dv), v.new_zeros(batch, heads, m)
@@ -299,11 +302,11 @@ class _FusedCausalLogAttention(torch.autograd.Function):
                                saved_sums, torch_logspace.STATE_GROUP, flags)
             if start < chunks:   # an irregular chunk: torch_logspace.py's own, from the state before it
                 torch_logspace.irregular_chunk_forward(start, queries, keys, v, phases, feat, length, base, state,
-                                                       key_sum, out, den, query_scale)
+                                                       key_sum, out, den, query_scale, decay)
                 start += 1
         parts = (q_inputs, q_weight, q_shift, q_square, k_inputs, k_weight, k_shift, k_square)
-        return torch_logspace.finish_forward(ctx, parts, length, base, v, out, den, query_scale, feat, phases, state,
-                                             key_sum, saved_states, saved_sums, flags)
+        return torch_logspace.finish_forward(ctx, parts, length, base, decay, v, out, den, query_scale, feat, phases,
+                                             state, key_sum, saved_states, saved_sums, flags)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -312,7 +315,7 @@ class _FusedCausalLogAttention(torch.autograd.Function):
         queries, keys, (v, out, den, query_scale, feat, phases), (saved_states, saved_sums, flags) = \
             torch_logspace.saved_sources(ctx)
         needs = ctx.needs_input_grad
-        kernel = _Kernel(queries, keys, v, phases, feat, ctx.length)
+        kernel = _Kernel(queries, keys, v, phases, feat, ctx.length, ctx.decay)
         grad = torch.zeros_like(out) if grad is None else grad.contiguous()
         lse_grad = None if lse_grad is None else lse_grad.contiguous()
         q_grads, k_grads = _FusedGradients(queries, needs[0:3]), _FusedGradients(keys, needs[4:7])
@@ -332,9 +335,9 @@ class _FusedCausalLogAttention(torch.autograd.Function):
                     torch_logspace.irregular_chunk_backward(
                         top, queries, keys, v, phases, feat, length, ctx.base, states[:, :, top - lo],
                         sums[:, :, top - lo], grad, out, den, query_scale, later, later_sum, q_grads.eager,
-                        k_grads.eager, dv, capped=bool(flags[top] & 1), lse_grad=lse_grad)
+                        k_grads.eager, dv, capped=bool(flags[top] & 1), lse_grad=lse_grad, decay=ctx.decay)
                     top -= 1
-        return (*q_grads.result(), None, *k_grads.result(), None, dv, None, None, None)
+        return (*q_grads.result(), None, *k_grads.result(), None, dv, None, None, None, None)
 
 
 class _FusedGradients:

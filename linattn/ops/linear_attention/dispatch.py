@@ -16,7 +16,8 @@ Every entry takes one call shape and returns the output, or (output, LinearState
     implementation(phi_q, phi_k, v, *, causal, rotary, offset, rope_base, chunk_size, return_state)
 
 and the log-space entries two more keywords: key_offset (the keys' first position, apart from the
-queries' offset) and return_log_normalizer (the rows' log-denominators, after the output and state).
+queries' offset), return_log_normalizer (the rows' log-denominators, after the output and state) and
+log_decay (None, or (H,) log gamma <= 0 of causal calls: the pair (m, n) weighted by gamma^(distance)).
 
 The naive references (naive.py) and the recurrent step (recurrent.py) are not in the table: they are
 called by name.
@@ -106,14 +107,15 @@ def resolve(backend: str, device: torch.device, float64: bool = False, *, log_sp
 def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rotary: bool, offset: int,
                              chunk_size: int, rope_base: float, return_state: bool, backend: str, log_space: bool,
                              nonnegative_features: bool = True, check_range: bool = True,
-                             key_offset: int | None = None, return_log_normalizer: bool = False):
+                             key_offset: int | None = None, return_log_normalizer: bool = False,
+                             log_decay: torch.Tensor | None = None):
     """`functional.linear_attention` after its argument checks: the inputs guarded (values out of
     range made NaN, -inf log-features raised to a floor; in debug mode checked, which reads them on
     the host), plain features brought to unit size (plain_scale.py: every backend computes at any
     scale of them), then the implementation the table holds for the call.  What the custom op
     `linattn::linear_attention` runs under torch.compile.  `check_range=False`: the caller's forward
     checked these very features already (the compiled backward, which runs the computation again).
-    key_offset and return_log_normalizer: log-space calls only (the caller checked)."""
+    key_offset, return_log_normalizer and log_decay: log-space calls only (the caller checked)."""
     dtype = compute_dtype(*feature_tensors(phi_q, phi_k), v)
     resolved = resolve(backend, v.device, float64=dtype == torch.float64, log_space=log_space, causal=causal)
     tokens, rows = v.shape[-2], v.shape[:-1].numel()
@@ -124,7 +126,8 @@ def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rot
     scaled = not log_space and rows
     if scaled:   # plain features at unit size: the output does not depend on their scale
         phi_q, phi_k, key_scale = scale_plain_features(phi_q, phi_k, causal=causal)
-    log_options = dict(key_offset=key_offset, return_log_normalizer=return_log_normalizer) if log_space else {}
+    log_options = dict(key_offset=key_offset, return_log_normalizer=return_log_normalizer,
+                       log_decay=log_decay) if log_space else {}
     result = attend(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset, rope_base=rope_base,
                     chunk_size=max(1, min(chunk_size, tokens)),   # a short sequence is one chunk, unpadded
                     return_state=return_state, **log_options)

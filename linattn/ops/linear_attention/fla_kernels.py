@@ -199,28 +199,32 @@ def plain_factors(phi_q, phi_k, phases, *, work: torch.dtype, dot: torch.dtype):
 
 def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope_base: float,
                        chunk_size: int, return_state: bool, key_offset: int | None = None,
-                       return_log_normalizer: bool = False):
+                       return_log_normalizer: bool = False, log_decay: torch.Tensor | None = None):
     """Log-features b, a (tensors or `LogProjection`s, guarded here: dispatch.GUARD_THEIR_OWN_LOG_FEATURES);
     see docs/derivations.md.  One call of fla, for the numerator; the denominator from the keys' log-sums
     (factor_kernels.py's kernels, or torch's glue `log_factors`).  Queries rotated at offset.., keys at
     key_offset.. (None: offset); with return_log_normalizer the rows' log sum phi_q . phi_k last,
-    (B, H, N) in the work dtype."""
+    (B, H, N) in the work dtype.  log_decay (H,) log gamma: folded into the log-features (`decay_steps`),
+    the state returned in the frame of the keys' next position as the other backends return it."""
     del causal, chunk_size
     n, m = v.shape[-2], a.shape[-1]
     key_offset = int(offset) if key_offset is None else int(key_offset)
     work, dot = dtypes(v, b, a)
+    folding = None if log_decay is None else (log_decay.detach().to(work), int(offset) - key_offset)
     with torch.autocast(v.device.type, enabled=False):
         phases = query_key_phases(n, m, offset=int(offset), key_offset=key_offset, base=rope_base,
                                   device=v.device, dtype=work) if rotary else None
         if kernels_run_on(v):
-            factors = fused_log_factors(b, a, phases, work=work, dot=dot, guard=True)
+            factors = fused_log_factors(b, a, phases, work=work, dot=dot, guard=True, folding=folding)
         else:   # torch's glue (CPU outside Triton's interpreter): the factors recomputed for backward
             b, a = guard_log_features(b, work), guard_log_features(a, work)
-            factors = checkpoint(log_factors, b, a, phases, work=work, dot=dot, use_reentrant=False,
+            factors = checkpoint(log_factors, b, a, phases, work=work, dot=dot, folding=folding, use_reentrant=False,
                                  preserve_rng_state=False)
         q_num, k_num, decay, denominator, row_scale, last_scale, last_log_sums = factors
         numerator, kv = gated_linear_attention(q_num, k_num, fla_layout(v).to(dot), decay, return_state=return_state)
     sums = torch.exp(last_log_sums.detach() - last_scale).to(work) if return_state else None
+    if folding is not None and return_state:   # from the folded keys' frame (index 0) to the next position's
+        last_scale = last_scale + n * folding[0][:, None]
     result = finish(numerator, denominator, v, kv=kv, sums=sums, work=work, position=key_offset + n,
                     log_scale=last_scale.detach() if return_state else None)
     if not return_log_normalizer:
@@ -236,15 +240,21 @@ def kernels_run_on(x: torch.Tensor) -> bool:
     return x.is_cuda or triton.knobs.runtime.interpret
 
 
-def fused_log_factors(b, a, phases, *, work: torch.dtype, dot: torch.dtype, guard: bool = False):
+def fused_log_factors(b, a, phases, *, work: torch.dtype, dot: torch.dtype, guard: bool = False, folding=None):
     """`log_factors` by factor_kernels.py's fused kernels, reading the log-features where they are (a
-    `LogProjection` as its logits in fla's layout, its row shift added in the kernels).  `guard`:
-    common.guard_log_features' guard too (in the kernels for tensors; a projection's is on its parts)."""
+    `LogProjection` as its logits in fla's layout, its row shift added in the kernels; a decay's
+    `folding` added to the row shifts).  `guard`: common.guard_log_features' guard too (in the kernels
+    for tensors; a projection's is on its parts)."""
     from .factor_kernels import log_factors as kernel_log_factors
     if guard:
         b, a = (guard_log_features(x, work) if isinstance(x, LogProjection) else x for x in (b, a))
     tensors = [x for x in (b, a) if not isinstance(x, LogProjection)]
-    parts = [part for x in (b, a) for part in kernel_inputs(x, work)]
+    parts = [kernel_inputs(x, work) for x in (b, a)]
+    if folding is not None:   # (T, H) steps on each row's shift, (B, T, H) as the kernels read shifts
+        batch, length = parts[0][0].shape[:2]
+        parts = [(x, (steps if shift is None else shift + steps).expand(batch, length, -1))
+                 for (x, shift), steps in zip(parts, decay_steps(length, folding, parts[0][0].device))]
+    parts = [part for pair in parts for part in pair]
     q_num, k_num, decay, denominator, row_scale, *last = kernel_log_factors(
         *parts, phases, dot=dot, guard=guard and bool(tensors), limit=log_feature_limit(work),
         floor=log_feature_floor(tensors[0].dtype if tensors else work))
@@ -276,13 +286,32 @@ def log_features(x, work: torch.dtype) -> torch.Tensor:
     return logits + row_shift if isinstance(row_shift, torch.Tensor) or row_shift else logits
 
 
-def log_factors(b, a, phases, *, work: torch.dtype, dot: torch.dtype):
+def decay_steps(length: int, folding, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decay folded into log-features in fla's layout, (T, H) per row: queries + (j + lead) log gamma,
+    keys - n log gamma, so that the pair (j, n) gets (j - n + lead) log gamma.  Exact in the maths, but the
+    rounding grows with the index (about 2e-4 relative at 1e5 tokens in float32), where the cpp and torch
+    backends decay inside their chunks; left so until this entry's fused kernels take the decay in fla's
+    gates (issue 45 item 4)."""
+    log_decay, lead = folding   # (H,) log gamma, the queries' lead offset - key_offset
+    steps = torch.arange(length, device=device, dtype=log_decay.dtype)[:, None] * log_decay    # (T, H)
+    return steps + lead * log_decay, -steps
+
+
+def fold_decay(b: torch.Tensor, a: torch.Tensor, folding) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-features (B, T, H, M) in fla's layout with the decay folded in (`decay_steps`)."""
+    query_steps, key_steps = decay_steps(b.shape[1], folding, b.device)
+    return b + query_steps[..., None], a + key_steps[..., None]
+
+
+def log_factors(b, a, phases, *, work: torch.dtype, dot: torch.dtype, folding=None):
     """fla's inputs from log-features (tensors or `LogProjection`s), in its layout: the numerator's
     q, k (in `dot`) and decays (in `work`); the denominator sum_j e^(b_j + L_j - Q) (B, T, H) with
     L = log sum_{n<=m} e^(a_n), and Q (B, T, H, 1); and F and L at the last token.  phases: the queries'
     and keys' rotations (2, T, M/2) or None.  Torch's glue: the reference of factor_kernels.py's
     kernels, and the route on CPU outside Triton's interpreter."""
     b, a = log_features(b, work), log_features(a, work)
+    if folding is not None:   # the block's decay (`fold_decay`)
+        b, a = fold_decay(b, a, folding)
     feature_scale, log_sums = a.detach().cummax(1).values, a.logcumsumexp(1)   # F (a constant to autograd), L
     with torch.no_grad():   # the scales cancel exactly: constants to autograd
         row_scale = (b + feature_scale).amax(-1, keepdim=True)         # Q

@@ -49,12 +49,15 @@ def softmax_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 def logspace_attention_reference(b: torch.Tensor, a: torch.Tensor, v: torch.Tensor, *, causal: bool,
                                  rotary: bool, offset: int = 0, rope_base: float = DEFAULT_BASE,
-                                 key_offset: int | None = None, return_log_normalizer: bool = False):
+                                 key_offset: int | None = None, return_log_normalizer: bool = False,
+                                 log_decay: torch.Tensor | None = None):
     """Eq. 19 from log-features b = log phi_q, a = log phi_k, in float64, never exponentiating more
     than it must: every term e^(b_ms + a_nt) of query m is shifted by the largest exponent of that
     query's numerator and denominator, so nothing overflows and the largest term is 1.  Per pair,
     (R_s x)^T (R_t y) = Re((x1 + i x2)(y1 - i y2) e^(i (s - t) theta)), the query m at s = offset + m and
-    the key n at t = key_offset + n (key_offset None: offset).  O(N^2 M) memory: tests only.
+    the key n at t = key_offset + n (key_offset None: offset).  With `log_decay` (H,) log gamma (causal only),
+every term of the pair (m, n), numerator and denominator, is weighted by gamma^(s - t), the distance in
+positions.  O(N^2 M) memory: tests only.
 
     Returns:
         the output (B, H, N, Dv), and with return_log_normalizer also log sum_n phi_q_m . phi_k_n (B, H, N)
@@ -68,6 +71,10 @@ def logspace_attention_reference(b: torch.Tensor, a: torch.Tensor, v: torch.Tens
     bq = b.unflatten(-1, (pairs, -1)).unsqueeze(-3)        # (B, H, N, 1, P, s)
     ak = a.unflatten(-1, (pairs, -1)).unsqueeze(-4)        # (B, H, 1, N, P, t)
     terms = bq.unsqueeze(-1) + ak.unsqueeze(-2)            # (B, H, N, N, P, s, t)
+    if log_decay is not None:   # gamma^(s - t): + (s - t) log gamma, the distance in positions
+        steps = torch.arange(n, dtype=torch.float64, device=b.device)
+        distance = (offset + steps)[:, None] - (key_offset + steps)[None, :]
+        terms = terms + (distance * log_decay.double()[:, None, None])[:, :, :, None, None, None]
     if causal:
         future = torch.ones(n, n, dtype=torch.bool, device=b.device).triu(1)
         terms = terms.masked_fill(future[:, :, None, None, None], float("-inf"))

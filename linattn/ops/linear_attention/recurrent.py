@@ -21,7 +21,8 @@ class LinearState(NamedTuple):
     kv: torch.Tensor       # (B, H, M, Dv): sum_n (R_n phi_k_n) v_n^T  (rotated iff rotary)
     k_sum: torch.Tensor    # (B, H, M): sum_n phi_k_n, never rotated
     position: int
-    log_scale: torch.Tensor | None = None   # (B, H, M): max_n log phi_k_n, for log-features
+    log_scale: torch.Tensor | None = None   # (B, H, M): max_n log phi_k_n, for log-features (with a decay:
+    #   of the keys' log-features as the next position sees them, log phi_k_n + (position - n) log gamma)
 
 
 def initial_state(batch: int, heads: int, num_features: int, value_dim: int, *,
@@ -36,10 +37,13 @@ def initial_state(batch: int, heads: int, num_features: int, value_dim: int, *,
 
 def recurrent_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, state: LinearState | None, *,
                    rotary: bool, rope_base: float, log_space: bool, nonnegative_features: bool,
-                   query_position: int | None = None, return_log_normalizer: bool = False):
+                   query_position: int | None = None, return_log_normalizer: bool = False,
+                   log_decay: torch.Tensor | None = None):
     """`functional.linear_attention_step` after its argument checks (the state's too).  For log-features
-    also what the parallel pass's key_offset and return_log_normalizer give: the query rotated at
-    `query_position` (None: the key's, state.position), and the row's log-normaliser (B, H) last."""
+    also what the parallel pass's key_offset, return_log_normalizer and log_decay give: the query rotated
+    at `query_position` (None: the key's, state.position), the row's log-normaliser (B, H) last, and the
+    decay (H,) log gamma: the key at state.position weighted gamma^(query_position - position) for the
+    query, the state decayed by gamma per token (its log_scale lowered by log gamma: no origin needed)."""
     dtype = compute_dtype(phi_q, phi_k, v)
     phi_q, phi_k, v = guard_features(phi_q, phi_k, v, dtype, log_space=log_space,
                                      nonnegative_features=nonnegative_features)
@@ -50,7 +54,8 @@ def recurrent_step(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, st
         phi_q, phi_k, v_c = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
         if log_space:
             out, new, lse = _log_step(phi_q, phi_k, v_c, state, rotary=rotary, rope_base=rope_base, out_dtype=v.dtype,
-                                      query_position=state.position if query_position is None else query_position)
+                                      query_position=state.position if query_position is None else query_position,
+                                      log_decay=None if log_decay is None else log_decay.detach().to(dtype))
             return (out, new, lse) if return_log_normalizer else (out, new)
         return _plain_step(phi_q, phi_k, v_c, state, rotary=rotary, rope_base=rope_base, out_dtype=v.dtype)
 
@@ -79,9 +84,14 @@ def _plain_step(q, k, v, state: LinearState, *, rotary: bool, rope_base: float, 
     return out.to(out_dtype), LinearState(kv * scale.unsqueeze(-1), k_sum * scale, state.position + 1)
 
 
-def _log_step(b, a, v, state: LinearState, *, rotary: bool, rope_base: float, out_dtype, query_position: int):
+def _log_step(b, a, v, state: LinearState, *, rotary: bool, rope_base: float, out_dtype, query_position: int,
+              log_decay=None):
     """The step of stable.py's recurrence: rescale the state to the new maxima, add the token, read.
-    (out, state, log-normaliser)."""
+    (out, state, log-normaliser).  The state is in the frame of the key's position (the decay's weights as
+    a query there sees them): the query reads it with (query_position - position) log gamma, and the next
+    state is the same sums with their scales in the next frame, F + log gamma."""
+    if log_decay is not None:
+        b = b + (query_position - state.position) * log_decay[:, None]
     with torch.no_grad():
         feat_old, feat_new = state.log_scale, torch.maximum(state.log_scale, a)
         pair_old, pair_new = numerator_scale(feat_old, rotary), numerator_scale(feat_new, rotary)
@@ -94,7 +104,8 @@ def _log_step(b, a, v, state: LinearState, *, rotary: bool, rope_base: float, ou
     k_sum = torch.exp(feat_old - feat_new) * state.k_sum + torch.exp(a - feat_new)
     numerator = (query.unsqueeze(-2) @ kv).squeeze(-2)
     denominator = (torch.exp(b + feat_new - query_scale) * k_sum).sum(-1)
-    return (divide(numerator, denominator).to(out_dtype), LinearState(kv, k_sum, state.position + 1, feat_new),
+    next_scale = feat_new if log_decay is None else feat_new + log_decay[:, None]
+    return (divide(numerator, denominator).to(out_dtype), LinearState(kv, k_sum, state.position + 1, next_scale),
             log_normalizer(denominator, query_scale.squeeze(-1)))
 
 

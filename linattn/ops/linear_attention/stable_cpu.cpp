@@ -117,6 +117,8 @@ struct Call {
   const void* q_phases;                     // the same per query position (queries and keys may start apart)
   void* feat;                               // (B, H, chunks + 1, M): F at each chunk's first token, and after the last
   int64_t threads;
+  const void* log_decay;                    // (H,) log gamma per head; null: no decay
+  int64_t lead;                             // the queries' lead, offset - key_offset, in positions
 };
 
 int64_t chunk_count(const Call& c) { return (c.n + c.length - 1) / c.length; }
@@ -125,6 +127,22 @@ int64_t chunk_rows(const Call& c, int64_t chunk) { return std::min(c.length, c.n
 template <typename T> const T* rows_of(const void* base, int64_t sb, int64_t sh, int64_t sn, int64_t heads,
                                        int64_t head, int64_t row) {
   return static_cast<const T*>(base) + (head / heads) * sb + (head % heads) * sh + row * sn;
+}
+
+// log gamma of `head` (B H flattened), 0 without a decay.
+template <typename T> T log_gamma(const Call& c, int64_t head) {
+  return c.log_decay ? static_cast<const T*>(c.log_decay)[head % c.heads] : T(0);
+}
+
+// A chunk's log-features (rows x M) in the chunk's frame (torch_logspace.in_frame): row r of the queries
+// + (r + lead) log gamma, of the keys - r log gamma; unchanged without a decay.
+template <typename T> void in_frame(const Call& c, int64_t head, T* x, int64_t rows, bool queries) {
+  if (!c.log_decay) return;
+  const T lg = log_gamma<T>(c, head);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T shift = (queries ? T(r) + T(c.lead) : T(-r)) * lg;
+    for (int64_t j = 0; j < c.m; ++j) x[r * c.m + j] += shift;
+  }
 }
 
 // The log-features (rows x M, row stride M) of `rows` positions of `head` from `row` on.
@@ -199,6 +217,7 @@ template <typename T> struct Chunk {
   const Call& call;
   int64_t m, length, rows = 0, row = 0;
   bool rotary;
+  T step = 0;   // rows log gamma: what a value of this chunk's frame gains in the next's (0: no decay)
   std::vector<T> a, b, key_den, key_rot, query_den, query_rot, scores, feat, pair, feat_next, pair_next,
       key_ratio, query_ratio, query_scale, running;
 
@@ -211,6 +230,7 @@ template <typename T> struct Chunk {
   void at(int64_t head, int64_t chunk) {
     row = chunk * length;
     rows = chunk_rows(call, chunk);
+    step = T(rows) * log_gamma<T>(call, head);
     const T* f = static_cast<const T*>(call.feat) + (head * (chunk_count(call) + 1) + chunk) * m;
     std::copy(f, f + m, feat.begin());
     std::copy(f + m, f + 2 * m, feat_next.begin());
@@ -289,7 +309,7 @@ template <typename T> struct Chunk {
     const T* k = k_num();
     if (capped) {
       for (int64_t r = 0; r < rows; ++r)
-        for (int64_t j = 0; j < m; ++j) key_rot[r * m + j] = exp_value(a[r * m + j] - pair_next[j]);
+        for (int64_t j = 0; j < m; ++j) key_rot[r * m + j] = exp_value((a[r * m + j] - pair_next[j]) + step);
       if (rotary) rotate(key_rot.data(), call.phases, row, rows, m, false);
       k = key_rot.data();
     }
@@ -297,9 +317,9 @@ template <typename T> struct Chunk {
     std::fill(running.begin(), running.end(), T(0));
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t j = 0; j < m; ++j)
-        running[j] += capped ? exp_value(a[r * m + j] - feat_next[j]) : key_den[r * m + j];
+        running[j] += capped ? exp_value((a[r * m + j] - feat_next[j]) + step) : key_den[r * m + j];
     for (int64_t j = 0; j < m; ++j) {
-      const T pd = exp_value(pair[j] - pair_next[j]), fd = exp_value(feat[j] - feat_next[j]);
+      const T pd = exp_value((pair[j] - pair_next[j]) + step), fd = exp_value((feat[j] - feat_next[j]) + step);
       T* sj = s_next + j * dv;
       if (capped) {
         for (int64_t e = 0; e < dv; ++e) sj[e] = sj[e] + pd * s[j * dv + e];
@@ -330,8 +350,9 @@ template <typename T> std::vector<Workspace<T>> workspaces(const Call& c) {
   return spaces;
 }
 
-// F at the next chunk's first token, from this chunk's F and its keys (rows x M): the max of every key
-// up to this chunk's last and of that token (chunk.py's `feat`); after the last chunk, of every key.
+// F at the next chunk's first token, from this chunk's F and its keys (rows x M, in the chunk's frame):
+// the max of every key up to this chunk's last (moved to the next frame: + rows log gamma) and of that
+// token (chunk.py's `feat`); after the last chunk, of every key.
 template <typename T> void write_next_scale(const Call& c, int64_t head, int64_t chunk, const T* keys, int64_t rows,
                                             T* first) {
   T* f_next = static_cast<T*>(c.feat) + (head * (chunk_count(c) + 1) + chunk + 1) * c.m;
@@ -339,6 +360,10 @@ template <typename T> void write_next_scale(const Call& c, int64_t head, int64_t
   for (int64_t j = 0; j < c.m; ++j) f_next[j] = f[j];
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < c.m; ++j) f_next[j] = max_nan(f_next[j], keys[r * c.m + j]);
+  if (c.log_decay) {
+    const T step = T(rows) * log_gamma<T>(c, head);
+    for (int64_t j = 0; j < c.m; ++j) f_next[j] += step;
+  }
   if (chunk + 1 < chunk_count(c)) {
     load(c.k, c, head, (chunk + 1) * c.length, 1, first);
     for (int64_t j = 0; j < c.m; ++j) f_next[j] = max_nan(f_next[j], first[j]);
@@ -377,6 +402,8 @@ int64_t forward(const Call& c, int64_t start, int64_t end, T* state, T* key_sum,
         const int64_t row = chunk * c.length, rows = chunk_rows(c, chunk);
         load(c.k, c, head, row, rows, ch.a.data());
         load(c.q, c, head, row, rows, ch.b.data());
+        in_frame(c, head, ch.a.data(), rows, false);
+        in_frame(c, head, ch.b.data(), rows, true);
         T* f = static_cast<T*>(c.feat) + (head * (chunk_count(c) + 1) + chunk) * m;
         if (chunk == 0) std::copy(ch.a.begin(), ch.a.begin() + m, f);   // F at the first token: its key
         write_next_scale(c, head, chunk, ch.a.data(), rows, first.data());
@@ -447,6 +474,7 @@ void states(const Call& c, int64_t lo, int64_t hi, const std::int32_t* flags, co
       for (int64_t chunk = lo; chunk + 1 < hi; ++chunk, s += m * dv, z += m) {
         ch.at(head, chunk);
         load(c.k, c, head, ch.row, ch.rows, ch.a.data());
+        in_frame(c, head, ch.a.data(), ch.rows, false);
         ch.keys();
         const T* v = rows_of<T>(c.v, c.v_b, c.v_h, c.v_n, c.heads, head, ch.row);
         ch.next_state(s, z, v, c.v_n, dv, flags[chunk] & 1, s + m * dv, z + m);
@@ -487,6 +515,8 @@ int64_t backward(const Call& c, int64_t hi, int64_t lo, const std::int32_t* flag
         const T* z = sums_in + (head * count + chunk - first) * m;
         load(c.k, c, head, row, rows, ch.a.data());
         load(c.q, c, head, row, rows, ch.b.data());
+        in_frame(c, head, ch.a.data(), rows, false);
+        in_frame(c, head, ch.b.data(), rows, true);
         const int64_t at = head * c.n + row;
         std::copy(query_scale + at, query_scale + at + rows, ch.query_scale.begin());
         ch.keys();
@@ -504,7 +534,8 @@ int64_t backward(const Call& c, int64_t hi, int64_t lo, const std::int32_t* flag
         }
         // G~ = e^(P - P') dL/dS',  H~ = e^(F - F') dL/dZ';  then dL/dS = G~ + (R q)^T g_num, dL/dZ = H~ + sum g_den q
         for (int64_t j = 0; j < m; ++j) {
-          const T pd = exp_value(ch.pair[j] - ch.pair_next[j]), fd = exp_value(ch.feat[j] - ch.feat_next[j]);
+          const T pd = exp_value((ch.pair[j] - ch.pair_next[j]) + ch.step),
+                  fd = exp_value((ch.feat[j] - ch.feat_next[j]) + ch.step);
           for (int64_t e = 0; e < dv; ++e) decayed[j * dv + e] = G[j * dv + e] * pd;
           decayed_sum[j] = H[j] * fd;
         }

@@ -26,12 +26,14 @@ RUN_ELEMENTS = 2 ** 19    # chunks computed together: at most this many elements
 @torch.compiler.disable
 def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope_base: float, chunk_size: int,
                        return_state: bool, key_offset: int | None = None, return_log_normalizer: bool = False,
-                       causal_pass=None):
+                       log_decay: torch.Tensor | None = None, causal_pass=None):
     """Eq. 19 from log-features b = log phi_q, a = log phi_k, each a tensor or a `LogProjection`
     (the causal op then projects chunk by chunk), in float32 (float64 stays float64) with autocast
     off; outputs in v's dtype.  The queries are rotated at offset.., the keys at key_offset.. (None:
     offset).  The state (if asked) carries F and the keys' next position; with return_log_normalizer
-    the rows' log sum_n phi_q . phi_k come last (in the compute dtype).  Under torch.compile it runs eagerly
+    the rows' log sum_n phi_q . phi_k come last (in the compute dtype).  `log_decay` (H,) log gamma <= 0 (causal
+    calls; a constant, no gradient): the pair (m, n) weighted by gamma^(distance in positions), inside the
+    chunks' factors (docs/derivations.md, "Decay in the chunks").  Under torch.compile it runs eagerly
     (a graph break): its loop over chunks is Python's, and inductor failed on a ragged
     last chunk ("Exponent must be non-negative").  `causal_pass`: what computes the causal pass, with
     `causal_log_attention`'s arguments and results (None: that function; cpp_logspace.py gives its C++ kernel's)."""
@@ -41,6 +43,7 @@ def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope
         out, state, lse = _logspace_attention(b, a, v.to(dtype), causal=causal, rotary=rotary, offset=offset,
                                               key_offset=offset if key_offset is None else key_offset,
                                               base=rope_base, chunk_size=chunk_size,
+                                              decay=chunk_decay(log_decay, dtype, offset, key_offset),
                                               causal_pass=causal_pass or causal_log_attention)
     result = (out.to(out_dtype), *((state,) if return_state else ()), *((lse,) if return_log_normalizer else ()))
     return result if len(result) > 1 else result[0]
@@ -55,7 +58,15 @@ def _to(x, dtype):
     return x.to(dtype).contiguous()
 
 
-def _logspace_attention(b, a, v, *, causal, rotary, offset, key_offset, base, chunk_size, causal_pass):
+def chunk_decay(log_decay, dtype: torch.dtype, offset: int, key_offset: int | None):
+    """The causal passes' decay: None, or (log gamma (H,) in the compute dtype, detached; the queries' lead
+    offset - key_offset, the distance a query has beyond its index's)."""
+    if log_decay is None:
+        return None
+    return log_decay.detach().to(dtype), int(offset) - int(offset if key_offset is None else key_offset)
+
+
+def _logspace_attention(b, a, v, *, causal, rotary, offset, key_offset, base, chunk_size, causal_pass, decay=None):
     """(out, state, log-normaliser): the state None where the call is not causal."""
     n = v.shape[-2]
     if not causal or n == 0:   # no chunk loop: the log-features themselves
@@ -67,7 +78,7 @@ def _logspace_attention(b, a, v, *, causal, rotary, offset, key_offset, base, ch
     if causal:
         phases = query_key_phases(n, m, offset=offset, key_offset=key_offset, base=base, device=v.device,
                                   dtype=v.dtype) if rotary else None
-        out, kv, k_sum, last, lse = causal_pass(b, a, v, phases, chunk_size, base)
+        out, kv, k_sum, last, lse = causal_pass(b, a, v, phases, chunk_size, base, decay)
         return out, LinearState(kv, k_sum, key_offset + n, last), lse
     with torch.no_grad():   # the scales cancel exactly: no gradient
         feature_scale = a.amax(dim=-2, keepdim=True)
@@ -83,22 +94,28 @@ def _logspace_attention(b, a, v, *, causal, rotary, offset, key_offset, base, ch
 
 class _Scales(NamedTuple):
     """The scales of a run of G chunks, (B, H, G, 1, M): F, P at each chunk's first token and at the
-    next chunk's."""
+    next chunk's, each in its own chunk's frame; with a decay, `step` (H, 1, 1, 1): the chunk's rows times
+    log gamma, what a value of one frame gains in the next."""
     feat: torch.Tensor
     pair: torch.Tensor
     feat_next: torch.Tensor
     pair_next: torch.Tensor
+    step: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, feat, rotary: bool):
+    def of(cls, feat, rotary: bool, step=None):
         """From F (B, H, G + 1, M) at the first token of each chunk of the run and of the chunk after."""
         feat, feat_next = feat[:, :, :-1].unsqueeze(-2), feat[:, :, 1:].unsqueeze(-2)
-        return cls(feat, numerator_scale(feat, rotary), feat_next, numerator_scale(feat_next, rotary))
+        return cls(feat, numerator_scale(feat, rotary), feat_next, numerator_scale(feat_next, rotary), step)
+
+    def onward(self, x: torch.Tensor, next_scale: torch.Tensor) -> torch.Tensor:
+        """x - next_scale for x in a chunk's frame and next_scale in the next chunk's (+ the step)."""
+        return x - next_scale if self.step is None else (x - next_scale) + self.step
 
     def decays(self):
-        """e^(P_k - P_{k+1}) (B, H, G, M, 1) and e^(F_k - F_{k+1}) (B, H, G, M): both <= 1."""
-        return (torch.exp(self.pair - self.pair_next).transpose(-1, -2),
-                torch.exp(self.feat - self.feat_next).squeeze(-2))
+        """e^(P_k - P_{k+1}) (B, H, G, M, 1) and e^(F_k - F_{k+1}) (B, H, G, M), across frames: both <= 1."""
+        return (torch.exp(self.onward(self.pair, self.pair_next)).transpose(-1, -2),
+                torch.exp(self.onward(self.feat, self.feat_next)).squeeze(-2))
 
 
 def _exp(x: torch.Tensor) -> torch.Tensor:
@@ -249,8 +266,8 @@ def _run_states(state, key_sum, a_j, v_j, scales: _Scales, phases):
     (key factors <= 1), so that every U_k comes from one batched product and only the decayed sums
     are sequential."""
     pair_decay, feat_decay = scales.decays()
-    k_den = _exp(a_j - scales.feat_next)
-    k_num = _factors(a_j - scales.pair_next, phases) if phases is not None else k_den
+    k_den = _exp(scales.onward(a_j, scales.feat_next))
+    k_num = _factors(scales.onward(a_j, scales.pair_next), phases) if phases is not None else k_den
     states, state = _decayed_sums(state, k_num.transpose(-1, -2) @ v_j, pair_decay)
     key_sums, key_sum = _decayed_sums(key_sum, k_den.sum(-2), feat_decay)
     return states, key_sums, state, key_sum
@@ -302,17 +319,51 @@ def _run_inputs(source, run: _Run):
     return _rows(source, run.tokens).contiguous().unflatten(2, (run.count, -1))
 
 
-def finish_forward(ctx, parts: tuple, length: int, base: float, v, out, den, query_scale, feat, phases, state,
+def _run_logs(queries, keys, run: _Run, decay):
+    """A run's query and key log-features (B, H, G, L, M), each chunk's in its frame (`in_frame`)."""
+    return in_frame(_run_inputs(queries, run), decay, True), in_frame(_run_inputs(keys, run), decay, False)
+
+
+def in_frame(x: torch.Tensor, decay, queries: bool) -> torch.Tensor:
+    """Log-features (..., H, G, L, M) of chunks in their chunk's frame, the weights as its first token's
+    query sees them (docs/derivations.md, "Decay in the chunks"): a query at row r within its chunk
+    + (r + lead) log gamma, a key - r log gamma, so that a pair in the chunk gets (r - c + lead) log gamma
+    and every term stays within L |log gamma| of its own; no decay: x itself."""
+    if decay is None:
+        return x
+    log_decay, lead = decay
+    rows = torch.arange(x.shape[-2], device=x.device, dtype=x.dtype)
+    steps = ((rows + lead) if queries else -rows)[None, :] * log_decay[:, None]    # (H, L)
+    return x + steps[:, None, :, None]
+
+
+def _step(decay, rows: int):
+    """The chunk's decay step rows log gamma (H, 1, 1, 1), or None."""
+    return None if decay is None else (rows * decay[0])[:, None, None, None]
+
+
+def _carry_scales(feat, a_r, run: _Run, decay) -> None:
+    """F at the first token of each chunk after the run's, frame by frame: F_{k+1} = max(its first key,
+    max(F_k, chunk k's keys in its frame) + chunk k's step) (a loop over the run's chunks, as the state's)."""
+    ends, step = a_r.amax(-2), _step(decay, a_r.shape[-2])[..., 0, 0]    # (B, H, G, M), (H, 1)
+    for g in range(run.count):
+        chunk = run.first + g
+        feat[:, :, chunk + 1] = torch.maximum(feat[:, :, chunk + 1],
+                                              torch.maximum(feat[:, :, chunk], ends[:, :, g]) + step)
+
+
+def finish_forward(ctx, parts: tuple, length: int, base: float, decay, v, out, den, query_scale, feat, phases, state,
                    key_sum, *extra):
     """The causal function's outputs (out, state, key sum, F after the last token, log-normaliser), with what
     backward needs saved: the sources' parts (numbers such as a constant shift on ctx, tensors through
-    autograd), the chunk length, the rotary base, v, out, den, Q, F, the rotation and `extra`.  Gradients
+    autograd), the chunk length, the rotary base, the decay (`chunk_decay`'s), v, out, den, Q, F, the rotation
+    and `extra`.  Gradients
     of unused outputs come to backward as None (the log-normaliser's then costs nothing)."""
     ctx.numbers = [None if isinstance(x, torch.Tensor) else x for x in parts]
     ctx.same_rotation = phases is not None and same_rotation(phases)   # then saved once, expanded again
     ctx.save_for_backward(*(x if isinstance(x, torch.Tensor) else None for x in parts), v, out, den, query_scale,
                           feat, phases[1] if ctx.same_rotation else phases, *extra)
-    ctx.length, ctx.base = length, base
+    ctx.length, ctx.base, ctx.decay = length, base, decay
     last = feat[:, :, -1]
     ctx.mark_non_differentiable(state, key_sum, last)
     ctx.set_materialize_grads(False)
@@ -369,7 +420,7 @@ class _CausalLogAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_inputs, q_weight, q_shift, q_square, k_inputs, k_weight, k_shift, k_square, v, phases,
-                length, base):
+                length, base, decay):
         queries = source_from_parts(q_inputs, q_weight, q_shift, q_square)
         keys = source_from_parts(k_inputs, k_weight, k_shift, k_square)
         first_keys = _rows(keys, slice(0, v.shape[-2], length))     # every chunk's first token
@@ -383,17 +434,20 @@ class _CausalLogAttention(torch.autograd.Function):
         for run in _runs(v, m, length):
             if run.first % STATE_GROUP == 0:
                 saved += [state, key_sum]
-            b_r, a_r, v_r = _run_inputs(queries, run), _run_inputs(keys, run), _run_inputs(v, run)
+            (b_r, a_r), v_r = _run_logs(queries, keys, run, decay), _run_inputs(v, run)
             # F at the next chunk's first token: the max of every key before it, and of that token
-            after = torch.maximum(a_r.amax(-2).cummax(2).values, seen.unsqueeze(2))
-            seen, nexts = after[:, :, -1], feat[:, :, run.first + 1:run.first + run.count + 1]
-            nexts.copy_(torch.maximum(nexts, after))
-            chunks = _chunks(b_r, a_r, v_r, state, key_sum, *_run_scales(feat, run, phases))
+            if decay is None:
+                after = torch.maximum(a_r.amax(-2).cummax(2).values, seen.unsqueeze(2))
+                seen, nexts = after[:, :, -1], feat[:, :, run.first + 1:run.first + run.count + 1]
+                nexts.copy_(torch.maximum(nexts, after))
+            else:
+                _carry_scales(feat, a_r, run, decay)
+            chunks = _chunks(b_r, a_r, v_r, state, key_sum, *_run_scales(feat, run, phases, decay))
             out[:, :, run.tokens], den[:, :, run.tokens], query_scale[:, :, run.tokens] = (
                 x.flatten(2, 3) for x in chunks[:3])
             state, key_sum = chunks.state, chunks.key_sum
         return finish_forward(ctx, (q_inputs, q_weight, q_shift, q_square, k_inputs, k_weight, k_shift, k_square),
-                              length, base, v, out, den, query_scale, feat, phases, state, key_sum, *saved)
+                              length, base, decay, v, out, den, query_scale, feat, phases, state, key_sum, *saved)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -412,33 +466,36 @@ class _CausalLogAttention(torch.autograd.Function):
             befores = []
             for run in runs:   # this group's states again, as forward took them
                 befores.append((state, key_sum))
-                scales, ph = _run_scales(feat, run, phases)
-                state, key_sum = _run_states(state, key_sum, _run_inputs(keys, run), _run_inputs(v, run), scales,
-                                             _keys(ph))[2:]
+                scales, ph = _run_scales(feat, run, phases, ctx.decay)
+                state, key_sum = _run_states(state, key_sum, in_frame(_run_inputs(keys, run), ctx.decay, False),
+                                             _run_inputs(v, run), scales, _keys(ph))[2:]
             for run, (state, key_sum) in reversed(list(zip(runs, befores))):
                 chunks = (run.count, -1)
-                inputs = tuple(_run_inputs(x, run) for x in (queries, keys, v))
+                inputs = (*_run_logs(queries, keys, run, ctx.decay), _run_inputs(v, run))
                 qs, g = (x[:, :, run.tokens].unflatten(2, chunks) for x in (query_scale, grad))
                 g_lse = None if lse_grad is None else lse_grad[:, :, run.tokens].unflatten(2, chunks)
                 (db, da, dv_r), later, later_sum = _chunk_backward(
-                    inputs, state, key_sum, *_run_scales(feat, run, phases), qs, g, later, later_sum, g_lse)
+                    inputs, state, key_sum, *_run_scales(feat, run, phases, ctx.decay), qs, g, later, later_sum,
+                    g_lse)
                 dv[:, :, run.tokens] = dv_r.flatten(2, 3)
                 q_grads.write(queries, db.flatten(2, 3), run.tokens)
                 k_grads.write(keys, da.flatten(2, 3), run.tokens)
-        return (*q_grads, None, *k_grads, None, dv, None, None, None)
+        return (*q_grads, None, *k_grads, None, dv, None, None, None, None)
 
 
-def causal_log_attention(b, a, v, phases, chunk_size: int, base: float):
+def causal_log_attention(b, a, v, phases, chunk_size: int, base: float, decay=None):
     """Causal Eq. 19 from log-features (tensors or `LogProjection`s) in torch ops: (out, state, key sum,
-    F after the last token, log-normaliser), the state scaled as docs/derivations.md says."""
+    F after the last token, log-normaliser), the state scaled as docs/derivations.md says (with a decay,
+    `chunk_decay`'s, in the frame of the token after the last)."""
     out, kv, k_sum, last, lse = _CausalLogAttention.apply(*source_parts(b), *source_parts(a), v, phases, chunk_size,
-                                                          base)
+                                                          base, decay)
     return first_derivatives_only(out), kv, k_sum, last, first_derivatives_only(lse)
 
 
-def _run_scales(feat, run: _Run, phases):
+def _run_scales(feat, run: _Run, phases, decay=None):
     """A run's scales, from F (B, H, chunks + 1, M), and the rotations of its tokens (2, G, L, M/2) or None."""
-    scales = _Scales.of(feat[:, :, run.first:run.first + run.count + 1], phases is not None)
+    rows = (run.tokens.stop - run.tokens.start) // run.count
+    scales = _Scales.of(feat[:, :, run.first:run.first + run.count + 1], phases is not None, _step(decay, rows))
     return scales, None if phases is None else phases[:, run.tokens].unflatten(1, (run.count, -1))
 
 
@@ -457,23 +514,24 @@ def _chunk_backward(inputs, state, key_sum, scales, phases, query_scale, grad, l
     return grads[:3], grads[3], grads[4]
 
 
-def _chunk_inputs(chunk: int, queries, keys, v, phases, feat, length: int):
+def _chunk_inputs(chunk: int, queries, keys, v, phases, feat, length: int, decay=None):
     """One chunk's (b, a, v) as (B, H, 1, L, .), its scales and its rotation, for the functions above."""
     s = slice(chunk * length, min((chunk + 1) * length, v.shape[-2]))
     b, a, v_c = (_rows(x, s).contiguous().unsqueeze(2) for x in (queries, keys, v))
-    scales = _Scales.of(feat[:, :, chunk:chunk + 2], phases is not None)
+    b, a = in_frame(b, decay, True), in_frame(a, decay, False)
+    scales = _Scales.of(feat[:, :, chunk:chunk + 2], phases is not None, _step(decay, s.stop - s.start))
     return s, (b, a, v_c), scales, None if phases is None else phases[:, s].unsqueeze(1)
 
 
 def irregular_chunk_forward(chunk, queries, keys, v, phases, feat, length, base, state, key_sum, out, den,
-                            query_scale):
+                            query_scale, decay=None):
     """A kernel's irregular chunk (cpp_logspace.py's: a row's running max jumped past JUMP_LIMIT, or a
     pair's scales spread past PAIR_SPREAD), by `_chunks`: rows before the jump keep the kernel's values in
     `out`, `den`, `query_scale` (unless the chunk is wide, then redone whole; whether it is depends on
     earlier tokens only), so that whether a later token jumps never changes their bits; the state after
     it replaces `state`, `key_sum`."""
     del base
-    s, inputs, scales, ph = _chunk_inputs(chunk, queries, keys, v, phases, feat, length)
+    s, inputs, scales, ph = _chunk_inputs(chunk, queries, keys, v, phases, feat, length, decay)
     alone = _chunks(*inputs, state, key_sum, scales, ph)
     jump = (torch.maximum(inputs[1], scales.feat).cummax(-2).values - scales.feat).amax(-1).squeeze(2)
     redo = (jump > JUMP_LIMIT) | ((scales.pair - scales.feat).amax() > PAIR_SPREAD)
@@ -485,12 +543,12 @@ def irregular_chunk_forward(chunk, queries, keys, v, phases, feat, length, base,
 
 def irregular_chunk_backward(chunk, queries, keys, v, phases, feat, length, base, state, key_sum, grad, out, den,
                              query_scale, later, later_sum, q_grads: SourceGradients, k_grads: SourceGradients, dv,
-                             capped: bool, lse_grad=None):
+                             capped: bool, lse_grad=None, decay=None):
     """The backward of one irregular chunk for a kernel (cpp_logspace.py's), updating `later`, `later_sum`
     and writing the chunk's gradients.  (`base`, `out`, `den` and the kernel's flag `capped` are not
     needed: every chunk takes autograd through `_chunks` with the saved Q.)"""
     del base, out, den, capped
-    s, inputs, scales, ph = _chunk_inputs(chunk, queries, keys, v, phases, feat, length)
+    s, inputs, scales, ph = _chunk_inputs(chunk, queries, keys, v, phases, feat, length, decay)
     qs, g = query_scale[:, :, s].unsqueeze(2), grad[:, :, s].unsqueeze(2)
     g_lse = None if lse_grad is None else lse_grad[:, :, s].unsqueeze(2)
     (db, da, dv_c), after, after_sum = _chunk_backward(inputs, state, key_sum, scales, ph, qs, g, later, later_sum,

@@ -4,26 +4,47 @@
 Queries go in blocks of L >= W rows against their band of L + W - 1 keys, a group of blocks at a time
 (so no (N, N) tensor or mask, and the band's scores stay a few MB whatever N is).  Like flash attention
 the pass returns each row's log-normaliser lse_m = log sum_n e^(s_mn) beside the output, keeps only its
-inputs, the output and lse for backward, and recomputes the band's weights there.  `merge` combines the
-window with any other attention of known log-normaliser (the linear part of docs/gap-closers.md)."""
+inputs, the output and lse for backward, and recomputes the band's weights there.  RoPE, where asked,
+is applied group by group in both passes (no rotated copy of q and k is made or kept), and another
+attention of known log-normaliser (the linear part of docs/gap-closers.md) is merged into the same
+pass as one more key per row, so that backward needs neither the window's own output nor its weights.
+`merge` combines two attentions by their log-normalisers outside the pass (a decoding step's)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ...rotary import DEFAULT_BASE, rotary_phases, rotate_pairs
 
 MIN_BLOCK = 32            # the queries' blocks have at least this many rows (fewer, larger products)
 GROUP_SCORES = 1 << 20    # scores computed at once, at most (about): 4 MB in float32
 
 
 def band_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
-                   log_decay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, H, N, D) queries and keys, (B, H, N, Dv) values, window W >= 1, log_decay (H,) log gamma or None
-    -> (the window's softmax-weighted values (B, H, N, Dv), the rows' log-normalisers (B, H, N)), in the
-    inputs' dtype.  Gradients flow to q, k and v (log_decay is a constant)."""
+                   log_decay: torch.Tensor | None = None, *, rotary_offset: int | None = None,
+                   rope_base: float = DEFAULT_BASE, other: torch.Tensor | None = None,
+                   other_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The window's softmax, merged with another attention where given.
+
+    Args:
+        q, k: (B, H, N, D) what the scores take, before RoPE when `rotary_offset` is given.
+        v: (B, H, N, Dv) values.
+        window: W >= 1 (W >= N: causal softmax).
+        log_decay: (H,) log gamma, or None (a constant: no gradient).
+        rotary_offset: rotate q and k at positions rotary_offset.. (RoPE, base `rope_base`) inside the
+            pass; None: q and k are used as they are.
+        other, other_lse: (B, H, R, Dv) and (B, H, R) another attention's output and log-normaliser for
+            the last R rows (its keys apart from the window's), merged in as `merge` merges; None: none.
+
+    Returns:
+        (out (B, H, N, Dv), lse (B, H, N)): the output and each row's log-normaliser over all its
+        weights (the window's and, where merged, the other's), in the inputs' dtype.  Gradients flow to
+        q, k, v, other and other_lse.
+    """
     window = min(window, q.shape[-2])
     if q.shape[-2] == 0:
         return v.clone(), v.new_zeros(v.shape[:-1])
-    return BandAttention.apply(q, k, v, window, log_decay)
+    return BandAttention.apply(q, k, v, window, log_decay, rotary_offset, rope_base, other, other_lse)
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor | None,
@@ -74,26 +95,32 @@ class Merge(torch.autograd.Function):
 
 class BandAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, window: int, log_decay):
-        layout = Band(q, window, log_decay)
+    def forward(ctx, q, k, v, window: int, log_decay, rotary_offset, rope_base, other, other_lse):
+        layout = Band(q, window, log_decay, rotary_offset, rope_base)
         queries, keys, values = layout.pad(q), layout.pad(k), layout.pad(v)
         out, lse = v.new_empty(*layout.rows_shape, v.shape[-1]), v.new_empty(layout.rows_shape)
         for blocks in layout.groups():
-            scores = layout.scores(queries, keys, blocks)
+            group_queries, band_keys, band_values = layout.group(queries, keys, values, blocks)
+            scores = layout.scores(group_queries, band_keys, blocks)
             top = scores.amax(-1, keepdim=True)   # the diagonal is always inside: finite
-            weights = torch.exp(scores - top)
+            weights = scores.sub_(top).exp_()     # in place: one (G, L, L + W - 1) tensor at a time
             den = weights.sum(-1)
             rows = layout.rows(blocks)
-            out[..., rows, :] = (weights @ layout.band(values, blocks) / den.unsqueeze(-1)).flatten(2, 3)
+            out[..., rows, :] = (weights @ band_values).div_(den.unsqueeze(-1)).flatten(2, 3)
             lse[..., rows] = (top.squeeze(-1) + den.log()).flatten(2, 3)
         out, lse = layout.unpad(out), layout.unpad(lse.unsqueeze(-1)).squeeze(-1)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if other is not None:   # in place, rows N - R..: the two weights of `merge`, one stabiliser per row
+            start = out.shape[-2] - other.shape[-2]
+            mine, theirs = merge_weights(lse[..., start:], other_lse)
+            out[..., start:, :].mul_(mine).addcmul_(theirs, other)
+            lse[..., start:] = torch.logaddexp(lse[..., start:], other_lse)
+        ctx.save_for_backward(q, k, v, out, lse, other, other_lse)
         ctx.layout = layout
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, other, other_lse = ctx.saved_tensors
         layout = ctx.layout
         if grad_out is None:
             grad_out = torch.zeros_like(out)
@@ -101,26 +128,46 @@ class BandAttention(torch.autograd.Function):
             grad_lse = torch.zeros_like(lse)
         queries, keys, values, d_outs, out = (layout.pad(t) for t in (q, k, v, grad_out, out))
         lse, grad_lse = (layout.pad(t.unsqueeze(-1)) for t in (lse, grad_lse))
-        grad_q, grad_k, grad_v = (torch.zeros_like(t) for t in (queries, keys, values))
+        grad_q = torch.empty_like(queries)   # every row written once; keys and values take sums
+        grad_k, grad_v = torch.zeros_like(keys), torch.zeros_like(values)
+        # the merged attention's one extra key per row: weight e^(other_lse - lse), value `other`
+        start = layout.n - (0 if other is None else other.shape[-2])
+        grad_other = None if other is None else torch.empty_like(other)
+        grad_other_lse = None if other is None else torch.empty_like(other_lse)
         for blocks in layout.groups():
             rows = layout.rows(blocks)
-            weights = torch.exp(layout.scores(queries, keys, blocks) - layout.blocked(lse[..., rows, :]))
+            group_queries, band_keys, band_values = layout.group(queries, keys, values, blocks)
+            scores = layout.scores(group_queries, band_keys, blocks)
+            weights = scores.sub_(layout.blocked(lse[..., rows, :])).exp_()
             d_out = layout.blocked(d_outs[..., rows, :])
             # d lse / d s = p;  d out / d s = p (dO . v - dO . out): together p (dO . v - dO . out + d lse)
             shift = grad_lse[..., rows, :] - (d_outs[..., rows, :] * out[..., rows, :]).sum(-1, keepdim=True)
-            d_scores = weights * (d_out @ layout.band(values, blocks).transpose(-1, -2) + layout.blocked(shift))
-            d_scores = d_scores * layout.scale
-            grad_q[..., rows, :] = (d_scores @ layout.band(keys, blocks)).flatten(2, 3)
-            layout.add_band(grad_k, d_scores.transpose(-1, -2) @ layout.blocked(queries[..., rows, :]), blocks)
+            d_scores = (d_out @ band_values.transpose(-1, -2)).add_(layout.blocked(shift)).mul_(weights)
+            d_scores.mul_(layout.scale)
+            grad_q[..., rows, :] = (d_scores @ band_keys).flatten(2, 3)
+            layout.add_band(grad_k, d_scores.transpose(-1, -2) @ group_queries, blocks)
             layout.add_band(grad_v, weights.transpose(-1, -2) @ d_out, blocks)
-        return layout.unpad(grad_q), layout.unpad(grad_k), layout.unpad(grad_v), None, None
+            merged = slice(max(rows.start, start), min(rows.stop, layout.n))
+            if other is not None and merged.start < merged.stop:   # the same for the extra key
+                theirs = slice(merged.start - start, merged.stop - start)
+                weight = torch.exp(other_lse[..., theirs] - lse[..., merged, 0]).unsqueeze(-1)
+                grad_other[..., theirs, :] = weight * d_outs[..., merged, :]
+                own_shift = shift[..., merged.start - rows.start:merged.stop - rows.start, :]
+                grad_other_lse[..., theirs] = (weight * ((d_outs[..., merged, :] * other[..., theirs, :]).sum(
+                    -1, keepdim=True) + own_shift)).squeeze(-1)
+        layout.unrotate(grad_q)
+        layout.unrotate(grad_k)
+        return (layout.unpad(grad_q), layout.unpad(grad_k), layout.unpad(grad_v), None, None, None, None,
+                grad_other, grad_other_lse)
 
 
 class Band:
     """Where the blocks and their bands lie: N rows in K blocks of L (the last padded by `tail` zero rows);
-    block b's band is the last W - 1 rows of block b - 1 (none for block 0: masked) and its own L rows."""
+    block b's band is the last W - 1 rows of block b - 1 (none for block 0: masked) and its own L rows.
+    With a rotary offset, the phases of RoPE for the K L rows, applied to each group's rows as it goes."""
 
-    def __init__(self, q: torch.Tensor, window: int, log_decay):
+    def __init__(self, q: torch.Tensor, window: int, log_decay, rotary_offset: int | None = None,
+                 rope_base: float = DEFAULT_BASE):
         n, dim = q.shape[-2:]
         self.window, self.n, self.scale = window, n, dim ** -0.5
         self.block = min(n, max(window, MIN_BLOCK))
@@ -129,7 +176,7 @@ class Band:
         self.rows_shape = (*q.shape[:-2], self.blocks * self.block)
         width = self.block + window - 1
         per_block = q.shape[:-2].numel() * self.block * width
-        self.group = max(1, min(self.blocks, GROUP_SCORES // max(1, per_block)))
+        self.group_blocks = max(1, min(self.blocks, GROUP_SCORES // max(1, per_block)))
         rows = torch.arange(self.block, device=q.device)
         cols = torch.arange(width, device=q.device)
         distance = rows[:, None] - cols[None, :] + window - 1
@@ -138,10 +185,14 @@ class Band:
         if log_decay is not None:   # (H, 1, L, L + W - 1): gamma^(m - n)
             bias = distance.clamp_min(0).to(q.dtype) * log_decay.to(q.dtype)[:, None, None, None]
         self.bias = bias.masked_fill(~inside, float("-inf"))
+        self.phases = None
+        if rotary_offset is not None:   # the padding rows' phases are 1 (their positions may pass 2^63)
+            phases = rotary_phases(n, dim, offset=rotary_offset, base=rope_base, device=q.device, dtype=q.dtype)
+            self.phases = torch.cat((phases, phases.new_ones(self.tail, phases.shape[-1]))) if self.tail else phases
 
     def groups(self):
-        for start in range(0, self.blocks, self.group):
-            yield range(start, min(start + self.group, self.blocks))
+        for start in range(0, self.blocks, self.group_blocks):
+            yield range(start, min(start + self.group_blocks, self.blocks))
 
     def rows(self, blocks: range) -> slice:
         return slice(blocks.start * self.block, blocks.stop * self.block)
@@ -157,20 +208,41 @@ class Band:
         """(..., G L, .) -> (..., G, L, .)."""
         return x.unflatten(-2, (-1, self.block))
 
-    def band(self, padded: torch.Tensor, blocks: range) -> torch.Tensor:
-        """(..., G, W - 1 + L, .): the keys (or values) of each block's band, zero rows before the first."""
-        rows, overlap = self.blocked(padded), self.window - 1
+    def rotated(self, padded: torch.Tensor, rows: slice) -> torch.Tensor:
+        """Rows of row-padded queries or keys, rotated at their positions where the layout rotates."""
+        if self.phases is None:
+            return padded[..., rows, :]
+        return rotate_pairs(padded[..., rows, :].contiguous(), self.phases[rows])
+
+    def unrotate(self, grads: torch.Tensor) -> None:
+        """Gradients with respect to rotated rows -> with respect to the rows before the rotation, in place:
+        each pair rotated back (the rotation's transpose)."""
+        if self.phases is not None:
+            torch.view_as_complex(grads.unflatten(-1, (-1, 2))).mul_(self.phases.conj())
+
+    def group(self, queries, keys, values, blocks: range):
+        """The group's queries (B, H, G, L, D) and its bands of keys and values (B, H, G, W - 1 + L, .),
+        from row-padded inputs (the keys are rotated once for all the group's bands)."""
+        first = max(blocks.start - 1, 0)   # the block before the group's first lends its band W - 1 rows
+        near = range(first, blocks.stop)
+        local = range(blocks.start - first, blocks.stop - first)
+        group_queries = self.blocked(self.rotated(queries, self.rows(blocks)))
+        band_keys = self.band(self.rotated(keys, self.rows(near)), local)
+        return group_queries, band_keys, self.band(values[..., self.rows(near), :], local)
+
+    def band(self, rows: torch.Tensor, blocks: range) -> torch.Tensor:
+        """(..., G, W - 1 + L, .): the keys (or values) of each block's band, from the rows of the blocks
+        before the last of `blocks` (counted in those rows), zero rows before the first."""
+        rows, overlap = self.blocked(rows), self.window - 1
         own = rows[..., blocks.start:blocks.stop, :, :]
         before = rows[..., max(blocks.start - 1, 0):blocks.stop - 1, self.block - overlap:, :]
         if blocks.start == 0:
             before = torch.cat((before.new_zeros(*before.shape[:-3], 1, *before.shape[-2:]), before), -3)
         return torch.cat((before, own), -2)
 
-    def scores(self, queries: torch.Tensor, keys: torch.Tensor, blocks: range) -> torch.Tensor:
-        """(B, H, G, L, W - 1 + L) scores of the group's blocks from row-padded queries and keys, -inf
-        outside the window."""
-        queries = self.blocked(queries[..., self.rows(blocks), :])
-        scores = queries @ self.band(keys, blocks).transpose(-1, -2) * self.scale + self.bias
+    def scores(self, group_queries: torch.Tensor, band_keys: torch.Tensor, blocks: range) -> torch.Tensor:
+        """(B, H, G, L, W - 1 + L) scores of the group's blocks, -inf outside the window."""
+        scores = (group_queries @ band_keys.transpose(-1, -2)).mul_(self.scale).add_(self.bias)
         if blocks.start == 0:   # block 0's band starts W - 1 rows before the sequence: no such keys
             scores[..., 0, :, :self.window - 1] = float("-inf")
         return scores

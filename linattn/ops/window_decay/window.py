@@ -10,9 +10,10 @@ For query m and key n <= m at distance d = m - n (docs/gap-closers.md has the de
 * the linear part: linear attention of queries W.. against keys ..N-W-1 (query m reads the state at
   m - W), as a ratio r_m (its nu-weighted mean of values) and a log-weight l_m = log(g gamma^W sum kappa gamma^(d-W)):
   - log-features: one call of the op (`run_linear_attention`: any backend's exact log-space pass), the
-    decay folded into the log-features (b_j + j log gamma, a_n - n log gamma), the queries at their
-    positions m and the keys at theirs (the op's key offset, W apart), so that Eq. 19 (`post`) is
-    rotated at each token's true position; the row sums of kappa are the op's log-normaliser;
+    decay inside it (its log_decay: gamma^(m - n) at the positions' distance, in its chunks' factors, exact
+    at any position), the queries at their positions m and the keys at theirs (the op's key offset, W
+    apart), so that Eq. 19 (`post`) is rotated at each token's true position; the row sums of
+    gamma^(m-n) kappa are the op's log-normaliser;
   - plain features: the chunked decayed form (`decayed_chunks`: an intra-chunk decay matrix, the state
     decayed per chunk, as RetNet and fla's simple_gla), which keeps numerator and denominator apart;
     on the fla backend, fla's own kernels (`fla_kernels.decayed_attention`);
@@ -31,7 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ...checks import check_state_finite, check_state_position, check_state_tensors, debug_enabled, is_integer
+from ...checks import check_state_finite, check_state_position, check_state_tensors, debug_enabled
 from ...custom_ops import run_linear_attention
 from ..linear_attention.common import (LogProjection, compute_dtype, denominator_guard, feature_tensors,
                                       guard_features)
@@ -55,7 +56,6 @@ class WindowState(NamedTuple):
     values: torch.Tensor         # (B, H, T, Dv)
     features: torch.Tensor       # (B, H, T, M): their key features (log-features for log-space maps)
     position: int                # the next token's position
-    origin: int = 0              # log-space decay: log-features are shifted by (position - origin) log gamma
     window: int = 0              # what the state was made for (checked by the block's step): the window,
     decay: tuple | None = None   # the decay rates gamma_h,
     feature_map: str = ""        # and the feature map
@@ -68,8 +68,9 @@ def retnet_decay(heads: int) -> tuple[float, ...]:
 
 def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_decay, log_gain, rotary: bool,
                            log_space: bool, offset: int, rope_base: float, chunk_size: int, backend: str,
-                           return_state: bool):
-    """The parallel pass: (B, H, N, D) score inputs q_hat, k_hat, (B, H, N, M) features (log-features
+                           return_state: bool, rotate_scores: bool = False):
+    """The parallel pass: (B, H, N, D) score inputs q_hat, k_hat (with `rotate_scores`: before RoPE, which
+    the window's band applies as it goes, keeping no rotated copy), (B, H, N, M) features (log-features
     if `log_space`, or their `LogProjection`s), (B, H, N, Dv) values -> (B, H, N, Dv) in float32 (float64
     stays), and the `WindowState` with `return_state`.  log_decay (H,) log gamma or None; log_gain (H,) log g or None
     (used only with a window); rotary: Eq. 19's numerator; backend: the block's, for the linear part (the
@@ -92,8 +93,7 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
         n = v.shape[-2]
         linear_state, lin_log, ratio = None, None, None
         if n == 0:   # no tokens: an empty output (the chunk loops want one)
-            empty = WindowState(None, k_hat, v, feature_rows(phi_k, slice(0, 0), materialize=True), offset, offset,
-                                window)
+            empty = WindowState(None, k_hat, v, feature_rows(phi_k, slice(0, 0), materialize=True), offset, window)
             return (v.clone(), empty) if return_state else v.clone()
         if window < n:   # queries W.. against keys ..N-W-1: query m reads the keys n <= m - W
             part = log_linear_part if log_space else plain_linear_part
@@ -102,14 +102,20 @@ def window_decay_attention(q_hat, k_hat, phi_q, phi_k, v, *, window: int, log_de
                                                 linear_values[..., :n - window, :], window=window, rate=rate,
                                                 rotary=rotary, offset=offset, rope_base=rope_base,
                                                 chunk_size=chunk_size, backend=backend, return_state=return_state)
-            if window:   # rows W.. of the window's (the first W have no linear key)
-                lin_log = lin_log + linear_log_factor(window, rate, log_gain, dtype)
-        out = ratio if window == 0 else windowed(q_hat, k_hat, v, window, rate, lin_log, ratio)
+            if window:   # rows W.. of the window's (the first W have no linear key); the op's decay has gamma^W
+                lin_log = lin_log + linear_log_factor(window, None if log_space else rate, log_gain, dtype)
+        rotary_offset = offset if rotate_scores else None
+        out = ratio if window == 0 else windowed(q_hat, k_hat, v, window, rate, lin_log, ratio, rotary_offset,
+                                                 rope_base)
     if not return_state:
         return out
     kept = min(window, n)
-    cache = (feature_rows(t, slice(n - kept, n), materialize=True).detach() for t in (k_hat, v, phi_k))
-    return out, WindowState(linear_state, *cache, position=offset + n, origin=offset, window=window)
+    keys = k_hat[..., n - kept:, :]
+    if rotate_scores:   # the cache holds the keys as the scores take them
+        keys = rotate(keys, offset=offset + n - kept, base=rope_base)
+    features = feature_rows(phi_k, slice(n - kept, n), materialize=True)
+    cache = (t.detach() for t in (keys, v[..., n - kept:, :], features))
+    return out, WindowState(linear_state, *cache, position=offset + n, window=window)
 
 
 def guard_window_features(phi_q, phi_k, v: torch.Tensor, *, log_space: bool, nonnegative_features: bool,
@@ -134,13 +140,6 @@ def feature_rows(x, positions: slice, materialize: bool = False):
     if not isinstance(x, LogProjection):
         return x[..., positions, :]
     return x.rows(positions) if materialize else x.take(positions)
-
-
-def add_to_log_features(x, extra: torch.Tensor):
-    """Log-features plus a (H, N, 1) per-row term: to a tensor, or to a `LogProjection`'s shift."""
-    if not isinstance(x, LogProjection):
-        return x + extra
-    return x._replace(shift=(x.shift + extra).expand(*x.inputs.shape[:-1], 1))
 
 
 def linear_log_factor(window: int, rate, log_gain, dtype) -> torch.Tensor | float:
@@ -217,18 +216,14 @@ def decayed_chunks(q_num, k_num, q_den, k_den, v, rate, chunk: int):
 
 def log_linear_part(b, a, v, *, window, rate, rotary, offset, rope_base, chunk_size, backend, return_state):
     """`plain_linear_part` from log-features b = log phi_q, a = log phi_k (tensors or `LogProjection`s): one
-    call of the op's exact
-    log-space pass, query j at offset + W + j and key n at offset + n (its key offset), whose
-    log-normaliser is the row's log sum kappa.  The decay is folded into the log-features, b_j + j log gamma
-    and a_n - n log gamma, j and n counted from the call's first token (the state's `origin`)."""
+    call of the op's exact log-space pass, query j at offset + W + j and key n at offset + n (its key offset),
+    with the decay inside it (its log_decay, at the distance in positions j - n + W), whose log-normaliser is
+    the row's log sum gamma^(j-n+W) kappa: unlike `plain_linear_part`'s, with gamma^W in it."""
     dtype = feature_tensors(b)[0].dtype   # the compute dtype (v may be bf16 for fla's kernels)
-    if rate is not None:
-        steps = torch.arange(v.shape[-2], device=v.device, dtype=dtype)[:, None] * rate[:, None, None]
-        b, a = add_to_log_features(b, steps), add_to_log_features(a, -steps)   # (H, N, 1): as many queries as keys
     result = run_linear_attention(b, a, v, causal=True, rotary=rotary, offset=offset + window, key_offset=offset,
                                   chunk_size=chunk_size, rope_base=rope_base, backend=backend, log_space=True,
                                   return_state=return_state, nonnegative_features=True,
-                                  return_log_normalizer=bool(window))
+                                  return_log_normalizer=bool(window), log_decay=rate)
     ratio, *rest = result if isinstance(result, tuple) else (result,)
     state = rest.pop(0) if return_state else None
     lin_log = rest[0].to(dtype) if window else None
@@ -237,11 +232,13 @@ def log_linear_part(b, a, v, *, window, rate, rotary, offset, rope_base, chunk_s
 
 # ---- the window and the combination -------------------------------------------------------------
 
-def windowed(q_hat, k_hat, v, window: int, rate, lin_log, ratio) -> torch.Tensor:
+def windowed(q_hat, k_hat, v, window: int, rate, lin_log, ratio, rotary_offset: int | None,
+             rope_base: float) -> torch.Tensor:
     """The window's exact softmax terms (band.py: O(N W)) merged with the linear part (lin_log, ratio of the
-    rows W..; None when no key is older than the window) by their log-normalisers."""
-    out, lse = band_attention(q_hat, k_hat, v, window, rate)
-    return merge(out, lse, ratio, lin_log, start=window)
+    rows W..; None when no key is older than the window) by their log-normalisers, in the band's one pass;
+    q_hat, k_hat rotated there at positions rotary_offset.. unless it is None."""
+    return band_attention(q_hat, k_hat, v, window, rate, rotary_offset=rotary_offset, rope_base=rope_base,
+                          other=ratio, other_lse=lin_log)[0]
 
 
 # ---- decoding -------------------------------------------------------------------------------------
@@ -251,8 +248,9 @@ def check_window_state(state, made_for: dict, batch_heads: tuple, head_dim: int,
     """A WindowState for a block's step (checked there, once): made for the block described by `made_for`
     (window, decay, feature_map, as the state records them), (B, H) = `batch_heads`, keys and values of
     head_dim, key features of num_features, on `device` in the step's `dtype`, a cache and a linear state
-    that fit its position and origin (min(W, position - origin) cached tokens, the older ones in a linear
-    state of the same kind of features, `log_space`, and sizes).  Returns its position as a plain int."""
+    that fit its position (at most min(W, position) cached tokens, and a linear state of the older ones, of
+    the same kind of features, `log_space`, and sizes, only beside a full cache of W).  Returns its position
+    as a plain int."""
     if not isinstance(state, WindowState):
         raise ValueError(f"state must be the WindowState returned by forward(..., return_state=True) or step() "
                          f"of a block with a window or decay, got {type(state).__name__}")
@@ -261,17 +259,18 @@ def check_window_state(state, made_for: dict, batch_heads: tuple, head_dim: int,
         raise ValueError(f"the state was made for a block with {describe(recorded)}, not this block's "
                          f"{describe(made_for)}; continue a sequence with the block that started it (or pass None)")
     position = check_state_position(state)
-    if not is_integer(state.origin) or not 0 <= state.origin <= position:
-        raise ValueError(f"state.origin must be an integer in [0, position={position}] (the first position of the "
-                         f"pass that made the state), got {state.origin!r}; pass the state as returned")
-    seen = position - int(state.origin)
-    cached = min(made_for["window"], seen)
+    window = made_for["window"]
+    # the cache's length as the keys hold it (a pass from an offset caches fewer than min(W, position) tokens);
+    # one out of range is refused with the shape that would fit
+    held = state.keys.shape[-2] if isinstance(state.keys, torch.Tensor) and state.keys.dim() == 4 else -1
+    cached = held if 0 <= held <= min(window, position) else min(window, position)
     shapes = {name: (*batch_heads, cached, width) for name, width in
               (("keys", head_dim), ("values", head_dim), ("features", num_features))}
     check_state_tensors(state, device, shapes, dtype)
-    if (state.linear is None) != (seen == cached):
-        raise ValueError(f"the state has {'no' if state.linear is None else 'a'} linear state after {seen} tokens "
-                         f"with a window of {made_for['window']}; pass the state as returned (or None to start)")
+    if state.linear is not None and cached < window:
+        raise ValueError(f"the state has a linear state beside {cached} cached tokens with a window of {window} "
+                         f"(tokens leave the window's cache for the linear state only once it is full); pass the "
+                         f"state as returned (or None to start)")
     if state.linear is not None:   # the linear attention's own state, checked as its step checks it
         linear = check_state(state.linear, (*batch_heads, num_features, head_dim), device, dtype, log_space)
         if linear.position != position - made_for["window"]:
@@ -296,7 +295,7 @@ def window_decay_step(q_hat, k_hat, phi_q, phi_k, v, state: WindowState | None, 
     if state is None:
         empty = v.new_zeros(*v.shape[:2], 0, 1)
         state = WindowState(None, empty.expand(-1, -1, -1, k_hat.shape[-1]), empty.expand(-1, -1, -1, v.shape[-1]),
-                            empty.expand(-1, -1, -1, phi_k.shape[-1]), 0, 0, window)
+                            empty.expand(-1, -1, -1, phi_k.shape[-1]), 0, window)
     position = int(state.position)
     keys, values, features = (torch.cat((cache, t.unsqueeze(-2)), -2) for cache, t in
                               ((state.keys, k_hat), (state.values, v), (state.features, phi_k)))
@@ -307,10 +306,10 @@ def window_decay_step(q_hat, k_hat, phi_q, phi_k, v, state: WindowState | None, 
             leaving = (features[..., 0, :], values[..., 0, :])
             keys, values, features = keys[..., 1:, :], values[..., 1:, :], features[..., 1:, :]
             step = log_linear_step if log_space else plain_linear_step
-            lin_log, ratio, linear = step(phi_q, *leaving, linear, position=position, origin=state.origin,
-                                          window=window, rate=rate, rotary=rotary, rope_base=rope_base)
-            if window:
-                lin_log = lin_log + linear_log_factor(window, rate, log_gain, dtype)[:, 0]
+            lin_log, ratio, linear = step(phi_q, *leaving, linear, position=position, window=window, rate=rate,
+                                          rotary=rotary, rope_base=rope_base)
+            if window:   # the op's decay has gamma^W in it (log_linear_part)
+                lin_log = lin_log + linear_log_factor(window, None if log_space else rate, log_gain, dtype)[:, 0]
         if window == 0:
             out = ratio
         else:
@@ -324,7 +323,7 @@ def window_decay_step(q_hat, k_hat, phi_q, phi_k, v, state: WindowState | None, 
     return out, state._replace(linear=linear, keys=keys, values=values, features=features, position=position + 1)
 
 
-def plain_linear_step(phi_q, phi_k, v, linear, *, position, origin, window, rate, rotary, rope_base):
+def plain_linear_step(phi_q, phi_k, v, linear, *, position, window, rate, rotary, rope_base):
     """Add the key that left the window (position - W) to the decayed state and read it with the query, at
     the op's step's scales (recurrent.py's `_plain_step`): the query by its own power of two, the state and
     the key by one from both, their logs added back to the log-weight; the state kept in its own scale."""
@@ -352,16 +351,14 @@ def plain_linear_step(phi_q, phi_k, v, linear, *, position, origin, window, rate
     return log_den, num / safe.unsqueeze(-1), state
 
 
-def log_linear_step(b, a, v, linear, *, position, origin, window, rate, rotary, rope_base):
+def log_linear_step(b, a, v, linear, *, position, window, rate, rotary, rope_base):
     """`plain_linear_step` from log-features, through the op's exact recurrence (`recurrent_step`): the
-    leaving key at position - W, the query at its own position, as the parallel pass's key offset puts them."""
-    if rate is not None:   # the leaving key's index (and the query's) from the origin, as in log_linear_part
-        steps = (position - window - origin) * rate[:, None]
-        b, a = b + steps, a - steps
+    leaving key at position - W, the query at its own position, as the parallel pass's key offset puts them,
+    with the op's decay (its state decays by gamma per token; the query reads it W later, gamma^W)."""
     if linear is None:   # the op's state starts at the leaving key's position
         linear = initial_state(*v.shape[:2], a.shape[-1], v.shape[-1], device=v.device, dtype=v.dtype,
                                log_space=True)._replace(position=position - window)
     ratio, new, lin_log = recurrent_step(b, a, v, linear, rotary=rotary, rope_base=rope_base, log_space=True,
                                          nonnegative_features=True, query_position=position,
-                                         return_log_normalizer=True)
+                                         return_log_normalizer=True, log_decay=rate)
     return lin_log, ratio, new

@@ -131,6 +131,26 @@ def test_key_offset_and_log_normalizer_match_the_torch_backend(fla_reference, ro
         torch.testing.assert_close(g, w.to(g.dtype), rtol=1e-10, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("rotary", [True, False], ids=["post", "unrotated"])
+@pytest.mark.parametrize("offset,key_offset", [(7, 2), (3, None)])
+def test_decay_matches_the_torch_backend(fla_reference, rotary, offset, key_offset):
+    """The fla route's decay (folded into its log-features, `fold_decay`) as the torch backend's (inside its
+    chunks): outputs, log-normalisers, states (in the frame of the keys' next position) and gradients."""
+    tensors = features(9, 8, 4, log_space=True, scale=3.0)
+    log_decay = torch.tensor([-0.1, -0.4], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(6)
+    weights, lse_weights = (torch.randn(B, H, 9, *size, generator=gen, dtype=torch.float64) for size in ((4,), ()))
+    results = []
+    for backend in ("fla", "torch"):
+        out, state, lse = call(backend, True, tensors, rotary=rotary, offset=offset, key_offset=key_offset,
+                               return_state=True, return_log_normalizer=True, log_decay=log_decay)
+        loss = (out * weights).sum() + (lse * lse_weights).sum()
+        results.append([out, lse, state.kv, state.k_sum, state.log_scale, *torch.autograd.grad(loss, tensors)])
+    names = ("out", "log-normaliser", "kv", "k_sum", "log_scale", "d q", "d k", "dv")
+    for name, g, w in zip(names, *results):
+        torch.testing.assert_close(g, w.to(g.dtype), rtol=1e-10, atol=1e-12, msg=name)
+
+
 @pytest.mark.parametrize("log_space", [True, False], ids=["log", "plain"])
 def test_state_equals_torch_backends_and_decoding_continues_from_it(fla_reference, log_space):
     tensors = [t.detach() for t in features(24, 8, 4, log_space=log_space)]

@@ -104,11 +104,12 @@ def test_gradcheck_of_the_output_and_the_log_normalizer(causal, rotary, backend)
     assert torch.autograd.gradcheck(lambda b, a, v: attend(b, a, v), inputs)
 
 
-def test_the_compiled_op_gives_eager_log_normalizers_and_gradients():
+@pytest.mark.parametrize("log_decay", [None, torch.tensor([-0.05, -0.7])])
+def test_the_compiled_op_gives_eager_log_normalizers_and_gradients(log_decay):
     generator = torch.Generator().manual_seed(4)
     leaves = [torch.randn(1, 2, 9, 4, generator=generator) for _ in range(3)]
     attend = partial(functional.linear_attention, causal=True, rotary=True, chunk_size=4, offset=3, key_offset=0,
-                     log_space=True, return_log_normalizer=True)
+                     log_space=True, return_log_normalizer=True, log_decay=log_decay)
     results = []
     for run in (attend, torch.compile(attend, fullgraph=True, backend="aot_eager")):
         inputs = [t.clone().requires_grad_() for t in leaves]

@@ -1,6 +1,7 @@
 """The window's band (ops/window_decay/band.py): outputs and log-normalisers against explicit float64
 masked softmax, with and without decay, over group sizes that split the blocks every way; gradients of
-both outputs by gradcheck; no (N, N) tensor anywhere in forward or backward; `merge` as one softmax."""
+both outputs by gradcheck; no (N, N) tensor anywhere in forward or backward; `merge` as one softmax; RoPE
+inside the pass and another attention merged into it, against the explicit float64 softmax and by gradcheck."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from linattn.ops.window_decay import band
 from linattn.ops.window_decay.band import band_attention, merge
+from linattn.rotary import rotate
 
 
 @pytest.fixture(autouse=True)
@@ -113,3 +115,65 @@ def test_merge_from_a_start_row_matches_the_explicit_softmax_and_its_gradients()
 
     torch.testing.assert_close(merge(*inputs, start=4), explicit(*inputs))
     assert torch.autograd.gradcheck(lambda *t: merge(*t, start=4), inputs)
+
+
+def with_other(n: int, window: int, dim: int = 3, seed: int = 5):
+    """Another attention's output and log-normaliser for the rows W.., rows W..W+1 with no weight (-inf)."""
+    generator = torch.Generator().manual_seed(seed)
+    other = torch.randn(1, 2, n - window, dim, dtype=torch.float64, generator=generator)
+    other_lse = 2 * torch.randn(1, 2, n - window, dtype=torch.float64, generator=generator)
+    other_lse[..., :2] = float("-inf")
+    return other.requires_grad_(), other_lse.requires_grad_()
+
+
+def explicit_merged(q, k, v, window, log_decay, offset, other, other_lse):
+    """float64 softmax over the window's keys and one extra key per row W.. (value other, log-weight
+    other_lse), q and k rotated at positions offset..: (output, log-normaliser)."""
+    scores = masked_scores(rotate(q, offset=offset), rotate(k, offset=offset), window, log_decay)
+    extra = torch.cat((scores.new_full((*scores.shape[:-1][:-1], window), float("-inf")), other_lse), -1)
+    extra_values = torch.cat((other.new_zeros(*other.shape[:-2], window, other.shape[-1]), other), -2)
+    logs = torch.cat((scores, extra.unsqueeze(-1)), -1)
+    weights = torch.softmax(logs, -1)
+    out = weights[..., :-1] @ v + weights[..., -1:] * extra_values
+    return out, torch.logsumexp(logs, -1)
+
+
+@pytest.mark.parametrize("n, window, group_scores", [(19, 3, 1 << 22), (23, 4, 1), (70, 33, 5000), (9, 1, 400)])
+@pytest.mark.parametrize("log_decay", DECAYS)
+@pytest.mark.parametrize("offset", [0, 1000])
+def test_rotation_and_merge_inside_the_pass_match_the_explicit_softmax(monkeypatch, n, window, group_scores,
+                                                                       log_decay, offset):
+    monkeypatch.setattr(band, "GROUP_SCORES", group_scores)
+    q, k, v = inputs(n, dim=4, seed=n)
+    other, other_lse = with_other(n, window, dim=4)
+    out, lse = band_attention(q, k, v, window, log_decay, rotary_offset=offset, other=other, other_lse=other_lse)
+    want_out, want_lse = explicit_merged(q, k, v, window, log_decay, offset, other, other_lse)
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(lse, want_lse)
+    # the same as rotating first and merging after, as the window path did before
+    own, own_lse = band_attention(rotate(q, offset=offset), rotate(k, offset=offset), v, window, log_decay)
+    torch.testing.assert_close(out, merge(own, own_lse, other, other_lse, start=window))
+    alone, alone_lse = band_attention(q, k, v, window, log_decay, rotary_offset=offset)
+    torch.testing.assert_close((alone, alone_lse), (own, own_lse))
+
+
+@pytest.mark.parametrize("n, window, group_scores", [(11, 3, 1), (13, 4, 1 << 22), (10, 1, 1)])
+@pytest.mark.parametrize("log_decay", DECAYS)
+def test_rotation_and_merge_inside_the_pass_by_gradcheck(monkeypatch, n, window, group_scores, log_decay):
+    monkeypatch.setattr(band, "GROUP_SCORES", group_scores)
+    q, k, v = inputs(n, dim=4, seed=n + 1)
+    other, other_lse = with_other(n, window, dim=4)
+
+    def both(q, k, v, other, other_lse):
+        out, lse = band_attention(q, k, v, window, log_decay, rotary_offset=7, other=other, other_lse=other_lse)
+        return out, lse.sin()
+
+    assert torch.autograd.gradcheck(both, (q, k, v, other, other_lse))
+    # against the explicit softmax's gradients, the log-normaliser unused (its gradient None)
+    weight = torch.randn(1, 2, n, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    leaves = (q, k, v, other, other_lse)
+    got = torch.autograd.grad((both(*leaves)[0] * weight).sum(), leaves)
+    want = torch.autograd.grad((explicit_merged(q, k, v, window, log_decay, 7, other, other_lse)[0] * weight).sum(),
+                               leaves)
+    for name, g, w in zip(("q", "k", "v", "other", "other_lse"), got, want):
+        torch.testing.assert_close(g, w, msg=name)
