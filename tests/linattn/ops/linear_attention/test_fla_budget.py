@@ -208,8 +208,8 @@ ROUTES = {
     "favor-post-window": (partial(block_forward_backward, window=WINDOW), Budget(29, 80, 1)),
     "favor-pre-decay": (partial(block_forward_backward, rope="pre", decay="retnet"), Budget(8, 36, 1)),
     "elu-post-block": (partial(block_forward_backward, "elu"), Budget(79, 118, 1)),
-    # the plain-feature window's band and scales in torch (issue 45): 14 clones, not yet traced
-    "elu-post-window": (partial(block_forward_backward, "elu", window=WINDOW), Budget(160, 300, 1, clones=14)),
+    # the plain-feature window's band and scales in torch (issue 45): 12 clones, not yet traced
+    "elu-post-window": (partial(block_forward_backward, "elu", window=WINDOW), Budget(146, 282, 1, clones=12)),
 }
 
 
