@@ -381,7 +381,9 @@ class LogFactors(torch.autograd.Function):
             phases = torch.view_as_real(phases[:1] if key_rows == 0 else phases).to(work).flatten(0, 1).contiguous()
         rotary = phases is not None
         flags = dict(GUARD=guard)
-        shifts = [t.contiguous() if t is not None else bounds for t in (b_shift, a_shift)]
+        # the kernels read shifts as dense (B, T, H); backward reads the same (saved) tensors
+        b_shift, a_shift = (t.contiguous() if t is not None else None for t in (b_shift, a_shift))
+        shifts = [t if t is not None else bounds for t in (b_shift, a_shift)]
         chunks = triton.cdiv(length, CHUNK)
         top = a.new_empty(batch, chunks, heads, width, dtype=work)
         lse = torch.empty_like(top)
