@@ -7,7 +7,7 @@ References and decoding: naive.py, the O(N^2) references; recurrent.py, one-toke
 torch backend: torch_plain.py and torch_logspace.py, the chunked algorithms in torch ops (any device).
 cpp backend: cpp_logspace.py (stable_cpu.cpp), the causal log-space pass in C++ (CPU).
 fla backend: fla_kernels.py, Eq. 19 on flash-linear-attention's chunk kernels (causal, CUDA), with
-running_max.py's small Triton kernel for the running maxima.
+factor_kernels.py's Triton kernels for fla's log-space inputs (one per direction).
 Shared: common.py (checks, guards, dtypes, the guarded division), stable.py (the log-space numerics:
 scales and margins), backends.py (what this machine offers).
 dispatch.py: the table (numerics, backend, causal) -> implementation, "auto"'s choice, and

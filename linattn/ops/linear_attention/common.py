@@ -12,6 +12,14 @@ from ...rotary import rotary_phases, rotate
 
 DEFAULT_CHUNK_SIZE = 64   # tokens per chunk of the torch backend's causal passes
 
+# The log decays g of fla's route (fla_kernels.py, factor_kernels.py) are bounded below.  A key feature
+# of exactly 0 (log -inf, raised to `log_feature_floor`: a masked or left-padded key) before that
+# feature's first real key makes one step's decay about the floor, and fla's chunk-local float32 cumsum
+# of g then absorbs every later step of the chunk (seen in an emulation of chunk_gla: outputs 19x off).
+# A term carried through a step of e^-100 is below e^(30 - 100) of its row's denominator (>= 1), so the
+# floor changes no float32 result.
+DECAY_FLOOR = -100.0
+
 
 class LogProjection(NamedTuple):
     """Log-features given as inputs @ weight^T + square_scale |inputs|^2 + shift: (B, H, N, D) inputs,
@@ -134,7 +142,8 @@ def guard_log_features(x, dtype: torch.dtype):
     """Log-features as every backend takes them, made without reading a value on the host: -inf (a
     feature that is exactly 0, such as a masked key's) raised to a finite floor far below any real one
     (stable.py's running maxima are then finite, so no -inf - (-inf) makes a NaN, and e^(floor - F) is
-    still exactly 0 beside any real feature), and every row that holds a log-feature beyond
+    still exactly 0 beside any real feature; a value at the floor counts as -inf, so that guarding twice
+    changes nothing), and every row that holds a log-feature beyond
     `log_feature_limit(dtype)` (or +inf) made NaN, so that it gives NaN outputs rather than finite and
     wrong ones (debug mode raises instead: `check_log_feature_range`).  A `LogProjection` is judged by
     the bound of its parts and carries the NaN in its shift, so nothing (B, H, N, M) is made."""
@@ -145,14 +154,19 @@ def guard_log_features(x, dtype: torch.dtype):
             weight = torch.linalg.vector_norm(x.weight, dim=-1).amax().to(norm.dtype)
             shift = x.shift.abs() if isinstance(x.shift, torch.Tensor) else abs(x.shift)
             largest = norm * weight + abs(x.square_scale) * norm.square() + shift
-        else:
-            largest = x.nan_to_num(neginf=0.0).abs_().amax(-1, keepdim=True)   # NaN rows stay NaN anyway
+        else:   # -inf and the floor (log-features guarded before) are features of 0; NaN rows stay NaN
+            largest = torch.where(x <= log_feature_floor(x.dtype), 0.0, x).abs_().amax(-1, keepdim=True)
         poison = torch.where(largest <= limit, 0.0, float("nan")).to(feature_tensors(x)[0].dtype)
     if isinstance(x, LogProjection):
         return x._replace(shift=x.shift + poison)
     # clamp_min as a where: its backward keeps a mask of the raised entries, not a copy of the log-features
-    floor = torch.finfo(x.dtype).min / 4
+    floor = log_feature_floor(x.dtype)
     return torch.where(x < floor, floor, x).add_(poison)
+
+
+def log_feature_floor(dtype: torch.dtype) -> float:
+    """Where `guard_log_features` raises -inf log-features to: finite, far below any real one."""
+    return torch.finfo(dtype).min / 4
 
 
 def nan_where_negative(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -166,13 +180,17 @@ def nan_where_negative(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor
 
 
 def guard_features(phi_q, phi_k, v: torch.Tensor, dtype: torch.dtype, *, log_space: bool,
-                   nonnegative_features: bool, check_range: bool = True):
+                   nonnegative_features: bool, check_range: bool = True, guard_log: bool = True):
     """(phi_q, phi_k, v) as the computation takes them: log-features raised to their floor (the range
     checked first in debug mode), or for non-negative plain features a negative one made NaN in the
-    values it reaches (checked in debug mode), so that bad features never give a finite wrong output."""
+    values it reaches (checked in debug mode), so that bad features never give a finite wrong output.
+    `guard_log=False`: the implementation guards log-features itself (`guard_log_features`' work done
+    where its kernels read them); the debug check still runs here."""
     if log_space:   # the bound first: -inf (a feature that is exactly 0) is raised to a floor below it
         if check_range and debug_enabled():
             check_log_feature_range(phi_q, phi_k, dtype)
+        if not guard_log:
+            return phi_q, phi_k, v
         return guard_log_features(phi_q, dtype), guard_log_features(phi_k, dtype), v
     if nonnegative_features:
         if debug_enabled():

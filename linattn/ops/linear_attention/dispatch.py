@@ -44,6 +44,10 @@ IMPLEMENTATIONS = {   # (numerics, backend, causal): implementation; only the re
     ("log", "fla", True): fla_kernels.logspace_attention,
 }
 
+# Implementations that apply common.guard_log_features' guard where their kernels read the log-features
+# (no pass of their own over them).
+GUARD_THEIR_OWN_LOG_FEATURES = (fla_kernels.logspace_attention,)
+
 
 def numerics(log_space: bool) -> str:
     return "log" if log_space else "plain"
@@ -114,9 +118,11 @@ def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rot
     backward, which runs the computation again).  log_decay: checked by the caller."""
     dtype = compute_dtype(*feature_tensors(phi_q, phi_k), v)
     resolved = resolve(backend, v.device, float64=dtype == torch.float64, log_space=log_space, causal=causal)
-    phi_q, phi_k, v = guard_features(phi_q, phi_k, v, dtype, log_space=log_space,
-                                     nonnegative_features=nonnegative_features, check_range=check_range)
     tokens, rows = v.shape[-2], v.shape[:-1].numel()
+    attend = implementation(log_space, resolved, causal, rows)
+    phi_q, phi_k, v = guard_features(phi_q, phi_k, v, dtype, log_space=log_space,
+                                     nonnegative_features=nonnegative_features, check_range=check_range,
+                                     guard_log=attend not in GUARD_THEIR_OWN_LOG_FEATURES)
     scaled = not log_space and rows
     if scaled:   # plain features at unit size: the output does not depend on their scale
         phi_q, phi_k, query_scale, key_scale = scale_plain_features(phi_q, phi_k, causal=causal)
@@ -126,7 +132,6 @@ def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rot
         if return_log_normalizer and log_decay is not None and key_offset not in (None, offset):
             # the plain pass weighs by tokens apart; the distance counts positions (the log-space pass's)
             log_scale = log_scale + (offset - key_offset) * log_decay.to(log_scale.dtype)[:, None]
-    attend = implementation(log_space, resolved, causal, rows)
     result = attend(phi_q, phi_k, v, causal=causal, rotary=rotary, offset=offset, rope_base=rope_base,
                     chunk_size=max(1, min(chunk_size, tokens)),   # a short sequence is one chunk, unpadded
                     return_state=return_state, key_offset=key_offset,

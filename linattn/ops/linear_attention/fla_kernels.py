@@ -1,7 +1,8 @@
 """Eq. 19 on flash-linear-attention's chunk kernels: the `fla` backend (causal calls on CUDA; `pip
-install 'linattn[gpu]'`), the default of backend="auto" on CUDA.  Eq. 19's numerator and denominator are one call each
-of fla's gated linear attention, with glue that scans nothing along the sequence and reads nothing
-on the host.
+install 'linattn[gpu]'`), the default of backend="auto" on CUDA.  Eq. 19 is one call of fla per forward
+(plain features: numerator and denominator together; log-features: the numerator, the denominator
+from factor_kernels.py's kernels), with glue that scans nothing along the sequence with torch and
+reads nothing on the host.
 
 Derivation: docs/derivations.md, "Eq. 19 on fla's kernels (fla_kernels.py)"."""
 from __future__ import annotations
@@ -12,18 +13,14 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ...rotary import rotate_pairs
-from .common import (LogProjection, compute_dtype, divide, feature_tensors, first_derivatives_only, log_normalizer,
-                     plain_log_normalizer, query_key_phases)
+from .common import (DECAY_FLOOR, LogProjection, compute_dtype, divide, feature_tensors, first_derivatives_only,
+                     guard_log_features, log_feature_floor, log_feature_limit, log_normalizer, plain_log_normalizer,
+                     query_key_phases)
 from .recurrent import LinearState
 from .stable import numerator_query
 
-# The log decays g are bounded below.  A key feature of exactly 0 (log -inf, raised to a floor near
-# -8.5e37: a masked or left-padded key) before that feature's first real key makes one step's decay
-# about -8.5e37, and fla's chunk-local float32 cumsum of g then absorbs every later step of the chunk
-# (seen in an emulation of chunk_gla: outputs 19x off).  A term carried through a step of e^-100 is
-# below e^(30 - 100) of its row's denominator (>= 1), so the floor changes no float32 result.
-DECAY_FLOOR = -100.0
-ONES = 16   # the denominator's values: a column of ones, as wide as fla's smallest tile
+TILE = 16   # fla's smallest tile: tl.dot's least width, to which K and V are padded
+ONES = TILE   # the denominator's values: a column of ones, as wide as fla's smallest tile
 HALF_DOTS = torch.bfloat16   # the half dtype fla's dots take from the values (not fp16: `dtypes`)
 
 
@@ -61,7 +58,7 @@ def numerator_and_denominator(attend, numerator_inputs, denominator_inputs, valu
     return numerator, denominator[..., 0], kv, None if sums is None else sums[..., 0]
 
 
-def _padded(kernel, q, k, v, *gates, multiple: int = 16):
+def _padded(kernel, q, k, v, *gates, multiple: int = TILE):
     """`kernel` with K and V padded with zeros to multiples of 16: tl.dot takes tiles of at least 16, and
     fla's bf16 backward asserts even K and V (chunk_bwd_dv).  A zero feature adds nothing to any product
     (its decay, 0, is a factor of 1 on nothing) and a zero value column gives a zero output column, so
@@ -152,10 +149,11 @@ def plain_factors(phi_q, phi_k, phases, *, work: torch.dtype, dot: torch.dtype):
 def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope_base: float,
                        chunk_size: int, return_state: bool, key_offset: int | None = None,
                        return_log_normalizer: bool = False, log_decay: torch.Tensor | None = None):
-    """Log-features b, a (tensors or `LogProjection`s); see docs/derivations.md.  One call of fla, for
-    the numerator; the denominator from the keys' log-sums (running_max.py's scans).  Queries rotated at
-    offset.., keys at key_offset.. (None: offset); with return_log_normalizer the rows' log sum phi_q . phi_k
-    last, (B, H, N) in the work dtype.  log_decay (H,) log gamma: folded into the log-features (`fold_decay`),
+    """Log-features b, a (tensors or `LogProjection`s, guarded here: dispatch.GUARD_THEIR_OWN_LOG_FEATURES);
+    see docs/derivations.md.  One call of fla, for the numerator; the denominator from the keys' log-sums
+    (factor_kernels.py's kernels, or torch's glue `log_factors`).  Queries rotated at offset.., keys at
+    key_offset.. (None: offset); with return_log_normalizer the rows' log sum phi_q . phi_k last,
+    (B, H, N) in the work dtype.  log_decay (H,) log gamma: folded into the log-features (`decay_steps`),
     the state returned in the frame of the keys' next position as the other backends return it."""
     del causal, chunk_size
     n, m = v.shape[-2], a.shape[-1]
@@ -163,11 +161,15 @@ def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope
     work, dot = dtypes(v, b, a)
     folding = None if log_decay is None else (log_decay.detach().to(work), int(offset) - key_offset)
     with torch.autocast(v.device.type, enabled=False):
-        phases = query_key_phases(n, m, offset=int(offset), key_offset=key_offset, base=rope_base, device=v.device,
-                                  dtype=work) if rotary else None
-        q_num, k_num, decay, denominator, row_scale, last_scale, last_log_sums = checkpoint(
-            log_factors, b, a, phases, work=work, dot=dot, folding=folding, use_reentrant=False,
-            preserve_rng_state=False)
+        phases = query_key_phases(n, m, offset=int(offset), key_offset=key_offset, base=rope_base,
+                                  device=v.device, dtype=work) if rotary else None
+        if kernels_run_on(v):
+            factors = fused_log_factors(b, a, phases, work=work, dot=dot, guard=True, folding=folding)
+        else:   # torch's glue (CPU outside Triton's interpreter): the factors recomputed for backward
+            b, a = guard_log_features(b, work), guard_log_features(a, work)
+            factors = checkpoint(log_factors, b, a, phases, work=work, dot=dot, folding=folding, use_reentrant=False,
+                                 preserve_rng_state=False)
+        q_num, k_num, decay, denominator, row_scale, last_scale, last_log_sums = factors
         numerator, kv = gated_linear_attention(q_num, k_num, fla_layout(v).to(dot), decay, return_state=return_state)
     sums = torch.exp(last_log_sums.detach() - last_scale).to(work) if return_state else None
     if folding is not None and return_state:   # from the folded keys' frame (index 0) to the next position's
@@ -178,6 +180,46 @@ def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope
         return result
     lse = log_normalizer(denominator, row_scale.squeeze(-1)).transpose(1, 2)
     return (*result, lse) if return_state else (result, lse)
+
+
+def kernels_run_on(x: torch.Tensor) -> bool:
+    """Triton's kernels run on CUDA, or on CPU under TRITON_INTERPRET=1; CPU tensors outside the
+    interpreter (the fla tests' stand-ins on a GPU machine) take torch's glue."""
+    import triton   # here: triton, like fla, is a GPU dependency
+    return x.is_cuda or triton.knobs.runtime.interpret
+
+
+def fused_log_factors(b, a, phases, *, work: torch.dtype, dot: torch.dtype, guard: bool = False, folding=None):
+    """`log_factors` by factor_kernels.py's fused kernels, reading the log-features where they are (a
+    `LogProjection` as its logits in fla's layout, its row shift added in the kernels; a decay's
+    `folding` added to the row shifts).  `guard`: common.guard_log_features' guard too (in the kernels
+    for tensors; a projection's is on its parts)."""
+    from .factor_kernels import log_factors as kernel_log_factors
+    if guard:
+        b, a = (guard_log_features(x, work) if isinstance(x, LogProjection) else x for x in (b, a))
+    tensors = [x for x in (b, a) if not isinstance(x, LogProjection)]
+    parts = [kernel_inputs(x, work) for x in (b, a)]
+    if folding is not None:   # (T, H) steps on each row's shift, (B, T, H) as the kernels read shifts
+        batch, length = parts[0][0].shape[:2]
+        parts = [(x, (steps if shift is None else shift + steps).expand(batch, length, -1))
+                 for (x, shift), steps in zip(parts, decay_steps(length, folding, parts[0][0].device))]
+    parts = [part for pair in parts for part in pair]
+    q_num, k_num, decay, denominator, row_scale, *last = kernel_log_factors(
+        *parts, phases, dot=dot, guard=guard and bool(tensors), limit=log_feature_limit(work),
+        floor=log_feature_floor(tensors[0].dtype if tensors else work))
+    return q_num, k_num, decay, denominator, row_scale.unsqueeze(-1), *last
+
+
+def kernel_inputs(x, work: torch.dtype) -> tuple:
+    """(log-features or logits in fla's layout, row shift (B, T, H) or None) of a tensor or `LogProjection`."""
+    if not isinstance(x, LogProjection):
+        return fla_layout(x), None
+    inputs = fla_layout(x.inputs).to(work)
+    logits = inputs @ x.weight.to(work).transpose(-1, -2)
+    shift = x.row_shift(inputs, fla_layout(x.shift).to(work) if isinstance(x.shift, torch.Tensor) else x.shift)
+    if isinstance(shift, torch.Tensor):
+        return logits, shift.expand(*logits.shape[:-1], 1).squeeze(-1)
+    return logits, (torch.full(logits.shape[:-1], shift, dtype=work, device=logits.device) if shift else None)
 
 
 def log_features(x, work: torch.dtype) -> torch.Tensor:
@@ -193,28 +235,33 @@ def log_features(x, work: torch.dtype) -> torch.Tensor:
     return logits + row_shift if isinstance(row_shift, torch.Tensor) or row_shift else logits
 
 
-def fold_decay(b: torch.Tensor, a: torch.Tensor, folding) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-features in fla's layout (B, T, H, M) with the decay folded in: query j + (j + lead) log gamma, key
-    n - n log gamma, so that the pair (j, n) gets (j - n + lead) log gamma.  Exact in the maths, but the
+def decay_steps(length: int, folding, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decay folded into log-features in fla's layout, (T, H) per row: queries + (j + lead) log gamma,
+    keys - n log gamma, so that the pair (j, n) gets (j - n + lead) log gamma.  Exact in the maths, but the
     rounding grows with the index (about 2e-4 relative at 1e5 tokens in float32), where the cpp and torch
     backends decay inside their chunks; left so until this entry's fused kernels take the decay in fla's
     gates (issue 45 item 4)."""
     log_decay, lead = folding   # (H,) log gamma, the queries' lead offset - key_offset
-    steps = torch.arange(b.shape[1], device=b.device, dtype=b.dtype)[:, None] * log_decay    # (T, H)
-    return b + (steps + lead * log_decay)[..., None], a - steps[..., None]
+    steps = torch.arange(length, device=device, dtype=log_decay.dtype)[:, None] * log_decay    # (T, H)
+    return steps + lead * log_decay, -steps
+
+
+def fold_decay(b: torch.Tensor, a: torch.Tensor, folding) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-features (B, T, H, M) in fla's layout with the decay folded in (`decay_steps`)."""
+    query_steps, key_steps = decay_steps(b.shape[1], folding, b.device)
+    return b + query_steps[..., None], a + key_steps[..., None]
 
 
 def log_factors(b, a, phases, *, work: torch.dtype, dot: torch.dtype, folding=None):
     """fla's inputs from log-features (tensors or `LogProjection`s), in its layout: the numerator's
     q, k (in `dot`) and decays (in `work`); the denominator sum_j e^(b_j + L_j - Q) (B, T, H) with
     L = log sum_{n<=m} e^(a_n), and Q (B, T, H, 1); and F and L at the last token.  phases: the queries'
-    and keys' rotations (2, T, M/2) or None.  Each full-size op is one pass (the budget of
-    test_fla_budget.py)."""
-    from .running_max import running_max_and_log_sums   # here: triton, like fla, is a GPU dependency
+    and keys' rotations (2, T, M/2) or None.  Torch's glue: the reference of factor_kernels.py's
+    kernels, and the route on CPU outside Triton's interpreter."""
     b, a = log_features(b, work), log_features(a, work)
     if folding is not None:   # the block's decay (`fold_decay`)
         b, a = fold_decay(b, a, folding)
-    feature_scale, log_sums = running_max_and_log_sums(a)               # F (a constant to autograd), L
+    feature_scale, log_sums = a.detach().cummax(1).values, a.logcumsumexp(1)   # F (a constant to autograd), L
     with torch.no_grad():   # the scales cancel exactly: constants to autograd
         row_scale = (b + feature_scale).amax(-1, keepdim=True)         # Q
     denominator = torch.exp(b + log_sums.to(work) - row_scale).sum(-1)

@@ -11,6 +11,7 @@ import ast
 import os
 import sys
 import types
+from functools import partial
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ import torch
 from linattn import LinearAttention, resolve_backend
 from linattn.functional import linear_attention, linear_attention_step
 from linattn.ops.linear_attention import dispatch, fla_kernels, torch_logspace, torch_plain
-from linattn.ops.linear_attention.common import LogProjection, guard_log_features
+from linattn.ops.linear_attention.common import LogProjection, guard_log_features, query_key_phases
 from linattn.ops.linear_attention.stable import NUMERATOR_CAP, pair_max
 from linattn.ops.window_decay import window as window_decay
 
@@ -281,16 +282,15 @@ class KeepsItsInputs(torch.autograd.Function):
         return tuple(grad if i == 2 else grad.sum().to(t.dtype).expand_as(t) for i, t in enumerate(ctx.saved_tensors))
 
 
-@pytest.mark.parametrize("inputs,most", [("log", 7.6), ("plain", 3.6), ("projection", 5.6)])
-def test_a_layer_keeps_its_inputs_and_flas_but_not_the_factors_for_backward(monkeypatch, inputs, most):
-    """In units of one (B, H, N, M) float32 tensor, at M = Dv, rotated: what fla keeps of its two calls
-    (numerator: q, k, v in bf16 and the float32 decays; denominator: q, k in bf16 and its own float32
-    decays), the half numerator for the division, the phases, and the log-features b, a (2.0) or plain
-    bf16 features (1.0) for the recomputation of the factors.  FAVOR+'s block hands over a
-    `LogProjection` (M = 4D here, as in the benchmark's block): materialised inside the recomputed part,
-    b and a are not kept (5.5), only the projection's (B, H, N, D) inputs, which the recomputation holds
-    (the hooks below do not see them).  The route before issue 34 kept 5.0, 3.0 and 3.0 (one kernel
-    call, its denominator from torch scans)."""
+@pytest.mark.parametrize("inputs,most", [("log", 6.8), ("plain", 3.6), ("projection", 8.9)])
+def test_a_layer_keeps_its_inputs_and_flas_and_the_factors_scales_for_backward(monkeypatch, inputs, most):
+    """In units of one (B, H, N, M) float32 tensor, at M = Dv, rotated: what fla keeps of its calls
+    (log-features: the numerator's q, k, v in bf16 and float32 decays; plain features: one call on 2H heads), the
+    half numerator for the division, the phases, and for backward of factor_kernels.py the log-features
+    b, a (2.0), L (1.0), P (0.5, per pair) and Q; or the plain bf16 features (1.0), recomputed from.
+    FAVOR+'s block hands over a `LogProjection` (M = 4D here, as in the benchmark's block): its logits
+    are kept too (8.9).  Before the fused kernels, the factors were recomputed in backward: 7.6, 3.6 and
+    5.6 (the projection's logits recomputed from its (B, H, N, D) inputs); before issue 34, 5.0, 3.0, 3.0."""
     monkeypatch.setattr(fla_kernels, "gated_linear_attention",
                         lambda q, k, v, g, *, return_state: (KeepsItsInputs.apply(q, k, v, g), None))
     monkeypatch.setattr(fla_kernels, "plain_linear_attention",
@@ -346,7 +346,8 @@ def test_the_window_and_decays_linear_part_multiplies_bf16_values_in_bf16(monkey
         q_hat, k_hat, phi_q, phi_k, v.to(values), window=window, log_decay=torch.tensor([-0.1, -0.2]),
         log_gain=torch.zeros(H) if window else None, rotary=True, log_space=log_space, offset=0, rope_base=10000.0,
         chunk_size=4, backend="fla", return_state=False)
-    assert seen and set(seen) == {(dots, dots, dots)} and out.dtype == torch.float32
+    calls = 1 if log_space else 2   # plain features: the numerator's call and the denominator's
+    assert seen == [(dots, dots, dots)] * calls and out.dtype == torch.float32
 
 
 def record_kernel_dtypes(monkeypatch) -> list:
@@ -368,85 +369,138 @@ def test_non_causal_calls_take_the_torch_entry():
         assert dispatch.has_own_kernel(log_space, "fla", True)
 
 
+FACTORS = ("q", "k", "decays", "denominator", "Q", "last F", "last L")   # log_factors' results
 INTERPRETED_OR_CUDA = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not CUDA,
                                          reason="the kernels run on CUDA, or in Triton's interpreter on CPU")
 KERNEL_DEVICE = "cuda" if CUDA else "cpu"
 
 
-def fla_layout_slice(b, n, h, m, *, dtype, scale=1.0):
-    """(b, n, h, m) log-features not in a dense layout: a slice (batch 1..b) of a (b + 1, h, n, m)
-    tensor, viewed in fla's (B, T, H, M) order, so that a kernel must honour strides and offsets."""
-    base = torch.randn(b + 1, h, n, m, dtype=dtype, device=KERNEL_DEVICE) * scale
-    return base[1:].transpose(1, 2)
+def factor_inputs(n, m, *, inputs, dtype=torch.float64, batch=2, heads=3, seed=0):
+    """Log-features (B, H, N, M) for factor_kernels: sliced tensors (strides and an offset to honour), or
+    `LogProjection`s with a tensor row shift (b) and a constant one (a), as FAVOR+'s are."""
+    gen = torch.Generator().manual_seed(seed)
+    if inputs == "tensor":
+        return [(torch.randn(batch + 1, heads, n, m, generator=gen, dtype=torch.float64) * 3)[1:].to(
+            KERNEL_DEVICE, dtype).requires_grad_() for _ in range(2)]
+    weight = torch.randn(m, 8, generator=gen, dtype=torch.float64).to(KERNEL_DEVICE, dtype)
+    x_b, x_a, shift = (torch.randn(batch, heads, n, d, generator=gen, dtype=torch.float64).to(KERNEL_DEVICE, dtype)
+                       .requires_grad_() for d in (8, 8, 1))
+    return [LogProjection(x_b, weight, shift, -0.1), LogProjection(x_a, weight, -1.5, -0.2)]
+
+
+def leaves(features) -> list[torch.Tensor]:
+    return [t for x in features for t in (x if isinstance(x, LogProjection) else (x,))
+            if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def factors_and_grads(log_factors, features, *, rotary, key_offset=3, work=torch.float64, weights=None):
+    """log_factors' seven results (fla_kernels.log_factors' call shape), queries rotated at 3.. and keys
+    at key_offset.., and the gradients of a weighted sum of q, k and the denominator with respect to
+    the inputs."""
+    n, m = features[0].shape[-2:]
+    phases = phases_at(n, m, 3, key_offset, work) if rotary else None
+    out = log_factors(*features, phases, work=work, dot=work)
+    weights = weights or [torch.randn_like(out[i]) for i in (0, 1, 3)]
+    grads = torch.autograd.grad(sum((out[i] * w).sum() for i, w in zip((0, 1, 3), weights)), leaves(features))
+    return out, grads, weights
+
+
+def phases_at(n, m, offset, key_offset, dtype=torch.float64):
+    """The queries' and keys' rotations as the op makes them, (2, N, M/2)."""
+    return query_key_phases(n, m, offset=offset, key_offset=key_offset, base=10000.0, device=KERNEL_DEVICE,
+                            dtype=dtype)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """factor_kernels with chunks of 8 tokens: several chunks, carried both ways, at lengths the
+    interpreter runs in seconds (a program walks its chunk token by token)."""
+    factor_kernels = pytest.importorskip("linattn.ops.linear_attention.factor_kernels")   # triton's
+    monkeypatch.setattr(factor_kernels, "CHUNK", 8)
 
 
 @INTERPRETED_OR_CUDA
-@pytest.mark.parametrize("length", [1, 63, 64, 65, 200])
-def test_the_running_max_kernel_is_cummax_along_the_sequence(length):
-    """Chunks of 64 tokens scanned in the kernel from the carry of earlier chunks' maxima: ragged last
-    chunks, several chunks, -inf, columns beyond one program's block (3 x 14 = 42 > 32), and a sliced,
-    transposed input (B > 1) read through its strides."""
-    from linattn.ops.linear_attention.running_max import running_max
-    x = fla_layout_slice(2, length, 3, 14, dtype=torch.float64)
-    x[:, : length // 2, 0] = float("-inf")
-    assert x.storage_offset() > 0 and (length == 1 or not x.is_contiguous())
-    got = running_max(x)
-    assert torch.equal(got, x.cummax(1).values) and got.is_contiguous()
+@pytest.mark.parametrize("inputs", ["tensor", "projection"])
+@pytest.mark.parametrize("rotary,m", [(True, 14), (False, 7)], ids=["post", "unrotated"])
+@pytest.mark.parametrize("length,key_offset", [(1, 3), (8, 3), (21, 3), (8, 0), (21, 11)])
+def test_the_factor_kernels_give_torchs_glue_and_its_gradients(small_chunks, inputs, rotary, m, length, key_offset):
+    """factor_kernels.py against fla_kernels.log_factors (torch ops) in float64: fla's q, k and decays,
+    the denominator, Q, F and L at the last token, and the gradients; ragged and several chunks, a row of
+    M features that is no power of 2 (odd when unrotated), strided inputs, projections' row shifts, keys
+    rotated at the queries' positions or at a key offset of their own."""
+    features = factor_inputs(length, m, inputs=inputs)
+    got, got_grads, weights = factors_and_grads(fla_kernels.fused_log_factors, features, rotary=rotary,
+                                                key_offset=key_offset)
+    want, want_grads, _ = factors_and_grads(fla_kernels.log_factors, features, rotary=rotary, key_offset=key_offset,
+                                            weights=weights)
+    names = (*FACTORS, *(f"grad {i}" for i in range(len(want_grads))))
+    for name, g, w in zip(names, (*got, *got_grads), (*want, *want_grads)):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=name)
 
 
 @INTERPRETED_OR_CUDA
-def test_the_running_max_kernel_keeps_nan():
-    """A NaN stays NaN from its token on, as torch's cummax has it.  The interpreter keeps NaN whatever
-    the propagation flag; on a GPU this checks tl.maximum's PropagateNan.ALL (its default drops NaN)."""
-    from linattn.ops.linear_attention.running_max import running_max
-    x = torch.randn(1, 150, 2, 16, device=KERNEL_DEVICE)
-    x[0, 70, 1, 3] = float("nan")
-    got, want = running_max(x), x.cummax(1).values
-    assert got[0, 70:, 1, 3].isnan().all() and torch.equal(got.nan_to_num(), want.nan_to_num())
+def test_the_factor_kernels_guard_tensors_as_common_does(small_chunks):
+    """guard=True: -inf (keys of exactly 0) raised to the floor in the kernels, as
+    common.guard_log_features does before torch's glue (outputs and gradients), and a row beyond the
+    limit made NaN (outputs: a gradient through a NaN row is no contract)."""
+    def guarded_glue(b, a, *args, **options):
+        return fla_kernels.log_factors(guard_log_features(b, torch.float64), guard_log_features(a, torch.float64),
+                                       *args, **options)
+    b, a = factor_inputs(20, 8, inputs="tensor")
+    with torch.no_grad():
+        a[0, 1, :11, 2] = float("-inf")
+    got, got_grads, weights = factors_and_grads(partial(fla_kernels.fused_log_factors, guard=True), [b, a],
+                                                rotary=True)
+    want, want_grads, _ = factors_and_grads(guarded_glue, [b, a], rotary=True, weights=weights)
+    for g, w in zip((*got, *got_grads), (*want, *want_grads)):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        b[1, 0, 15, 5] = 1e17   # beyond 2^52
+        phases = phases_at(20, 8, 3, 3)
+        got = fla_kernels.fused_log_factors(b, a, phases, work=torch.float64, dot=torch.float64, guard=True)
+        want = guarded_glue(b, a, phases, work=torch.float64, dot=torch.float64)
+    assert got[3][1, 15, 0].isnan() and got[3].isfinite().sum() == got[3].numel() - 1
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, equal_nan=True)
 
 
 @INTERPRETED_OR_CUDA
-@pytest.mark.parametrize("length", [1, 64, 65, 200])
-@pytest.mark.parametrize("scale", [1.0, 30.0])
-def test_the_log_sums_kernels_are_logcumsumexp_and_its_gradient(length, scale):
-    """L = log sum_{n<=t} e^(a_n) by the forward scan and dL/da by the reverse scan (chunks carried
-    both ways), float32 against float64, on a sliced input; F with it is the running max."""
-    from linattn.ops.linear_attention.running_max import running_max_and_log_sums
-    a = fla_layout_slice(2, length, 3, 14, dtype=torch.float32, scale=scale).requires_grad_()
-    feature_scale, log_sums = running_max_and_log_sums(a)
-    want = a.detach().double().requires_grad_()
-    want_sums = want.logcumsumexp(1)
-    assert torch.equal(feature_scale, a.detach().cummax(1).values) and not feature_scale.requires_grad
-    torch.testing.assert_close(log_sums.double(), want_sums, rtol=1e-6, atol=1e-5)
-    weights = torch.randn(log_sums.shape, device=KERNEL_DEVICE)
-    got_grad, = torch.autograd.grad(log_sums, a, weights)
-    want_grad, = torch.autograd.grad(want_sums, want, weights.double())
-    torch.testing.assert_close(got_grad.double(), want_grad, rtol=1e-5, atol=1e-5 * want_grad.abs().max().item())
+def test_the_factor_kernels_keep_nan(small_chunks):
+    """A NaN key feature is NaN in F and L from its token on, as torch's scans have it: the interpreter
+    keeps NaN whatever the propagation flag; on a GPU this checks PropagateNan.ALL (the default drops it)."""
+    b, a = factor_inputs(30, 8, inputs="tensor", dtype=torch.float32)
+    with torch.no_grad():
+        a[0, 1, 14, 3] = float("nan")
+    got = fla_kernels.fused_log_factors(b, a, None, work=torch.float32, dot=torch.float32)
+    want = fla_kernels.log_factors(b, a, None, work=torch.float32, dot=torch.float32)
+    assert got[3][0, 14:, 1].isnan().all() and got[5][0, 1, 3].isnan()
+    for name, g, w in zip(FACTORS, got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, equal_nan=True, msg=name)
 
 
 @pytest.mark.gpu
-def test_gpu_the_running_max_kernel_offsets_past_two_to_the_31():
+def test_gpu_the_factor_kernels_offset_past_two_to_the_31():
     """B N H M = 2^31 + 2^24 elements: int32 offsets would wrap (the interpreter's, in numpy, do not;
-    and 2^31 floats do not fit this CPU's tests).  The last batch's last rows against torch."""
-    from linattn.ops.linear_attention.running_max import running_max
-    x = torch.randn(17, 65536, 8, 256, device="cuda")
-    got = running_max(x)
-    tail = x[-1:, -3000:]
-    want = torch.maximum(tail.cummax(1).values, x[-1:, :-3000].amax(1, keepdim=True))
-    assert torch.equal(got[-1:, -3000:], want)
+    and 2^31 floats do not fit this CPU's tests).  The last batch against torch's glue on it alone."""
+    b, a = (torch.randn(17, 8, 65536, 256, device="cuda") for _ in range(2))
+    phases = query_key_phases(65536, 256, offset=0, key_offset=0, base=10000.0, device="cuda", dtype=torch.float32)
+    got = fla_kernels.fused_log_factors(b, a, phases, work=torch.float32, dot=torch.bfloat16)
+    want = fla_kernels.log_factors(b[-1:], a[-1:], phases, work=torch.float32, dot=torch.bfloat16)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g[-1:], w, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
-def test_gpu_the_kernels_launch_on_their_tensors_device():
-    """A tensor on another GPU than the current one: the launch follows the tensor."""
+def test_gpu_the_factor_kernels_launch_on_their_tensors_device():
+    """A tensor on another GPU than the current one: the launches follow the tensors."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices (the device guard around the launches)")
-    from linattn.ops.linear_attention.running_max import running_max_and_log_sums
-    a = torch.randn(1, 300, 2, 32, device="cuda:1", requires_grad=True)
-    feature_scale, log_sums = running_max_and_log_sums(a)
-    torch.testing.assert_close(log_sums, a.detach().logcumsumexp(1))
-    assert torch.equal(feature_scale, a.detach().cummax(1).values)
-    log_sums.sum().backward()
+    b, a = (torch.randn(1, 2, 300, 32, device="cuda:1", requires_grad=True) for _ in range(2))
+    got = fla_kernels.fused_log_factors(b, a, None, work=torch.float32, dot=torch.float32)
+    want = fla_kernels.log_factors(b, a, None, work=torch.float32, dot=torch.float32)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    got[3].sum().backward()
     assert a.grad.device == a.device and a.grad.isfinite().all()
 
 
@@ -685,7 +739,7 @@ def test_compiled_block_on_the_fla_backend_gives_eager_outputs_and_gradients(mon
         runs.append([out.detach(), inputs.grad, *(p.grad.clone() for p in block.parameters())])
         block.zero_grad()
     torch.compiler.reset()
-    # per forward, plain features: numerator and denominator; log-features: the numerator alone
-    assert len(calls) == 3 * (1 if feature_map == "favor" else 2)   # eager, compiled, and the compiled trace
+    # one call per forward (plain features: numerator and denominator together; log-features: the numerator)
+    assert len(calls) == 3   # eager, compiled, and the compiled trace
     for want, got in zip(*runs):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
