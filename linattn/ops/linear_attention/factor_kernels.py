@@ -2,7 +2,8 @@
 log-features b, a in fla's layout, any strides (a `LogProjection`'s logits with its row shift added where
 they are read; for tensors the guard of common.guard_log_features applied there too), the running
 maximum F of the keys' log-features and their log-cumulative-sum-exp L (the denominator's per-feature
-sums, log sum_{n<=t} e^(a_n), so that the denominator needs no second call of fla), the pair scales P,
+sums, log sum_{n<=t} e^(a_n), so that the denominator needs no second call of fla; with a decay per head
+both decayed, F_t = max(F_{t-1} + log gamma, a_t) and L likewise, into fla's gates), the pair scales P,
 the decays, the row scale Q, the denominator and the two exponentials, rotated and cast for fla; the
 backward recomputes them from b, a and the saved L, P, Q, with L's reverse scan.  No torch scan along N
 (torch's cummax along a non-last dimension runs on CUDA as one thread per column walking every row).
@@ -10,10 +11,12 @@ backward recomputes them from b, a and the saved L, P, Q, with L's reverse scan.
 Each program takes one chunk of CHUNK tokens of one head, token by token, the head's M features as
 (even, odd) halves, so that a rotation pair is one lane, and starts from the carry of every earlier
 chunk: a torch cummax (and logcumsumexp) over the N / CHUNK chunk summaries, which one read of a
-writes; backward's reverse scan is chunked the same way.  Written for a GPU: int64 offsets, the
+writes (common.chunk_carries; with a decay in float64 frames); backward's reverse scan is chunked the
+same way.  Written for a GPU: int64 offsets, the
 tensors' own strides, the launch on the tensors' device, NaN kept (a GPU's tl.maximum drops it by
 default), the chunks on the grid's first axis (2^31 - 1 programs; heads and batch on the others, 65535
-each).  Derivation: docs/derivations.md, "Eq. 19 on fla's kernels (fla_kernels.py)"."""
+each).  Derivation: docs/derivations.md, "Eq. 19 on fla's kernels (fla_kernels.py)" and "Decay in the
+chunks"."""
 from __future__ import annotations
 
 import contextlib

@@ -13,9 +13,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ...rotary import rotate_pairs
-from .common import (DECAY_FLOOR, LogProjection, chunk_carries, compute_dtype, divide, feature_tensors, first_derivatives_only,
-                     guard_log_features, log_feature_floor, log_feature_limit, log_normalizer, plain_log_normalizer,
-                     query_key_phases)
+from .common import (DECAY_FLOOR, LogProjection, chunk_carries, compute_dtype, divide, feature_tensors,
+                     first_derivatives_only, guard_log_features, log_feature_floor, log_feature_limit, log_normalizer,
+                     plain_log_normalizer, query_key_phases)
 from .recurrent import LinearState
 from .stable import numerator_query
 
