@@ -245,6 +245,24 @@ def query_key_phases(n: int, m: int, *, offset: int, key_offset: int, base: floa
     return torch.stack((rotary_phases(n, m, offset=offset, base=base, device=device, dtype=dtype), keys))
 
 
+def chunk_carries(summary: torch.Tensor, scan, log_decay: torch.Tensor | None = None, chunk: int = 1,
+                  reverse: bool = False) -> torch.Tensor:
+    """What each chunk carries in from the chunks before it (after it, `reverse`): `scan` (a cummax or
+    logcumsumexp along dim 1) over the chunks' summaries (B, K, H, M) but its own, -inf where none.  With a
+    decay (H,) log gamma, summary k stands at its chunk's last token (first, `reverse`) and carry k at the
+    token just before chunk k (just after it): each chunk between adds `chunk` log gamma.  The frames
+    k chunk log gamma grow with k: that sum is taken in float64, where they stay exact."""
+    if reverse:
+        return chunk_carries(summary.flip(1), scan, log_decay, chunk).flip(1)
+    if log_decay is None:
+        before = scan(summary[:, :-1])
+    else:
+        step = log_decay.double()[:, None] * chunk   # (H, 1)
+        frame = torch.arange(summary.shape[1] - 1, device=summary.device, dtype=torch.float64)[:, None, None] * step
+        before = (scan(summary[:, :-1].double() - frame) + frame).to(summary.dtype)
+    return torch.cat([torch.full_like(summary[:, :1], float("-inf")), before], 1)
+
+
 def same_rotation(phases: torch.Tensor) -> bool:
     """Whether `query_key_phases` (or a slice of it) rotates queries and keys at the same positions."""
     return phases.stride(0) == 0

@@ -2,7 +2,8 @@
 log-features b, a in fla's layout, any strides (a `LogProjection`'s logits with its row shift added where
 they are read; for tensors the guard of common.guard_log_features applied there too), the running
 maximum F of the keys' log-features and their log-cumulative-sum-exp L (the denominator's per-feature
-sums, log sum_{n<=t} e^(a_n), so that the denominator needs no second call of fla), the pair scales P,
+sums, log sum_{n<=t} e^(a_n), so that the denominator needs no second call of fla; with a decay per head
+both decayed, F_t = max(F_{t-1} + log gamma, a_t) and L likewise, into fla's gates), the pair scales P,
 the decays, the row scale Q, the denominator and the two exponentials, rotated and cast for fla; the
 backward recomputes them from b, a and the saved L, P, Q, with L's reverse scan.  No torch scan along N
 (torch's cummax along a non-last dimension runs on CUDA as one thread per column walking every row).
@@ -10,10 +11,12 @@ backward recomputes them from b, a and the saved L, P, Q, with L's reverse scan.
 Each program takes one chunk of CHUNK tokens of one head, token by token, the head's M features as
 (even, odd) halves, so that a rotation pair is one lane, and starts from the carry of every earlier
 chunk: a torch cummax (and logcumsumexp) over the N / CHUNK chunk summaries, which one read of a
-writes; backward's reverse scan is chunked the same way.  Written for a GPU: int64 offsets, the
+writes (common.chunk_carries; with a decay in float64 frames); backward's reverse scan is chunked the
+same way.  Written for a GPU: int64 offsets, the
 tensors' own strides, the launch on the tensors' device, NaN kept (a GPU's tl.maximum drops it by
 default), the chunks on the grid's first axis (2^31 - 1 programs; heads and batch on the others, 65535
-each).  Derivation: docs/derivations.md, "Eq. 19 on fla's kernels (fla_kernels.py)"."""
+each).  Derivation: docs/derivations.md, "Eq. 19 on fla's kernels (fla_kernels.py)" and "Decay in the
+chunks"."""
 from __future__ import annotations
 
 import contextlib
@@ -22,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import DECAY_FLOOR, same_rotation
+from .common import DECAY_FLOOR, chunk_carries, same_rotation
 from .stable import NUMERATOR_CAP
 
 CHUNK = 64     # tokens per program (fla's chunk)
@@ -39,11 +42,6 @@ def _rescaled(log_ref, total, log_scale):
     return tl.where(log_scale == log_ref, total, total * tl.exp(log_scale - log_ref))
 
 
-def _exclusive(summary: torch.Tensor, scan) -> torch.Tensor:
-    """scan over the chunks (dim 1), shifted by one: what each chunk carries in from those before."""
-    return torch.cat([torch.full_like(summary[:, :1], float("-inf")), scan(summary[:, :-1])], 1)
-
-
 def _sums_dtype(x: torch.Tensor) -> torch.dtype:
     """L's dtype: float32 (float64 stays float64)."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -55,11 +53,37 @@ def _minimum(x, y):
 
 
 @triton.jit
-def _log_sums_step(log_ref, sums, x):
-    """The running log-sum-exp as (reference, sum of exponentials e^-reference) after x."""
-    new_ref = _maximum(log_ref, x)
+def _rate(rate_ptr, head, DECAY: tl.constexpr, CT: tl.constexpr):
+    """The head's log gamma (0 without a decay)."""
+    if DECAY:
+        return tl.load(rate_ptr + head).to(CT)
+    return tl.zeros([], CT)
+
+
+@triton.jit
+def _gate(before, after, rate):
+    """(F_{t-1} - F_t) + log gamma: the difference first, exact for close scales; the decay where both are
+    -inf."""
+    return tl.where(before == after, rate, (before - after) + rate)
+
+
+@triton.jit
+def _decayed_step(scale, sums, x, rate):
+    """One token x of the running maximum F_t = max(F_{t-1} + log gamma, x) and of the sums relative to it,
+    s_t = s_{t-1} e^((F_{t-1} - F_t) + log gamma) + e^(x - F_t) (so that L = F + log s): (F_t, s_t)."""
+    new_scale = _maximum(scale + rate, x)
     one = tl.full(sums.shape, 1.0, sums.dtype)
-    return new_ref, _rescaled(new_ref, sums, log_ref) + _rescaled(new_ref, one, x)
+    return new_scale, sums * tl.exp(_gate(scale, new_scale, rate)) + _rescaled(new_scale, one, x)
+
+
+@triton.jit
+def _chunk_end(carry_ptr, top_ptr, carry, valid, rate, CHUNK: tl.constexpr):
+    """F at a chunk's last token as that chunk's program has it (stepped from its carry, a maximum with
+    its own keys' top): the next chunk's first gate steps from it, whatever its own carry's rounding."""
+    scale = tl.load(carry_ptr + carry, mask=valid, other=float("-inf"))
+    for _ in range(CHUNK):
+        scale = scale + rate
+    return _maximum(scale, tl.load(top_ptr + carry, mask=valid, other=float("-inf")))
 
 
 @triton.jit
@@ -136,15 +160,16 @@ def _rotated_at(phases_ptr, position, pairs, width, valid, x_e, x_o, INVERSE: tl
 
 
 @triton.jit
-def _factor_summary_kernel(a_ptr, a_shift_ptr, bounds_ptr, top_ptr, lse_ptr, length, width, heads, chunks,
-                           sa_b, sa_t, sa_h, sa_m, A_SHIFT: tl.constexpr, GUARD: tl.constexpr,
+def _factor_summary_kernel(a_ptr, a_shift_ptr, bounds_ptr, rate_ptr, top_ptr, lse_ptr, length, width, heads, chunks,
+                           sa_b, sa_t, sa_h, sa_m, A_SHIFT: tl.constexpr, GUARD: tl.constexpr, DECAY: tl.constexpr,
                            CHUNK: tl.constexpr, PAIRS: tl.constexpr):
-    """Each chunk's own maximum and log-sum-exp of a, per feature, (B, chunks, H, M)."""
+    """Each chunk's own (decayed) maximum and log-sum-exp of a per feature at its last token, (B, chunks, H, M)."""
     chunk, head, batch, pairs, even = _program(PAIRS)
     CT: tl.constexpr = lse_ptr.dtype.element_ty
+    rate = _rate(rate_ptr, head, DECAY, CT)
     base = batch.to(tl.int64) * sa_b + head.to(tl.int64) * sa_h
     top_e = tl.full([PAIRS], float("-inf"), CT)
-    top_o, ref_e, ref_o = top_e, top_e, top_e
+    top_o = top_e
     sums_e = tl.full([PAIRS], 1.0, CT)
     sums_o = sums_e
     first = chunk.to(tl.int64) * CHUNK
@@ -152,35 +177,40 @@ def _factor_summary_kernel(a_ptr, a_shift_ptr, bounds_ptr, top_ptr, lse_ptr, len
         t, inside, row, _, _ = _token(first + i, length, batch, heads, head, even, width)
         a_e, a_o, _, _ = _row(a_ptr, a_shift_ptr, bounds_ptr, base + t * sa_t, row, pairs, width, sa_m, inside,
                               A_SHIFT, GUARD, CT)
-        top_e, top_o = _maximum(top_e, a_e), _maximum(top_o, a_o)
-        ref_e, sums_e = _log_sums_step(ref_e, sums_e, a_e)
-        ref_o, sums_o = _log_sums_step(ref_o, sums_o, a_o)
+        top_e, sums_e = _decayed_step(top_e, sums_e, a_e, rate)
+        top_o, sums_o = _decayed_step(top_o, sums_o, a_o, rate)
     out = ((batch.to(tl.int64) * chunks + chunk) * heads + head) * width + even
     tl.store(top_ptr + out, top_e, mask=even < width)
     tl.store(top_ptr + out + 1, top_o, mask=even + 1 < width)
-    tl.store(lse_ptr + out, ref_e + tl.log(sums_e), mask=even < width)
-    tl.store(lse_ptr + out + 1, ref_o + tl.log(sums_o), mask=even + 1 < width)
+    tl.store(lse_ptr + out, top_e + tl.log(sums_e), mask=even < width)
+    tl.store(lse_ptr + out + 1, top_o + tl.log(sums_o), mask=even + 1 < width)
 
 
 @triton.jit
-def _factors_kernel(b_ptr, b_shift_ptr, a_ptr, a_shift_ptr, bounds_ptr, phases_ptr, key_rows, carry_max_ptr,
-                    carry_lse_ptr, q_ptr, k_ptr, decay_ptr, lse_ptr, scale_ptr, row_scale_ptr, den_ptr, length, width,
-                    heads, chunks, sb_b, sb_t, sb_h, sb_m, sa_b, sa_t, sa_h, sa_m, B_SHIFT: tl.constexpr,
-                    A_SHIFT: tl.constexpr, GUARD: tl.constexpr, ROTARY: tl.constexpr, DECAY_FLOOR: tl.constexpr,
-                    CAP: tl.constexpr, CHUNK: tl.constexpr, PAIRS: tl.constexpr):
-    """fla's q, k (rotated, in the dots' dtype) and decays, the denominator, and L, P, Q for backward."""
+def _factors_kernel(b_ptr, b_shift_ptr, a_ptr, a_shift_ptr, bounds_ptr, rate_ptr, phases_ptr, key_rows, top_ptr,
+                    carry_max_ptr, carry_lse_ptr, q_ptr, k_ptr, decay_ptr, lse_ptr, scale_ptr, row_scale_ptr, den_ptr,
+                    last_ptr, length, width, heads, chunks, sb_b, sb_t, sb_h, sb_m, sa_b, sa_t, sa_h, sa_m,
+                    B_SHIFT: tl.constexpr, A_SHIFT: tl.constexpr, GUARD: tl.constexpr, ROTARY: tl.constexpr,
+                    DECAY: tl.constexpr, DECAY_FLOOR: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
+                    PAIRS: tl.constexpr):
+    """fla's q, k (rotated, in the dots' dtype) and decays, the denominator, L, P, Q for backward, and F at
+    the last token."""
     chunk, head, batch, pairs, even = _program(PAIRS)
     CT: tl.constexpr = lse_ptr.dtype.element_ty
+    rate = _rate(rate_ptr, head, DECAY, CT)
     base_b = batch.to(tl.int64) * sb_b + head.to(tl.int64) * sb_h
     base_a = batch.to(tl.int64) * sa_b + head.to(tl.int64) * sa_h
     carry = ((batch.to(tl.int64) * chunks + chunk) * heads + head) * width + even
     scale_e = tl.load(carry_max_ptr + carry, mask=even < width, other=float("-inf"))
     scale_o = tl.load(carry_max_ptr + carry + 1, mask=even + 1 < width, other=float("-inf"))
-    ref_e = tl.load(carry_lse_ptr + carry, mask=even < width, other=float("-inf"))
-    ref_o = tl.load(carry_lse_ptr + carry + 1, mask=even + 1 < width, other=float("-inf"))
-    sums_e = tl.full([PAIRS], 1.0, CT)
-    sums_o = sums_e
-    before_e, before_o = _pair_scales(scale_e, scale_o, ROTARY)
+    log_sums_e = tl.load(carry_lse_ptr + carry, mask=even < width, other=float("-inf"))
+    log_sums_o = tl.load(carry_lse_ptr + carry + 1, mask=even + 1 < width, other=float("-inf"))
+    one = tl.full([PAIRS], 1.0, CT)
+    sums_e, sums_o = _rescaled(scale_e, one, log_sums_e), _rescaled(scale_o, one, log_sums_o)   # e^(L - F)
+    previous = carry - heads * width   # the chunk before's (B, chunks, H, M) index
+    before_e = _chunk_end(carry_max_ptr, top_ptr, previous, (chunk > 0) & (even < width), rate, CHUNK)
+    before_o = _chunk_end(carry_max_ptr, top_ptr, previous + 1, (chunk > 0) & (even + 1 < width), rate, CHUNK)
+    before_e, before_o = _pair_scales(before_e, before_o, ROTARY)
     first = chunk.to(tl.int64) * CHUNK
     for i in range(CHUNK):
         t, inside, row, valid_e, valid_o = _token(first + i, length, batch, heads, head, even, width)
@@ -188,13 +218,12 @@ def _factors_kernel(b_ptr, b_shift_ptr, a_ptr, a_shift_ptr, bounds_ptr, phases_p
                               A_SHIFT, GUARD, CT)
         b_e, b_o, _, _ = _row(b_ptr, b_shift_ptr, bounds_ptr, base_b + t * sb_t, row, pairs, width, sb_m, inside,
                               B_SHIFT, GUARD, CT)
-        scale_e, scale_o = _maximum(scale_e, a_e), _maximum(scale_o, a_o)
-        ref_e, sums_e = _log_sums_step(ref_e, sums_e, a_e)
-        ref_o, sums_o = _log_sums_step(ref_o, sums_o, a_o)
-        log_sums_e, log_sums_o = ref_e + tl.log(sums_e), ref_o + tl.log(sums_o)
+        scale_e, sums_e = _decayed_step(scale_e, sums_e, a_e, rate)
+        scale_o, sums_o = _decayed_step(scale_o, sums_o, a_o, rate)
+        log_sums_e, log_sums_o = scale_e + tl.log(sums_e), scale_o + tl.log(sums_o)
         pair_e, pair_o = _pair_scales(scale_e, scale_o, ROTARY)
-        decay_e = tl.where(t == 0, 0.0, _maximum(before_e - pair_e, DECAY_FLOOR))
-        decay_o = tl.where(t == 0, 0.0, _maximum(before_o - pair_o, DECAY_FLOOR))
+        decay_e = tl.where(t == 0, 0.0, _maximum(_gate(before_e, pair_e, rate), DECAY_FLOOR))
+        decay_o = tl.where(t == 0, 0.0, _maximum(_gate(before_o, pair_o, rate), DECAY_FLOOR))
         before_e, before_o = pair_e, pair_o
         row_scale = _maximum(tl.reduce(b_e + scale_e, 0, _maximum), tl.reduce(b_o + scale_o, 0, _maximum))
         den = tl.sum(tl.where(valid_e, tl.exp(b_e + log_sums_e - row_scale), 0.0), 0) + \
@@ -221,6 +250,9 @@ def _factors_kernel(b_ptr, b_shift_ptr, a_ptr, a_shift_ptr, bounds_ptr, phases_p
             tl.store(scale_ptr + dense + 1, pair_o, mask=valid_o)
         tl.store(row_scale_ptr + row, row_scale, mask=inside)
         tl.store(den_ptr + row, den, mask=inside)
+        last = (batch.to(tl.int64) * heads + head) * width + even   # F at the last token, (B, H, M)
+        tl.store(last_ptr + last, scale_e, mask=valid_e & (t == length - 1))
+        tl.store(last_ptr + last + 1, scale_o, mask=valid_o & (t == length - 1))
 
 
 @triton.jit
@@ -244,12 +276,13 @@ def _scales(lse_ptr, scale_ptr, row_scale_ptr, row, pairs, width, valid_e, valid
 
 
 @triton.jit
-def _factor_grad_summary_kernel(b_ptr, b_shift_ptr, bounds_ptr, lse_ptr, row_scale_ptr, grad_den_ptr, out_ptr,
-                                length, width, heads, chunks, sb_b, sb_t, sb_h, sb_m, B_SHIFT: tl.constexpr,
-                                GUARD: tl.constexpr, CHUNK: tl.constexpr, PAIRS: tl.constexpr):
-    """Each chunk's sum_m dL_m e^(L_s - L_m), s its first token, with dL = d den e^(b + L - Q)."""
+def _factor_grad_summary_kernel(b_ptr, b_shift_ptr, bounds_ptr, rate_ptr, lse_ptr, row_scale_ptr, grad_den_ptr,
+                                out_ptr, length, width, heads, chunks, sb_b, sb_t, sb_h, sb_m, B_SHIFT: tl.constexpr,
+                                GUARD: tl.constexpr, DECAY: tl.constexpr, CHUNK: tl.constexpr, PAIRS: tl.constexpr):
+    """Each chunk's sum_m dL_m e^(L_s - L_m + (m - s) log gamma), s its first token, with dL = d den e^(b + L - Q)."""
     chunk, head, batch, pairs, even = _program(PAIRS)
     CT: tl.constexpr = lse_ptr.dtype.element_ty
+    rate = _rate(rate_ptr, head, DECAY, CT)
     base_b = batch.to(tl.int64) * sb_b + head.to(tl.int64) * sb_h
     first = chunk.to(tl.int64) * CHUNK
     start = ((batch.to(tl.int64) * length + first) * heads + head) * width + even
@@ -265,25 +298,30 @@ def _factor_grad_summary_kernel(b_ptr, b_shift_ptr, bounds_ptr, lse_ptr, row_sca
         grad_den = tl.load(grad_den_ptr + row, mask=inside, other=0.0).to(CT)
         grad_e = grad_den * tl.exp(b_e + log_sums_e - row_scale)   # dL
         grad_o = grad_den * tl.exp(b_o + log_sums_o - row_scale)
-        total_e += tl.where(valid_e, grad_e * tl.exp(first_e - log_sums_e), 0.0)
-        total_o += tl.where(valid_o, grad_o * tl.exp(first_o - log_sums_o), 0.0)
+        ahead = (t - first).to(CT) * rate
+        total_e += tl.where(valid_e, grad_e * tl.exp(first_e - log_sums_e + ahead), 0.0)
+        total_o += tl.where(valid_o, grad_o * tl.exp(first_o - log_sums_o + ahead), 0.0)
     out = ((batch.to(tl.int64) * chunks + chunk) * heads + head) * width + even
     tl.store(out_ptr + out, total_e, mask=even < width)
     tl.store(out_ptr + out + 1, total_o, mask=even + 1 < width)
 
 
 @triton.jit
-def _factors_grad_kernel(b_ptr, b_shift_ptr, a_ptr, a_shift_ptr, bounds_ptr, phases_ptr, key_rows, lse_ptr, scale_ptr,
+def _factors_grad_kernel(b_ptr, b_shift_ptr, a_ptr, a_shift_ptr, bounds_ptr, rate_ptr, phases_ptr, key_rows, lse_ptr,
+                         scale_ptr,
                          row_scale_ptr, grad_q_ptr, grad_k_ptr, grad_den_ptr, after_pos_ptr, after_neg_ptr,
                          grad_b_ptr, grad_a_ptr, grad_b_shift_ptr, grad_a_shift_ptr, length, width, heads, chunks,
                          sb_b, sb_t, sb_h, sb_m, sa_b, sa_t, sa_h, sa_m, gb_b, gb_t, gb_h, gb_m, ga_b, ga_t, ga_h,
                          ga_m, B_SHIFT: tl.constexpr, A_SHIFT: tl.constexpr, GUARD: tl.constexpr,
-                         ROTARY: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr, PAIRS: tl.constexpr):
+                         ROTARY: tl.constexpr, DECAY: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
+                         PAIRS: tl.constexpr):
     """d b and d a (and their shifts' row sums), token by token from the chunk's last: the two
-    exponentials' terms, the denominator's, and L's reverse scan (later chunks' part as in
-    _reverse_scan_kernel)."""
+    exponentials' terms, the denominator's, and L's reverse (decayed) scan, the later chunks' part
+    (`after`: log sum_m dL_m e^(-L_m + (m - e) log gamma) over them, e the token after the chunk) from
+    the chunk summaries."""
     chunk, head, batch, pairs, even = _program(PAIRS)
     CT: tl.constexpr = lse_ptr.dtype.element_ty
+    rate = _rate(rate_ptr, head, DECAY, CT)
     carry = ((batch.to(tl.int64) * chunks + chunk) * heads + head) * width + even
     after_pos_e, after_pos_o = _load_pair(after_pos_ptr, carry, even < width, even + 1 < width, float("-inf"), CT)
     after_neg_e, after_neg_o = _load_pair(after_neg_ptr, carry, even < width, even + 1 < width, float("-inf"), CT)
@@ -291,7 +329,7 @@ def _factors_grad_kernel(b_ptr, b_shift_ptr, a_ptr, a_shift_ptr, bounds_ptr, pha
     base_a = batch.to(tl.int64) * sa_b + head.to(tl.int64) * sa_h
     base_grad_b = batch.to(tl.int64) * gb_b + head.to(tl.int64) * gb_h
     base_grad_a = batch.to(tl.int64) * ga_b + head.to(tl.int64) * ga_h
-    total_e = tl.zeros([PAIRS], CT)   # sum_{m>=n in the chunk} dL_m e^(L_n - L_m)
+    total_e = tl.zeros([PAIRS], CT)   # sum_{m>=n in the chunk} dL_m e^(L_n - L_m + (m - n) log gamma)
     total_o = total_e
     later_e = tl.full([PAIRS], float("inf"), CT)   # L_{n+1}
     later_o = later_e
@@ -320,14 +358,15 @@ def _factors_grad_kernel(b_ptr, b_shift_ptr, a_ptr, a_shift_ptr, bounds_ptr, pha
         grad_b_e = grad_l_e + tl.where(through_e, grad_q_e * q_e, 0.0)
         grad_b_o = grad_l_o + tl.where(through_o, grad_q_o * q_o, 0.0)
         # a: the key factor's e^(a - P) and L's reverse scan
-        total_e = grad_l_e + _rescaled(-log_sums_e, total_e, -later_e)
-        total_o = grad_l_o + _rescaled(-log_sums_o, total_o, -later_o)
+        total_e = grad_l_e + _rescaled(-log_sums_e, total_e, rate - later_e)
+        total_o = grad_l_o + _rescaled(-log_sums_o, total_o, rate - later_o)
         later_e = tl.where(valid_e, log_sums_e, float("inf"))   # a lane past the row carries nothing
         later_o = tl.where(valid_o, log_sums_o, float("inf"))
         share_e = tl.where(a_e == float("-inf"), 0.0, tl.exp(a_e - log_sums_e))
         share_o = tl.where(a_o == float("-inf"), 0.0, tl.exp(a_o - log_sums_o))
-        whole_e = total_e + tl.exp(log_sums_e + after_pos_e) - tl.exp(log_sums_e + after_neg_e)
-        whole_o = total_o + tl.exp(log_sums_o + after_pos_o) - tl.exp(log_sums_o + after_neg_o)
+        to_after = (j + 1) * rate   # from token t to the one after the chunk
+        whole_e = total_e + tl.exp(log_sums_e + to_after + after_pos_e) - tl.exp(log_sums_e + to_after + after_neg_e)
+        whole_o = total_o + tl.exp(log_sums_o + to_after + after_pos_o) - tl.exp(log_sums_o + to_after + after_neg_o)
         grad_a_e = grad_k_e * tl.exp(a_e - pair_e) + share_e * whole_e
         grad_a_o = grad_k_o * tl.exp(a_o - pair_o) + share_o * whole_o
         grad_b_e, grad_b_o = tl.where(keep_b_e, grad_b_e, 0.0), tl.where(keep_b_o, grad_b_o, 0.0)
@@ -358,21 +397,23 @@ def _factors_launch(kernel, a: torch.Tensor, *args, **constants):
                      PAIRS=triton.next_power_of_2(triton.cdiv(width, 2)), **constants)
 
 
-def log_factors(b, b_shift, a, a_shift, phases, *, dot: torch.dtype, guard: bool, limit: float, floor: float):
+def log_factors(b, b_shift, a, a_shift, phases, *, dot: torch.dtype, guard: bool, limit: float, floor: float,
+                log_decay: torch.Tensor | None = None):
     """fla's inputs from log-features b, a (B, T, H, M) in fla's layout (any strides, any float dtype) and
     their row shifts ((B, T, H) or None), by the fused kernels: q, k (rotated by the queries' and keys'
     `phases` (2, T, M/2) complex, or None; in `dot`), the decays, the denominator sum_j e^(b_j + L_j - Q),
     the row scale Q (B, T, H) (a constant to autograd); F and L at the last token.  `guard`: b and a
     raised to `floor` where below it, and NaN in a row that holds a value beyond `limit`
-    (common.guard_log_features' work, in the kernels)."""
-    return LogFactors.apply(b, b_shift, a, a_shift, phases, dot, guard, limit, floor)
+    (common.guard_log_features' work, in the kernels).  log_decay (H,) log gamma or None: F and L decayed
+    (fla_kernels.key_scales), a constant."""
+    return LogFactors.apply(b, b_shift, a, a_shift, phases, dot, guard, limit, floor, log_decay)
 
 
 class LogFactors(torch.autograd.Function):
     """`log_factors`: one pass forward (after the chunk summaries), one backward (after its summaries)."""
 
     @staticmethod
-    def forward(ctx, b, b_shift, a, a_shift, phases, dot, guard, limit, floor):
+    def forward(ctx, b, b_shift, a, a_shift, phases, dot, guard, limit, floor, log_decay):
         work = _sums_dtype(a)
         batch, length, heads, width = a.shape
         bounds = torch.tensor([limit, floor], dtype=work, device=a.device)
@@ -380,55 +421,62 @@ class LogFactors(torch.autograd.Function):
         if phases is not None:   # (T or 2T, M/2, 2): the queries' rows, then the keys' where they differ
             phases = torch.view_as_real(phases[:1] if key_rows == 0 else phases).to(work).flatten(0, 1).contiguous()
         rotary = phases is not None
-        flags = dict(GUARD=guard)
+        rate = log_decay.detach().to(work).contiguous() if log_decay is not None else None
+        flags = dict(GUARD=guard, DECAY=rate is not None)
         # the kernels read shifts as dense (B, T, H); backward reads the same (saved) tensors
         b_shift, a_shift = (t.contiguous() if t is not None else None for t in (b_shift, a_shift))
         shifts = [t if t is not None else bounds for t in (b_shift, a_shift)]
         chunks = triton.cdiv(length, CHUNK)
         top = a.new_empty(batch, chunks, heads, width, dtype=work)
         lse = torch.empty_like(top)
-        _factors_launch(_factor_summary_kernel, a, a, shifts[1], bounds, top, lse, strides=a.stride(),
-                        A_SHIFT=a_shift is not None, **flags)
-        carry_max = _exclusive(top, lambda t: t.cummax(1).values)
-        carry_lse = _exclusive(lse, lambda t: t.logcumsumexp(1))
+        _factors_launch(_factor_summary_kernel, a, a, shifts[1], bounds, _or(rate, bounds), top, lse,
+                        strides=a.stride(), A_SHIFT=a_shift is not None, **flags)
+        carry_max = chunk_carries(top, lambda t: t.cummax(1).values, rate, CHUNK)
+        carry_lse = chunk_carries(lse, lambda t: t.logcumsumexp(1), rate, CHUNK)
         q, k = (a.new_empty(a.shape, dtype=dot) for _ in range(2))
         decay, log_sums = (a.new_empty(a.shape, dtype=work) for _ in range(2))
         scale = a.new_empty(batch, length, heads, width // 2 if rotary else width, dtype=work)
         row_scale, den = (a.new_empty(batch, length, heads, dtype=work) for _ in range(2))
-        _factors_launch(_factors_kernel, a, b, shifts[0], a, shifts[1], bounds, phases if rotary else bounds,
-                        key_rows, carry_max, carry_lse, q, k, decay, log_sums, scale, row_scale, den,
-                        strides=(*b.stride(), *a.stride()), B_SHIFT=b_shift is not None, A_SHIFT=a_shift is not None,
-                        ROTARY=rotary, DECAY_FLOOR=DECAY_FLOOR, CAP=NUMERATOR_CAP, **flags)
-        ctx.save_for_backward(b, b_shift, a, a_shift, phases, bounds, log_sums, scale, row_scale)
+        last_scale = a.new_empty(batch, heads, width, dtype=work)
+        _factors_launch(_factors_kernel, a, b, shifts[0], a, shifts[1], bounds, _or(rate, bounds),
+                        _or(phases, bounds), key_rows, top, carry_max, carry_lse, q, k, decay, log_sums, scale,
+                        row_scale, den, last_scale, strides=(*b.stride(), *a.stride()), B_SHIFT=b_shift is not None,
+                        A_SHIFT=a_shift is not None, ROTARY=rotary, DECAY_FLOOR=DECAY_FLOOR, CAP=NUMERATOR_CAP,
+                        **flags)
+        ctx.save_for_backward(b, b_shift, a, a_shift, phases, bounds, rate, log_sums, scale, row_scale)
         ctx.guard, ctx.key_rows = guard, key_rows
         ctx.set_materialize_grads(False)   # no zeros written for the decays' gradient, which is not used
-        last_scale = torch.maximum(carry_max[:, -1], top[:, -1])
         ctx.mark_non_differentiable(decay, row_scale, last_scale)
         return q, k, decay, den, row_scale, last_scale, log_sums[:, -1]
 
     @staticmethod
     def backward(ctx, grad_q, grad_k, _, grad_den, __, ___, ____):
-        b, b_shift, a, a_shift, phases, bounds, log_sums, scale, row_scale = ctx.saved_tensors
+        b, b_shift, a, a_shift, phases, bounds, rate, log_sums, scale, row_scale = ctx.saved_tensors
         batch, length, heads, width = a.shape
         chunks = triton.cdiv(length, CHUNK)
         shifts = [t if t is not None else bounds for t in (b_shift, a_shift)]
         grad_q, grad_k, grad_den = (torch.zeros_like(like) if grad is None else grad.contiguous()
                                     for grad, like in ((grad_q, log_sums), (grad_k, log_sums), (grad_den, row_scale)))
-        flags = dict(B_SHIFT=b_shift is not None, GUARD=ctx.guard)
+        flags = dict(B_SHIFT=b_shift is not None, GUARD=ctx.guard, DECAY=rate is not None)
         chunk_sums = torch.empty(batch, chunks, heads, width, dtype=log_sums.dtype, device=a.device)
-        _factors_launch(_factor_grad_summary_kernel, a, b, shifts[0], bounds, log_sums, row_scale, grad_den,
-                        chunk_sums, strides=b.stride(), **flags)
+        _factors_launch(_factor_grad_summary_kernel, a, b, shifts[0], bounds, _or(rate, bounds), log_sums, row_scale,
+                        grad_den, chunk_sums, strides=b.stride(), **flags)
         first = log_sums[:, ::CHUNK]
-        after = [_exclusive((part.log() - first).flip(1), lambda t: t.logcumsumexp(1)).flip(1)
+        after = [chunk_carries(part.log() - first, lambda t: t.logcumsumexp(1), rate, CHUNK, reverse=True)
                  for part in (chunk_sums.clamp_min(0), (-chunk_sums).clamp_min(0))]
         grad_b, grad_a = torch.empty_like(b), torch.empty_like(a)
         grad_shifts = [torch.empty_like(t, dtype=log_sums.dtype) if t is not None else bounds
                        for t in (b_shift, a_shift)]
-        _factors_launch(_factors_grad_kernel, a, b, shifts[0], a, shifts[1], bounds,
-                        phases if phases is not None else bounds, ctx.key_rows, log_sums, scale, row_scale, grad_q,
-                        grad_k, grad_den, *after, grad_b, grad_a, *grad_shifts,
+        _factors_launch(_factors_grad_kernel, a, b, shifts[0], a, shifts[1], bounds, _or(rate, bounds),
+                        _or(phases, bounds), ctx.key_rows, log_sums, scale, row_scale, grad_q, grad_k, grad_den,
+                        *after, grad_b, grad_a, *grad_shifts,
                         strides=(*b.stride(), *a.stride(), *grad_b.stride(), *grad_a.stride()),
                         A_SHIFT=a_shift is not None, ROTARY=phases is not None, CAP=NUMERATOR_CAP, **flags)
         grad_b_shift = grad_shifts[0].to(b_shift.dtype) if b_shift is not None else None
         grad_a_shift = grad_shifts[1].to(a_shift.dtype) if a_shift is not None else None
-        return grad_b, grad_b_shift, grad_a, grad_a_shift, None, None, None, None, None
+        return grad_b, grad_b_shift, grad_a, grad_a_shift, None, None, None, None, None, None
+
+
+def _or(tensor: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
+    """A kernel's optional tensor argument: a tensor the kernel does not read where it is None."""
+    return stand_in if tensor is None else tensor

@@ -13,9 +13,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ...rotary import rotate_pairs
-from .common import (DECAY_FLOOR, LogProjection, compute_dtype, divide, feature_tensors, first_derivatives_only,
-                     guard_log_features, log_feature_floor, log_feature_limit, log_normalizer, plain_log_normalizer,
-                     query_key_phases)
+from .common import (DECAY_FLOOR, LogProjection, chunk_carries, compute_dtype, divide, feature_tensors,
+                     first_derivatives_only, guard_log_features, log_feature_floor, log_feature_limit, log_normalizer,
+                     plain_log_normalizer, query_key_phases)
 from .recurrent import LinearState
 from .stable import numerator_query
 
@@ -91,11 +91,14 @@ def rotated(x: torch.Tensor, phases: torch.Tensor | None) -> torch.Tensor:
     return x if phases is None else rotate_pairs(x, phases.unsqueeze(1))
 
 
-def step_decays(scale: torch.Tensor) -> torch.Tensor:
-    """g_n = scale_{n-1} - scale_n (g_1 = 0), floored at DECAY_FLOOR, for a running maximum (B, T, H, M)."""
+def step_decays(scale: torch.Tensor, log_decay: torch.Tensor | None = None) -> torch.Tensor:
+    """g_n = (scale_{n-1} - scale_n) + log gamma (g_1 = 0), floored at DECAY_FLOOR, for a (decayed) running
+    maximum (B, T, H, ...) and log_decay (H,) or None; the difference first, exact for close scales."""
     decay = torch.empty_like(scale)
     decay[:, :1] = 0
     torch.sub(scale[:, :-1], scale[:, 1:], out=decay[:, 1:])
+    if log_decay is not None:
+        decay[:, 1:] += log_decay.view(-1, *(1,) * (scale.dim() - 3))
     return decay.clamp_min_(DECAY_FLOOR)
 
 
@@ -153,32 +156,35 @@ def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope
     see docs/derivations.md.  One call of fla, for the numerator; the denominator from the keys' log-sums
     (factor_kernels.py's kernels, or torch's glue `log_factors`).  Queries rotated at offset.., keys at
     key_offset.. (None: offset); with return_log_normalizer the rows' log sum phi_q . phi_k last,
-    (B, H, N) in the work dtype.  log_decay (H,) log gamma: folded into the log-features (`decay_steps`),
-    the state returned in the frame of the keys' next position as the other backends return it."""
+    (B, H, N) in the work dtype.  log_decay (H,) log gamma: in fla's gates and the denominator's sums
+    (`key_scales`), the queries' lead offset - key_offset only in the log-normaliser (a constant per head,
+    which q and the denominator do not see); the state returned in the frame of the keys' next position
+    as the other backends return it."""
     del causal, chunk_size
     n, m = v.shape[-2], a.shape[-1]
     key_offset = int(offset) if key_offset is None else int(key_offset)
     work, dot = dtypes(v, b, a)
-    folding = None if log_decay is None else (log_decay.detach().to(work), int(offset) - key_offset)
+    rate = None if log_decay is None else log_decay.detach().to(work)
     with torch.autocast(v.device.type, enabled=False):
         phases = query_key_phases(n, m, offset=int(offset), key_offset=key_offset, base=rope_base,
                                   device=v.device, dtype=work) if rotary else None
         if kernels_run_on(v):
-            factors = fused_log_factors(b, a, phases, work=work, dot=dot, guard=True, folding=folding)
+            factors = fused_log_factors(b, a, phases, work=work, dot=dot, guard=True, log_decay=rate)
         else:   # torch's glue (CPU outside Triton's interpreter): the factors recomputed for backward
             b, a = guard_log_features(b, work), guard_log_features(a, work)
-            factors = checkpoint(log_factors, b, a, phases, work=work, dot=dot, folding=folding, use_reentrant=False,
+            factors = checkpoint(log_factors, b, a, phases, work=work, dot=dot, log_decay=rate, use_reentrant=False,
                                  preserve_rng_state=False)
         q_num, k_num, decay, denominator, row_scale, last_scale, last_log_sums = factors
         numerator, kv = gated_linear_attention(q_num, k_num, fla_layout(v).to(dot), decay, return_state=return_state)
     sums = torch.exp(last_log_sums.detach() - last_scale).to(work) if return_state else None
-    if folding is not None and return_state:   # from the folded keys' frame (index 0) to the next position's
-        last_scale = last_scale + n * folding[0][:, None]
+    if rate is not None and return_state:   # from the last key's frame to the next position's
+        last_scale = last_scale + rate[:, None]
     result = finish(numerator, denominator, v, kv=kv, sums=sums, work=work, position=key_offset + n,
                     log_scale=last_scale.detach() if return_state else None)
     if not return_log_normalizer:
         return result
-    lse = log_normalizer(denominator, row_scale.squeeze(-1)).transpose(1, 2)
+    query_scale = row_scale.squeeze(-1) if rate is None else row_scale.squeeze(-1) + (int(offset) - key_offset) * rate
+    lse = log_normalizer(denominator, query_scale).transpose(1, 2)
     return (*result, lse) if return_state else (result, lse)
 
 
@@ -189,24 +195,19 @@ def kernels_run_on(x: torch.Tensor) -> bool:
     return x.is_cuda or triton.knobs.runtime.interpret
 
 
-def fused_log_factors(b, a, phases, *, work: torch.dtype, dot: torch.dtype, guard: bool = False, folding=None):
+def fused_log_factors(b, a, phases, *, work: torch.dtype, dot: torch.dtype, guard: bool = False,
+                      log_decay: torch.Tensor | None = None):
     """`log_factors` by factor_kernels.py's fused kernels, reading the log-features where they are (a
-    `LogProjection` as its logits in fla's layout, its row shift added in the kernels; a decay's
-    `folding` added to the row shifts).  `guard`: common.guard_log_features' guard too (in the kernels
-    for tensors; a projection's is on its parts)."""
+    `LogProjection` as its logits in fla's layout, its row shift added in the kernels).  `guard`:
+    common.guard_log_features' guard too (in the kernels for tensors; a projection's is on its parts)."""
     from .factor_kernels import log_factors as kernel_log_factors
     if guard:
         b, a = (guard_log_features(x, work) if isinstance(x, LogProjection) else x for x in (b, a))
     tensors = [x for x in (b, a) if not isinstance(x, LogProjection)]
-    parts = [kernel_inputs(x, work) for x in (b, a)]
-    if folding is not None:   # (T, H) steps on each row's shift, (B, T, H) as the kernels read shifts
-        batch, length = parts[0][0].shape[:2]
-        parts = [(x, (steps if shift is None else shift + steps).expand(batch, length, -1))
-                 for (x, shift), steps in zip(parts, decay_steps(length, folding, parts[0][0].device))]
-    parts = [part for pair in parts for part in pair]
+    parts = [part for x in (b, a) for part in kernel_inputs(x, work)]
     q_num, k_num, decay, denominator, row_scale, *last = kernel_log_factors(
         *parts, phases, dot=dot, guard=guard and bool(tensors), limit=log_feature_limit(work),
-        floor=log_feature_floor(tensors[0].dtype if tensors else work))
+        floor=log_feature_floor(tensors[0].dtype if tensors else work), log_decay=log_decay)
     return q_num, k_num, decay, denominator, row_scale.unsqueeze(-1), *last
 
 
@@ -235,45 +236,53 @@ def log_features(x, work: torch.dtype) -> torch.Tensor:
     return logits + row_shift if isinstance(row_shift, torch.Tensor) or row_shift else logits
 
 
-def decay_steps(length: int, folding, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decay folded into log-features in fla's layout, (T, H) per row: queries + (j + lead) log gamma,
-    keys - n log gamma, so that the pair (j, n) gets (j - n + lead) log gamma.  Exact in the maths, but the
-    rounding grows with the index (about 2e-4 relative at 1e5 tokens in float32), where the cpp and torch
-    backends decay inside their chunks; left so until this entry's fused kernels take the decay in fla's
-    gates (issue 45 item 4)."""
-    log_decay, lead = folding   # (H,) log gamma, the queries' lead offset - key_offset
-    steps = torch.arange(length, device=device, dtype=log_decay.dtype)[:, None] * log_decay    # (T, H)
-    return steps + lead * log_decay, -steps
+GLUE_CHUNK = 16   # torch glue's chunks for a decay: a (chunk x chunk) table of lags per chunk
 
 
-def fold_decay(b: torch.Tensor, a: torch.Tensor, folding) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-features (B, T, H, M) in fla's layout with the decay folded in (`decay_steps`)."""
-    query_steps, key_steps = decay_steps(b.shape[1], folding, b.device)
-    return b + query_steps[..., None], a + key_steps[..., None]
+def key_scales(a: torch.Tensor, log_decay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """F (a constant to autograd) and L of the keys' log-features a (B, T, H, M) in fla's layout, decayed by
+    log_decay (H,) log gamma: F_t = max_{n<=t} a_n + (t - n) log gamma, L_t = log sum_{n<=t} gamma^(t-n)
+    e^(a_n).  A decay's terms within chunks of GLUE_CHUNK tokens from a table of lags (no term grows with
+    the index), across them by `chunk_carries`."""
+    if log_decay is None:
+        return a.detach().cummax(1).values, a.logcumsumexp(1)
+    length, size = a.shape[1], GLUE_CHUNK
+    padded = torch.nn.functional.pad(a, (0, 0, 0, 0, 0, -length % size), value=float("-inf"))
+    rows = torch.arange(size, device=a.device)
+    lags = (rows[:, None] - rows).to(a.dtype)   # (t, n) within a chunk
+    steps = torch.where(lags[..., None] >= 0, lags[..., None] * log_decay, float("-inf"))[..., None]   # (t, n, H, 1)
+    terms = padded.unflatten(1, (-1, size)).unsqueeze(2) + steps   # (B, K, t, n, H, M)
+    inside_max, inside_sums = terms.detach().amax(3), terms.logsumexp(3)
+    carry_max, carry_sums = (chunk_carries(x[:, :, -1], scan, log_decay, size)[:, :, None]
+                             for x, scan in ((inside_max, lambda t: t.cummax(1).values),
+                                             (inside_sums, lambda t: t.logcumsumexp(1))))
+    ahead = ((rows + 1).to(a.dtype)[:, None] * log_decay)[..., None]   # (t, H, 1): from the carry's token
+    scale = torch.maximum(carry_max + ahead, inside_max)
+    sums = torch.logaddexp(carry_sums + ahead, inside_sums)
+    return scale.flatten(1, 2)[:, :length], sums.flatten(1, 2)[:, :length]
 
 
-def log_factors(b, a, phases, *, work: torch.dtype, dot: torch.dtype, folding=None):
+def log_factors(b, a, phases, *, work: torch.dtype, dot: torch.dtype, log_decay: torch.Tensor | None = None):
     """fla's inputs from log-features (tensors or `LogProjection`s), in its layout: the numerator's
     q, k (in `dot`) and decays (in `work`); the denominator sum_j e^(b_j + L_j - Q) (B, T, H) with
-    L = log sum_{n<=m} e^(a_n), and Q (B, T, H, 1); and F and L at the last token.  phases: the queries'
-    and keys' rotations (2, T, M/2) or None.  Torch's glue: the reference of factor_kernels.py's
-    kernels, and the route on CPU outside Triton's interpreter."""
+    L = log sum_{n<=m} gamma^(m-n) e^(a_n), and Q (B, T, H, 1); and F and L at the last token.  phases:
+    the queries' and keys' rotations (2, T, M/2) or None; log_decay (H,) log gamma or None (`key_scales`),
+    a constant.  Torch's glue: the reference of factor_kernels.py's kernels, and the route on CPU
+    outside Triton's interpreter."""
     b, a = log_features(b, work), log_features(a, work)
-    if folding is not None:   # the block's decay (`fold_decay`)
-        b, a = fold_decay(b, a, folding)
-    feature_scale, log_sums = a.detach().cummax(1).values, a.logcumsumexp(1)   # F (a constant to autograd), L
+    feature_scale, log_sums = key_scales(a, log_decay)   # F (a constant to autograd), L
     with torch.no_grad():   # the scales cancel exactly: constants to autograd
         row_scale = (b + feature_scale).amax(-1, keepdim=True)         # Q
     denominator = torch.exp(b + log_sums.to(work) - row_scale).sum(-1)
     last = feature_scale[:, -1], log_sums[:, -1]
     if phases is None:   # P = F: no cap acts below 1
         with torch.no_grad():
-            decay = step_decays(feature_scale)
+            decay = step_decays(feature_scale, log_decay)
         q_num = torch.exp(b + feature_scale - row_scale).to(dot)          # e^(b + F - Q) <= 1
         return q_num, torch.exp(a - feature_scale).to(dot), decay, denominator, row_scale, *last
     with torch.no_grad():   # P, kept per pair (M / 2): broadcast over the pair where it is used
         pair_scale = feature_scale.unflatten(-1, (-1, 2)).amax(-1, keepdim=True)
-        decay = step_decays(pair_scale).expand(*pair_scale.shape[:-1], 2).flatten(-2)
+        decay = step_decays(pair_scale, log_decay).expand(*pair_scale.shape[:-1], 2).flatten(-2)
         pair_shift = pair_scale - row_scale.unsqueeze(-1)                # P - Q
     k_num = rotated(torch.exp(per_pair(a, torch.sub, pair_scale)), phases[1]).to(dot)
     q_num = rotated(numerator_query(per_pair(b, torch.add, pair_shift)), phases[0]).to(dot)

@@ -147,15 +147,20 @@ def test_key_offset_and_log_normalizer_match_the_torch_backend(fla_reference, lo
         torch.testing.assert_close(g, w.to(g.dtype), rtol=1e-10, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("n,route,offset,key_offset", [(9, "glue", 7, 2), (9, "glue", 3, None), (40, "glue", 7, 2),
+                                                      (40, "glue", 3, None),
+                                                      pytest.param(40, "fused", 7, 2, marks=pytest.mark.fused)])
 @pytest.mark.parametrize("rotary", [True, False], ids=["post", "unrotated"])
-@pytest.mark.parametrize("offset,key_offset", [(7, 2), (3, None)])
-def test_decay_matches_the_torch_backend(fla_reference, rotary, offset, key_offset):
-    """The fla route's decay (folded into its log-features, `fold_decay`) as the torch backend's (inside its
-    chunks): outputs, log-normalisers, states (in the frame of the keys' next position) and gradients."""
-    tensors = features(9, 8, 4, log_space=True, scale=3.0)
+def test_decay_matches_the_torch_backend(request, fla_reference, rotary, offset, key_offset, n, route):
+    """The fla route's decay (in fla's gates and the denominator's sums) as the torch backend's (inside its
+    chunks): outputs, log-normalisers, states (in the frame of the keys' next position) and gradients, on torch's
+    glue (40 tokens: chunks of 16 carried) and on the fused kernels (chunks of 8)."""
+    if route == "fused":
+        request.getfixturevalue("small_chunks")
+    tensors = features(n, 8, 4, log_space=True, scale=3.0)
     log_decay = torch.tensor([-0.1, -0.4], dtype=torch.float64)
     gen = torch.Generator().manual_seed(6)
-    weights, lse_weights = (torch.randn(B, H, 9, *size, generator=gen, dtype=torch.float64) for size in ((4,), ()))
+    weights, lse_weights = (torch.randn(B, H, n, *size, generator=gen, dtype=torch.float64) for size in ((4,), ()))
     results = []
     for backend in ("fla", "torch"):
         out, state, lse = call(backend, True, tensors, rotary=rotary, offset=offset, key_offset=key_offset,
@@ -435,17 +440,22 @@ def small_chunks(monkeypatch):
 @INTERPRETED_OR_CUDA
 @pytest.mark.parametrize("inputs", ["tensor", "projection"])
 @pytest.mark.parametrize("rotary,m", [(True, 14), (False, 7)], ids=["post", "unrotated"])
-@pytest.mark.parametrize("length,key_offset", [(1, 3), (8, 3), (21, 3), (8, 0), (21, 11)])
-def test_the_factor_kernels_give_torchs_glue_and_its_gradients(small_chunks, inputs, rotary, m, length, key_offset):
+@pytest.mark.parametrize("length,key_offset,decay", [(1, 3, False), (8, 3, False), (21, 3, False), (8, 0, False),
+                                                     (21, 11, False), (1, 3, True), (21, 11, True)])
+def test_the_factor_kernels_give_torchs_glue_and_its_gradients(small_chunks, inputs, rotary, m, length, key_offset,
+                                                               decay):
     """factor_kernels.py against fla_kernels.log_factors (torch ops) in float64: fla's q, k and decays,
     the denominator, Q, F and L at the last token, and the gradients; ragged and several chunks, a row of
     M features that is no power of 2 (odd when unrotated), strided inputs, projections' row shifts, keys
-    rotated at the queries' positions or at a key offset of their own."""
+    rotated at the queries' positions or at a key offset of their own, a decay per head (one of e^-2 a
+    token, which moves F within and across chunks)."""
     features = factor_inputs(length, m, inputs=inputs)
-    got, got_grads, weights = factors_and_grads(fla_kernels.fused_log_factors, features, rotary=rotary,
-                                                key_offset=key_offset)
-    want, want_grads, _ = factors_and_grads(fla_kernels.log_factors, features, rotary=rotary, key_offset=key_offset,
-                                            weights=weights)
+    rate = torch.tensor([-0.3, -0.05, -2.0], dtype=torch.float64, device=KERNEL_DEVICE)
+    rates = dict(log_decay=rate) if decay else {}
+    got, got_grads, weights = factors_and_grads(partial(fla_kernels.fused_log_factors, **rates), features,
+                                                rotary=rotary, key_offset=key_offset)
+    want, want_grads, _ = factors_and_grads(partial(fla_kernels.log_factors, **rates), features, rotary=rotary,
+                                            key_offset=key_offset, weights=weights)
     names = (*FACTORS, *(f"grad {i}" for i in range(len(want_grads))))
     for name, g, w in zip(names, (*got, *got_grads), (*want, *want_grads)):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=name)

@@ -1,9 +1,11 @@
 """The log-space op's decay inside its chunks (`linear_attention(..., log_decay=)`): outputs, log-normalisers,
 states and gradients against the float64 reference on both CPU backends (rotary on and off, key offsets, chunks
 that divide N and that do not, log-features and FAVOR+'s projection, irregular chunks), gradcheck, decoding
-equal to the parallel pass, exactness far into a sequence (where the fold it replaced was not), the custom op
-(its compiled run: test_log_normalizer.py), and bad input."""
+equal to the parallel pass, exactness far into a sequence (where the fold it replaced was not; on the fla
+route too, its glue and its own kernels), the custom op (its compiled run: test_log_normalizer.py), and bad
+input.  The fla route's other decay tests: test_fla_kernels.py."""
 import math
+import os
 from functools import partial
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 
 from linattn import functional
 from linattn.custom_ops import linear_attention_op
+from linattn.ops.linear_attention import dispatch, fla_kernels
 from linattn.ops.linear_attention.common import LogProjection
 from linattn.ops.linear_attention.naive import logspace_attention_reference
 from linattn.ops.linear_attention.stable import numerator_scale
@@ -182,6 +185,52 @@ def test_the_decay_is_exact_far_into_a_sequence_where_folding_it_was_not(backend
     assert near_inside < 2e-6 and near_fold < 2e-6
     assert far_inside < 2e-6
     assert far_fold > 2e-5
+
+
+@pytest.fixture
+def fla_route_on_cpu(monkeypatch):
+    """The fla backend on CPU tensors, fla's kernel stood in by its exact recurrence (test_fla_kernels.py's
+    `fake_fla`), so that the errors measured are the route's own."""
+    from tests.linattn.ops.linear_attention.test_fla_kernels import fake_fla
+    fake_fla(monkeypatch)
+    monkeypatch.setattr(dispatch, "resolve", lambda backend, *args, **kwargs: backend)
+
+
+@pytest.mark.slow
+def test_the_fla_routes_decay_is_exact_far_into_a_sequence_where_folding_it_was_not(fla_route_on_cpu, monkeypatch):
+    """The fla route on torch's glue (the fused kernels' reference; 1e5 tokens are beyond Triton's interpreter)
+    at token 1e5 in float32: the decay in fla's gates keeps a short sequence's error (about 2e-7), where the fold
+    it replaced erred by 5e-5."""
+    monkeypatch.setattr(fla_kernels, "kernels_run_on", lambda x: x.is_cuda)
+    near_inside, near_fold = far_errors("fla", 64)
+    far_inside, far_fold = far_errors("fla", 100_000)
+    assert near_inside < 1e-6 and near_fold < 1e-6
+    assert far_inside < 1e-6
+    assert far_fold > 2e-5
+
+
+@pytest.mark.fused
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="the kernels run on CUDA, or in Triton's interpreter on CPU")
+@pytest.mark.parametrize("lead", [100_000, 1_000_000])
+def test_the_fla_kernels_weigh_queries_far_ahead_of_their_keys_exactly(fla_route_on_cpu, monkeypatch, lead):
+    """Queries `lead` positions after their keys (offset - key_offset) on the fla route's own kernels (chunks of
+    8 tokens), float32, against the float64 reference: the lead is a constant per head that only the
+    log-normaliser sees.  The fold put lead log gamma (-3e3, -3e4) into every query's log-features, where
+    float32 rounds by 2e-4 and 2e-3: its outputs erred by 9e-5 and 3e-4."""
+    monkeypatch.setattr(pytest.importorskip("linattn.ops.linear_attention.factor_kernels"), "CHUNK", 8)
+    generator = torch.Generator().manual_seed(8)
+    b, a = (torch.randn(1, 2, 30, 8, generator=generator) for _ in range(2))
+    v = torch.randn(1, 2, 30, 4, generator=generator)
+    log_decay = torch.log1p(-torch.tensor([2.0 ** -5, 2.0 ** -6]))
+    positions = dict(offset=lead + 5, key_offset=5)
+    out, lse = functional.linear_attention(b, a, v, causal=True, rotary=False, backend="fla", log_space=True,
+                                           return_log_normalizer=True, log_decay=log_decay, **positions)
+    want, want_lse = logspace_attention_reference(b.double(), a.double(), v.double(), causal=True, rotary=False,
+                                                  return_log_normalizer=True, log_decay=log_decay.double(),
+                                                  **positions)
+    assert ((out.double() - want).abs().max() / want.abs().max()).item() < 1e-6
+    torch.testing.assert_close(lse.double(), want_lse, rtol=2e-7, atol=0.0)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
