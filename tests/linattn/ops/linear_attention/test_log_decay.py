@@ -212,7 +212,7 @@ def test_the_fla_routes_decay_is_exact_far_into_a_sequence_where_folding_it_was_
 @pytest.mark.fused
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="the kernels run on CUDA, or in Triton's interpreter on CPU")
-@pytest.mark.parametrize("lead", [100_000, 1_000_000])
+@pytest.mark.parametrize("lead", [1_000_000])   # the fold erred by 9e-5 at 1e5 and 3e-4 at 1e6
 def test_the_fla_kernels_weigh_queries_far_ahead_of_their_keys_exactly(fla_route_on_cpu, monkeypatch, lead):
     """Queries `lead` positions after their keys (offset - key_offset) on the fla route's own kernels (chunks of
     8 tokens), float32, against the float64 reference: the lead is a constant per head that only the
