@@ -139,6 +139,22 @@ def _rotated_at(phases_ptr, position, pairs, width, valid, x_e, x_o, INVERSE: tl
 
 
 @triton.jit
+def _store_query_and_key(q_ptr, k_ptr, phases_ptr, t, key_rows, pairs, width, row, valid_e, valid_o, q_e, q_o, k_e,
+                         k_o, ROTARY: tl.constexpr):
+    """fla's q and k of token t at its dense row, rotated (ROTARY) by the queries' and keys' phases; the
+    row's dense offset of its even features."""
+    if ROTARY:
+        q_e, q_o = _rotated_at(phases_ptr, t, pairs, width, valid_e, q_e, q_o, False)
+        k_e, k_o = _rotated_at(phases_ptr, key_rows + t, pairs, width, valid_e, k_e, k_o, False)
+    dense = row * width + pairs.to(tl.int64) * 2
+    tl.store(q_ptr + dense, q_e, mask=valid_e)
+    tl.store(q_ptr + dense + 1, q_o, mask=valid_o)
+    tl.store(k_ptr + dense, k_e, mask=valid_e)
+    tl.store(k_ptr + dense + 1, k_o, mask=valid_o)
+    return dense
+
+
+@triton.jit
 def _factor_summary_kernel(a_ptr, a_shift_ptr, bounds_ptr, top_ptr, lse_ptr, length, width, heads, chunks,
                            sa_b, sa_t, sa_h, sa_m, A_SHIFT: tl.constexpr, GUARD: tl.constexpr,
                            CHUNK: tl.constexpr, PAIRS: tl.constexpr):
@@ -205,14 +221,8 @@ def _factors_kernel(b_ptr, b_shift_ptr, a_ptr, a_shift_ptr, bounds_ptr, phases_p
         q_e, _ = _query_factor(b_e, pair_e, row_scale, ROTARY, CAP)
         q_o, _ = _query_factor(b_o, pair_o, row_scale, ROTARY, CAP)
         k_e, k_o = tl.exp(a_e - pair_e), tl.exp(a_o - pair_o)
-        if ROTARY:
-            q_e, q_o = _rotated_at(phases_ptr, t, pairs, width, valid_e, q_e, q_o, False)
-            k_e, k_o = _rotated_at(phases_ptr, key_rows + t, pairs, width, valid_e, k_e, k_o, False)
-        dense = row * width + even
-        tl.store(q_ptr + dense, q_e, mask=valid_e)
-        tl.store(q_ptr + dense + 1, q_o, mask=valid_o)
-        tl.store(k_ptr + dense, k_e, mask=valid_e)
-        tl.store(k_ptr + dense + 1, k_o, mask=valid_o)
+        dense = _store_query_and_key(q_ptr, k_ptr, phases_ptr, t, key_rows, pairs, width, row, valid_e, valid_o,
+                                     q_e, q_o, k_e, k_o, ROTARY)
         tl.store(decay_ptr + dense, decay_e, mask=valid_e)
         tl.store(decay_ptr + dense + 1, decay_o, mask=valid_o)
         tl.store(lse_ptr + dense, log_sums_e, mask=valid_e)
@@ -445,6 +455,33 @@ def _plain_row(ptr, offset, even, stride_m, valid_e, valid_o, CT: tl.constexpr):
 
 
 @triton.jit
+def _plain_start(carry_ptr, guard_ptr, chunk, head, batch, even, width, heads, chunks, sq_b, sq_h, sk_b, sk_h,
+                 CT: tl.constexpr):
+    """A plain program's keys' sums before its chunk (even, odd halves), the denominator's guard, and its
+    head's offsets in the queries and keys."""
+    carry = ((batch.to(tl.int64) * chunks + chunk) * heads + head) * width + even
+    sums_e, sums_o = _load_pair(carry_ptr, carry, even < width, even + 1 < width, 0.0, CT)
+    return (sums_e, sums_o, tl.load(guard_ptr), batch.to(tl.int64) * sq_b + head.to(tl.int64) * sq_h,
+            batch.to(tl.int64) * sk_b + head.to(tl.int64) * sk_h)
+
+
+@triton.jit
+def _plain_token(q_ptr, k_ptr, q_offset, k_offset, even, sq_m, sk_m, valid_e, valid_o, CT: tl.constexpr):
+    """A token's query and key features, (even, odd) halves each."""
+    q_e, q_o = _plain_row(q_ptr, q_offset, even, sq_m, valid_e, valid_o, CT)
+    k_e, k_o = _plain_row(k_ptr, k_offset, even, sk_m, valid_e, valid_o, CT)
+    return q_e, q_o, k_e, k_o
+
+
+@triton.jit
+def _store_chunk_sums(ptr, chunk, head, batch, even, width, heads, chunks, total_e, total_o):
+    """A program's sums over its chunk into (B, chunks, H, M)."""
+    out = ((batch.to(tl.int64) * chunks + chunk) * heads + head) * width + even
+    tl.store(ptr + out, total_e, mask=even < width)
+    tl.store(ptr + out + 1, total_o, mask=even + 1 < width)
+
+
+@triton.jit
 def _plain_summary_kernel(k_ptr, out_ptr, length, width, heads, chunks, sk_b, sk_t, sk_h, sk_m,
                           CHUNK: tl.constexpr, PAIRS: tl.constexpr):
     """Each chunk's sum of the key features, (B, chunks, H, M)."""
@@ -458,9 +495,7 @@ def _plain_summary_kernel(k_ptr, out_ptr, length, width, heads, chunks, sk_b, sk
         t, inside, row, valid_e, valid_o = _token(first + i, length, batch, heads, head, even, width)
         k_e, k_o = _plain_row(k_ptr, base + t * sk_t, even, sk_m, valid_e, valid_o, CT)
         total_e, total_o = total_e + k_e, total_o + k_o
-    out = ((batch.to(tl.int64) * chunks + chunk) * heads + head) * width + even
-    tl.store(out_ptr + out, total_e, mask=even < width)
-    tl.store(out_ptr + out + 1, total_o, mask=even + 1 < width)
+    _store_chunk_sums(out_ptr, chunk, head, batch, even, width, heads, chunks, total_e, total_o)
 
 
 @triton.jit
@@ -470,28 +505,18 @@ def _plain_factors_kernel(q_ptr, k_ptr, phases_ptr, key_rows, carry_ptr, guard_p
     """fla's q = R phi_q / den and k = R phi_k (in the dots' dtype), and den = phi_q . sum_{n<=t} phi_k."""
     chunk, head, batch, pairs, even = _program(PAIRS)
     CT: tl.constexpr = den_ptr.dtype.element_ty
-    carry = ((batch.to(tl.int64) * chunks + chunk) * heads + head) * width + even
-    sums_e, sums_o = _load_pair(carry_ptr, carry, even < width, even + 1 < width, 0.0, CT)
-    guard = tl.load(guard_ptr)
-    base_q = batch.to(tl.int64) * sq_b + head.to(tl.int64) * sq_h
-    base_k = batch.to(tl.int64) * sk_b + head.to(tl.int64) * sk_h
+    sums_e, sums_o, guard, base_q, base_k = _plain_start(carry_ptr, guard_ptr, chunk, head, batch, even, width,
+                                                         heads, chunks, sq_b, sq_h, sk_b, sk_h, CT)
     first = chunk.to(tl.int64) * CHUNK
     for i in range(CHUNK):
         t, inside, row, valid_e, valid_o = _token(first + i, length, batch, heads, head, even, width)
-        q_e, q_o = _plain_row(q_ptr, base_q + t * sq_t, even, sq_m, valid_e, valid_o, CT)
-        k_e, k_o = _plain_row(k_ptr, base_k + t * sk_t, even, sk_m, valid_e, valid_o, CT)
+        q_e, q_o, k_e, k_o = _plain_token(q_ptr, k_ptr, base_q + t * sq_t, base_k + t * sk_t, even, sq_m, sk_m,
+                                          valid_e, valid_o, CT)
         sums_e, sums_o = sums_e + k_e, sums_o + k_o
         den = tl.sum(q_e * sums_e, 0) + tl.sum(q_o * sums_o, 0)
         inverse = 1.0 / _maximum(den, guard)   # common.divide's guard
-        q_e, q_o = q_e * inverse, q_o * inverse
-        if ROTARY:
-            q_e, q_o = _rotated_at(phases_ptr, t, pairs, width, valid_e, q_e, q_o, False)
-            k_e, k_o = _rotated_at(phases_ptr, key_rows + t, pairs, width, valid_e, k_e, k_o, False)
-        dense = row * width + even
-        tl.store(q_out_ptr + dense, q_e, mask=valid_e)
-        tl.store(q_out_ptr + dense + 1, q_o, mask=valid_o)
-        tl.store(k_out_ptr + dense, k_e, mask=valid_e)
-        tl.store(k_out_ptr + dense + 1, k_o, mask=valid_o)
+        _store_query_and_key(q_out_ptr, k_out_ptr, phases_ptr, t, key_rows, pairs, width, row, valid_e, valid_o,
+                             q_e * inverse, q_o * inverse, k_e, k_o, ROTARY)
         tl.store(den_ptr + row, den, mask=inside)
 
 
@@ -505,19 +530,16 @@ def _plain_query_grad_kernel(q_ptr, k_ptr, phases_ptr, carry_ptr, guard_ptr, den
     the keys' gradient sums from the later rows)."""
     chunk, head, batch, pairs, even = _program(PAIRS)
     CT: tl.constexpr = den_ptr.dtype.element_ty
-    carry = ((batch.to(tl.int64) * chunks + chunk) * heads + head) * width + even
-    sums_e, sums_o = _load_pair(carry_ptr, carry, even < width, even + 1 < width, 0.0, CT)
-    base_q = batch.to(tl.int64) * sq_b + head.to(tl.int64) * sq_h
-    base_k = batch.to(tl.int64) * sk_b + head.to(tl.int64) * sk_h
+    sums_e, sums_o, guard, base_q, base_k = _plain_start(carry_ptr, guard_ptr, chunk, head, batch, even, width,
+                                                         heads, chunks, sq_b, sq_h, sk_b, sk_h, CT)
     base_grad = batch.to(tl.int64) * gq_b + head.to(tl.int64) * gq_h
-    guard = tl.load(guard_ptr)
     total_e = tl.zeros([PAIRS], CT)
     total_o = total_e
     first = chunk.to(tl.int64) * CHUNK
     for i in range(CHUNK):
         t, inside, row, valid_e, valid_o = _token(first + i, length, batch, heads, head, even, width)
-        q_e, q_o = _plain_row(q_ptr, base_q + t * sq_t, even, sq_m, valid_e, valid_o, CT)
-        k_e, k_o = _plain_row(k_ptr, base_k + t * sk_t, even, sk_m, valid_e, valid_o, CT)
+        q_e, q_o, k_e, k_o = _plain_token(q_ptr, k_ptr, base_q + t * sq_t, base_k + t * sk_t, even, sq_m, sk_m,
+                                          valid_e, valid_o, CT)
         sums_e, sums_o = sums_e + k_e, sums_o + k_o
         den = tl.load(den_ptr + row, mask=inside, other=1.0)
         guarded = _maximum(den, guard)
@@ -532,9 +554,7 @@ def _plain_query_grad_kernel(q_ptr, k_ptr, phases_ptr, carry_ptr, guard_ptr, den
         tl.store(grad_phi_q_ptr + offset + (even + 1) * gq_m, grad_o, mask=valid_o)
         tl.store(weight_ptr + row, weight, mask=inside)
         total_e, total_o = total_e + weight * q_e, total_o + weight * q_o
-    out = ((batch.to(tl.int64) * chunks + chunk) * heads + head) * width + even
-    tl.store(chunk_sums_ptr + out, total_e, mask=even < width)
-    tl.store(chunk_sums_ptr + out + 1, total_o, mask=even + 1 < width)
+    _store_chunk_sums(chunk_sums_ptr, chunk, head, batch, even, width, heads, chunks, total_e, total_o)
 
 
 @triton.jit

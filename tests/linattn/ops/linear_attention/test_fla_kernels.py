@@ -299,10 +299,10 @@ class KeepsItsInputs(torch.autograd.Function):
 @pytest.mark.parametrize("inputs,most", [("log", 6.8), ("plain", 2.8), ("projection", 8.9)])
 def test_a_layer_keeps_its_inputs_and_flas_and_the_factors_scales_for_backward(monkeypatch, inputs, most):
     """In units of one (B, H, N, M) float32 tensor, at M = Dv, rotated: what fla keeps of its calls
-    (log-features: the numerator's q, k, v in bf16 and float32 decays; plain features: q, k, v in bf16),
-    the half numerator for the division, the phases, and for backward of factor_kernels.py the log-features
+    (log-features: the numerator's q, k, v in bf16 and float32 decays, the half numerator for the division;
+    plain features: q, k, v in bf16), the phases, and for backward of factor_kernels.py the log-features
     b, a (2.0), L (1.0), P (0.5, per pair) and Q; or the plain bf16 features (1.0), the denominator and
-    the keys' chunk sums (plain_factors: 2.8; its two calls of fla, numerator and denominator, kept 3.6).
+    the keys' chunk sums (plain_factors: 2.8; two calls of fla, numerator and denominator, kept 3.6).
     FAVOR+'s block hands over a `LogProjection` (M = 4D here, as in the benchmark's block): its logits
     are kept too (8.9).  Before the fused kernels, the factors were recomputed in backward: 7.6, 3.6 and
     5.6 (the projection's logits recomputed from its (B, H, N, D) inputs); before issue 34, 5.0, 3.0, 3.0."""
@@ -535,6 +535,26 @@ def test_gpu_the_factor_kernels_offset_past_two_to_the_31():
     want = fla_kernels.log_factors(b[-1:], a[-1:], phases, work=torch.float32, dot=torch.bfloat16)
     for g, w in zip(got, want):
         torch.testing.assert_close(g[-1:], w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_the_plain_factor_kernels_give_torchs_glue_at_length():
+    """plain_factors on CUDA, bf16 features in the (B, H, N, M) layout as the elu block hands them, N = 8192
+    (128 chunks), against torch's glue on them in float32: fla's q, k (bf16), the denominator and the
+    gradients."""
+    phi_q, phi_k = ((torch.randn(2, 4, 8192, 64, device="cuda") * 0.5).exp().bfloat16().requires_grad_()
+                    for _ in range(2))
+    phases = phases_at(8192, 64, 0, 0, torch.float32)
+    inputs = [fla_kernels.fla_layout(t) for t in (phi_q, phi_k)]
+    got = factor_kernels_module().plain_factors(*inputs, phases, dot=torch.bfloat16,
+                                                guard=denominator_guard(torch.float32))
+    want = fla_kernels.plain_factors(*inputs, phases, work=torch.float32, dot=torch.bfloat16)
+    weights = [torch.randn_like(want[i].float()) for i in range(3)]
+    runs = [[*out, *torch.autograd.grad(sum((out[i].float() * w).sum() for i, w in enumerate(weights)),
+                                        (phi_q, phi_k))] for out in (got, want)]
+    for name, g, w in zip(PLAIN_FACTORS, *runs, strict=True):
+        torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2 * w.float().abs().max().item(),
+                                   msg=name)
 
 
 @pytest.mark.gpu
