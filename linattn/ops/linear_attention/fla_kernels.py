@@ -1,20 +1,18 @@
 """Eq. 19 on flash-linear-attention's chunk kernels: the `fla` backend (causal calls on CUDA; `pip
 install 'linattn[gpu]'`), the default of backend="auto" on CUDA.  Eq. 19 is one call of fla per forward
-(plain features: numerator and denominator together; log-features: the numerator, the denominator
-from factor_kernels.py's kernels), with glue that scans nothing along the sequence with torch and
-reads nothing on the host.
+(the numerator, its queries divided by the denominator for plain features; the denominator from
+factor_kernels.py's kernels; a plain pass with a decay calls fla for each), with glue that scans
+nothing along the sequence with torch and reads nothing on the host.
 
 Derivation: docs/derivations.md, "Eq. 19 on fla's kernels (fla_kernels.py)"."""
 from __future__ import annotations
-
-from functools import partial
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from ...rotary import rotate_pairs
-from .common import (DECAY_FLOOR, LogProjection, chunk_carries, compute_dtype, divide, feature_tensors,
-                     first_derivatives_only, guard_log_features, log_feature_floor, log_feature_limit, log_normalizer,
+from .common import (DECAY_FLOOR, LogProjection, chunk_carries, compute_dtype, denominator_guard, divide,
+                     feature_tensors, first_derivatives_only, guard_log_features, log_feature_floor, log_feature_limit, log_normalizer,
                      plain_log_normalizer, query_key_phases)
 from .recurrent import LinearState
 from .stable import numerator_query
@@ -45,17 +43,6 @@ def decayed_linear_attention(q, k, v, log_decay, *, return_state: bool):
     from fla.ops.simple_gla import chunk_simple_gla
     return _padded(lambda q, k, v: chunk_simple_gla(q, k, v, g_gamma=log_decay, scale=1.0,
                                                     output_final_state=return_state), q, k, v)
-
-
-def numerator_and_denominator(attend, numerator_inputs, denominator_inputs, values):
-    """attend(q, k, v, *gates) -> (o, final state or None) on the numerator's (q, k, *gates) with the
-    values, and on the denominator's with a block of ones for values (fla's smallest tile; every column
-    is the sum): (numerator, denominator, kv, sums), the last two None without a state."""
-    q, k, *gates = numerator_inputs
-    numerator, kv = attend(q, k, values, *gates)
-    q, k, *gates = denominator_inputs
-    denominator, sums = attend(q, k, values.new_ones(*values.shape[:-1], ONES), *gates)
-    return numerator, denominator[..., 0], kv, None if sums is None else sums[..., 0]
 
 
 def _padded(kernel, q, k, v, *gates, multiple: int = TILE):
@@ -102,10 +89,10 @@ def step_decays(scale: torch.Tensor, log_decay: torch.Tensor | None = None) -> t
     return decay.clamp_min_(DECAY_FLOOR)
 
 
-def finish(numerator, denominator, v, *, kv, sums, work: torch.dtype, position: int, log_scale=None):
-    """out = numerator / denominator in v's dtype, as a (B, H, N, Dv) view; with the final states kv and
-    sums (return_state), also the LinearState in `work`."""
-    out = fla_layout(divide(numerator, denominator).to(v.dtype))
+def finish(out, v, *, kv, sums, work: torch.dtype, position: int, log_scale=None):
+    """The output (fla's layout) in v's dtype, as a (B, H, N, Dv) view; with the final states kv and sums
+    (return_state), also the LinearState in `work`."""
+    out = fla_layout(out.to(v.dtype))
     if kv is None:
         return out
     return out, LinearState(kv.detach().to(work), sums.detach().to(work), position, log_scale)
@@ -115,31 +102,72 @@ def plain_attention(phi_q, phi_k, v, *, causal: bool, rotary: bool, offset: int,
                     chunk_size: int, return_state: bool, key_offset: int | None = None,
                     return_log_normalizer: bool = False, log_decay: torch.Tensor | None = None):
     """Plain features (dispatch.py's call shape; causal, N >= 1: the table routes the rest): queries rotated
-    at offset.., keys at key_offset.. (None: offset); log_decay (H,) log gamma: fla's constant gates
-    (`chunk_simple_gla`); with return_log_normalizer the rows' log-denominators last, (B, H, N) in the
-    work dtype."""
+    at offset.., keys at key_offset.. (None: offset); with return_log_normalizer the rows' log-denominators
+    last, (B, H, N) in the work dtype.  One call of fla: the denominator from the keys' running sums
+    (`plain_factors`), the queries divided by it before the call.  log_decay (H,) log gamma: fla's
+    constant gates (`chunk_simple_gla`), numerator and denominator one call each."""
     del causal, chunk_size   # causal by the table; fla picks its own chunks
     n, m = phi_q.shape[-2:]
     key_offset = int(offset) if key_offset is None else int(key_offset)
     work, dot = dtypes(v, phi_q, phi_k)
-    attend, gates = (plain_linear_attention, ()) if log_decay is None else (decayed_linear_attention,
-                                                                             (log_decay.float(),))
     with torch.autocast(v.device.type, enabled=False):
         phases = query_key_phases(n, m, offset=int(offset), key_offset=key_offset, base=rope_base, device=v.device,
                                   dtype=work) if rotary else None
-        q_num, k_num, q_den, k_den = checkpoint(plain_factors, phi_q, phi_k, phases, work=work, dot=dot,
-                                                use_reentrant=False, preserve_rng_state=False)
-        numerator, denominator, kv, sums = numerator_and_denominator(
-            partial(attend, return_state=return_state), (q_num, k_num, *gates), (q_den, k_den, *gates),
-            fla_layout(v).to(dot))
-    result = finish(numerator, denominator, v, kv=kv, sums=sums, work=work, position=key_offset + n)
-    if not return_log_normalizer:
-        return result
+        values = fla_layout(v).to(dot)
+        if log_decay is not None:
+            return decayed_plain_attention(phi_q, phi_k, v, values, phases, log_decay, work=work, dot=dot,
+                                           return_state=return_state, position=key_offset + n,
+                                           return_log_normalizer=return_log_normalizer)
+        q, k = fla_layout(phi_q), fla_layout(phi_k)
+        if kernels_run_on(v):
+            from .factor_kernels import plain_factors as kernel_plain_factors
+            factors = kernel_plain_factors(q, k, phases, dot=dot, guard=denominator_guard(work))
+        else:   # torch's glue (CPU outside Triton's interpreter): the factors recomputed for backward
+            factors = checkpoint(plain_factors, q, k, phases, work=work, dot=dot, use_reentrant=False,
+                                 preserve_rng_state=False)
+        q_num, k_num, denominator, sums = factors
+        out, kv = plain_linear_attention(q_num, k_num, values, return_state=return_state)
+    result = finish(out, v, kv=kv, sums=sums, work=work, position=key_offset + n)
+    return with_log_normalizer(result, denominator, work) if return_log_normalizer else result
+
+
+def with_log_normalizer(result, denominator, work: torch.dtype):
+    """A plain pass's result with the rows' log-denominators last, (B, H, N) from the (B, T, H) denominator."""
     lse = plain_log_normalizer(denominator.to(work)).transpose(1, 2)
-    return (*result, lse) if return_state else (result, lse)
+    return (*result, lse) if isinstance(result, tuple) else (result, lse)
 
 
-def plain_factors(phi_q, phi_k, phases, *, work: torch.dtype, dot: torch.dtype):
+def plain_factors(q, k, phases, *, work: torch.dtype, dot: torch.dtype):
+    """fla's inputs for Eq. 19 in one call from plain features in fla's layout (B, T, H, M): q = R phi_q /
+    den and k = R phi_k in `dot` (phases: the queries' and keys' rotations (2, T, M/2), or None), the
+    denominator den = phi_q . sum_{n<=t} phi_k (B, T, H) in `work`, and the keys' sums at the last token.
+    Torch's glue: the reference of factor_kernels.plain_factors, and the route on CPU outside Triton's
+    interpreter."""
+    q, k = q.to(work), k.to(work)
+    sums = k.cumsum(1)
+    denominator = (q * sums).sum(-1)
+    q = divide(q, denominator)
+    if phases is not None:
+        q, k = rotated(q, phases[0]), rotated(k, phases[1])
+    return q.to(dot), k.to(dot), denominator, sums[:, -1].detach()
+
+
+def decayed_plain_attention(phi_q, phi_k, v, values, phases, log_decay, *, work, dot, return_state: bool,
+                            position: int, return_log_normalizer: bool):
+    """`plain_attention` with a decay per head: fla's `chunk_simple_gla` on the rotated features with the
+    values and on the unrotated ones with a block of ones (the denominator), the two divided."""
+    def attend(q, k, values):
+        return decayed_linear_attention(q, k, values, log_decay.float(), return_state=return_state)
+    q_num, k_num, q_den, k_den = checkpoint(rotated_and_unrotated, phi_q, phi_k, phases, work=work, dot=dot,
+                                            use_reentrant=False, preserve_rng_state=False)
+    numerator, kv = attend(q_num, k_num, values)
+    denominator, sums = attend(q_den, k_den, values.new_ones(*values.shape[:-1], ONES))
+    denominator, sums = denominator[..., 0], None if sums is None else sums[..., 0]
+    result = finish(divide(numerator, denominator), v, kv=kv, sums=sums, work=work, position=position)
+    return with_log_normalizer(result, denominator, work) if return_log_normalizer else result
+
+
+def rotated_and_unrotated(phi_q, phi_k, phases, *, work: torch.dtype, dot: torch.dtype):
     """fla's inputs in its layout and in `dot`: the rotated features for the numerator (phases: the
     queries' and keys' rotations (2, T, M/2)), the features for the denominator (the same tensors unrotated)."""
     q, k = fla_layout(phi_q), fla_layout(phi_k)
@@ -179,7 +207,7 @@ def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope
     sums = torch.exp(last_log_sums.detach() - last_scale).to(work) if return_state else None
     if rate is not None and return_state:   # from the last key's frame to the next position's
         last_scale = last_scale + rate[:, None]
-    result = finish(numerator, denominator, v, kv=kv, sums=sums, work=work, position=key_offset + n,
+    result = finish(divide(numerator, denominator), v, kv=kv, sums=sums, work=work, position=key_offset + n,
                     log_scale=last_scale.detach() if return_state else None)
     if not return_log_normalizer:
         return result
