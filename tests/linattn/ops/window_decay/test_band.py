@@ -18,6 +18,15 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True, params=["flash", "blocked"])
+def kernel(request, monkeypatch):
+    """Every test on both of the band's kernels: torch's CPU flash-attention kernel (what CPU runs) and
+    the blocked torch products (what other devices run)."""
+    if request.param == "blocked":
+        monkeypatch.setattr(band, "FLASH_DEVICES", ())
+    return request.param
+
+
 def masked_scores(q, k, window: int, log_decay):
     n = q.shape[-2]
     scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
@@ -85,6 +94,32 @@ def test_no_tensor_grows_with_n_squared(monkeypatch):
         out, lse = band_attention(q, k, v, window)
         (out.sum() + lse.sum()).backward()
     assert largest.numel < n * n // 64, "an (N, N)-sized tensor appeared"
+
+
+class FlashCalls(LargestTensor):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in (band.FLASH_FORWARD.default, band.FLASH_BACKWARD.default)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("log_decay", DECAYS)
+def test_cpu_runs_the_flash_kernel_on_views_of_the_rows(kernel, log_decay):
+    """On CPU: two kernel calls each way (own block, previous block), no band or scores made: no tensor
+    beyond the inputs' size (a decay's masks, one (L, L) per block, are the queries' size at L = D; the
+    lse's gradient takes one more column)."""
+    if kernel == "blocked":
+        pytest.skip("the flash kernel's layout")
+    n, window, dim = 2048, 8, band.MIN_BLOCK   # blocks of L = 32 rows
+    q, k, v = (t.detach().float().requires_grad_() for t in inputs(n, dim=dim))
+    with FlashCalls() as mode:
+        out, lse = band_attention(q, k, v, window, log_decay, rotary_offset=3)
+        (out.sum() + lse.sum()).backward()
+    assert mode.calls == 4
+    assert mode.numel <= q.numel() * (dim + 1) // dim, "a band or scores tensor appeared"
 
 
 def test_merge_is_one_softmax_over_both_sets_of_keys():
