@@ -25,6 +25,7 @@ from ...rotary import DEFAULT_BASE, rotary_phases, rotate_pairs
 MIN_BLOCK = 32            # the queries' blocks have at least this many rows (fewer, larger products)
 GROUP_SCORES = 1 << 20    # scores computed at once, at most (about): 4 MB in float32
 FLASH_DEVICES = ("cpu",)  # where torch's flash-attention kernel runs the blocks (elsewhere torch's products)
+FLASH_ROWS = 1 << 14      # rows (batch x heads x N) of a flash backward's group of heads (at least one head)
 
 
 def band_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
@@ -181,44 +182,59 @@ def flash_forward(layout: "Band", q, k, v):
     window: only the first W - 1 rows reach it), the two merged by their log-normalisers.  Both take
     views of the rows as they lie (no band is copied; one head a batch entry, so the kernel copies none)."""
     queries, keys, values = layout.flash_inputs(q, k, v)
-    out, lse = FLASH_FORWARD(queries, keys, values, attn_mask=layout.own_mask, scale=layout.scale)
+    own_mask, near_mask = layout.flash_masks(q.shape[0], layout.log_decay)
+    out, lse = FLASH_FORWARD(queries, keys, values, attn_mask=own_mask, scale=layout.scale)
     if layout.previous:
-        near_out, near_lse = FLASH_FORWARD(queries[1:], keys[:-1], values[:-1], attn_mask=layout.near_mask,
+        near_out, near_lse = FLASH_FORWARD(queries[1:], keys[:-1], values[:-1], attn_mask=near_mask,
                                            scale=layout.scale)
         # rows with no key in the previous block (the kernel's lse is 0 there), and every head's first
         # block (its previous entry is the head before's last): no weight
         near_lse[..., layout.window - 1:] = float("-inf")
         near_lse[layout.blocks - 1::layout.blocks] = float("-inf")
         merge_into(out[1:], lse[1:], near_out, near_lse)
-    return layout.from_blocks(out), layout.from_blocks(lse.unsqueeze(-1)).squeeze(-1)
+    return layout.from_blocks(out, q.shape[:2]), layout.from_blocks(lse.unsqueeze(-1), q.shape[:2]).squeeze(-1)
 
 
 def flash_backward(layout: "Band", q, k, v, out, lse, grad_out, grad_lse):
-    """`blocked_backward` by torch's CPU flash-attention backward kernel on `flash_forward`'s two parts,
-    each given the merged out and lse (e^(s - lse) is each weight's share of all); every head's first
-    block reads its previous entry with lse = +inf (no weight).  A gradient into lse (p for each weight)
-    rides on one more value column, 1 for every key, whose output gradient is d lse and whose output is
-    taken as 0 (so the kernel's dO . out is the same)."""
+    """`blocked_backward` by torch's CPU flash-attention backward kernel, a group of heads at a time (the
+    kernel's inputs and gradients are new tensors: a group's stay a few MB), into the gradients."""
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    per_group = max(1, FLASH_ROWS // (q.shape[0] * layout.n))
+    for start in range(0, q.shape[1], per_group):
+        heads = slice(start, start + per_group)
+        parts = (None if t is None else t[:, heads] for t in (q, k, v, out, lse, grad_out, grad_lse))
+        log_decay = None if layout.log_decay is None else layout.log_decay[heads]
+        for grad, part in zip(grads, flash_backward_heads(layout, log_decay, *parts)):
+            grad[:, heads] = part
+    return grads
+
+
+def flash_backward_heads(layout: "Band", log_decay, q, k, v, out, lse, grad_out, grad_lse):
+    """`flash_backward` of some heads (log_decay: theirs): `flash_forward`'s two kernel calls, each given
+    the merged out and lse (e^(s - lse) is each weight's share of all); every head's first block reads
+    its previous entry with lse = +inf (no weight).  A gradient into lse (p for each weight) rides on
+    one more value column, 1 for every key, whose output gradient is d lse and whose output is taken as 0
+    (so the kernel's dO . out is the same)."""
     extra = grad_lse is not None
     queries, keys, values = layout.flash_inputs(q, k, v, extra=extra)
     d_outs, outs = layout.to_blocks(grad_out, grad_lse), layout.to_blocks(out, 0.0 if extra else None)
     lses = layout.to_blocks(lse.unsqueeze(-1)).squeeze(-1)
+    own_mask, near_mask = layout.flash_masks(q.shape[0], log_decay)
     grad_q, grad_k, grad_v = FLASH_BACKWARD(d_outs, queries, keys, values, outs, lses, 0.0, False,
-                                            attn_mask=layout.own_mask, scale=layout.scale)
+                                            attn_mask=own_mask, scale=layout.scale)
     if layout.previous:
         near_lses = lses[1:].clone()
         near_lses[layout.blocks - 1::layout.blocks] = float("inf")
         near = FLASH_BACKWARD(d_outs[1:], queries[1:], keys[:-1], values[:-1], outs[1:], near_lses, 0.0, False,
-                              attn_mask=layout.near_mask, scale=layout.scale)
+                              attn_mask=near_mask, scale=layout.scale)
         grad_q[1:] += near[0]
         grad_k[:-1] += near[1]
         grad_v[:-1] += near[2]
-    grad_q, grad_k, grad_v = (layout.from_blocks(g) for g in (grad_q, grad_k, grad_v))
+        del near
+    grad_q, grad_k, grad_v = (layout.from_blocks(g, q.shape[:2]) for g in (grad_q, grad_k, grad_v))
     if extra:
-        grad_q, grad_k, grad_v = (g[..., :-1].contiguous() for g in (grad_q, grad_k, grad_v))
-    layout.unrotate(grad_q)
-    layout.unrotate(grad_k)
-    return grad_q, grad_k, grad_v
+        grad_q, grad_k, grad_v = (g[..., :-1] for g in (grad_q, grad_k, grad_v))
+    return layout.rotated_back(grad_q), layout.rotated_back(grad_k), grad_v
 
 
 def merge_into(out, lse, other, other_lse) -> None:
@@ -249,8 +265,9 @@ class Band:
         per_block = q.shape[:-2].numel() * self.block * width
         self.group_blocks = max(1, min(self.blocks, GROUP_SCORES // max(1, per_block)))
         self.flash = q.device.type in FLASH_DEVICES
-        if self.flash:
-            self.flash_masks(q, log_decay)
+        if self.flash:   # blocks 1.. reach into the previous block
+            self.previous, self.log_decay = self.blocks > 1 and window > 1, log_decay
+            self.device, self.dtype = q.device, q.dtype
         else:   # (L, L + W - 1), (H, 1, ...) with a decay
             rows, cols = torch.arange(self.block, device=q.device), torch.arange(width, device=q.device)
             self.bias = window_bias(rows[:, None] - cols + window - 1, window, log_decay, q.dtype)
@@ -328,25 +345,22 @@ class Band:
 
     # ---- the flash kernel's blocks: (B H, K, L, .), every block a batch entry --------------------
 
-    def flash_masks(self, q, log_decay) -> None:
-        """The kernel's additive masks, (L, L), or (B H K, 1, L, L) with a decay (per head, one per
-        block): a block's queries against its own keys (distance i - j), and (`previous`: K > 1, W > 1)
-        against the previous block's (distance i - j + L)."""
-        rows = torch.arange(self.block, device=q.device)
-        repeat = q.shape[:-2].numel() // (1 if log_decay is None else log_decay.shape[0])
+    def flash_masks(self, batch: int, log_decay) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The kernel's additive masks, (L, L), or (batch H K, 1, L, L) with a decay (per head, one per
+        block): a block's queries against its own keys (distance i - j), and (None unless `previous`)
+        against the previous block's (distance i - j + L), for blocks 1.."""
+        rows = torch.arange(self.block, device=self.device)
 
         def per_block(bias):   # (H, 1, L, L) -> one per block of every batch entry and head
             if log_decay is None:
                 return bias
-            return bias.unsqueeze(0).expand(repeat, -1, self.blocks, -1, -1).reshape(-1, 1, *bias.shape[-2:])
+            return bias.unsqueeze(0).expand(batch, -1, self.blocks, -1, -1).reshape(-1, 1, *bias.shape[-2:])
 
-        self.own_mask = per_block(window_bias(rows[:, None] - rows, self.window, log_decay, q.dtype))
-        self.previous = self.blocks > 1 and self.window > 1
-        if self.previous:
-            self.near_mask = per_block(window_bias(rows[:, None] - rows + self.block, self.window, log_decay,
-                                                   q.dtype))
-            if log_decay is not None:
-                self.near_mask = self.near_mask[1:]
+        own = per_block(window_bias(rows[:, None] - rows, self.window, log_decay, self.dtype))
+        if not self.previous:
+            return own, None
+        near = per_block(window_bias(rows[:, None] - rows + self.block, self.window, log_decay, self.dtype))
+        return own, near if log_decay is None else near[1:]
 
     def flash_inputs(self, q, k, v, extra: bool = False):
         """Queries, keys and values (B H, K, L, .), rotated where the layout rotates; `extra`: one more
@@ -366,9 +380,17 @@ class Band:
             x = F.pad(x, (0, 1), value=column)
         return self.pad(x).reshape(-1, 1, self.block, x.shape[-1])
 
-    def from_blocks(self, x: torch.Tensor) -> torch.Tensor:
+    def from_blocks(self, x: torch.Tensor, batch_heads) -> torch.Tensor:
         """(B H K, 1, L, C) -> (B, H, N, C)."""
-        return self.unpad(x.reshape(*self.rows_shape, x.shape[-1]))
+        return self.unpad(x.reshape(*batch_heads, self.blocks * self.block, x.shape[-1]))
+
+    def rotated_back(self, grads: torch.Tensor) -> torch.Tensor:
+        """`unrotate`, of gradients that may be a view of wider rows (then a copy)."""
+        if self.phases is None:
+            return grads
+        grads = grads if grads.stride(-1) == 1 and grads.stride(-2) % 2 == 0 else grads.contiguous()
+        self.unrotate(grads)
+        return grads
 
 
 def window_bias(distance: torch.Tensor, window: int, log_decay, dtype: torch.dtype) -> torch.Tensor:

@@ -59,8 +59,10 @@ def test_band_matches_masked_softmax_in_float64(monkeypatch, n, window, group_sc
 
 @pytest.mark.parametrize("n, window, group_scores", [(11, 3, 1), (11, 4, 1 << 22), (6, 9, 1 << 22)])
 @pytest.mark.parametrize("log_decay", DECAYS)
-def test_band_gradients_of_output_and_log_normaliser(monkeypatch, n, window, group_scores, log_decay):
+@pytest.mark.parametrize("flash_rows", [1 << 14, 1])   # the flash backward's heads in one group, one by one
+def test_band_gradients_of_output_and_log_normaliser(monkeypatch, n, window, group_scores, log_decay, flash_rows):
     monkeypatch.setattr(band, "GROUP_SCORES", group_scores)
+    monkeypatch.setattr(band, "FLASH_ROWS", flash_rows)
     q, k, v = inputs(n, dim=2)
 
     def both(q, k, v):
