@@ -378,7 +378,8 @@ class Band:
             x = torch.cat((x, column.unsqueeze(-1)), -1)
         elif column is not None:
             x = F.pad(x, (0, 1), value=column)
-        return self.pad(x).reshape(-1, 1, self.block, x.shape[-1])
+        blocks = self.pad(x).reshape(-1, 1, self.block, x.shape[-1])
+        return blocks if blocks.stride(-1) == 1 else blocks.contiguous()   # the kernel reads rows as dense
 
     def from_blocks(self, x: torch.Tensor, batch_heads) -> torch.Tensor:
         """(B H K, 1, L, C) -> (B, H, N, C)."""

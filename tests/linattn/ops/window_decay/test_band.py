@@ -75,6 +75,20 @@ def test_band_gradients_of_output_and_log_normaliser(monkeypatch, n, window, gro
     assert all(t.grad is not None and t.grad.isfinite().all() for t in (q, k, v))
 
 
+@pytest.mark.parametrize("log_decay", DECAYS)
+def test_inputs_of_any_strides_give_the_same_outputs_and_gradients(log_decay):
+    """Rows that are not dense (a convolution's (B, C, N) output seen as (B, H, N, D)) are read as rows."""
+    dense = inputs(20, dim=4)   # one block: the heads' rows as views, not copies
+    strided = [t.detach().transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_() for t in dense]
+    weight = torch.randn(1, 2, 20, 4, dtype=torch.float64)
+    results = []
+    for q, k, v in (dense, strided):
+        out, lse = band_attention(q, k, v, 5, log_decay)
+        results.append((out, lse, *torch.autograd.grad((out * weight).sum() + lse.sum(), (q, k, v))))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want)
+
+
 class LargestTensor(TorchDispatchMode):
     def __init__(self):
         super().__init__()
