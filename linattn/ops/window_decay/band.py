@@ -104,7 +104,7 @@ class Merge(torch.autograd.Function):
 class BandAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, window: int, log_decay, rotary_offset, rope_base, other, other_lse):
-        layout = Band(q, window, log_decay, rotary_offset, rope_base)
+        layout = Band(q, window, log_decay, rotary_offset, rope_base, value_dim=v.shape[-1])
         out, lse = (flash_forward if layout.flash else blocked_forward)(layout, q, k, v)
         if other is not None:   # in place, rows N - R..: the two weights of `merge`, one stabiliser per row
             start = out.shape[-2] - other.shape[-2]
@@ -254,7 +254,7 @@ class Band:
     With a rotary offset, the phases of RoPE for the K L rows, applied to each group's rows as it goes."""
 
     def __init__(self, q: torch.Tensor, window: int, log_decay, rotary_offset: int | None = None,
-                 rope_base: float = DEFAULT_BASE):
+                 rope_base: float = DEFAULT_BASE, *, value_dim: int):
         n, dim = q.shape[-2:]
         self.window, self.n, self.scale = window, n, dim ** -0.5
         self.block = min(n, max(window, MIN_BLOCK))
@@ -264,7 +264,8 @@ class Band:
         width = self.block + window - 1
         per_block = q.shape[:-2].numel() * self.block * width
         self.group_blocks = max(1, min(self.blocks, GROUP_SCORES // max(1, per_block)))
-        self.flash = q.device.type in FLASH_DEVICES
+        # the kernel takes values as wide as the keys only
+        self.flash = q.device.type in FLASH_DEVICES and value_dim == dim
         if self.flash:   # blocks 1.. reach into the previous block
             self.previous, self.log_decay = self.blocks > 1 and window > 1, log_decay
             self.device, self.dtype = q.device, q.dtype

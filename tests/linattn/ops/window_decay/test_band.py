@@ -75,6 +75,16 @@ def test_band_gradients_of_output_and_log_normaliser(monkeypatch, n, window, gro
     assert all(t.grad is not None and t.grad.isfinite().all() for t in (q, k, v))
 
 
+def test_values_of_another_width_match_masked_softmax():
+    """Values wider than the keys (the flash kernel takes equal widths: the blocked products run)."""
+    q, k, _ = inputs(40, dim=4)
+    v = torch.randn(1, 2, 40, 6, dtype=torch.float64)
+    out, lse = band_attention(q, k, v, 5, DECAYS[1])
+    scores = masked_scores(q, k, 5, DECAYS[1])
+    torch.testing.assert_close(out, torch.softmax(scores, -1) @ v)
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1))
+
+
 @pytest.mark.parametrize("log_decay", DECAYS)
 def test_inputs_of_any_strides_give_the_same_outputs_and_gradients(log_decay):
     """Rows that are not dense (a convolution's (B, C, N) output seen as (B, H, N, D)) are read as rows."""
