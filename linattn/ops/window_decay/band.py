@@ -1,13 +1,19 @@
 """A sliding window of exact softmax in O(N W) time and memory: query m against the keys n with
 0 <= m - n < W, scores s_mn = q_m . k_n / sqrt(D) + (m - n) log gamma (the decay, optional).
 
-Queries go in blocks of L >= W rows against their band of L + W - 1 keys, a group of blocks at a time
-(so no (N, N) tensor or mask, and the band's scores stay a few MB whatever N is).  Like flash attention
-the pass returns each row's log-normaliser lse_m = log sum_n e^(s_mn) beside the output, keeps only its
-inputs, the output and lse for backward, and recomputes the band's weights there.  RoPE, where asked,
-is applied group by group in both passes (no rotated copy of q and k is made or kept), and another
-attention of known log-normaliser (the linear part of docs/gap-closers.md) is merged into the same
-pass as one more key per row, so that backward needs neither the window's own output nor its weights.
+Queries go in blocks of L >= W rows; a block's window lies in its own rows and the previous block's.
+Like flash attention the pass returns each row's log-normaliser lse_m = log sum_n e^(s_mn) beside the
+output, keeps only its inputs, the output and lse for backward, and recomputes the weights there.  RoPE,
+where asked, is applied inside both passes (no rotated copy of q and k is kept), and another attention of
+known log-normaliser (the linear part of docs/gap-closers.md) is merged into the same pass as one more key
+per row, so that backward needs neither the window's own output nor its weights.  Two kernels:
+
+* CPU: torch's flash-attention kernel, every block a batch entry, called on its own rows and on the
+  previous block's (views of the rows as they lie: no band of keys is copied, no scores are kept), the two
+  merged by their log-normalisers, and each backward call given the merged output and lse;
+* elsewhere: torch's products on each block's band of L + W - 1 keys, a group of blocks at a time (so no
+  (N, N) tensor or mask, and the band's scores stay a few MB whatever N is).
+
 `merge` combines two attentions by their log-normalisers outside the pass (a decoding step's)."""
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ from ...rotary import DEFAULT_BASE, rotary_phases, rotate_pairs
 
 MIN_BLOCK = 32            # the queries' blocks have at least this many rows (fewer, larger products)
 GROUP_SCORES = 1 << 20    # scores computed at once, at most (about): 4 MB in float32
+FLASH_DEVICES = ("cpu",)  # where torch's flash-attention kernel runs the blocks (elsewhere torch's products)
+FLASH_ROWS = 1 << 14      # rows (batch x heads x N) of a flash backward's group of heads (at least one head)
 
 
 def band_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
@@ -96,26 +104,14 @@ class Merge(torch.autograd.Function):
 class BandAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, window: int, log_decay, rotary_offset, rope_base, other, other_lse):
-        layout = Band(q, window, log_decay, rotary_offset, rope_base)
-        queries, keys, values = layout.pad(q), layout.pad(k), layout.pad(v)
-        out, lse = v.new_empty(*layout.rows_shape, v.shape[-1]), v.new_empty(layout.rows_shape)
-        for blocks in layout.groups():
-            group_queries, band_keys, band_values = layout.group(queries, keys, values, blocks)
-            scores = layout.scores(group_queries, band_keys, blocks)
-            top = scores.amax(-1, keepdim=True)   # the diagonal is always inside: finite
-            weights = scores.sub_(top).exp_()     # in place: one (G, L, L + W - 1) tensor at a time
-            den = weights.sum(-1)
-            rows = layout.rows(blocks)
-            out[..., rows, :] = (weights @ band_values).div_(den.unsqueeze(-1)).flatten(2, 3)
-            lse[..., rows] = (top.squeeze(-1) + den.log()).flatten(2, 3)
-        out, lse = layout.unpad(out), layout.unpad(lse.unsqueeze(-1)).squeeze(-1)
+        layout = Band(q, window, log_decay, rotary_offset, rope_base, value_dim=v.shape[-1])
+        out, lse = (flash_forward if layout.flash else blocked_forward)(layout, q, k, v)
         if other is not None:   # in place, rows N - R..: the two weights of `merge`, one stabiliser per row
             start = out.shape[-2] - other.shape[-2]
-            mine, theirs = merge_weights(lse[..., start:], other_lse)
-            out[..., start:, :].mul_(mine).addcmul_(theirs, other)
-            lse[..., start:] = torch.logaddexp(lse[..., start:], other_lse)
+            merge_into(out[..., start:, :], lse[..., start:], other, other_lse)
         ctx.save_for_backward(q, k, v, out, lse, other, other_lse)
         ctx.layout = layout
+        ctx.set_materialize_grads(False)   # an unused lse (the blocks') takes no pass in backward
         return out, lse
 
     @staticmethod
@@ -124,41 +120,132 @@ class BandAttention(torch.autograd.Function):
         layout = ctx.layout
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        if grad_lse is None:
-            grad_lse = torch.zeros_like(lse)
-        queries, keys, values, d_outs, out = (layout.pad(t) for t in (q, k, v, grad_out, out))
-        lse, grad_lse = (layout.pad(t.unsqueeze(-1)) for t in (lse, grad_lse))
-        grad_q = torch.empty_like(queries)   # every row written once; keys and values take sums
-        grad_k, grad_v = torch.zeros_like(keys), torch.zeros_like(values)
+        # d lse / d s = p;  d out / d s = p (dO . v - dO . out): together p (dO . v - dO . out + d lse)
+        grads = (flash_backward if layout.flash else blocked_backward)(layout, q, k, v, out, lse, grad_out,
+                                                                       grad_lse)
+        if other is None:
+            return (*grads, None, None, None, None, None, None)
         # the merged attention's one extra key per row: weight e^(other_lse - lse), value `other`
-        start = layout.n - (0 if other is None else other.shape[-2])
-        grad_other = None if other is None else torch.empty_like(other)
-        grad_other_lse = None if other is None else torch.empty_like(other_lse)
-        for blocks in layout.groups():
-            rows = layout.rows(blocks)
-            group_queries, band_keys, band_values = layout.group(queries, keys, values, blocks)
-            scores = layout.scores(group_queries, band_keys, blocks)
-            weights = scores.sub_(layout.blocked(lse[..., rows, :])).exp_()
-            d_out = layout.blocked(d_outs[..., rows, :])
-            # d lse / d s = p;  d out / d s = p (dO . v - dO . out): together p (dO . v - dO . out + d lse)
-            shift = grad_lse[..., rows, :] - (d_outs[..., rows, :] * out[..., rows, :]).sum(-1, keepdim=True)
-            d_scores = (d_out @ band_values.transpose(-1, -2)).add_(layout.blocked(shift)).mul_(weights)
-            d_scores.mul_(layout.scale)
-            grad_q[..., rows, :] = (d_scores @ band_keys).flatten(2, 3)
-            layout.add_band(grad_k, d_scores.transpose(-1, -2) @ group_queries, blocks)
-            layout.add_band(grad_v, weights.transpose(-1, -2) @ d_out, blocks)
-            merged = slice(max(rows.start, start), min(rows.stop, layout.n))
-            if other is not None and merged.start < merged.stop:   # the same for the extra key
-                theirs = slice(merged.start - start, merged.stop - start)
-                weight = torch.exp(other_lse[..., theirs] - lse[..., merged, 0]).unsqueeze(-1)
-                grad_other[..., theirs, :] = weight * d_outs[..., merged, :]
-                own_shift = shift[..., merged.start - rows.start:merged.stop - rows.start, :]
-                grad_other_lse[..., theirs] = (weight * ((d_outs[..., merged, :] * other[..., theirs, :]).sum(
-                    -1, keepdim=True) + own_shift)).squeeze(-1)
-        layout.unrotate(grad_q)
-        layout.unrotate(grad_k)
-        return (layout.unpad(grad_q), layout.unpad(grad_k), layout.unpad(grad_v), None, None, None, None,
-                grad_other, grad_other_lse)
+        start = layout.n - other.shape[-2]
+        tail = grad_out[..., start:, :]
+        weight = torch.exp(other_lse - lse[..., start:])
+        shift = torch.linalg.vecdot(tail, other) - torch.linalg.vecdot(tail, out[..., start:, :])
+        if grad_lse is not None:
+            shift = shift + grad_lse[..., start:]
+        return (*grads, None, None, None, None, weight.unsqueeze(-1) * tail, weight * shift)
+
+
+def blocked_forward(layout: "Band", q, k, v):
+    """(out, lse) of the window by torch's products, a group of blocks at a time."""
+    queries, keys, values = layout.pad(q), layout.pad(k), layout.pad(v)
+    out, lse = v.new_empty(*layout.rows_shape, v.shape[-1]), v.new_empty(layout.rows_shape)
+    for blocks in layout.groups():
+        group_queries, band_keys, band_values = layout.group(queries, keys, values, blocks)
+        scores = layout.scores(group_queries, band_keys, blocks)
+        top = scores.amax(-1, keepdim=True)   # the diagonal is always inside: finite
+        weights = scores.sub_(top).exp_()     # in place: one (G, L, L + W - 1) tensor at a time
+        den = weights.sum(-1)
+        rows = layout.rows(blocks)
+        out[..., rows, :] = (weights @ band_values).div_(den.unsqueeze(-1)).flatten(2, 3)
+        lse[..., rows] = (top.squeeze(-1) + den.log()).flatten(2, 3)
+    return layout.unpad(out), layout.unpad(lse.unsqueeze(-1)).squeeze(-1)
+
+
+def blocked_backward(layout: "Band", q, k, v, out, lse, grad_out, grad_lse):
+    """(grad q, grad k, grad v) of the (merged) attention `out`, `lse` by torch's products."""
+    if grad_lse is None:
+        grad_lse = torch.zeros_like(lse)
+    queries, keys, values, d_outs, out = (layout.pad(t) for t in (q, k, v, grad_out, out))
+    lse, grad_lse = (layout.pad(t.unsqueeze(-1)) for t in (lse, grad_lse))
+    grad_q = torch.empty_like(queries)   # every row written once; keys and values take sums
+    grad_k, grad_v = torch.zeros_like(keys), torch.zeros_like(values)
+    for blocks in layout.groups():
+        rows = layout.rows(blocks)
+        group_queries, band_keys, band_values = layout.group(queries, keys, values, blocks)
+        scores = layout.scores(group_queries, band_keys, blocks)
+        weights = scores.sub_(layout.blocked(lse[..., rows, :])).exp_()
+        d_out = layout.blocked(d_outs[..., rows, :])
+        shift = grad_lse[..., rows, :] - (d_outs[..., rows, :] * out[..., rows, :]).sum(-1, keepdim=True)
+        d_scores = (d_out @ band_values.transpose(-1, -2)).add_(layout.blocked(shift)).mul_(weights)
+        d_scores.mul_(layout.scale)
+        grad_q[..., rows, :] = (d_scores @ band_keys).flatten(2, 3)
+        layout.add_band(grad_k, d_scores.transpose(-1, -2) @ group_queries, blocks)
+        layout.add_band(grad_v, weights.transpose(-1, -2) @ d_out, blocks)
+    layout.unrotate(grad_q)
+    layout.unrotate(grad_k)
+    return layout.unpad(grad_q), layout.unpad(grad_k), layout.unpad(grad_v)
+
+
+def flash_forward(layout: "Band", q, k, v):
+    """(out, lse) of the window by torch's CPU flash-attention kernel, every block of L rows a batch
+    entry: its queries against its own keys, then against the previous block's keys (the rest of the
+    window: only the first W - 1 rows reach it), the two merged by their log-normalisers.  Both take
+    views of the rows as they lie (no band is copied; one head a batch entry, so the kernel copies none)."""
+    queries, keys, values = layout.flash_inputs(q, k, v)
+    own_mask, near_mask = layout.flash_masks(q.shape[0], layout.log_decay)
+    out, lse = FLASH_FORWARD(queries, keys, values, attn_mask=own_mask, scale=layout.scale)
+    if layout.previous:
+        near_out, near_lse = FLASH_FORWARD(queries[1:], keys[:-1], values[:-1], attn_mask=near_mask,
+                                           scale=layout.scale)
+        # rows with no key in the previous block (the kernel's lse is 0 there), and every head's first
+        # block (its previous entry is the head before's last): no weight
+        near_lse[..., layout.window - 1:] = float("-inf")
+        near_lse[layout.blocks - 1::layout.blocks] = float("-inf")
+        merge_into(out[1:], lse[1:], near_out, near_lse)
+    return layout.from_blocks(out, q.shape[:2]), layout.from_blocks(lse.unsqueeze(-1), q.shape[:2]).squeeze(-1)
+
+
+def flash_backward(layout: "Band", q, k, v, out, lse, grad_out, grad_lse):
+    """`blocked_backward` by torch's CPU flash-attention backward kernel, a group of heads at a time (the
+    kernel's inputs and gradients are new tensors: a group's stay a few MB), into the gradients."""
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    per_group = max(1, FLASH_ROWS // (q.shape[0] * layout.n))
+    for start in range(0, q.shape[1], per_group):
+        heads = slice(start, start + per_group)
+        parts = (None if t is None else t[:, heads] for t in (q, k, v, out, lse, grad_out, grad_lse))
+        log_decay = None if layout.log_decay is None else layout.log_decay[heads]
+        for grad, part in zip(grads, flash_backward_heads(layout, log_decay, *parts)):
+            grad[:, heads] = part
+    return grads
+
+
+def flash_backward_heads(layout: "Band", log_decay, q, k, v, out, lse, grad_out, grad_lse):
+    """`flash_backward` of some heads (log_decay: theirs): `flash_forward`'s two kernel calls, each given
+    the merged out and lse (e^(s - lse) is each weight's share of all); every head's first block reads
+    its previous entry with lse = +inf (no weight).  A gradient into lse (p for each weight) rides on
+    one more value column, 1 for every key, whose output gradient is d lse and whose output is taken as 0
+    (so the kernel's dO . out is the same)."""
+    extra = grad_lse is not None
+    queries, keys, values = layout.flash_inputs(q, k, v, extra=extra)
+    d_outs, outs = layout.to_blocks(grad_out, grad_lse), layout.to_blocks(out, 0.0 if extra else None)
+    lses = layout.to_blocks(lse.unsqueeze(-1)).squeeze(-1)
+    own_mask, near_mask = layout.flash_masks(q.shape[0], log_decay)
+    grad_q, grad_k, grad_v = FLASH_BACKWARD(d_outs, queries, keys, values, outs, lses, 0.0, False,
+                                            attn_mask=own_mask, scale=layout.scale)
+    if layout.previous:
+        near_lses = lses[1:].clone()
+        near_lses[layout.blocks - 1::layout.blocks] = float("inf")
+        near = FLASH_BACKWARD(d_outs[1:], queries[1:], keys[:-1], values[:-1], outs[1:], near_lses, 0.0, False,
+                              attn_mask=near_mask, scale=layout.scale)
+        grad_q[1:] += near[0]
+        grad_k[:-1] += near[1]
+        grad_v[:-1] += near[2]
+        del near
+    grad_q, grad_k, grad_v = (layout.from_blocks(g, q.shape[:2]) for g in (grad_q, grad_k, grad_v))
+    if extra:
+        grad_q, grad_k, grad_v = (g[..., :-1] for g in (grad_q, grad_k, grad_v))
+    return layout.rotated_back(grad_q), layout.rotated_back(grad_k), grad_v
+
+
+def merge_into(out, lse, other, other_lse) -> None:
+    """`merge` in place of out (..., R, Dv) and lse (..., R): one stabiliser per row."""
+    mine, theirs = merge_weights(lse, other_lse)
+    out.mul_(mine).addcmul_(theirs, other)
+    lse.copy_(torch.logaddexp(lse, other_lse))
+
+
+FLASH_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 class Band:
@@ -167,7 +254,7 @@ class Band:
     With a rotary offset, the phases of RoPE for the K L rows, applied to each group's rows as it goes."""
 
     def __init__(self, q: torch.Tensor, window: int, log_decay, rotary_offset: int | None = None,
-                 rope_base: float = DEFAULT_BASE):
+                 rope_base: float = DEFAULT_BASE, *, value_dim: int):
         n, dim = q.shape[-2:]
         self.window, self.n, self.scale = window, n, dim ** -0.5
         self.block = min(n, max(window, MIN_BLOCK))
@@ -177,14 +264,14 @@ class Band:
         width = self.block + window - 1
         per_block = q.shape[:-2].numel() * self.block * width
         self.group_blocks = max(1, min(self.blocks, GROUP_SCORES // max(1, per_block)))
-        rows = torch.arange(self.block, device=q.device)
-        cols = torch.arange(width, device=q.device)
-        distance = rows[:, None] - cols[None, :] + window - 1
-        inside = (distance >= 0) & (distance < window)
-        bias = torch.zeros(inside.shape, dtype=q.dtype, device=q.device)
-        if log_decay is not None:   # (H, 1, L, L + W - 1): gamma^(m - n)
-            bias = distance.clamp_min(0).to(q.dtype) * log_decay.to(q.dtype)[:, None, None, None]
-        self.bias = bias.masked_fill(~inside, float("-inf"))
+        # the kernel takes values as wide as the keys only
+        self.flash = q.device.type in FLASH_DEVICES and value_dim == dim
+        if self.flash:   # blocks 1.. reach into the previous block
+            self.previous, self.log_decay = self.blocks > 1 and window > 1, log_decay
+            self.device, self.dtype = q.device, q.dtype
+        else:   # (L, L + W - 1), (H, 1, ...) with a decay
+            rows, cols = torch.arange(self.block, device=q.device), torch.arange(width, device=q.device)
+            self.bias = window_bias(rows[:, None] - cols + window - 1, window, log_decay, q.dtype)
         self.phases = None
         if rotary_offset is not None:   # the padding rows' phases are 1 (their positions may pass 2^63)
             phases = rotary_phases(n, dim, offset=rotary_offset, base=rope_base, device=q.device, dtype=q.dtype)
@@ -218,7 +305,7 @@ class Band:
         """Gradients with respect to rotated rows -> with respect to the rows before the rotation, in place:
         each pair rotated back (the rotation's transpose)."""
         if self.phases is not None:
-            torch.view_as_complex(grads.unflatten(-1, (-1, 2))).mul_(self.phases.conj())
+            torch.view_as_complex(grads.unflatten(-1, (-1, 2))).mul_(self.phases[:grads.shape[-2]].conj())
 
     def group(self, queries, keys, values, blocks: range):
         """The group's queries (B, H, G, L, D) and its bands of keys and values (B, H, G, W - 1 + L, .),
@@ -256,3 +343,63 @@ class Band:
             first = 1 if blocks.start == 0 else 0   # block 0's overlap lies before the sequence
             rows[..., blocks.start + first - 1:blocks.stop - 1, self.block - overlap:, :].add_(
                 band_grads[..., first:, :overlap, :])
+
+    # ---- the flash kernel's blocks: (B H, K, L, .), every block a batch entry --------------------
+
+    def flash_masks(self, batch: int, log_decay) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The kernel's additive masks, (L, L), or (batch H K, 1, L, L) with a decay (per head, one per
+        block): a block's queries against its own keys (distance i - j), and (None unless `previous`)
+        against the previous block's (distance i - j + L), for blocks 1.."""
+        rows = torch.arange(self.block, device=self.device)
+
+        def per_block(bias):   # (H, 1, L, L) -> one per block of every batch entry and head
+            if log_decay is None:
+                return bias
+            return bias.unsqueeze(0).expand(batch, -1, self.blocks, -1, -1).reshape(-1, 1, *bias.shape[-2:])
+
+        own = per_block(window_bias(rows[:, None] - rows, self.window, log_decay, self.dtype))
+        if not self.previous:
+            return own, None
+        near = per_block(window_bias(rows[:, None] - rows + self.block, self.window, log_decay, self.dtype))
+        return own, near if log_decay is None else near[1:]
+
+    def flash_inputs(self, q, k, v, extra: bool = False):
+        """Queries, keys and values (B H, K, L, .), rotated where the layout rotates; `extra`: one more
+        column, 0 in q and k (the scores stay) and 1 in v."""
+        if self.phases is not None:
+            q, k = (rotate_pairs(x.contiguous(), self.phases[:self.n]) for x in (q, k))
+        if extra:
+            q, k, v = F.pad(q, (0, 1)), F.pad(k, (0, 1)), F.pad(v, (0, 1), value=1.0)
+        return self.to_blocks(q), self.to_blocks(k), self.to_blocks(v)
+
+    def to_blocks(self, x: torch.Tensor, column=None) -> torch.Tensor:
+        """(B, H, N, C) -> (B H K, 1, L, C), zero rows after the last; column (B, H, N) or a number: one
+        more column."""
+        if isinstance(column, torch.Tensor):
+            x = torch.cat((x, column.unsqueeze(-1)), -1)
+        elif column is not None:
+            x = F.pad(x, (0, 1), value=column)
+        blocks = self.pad(x).reshape(-1, 1, self.block, x.shape[-1])
+        return blocks if blocks.stride(-1) == 1 else blocks.contiguous()   # the kernel reads rows as dense
+
+    def from_blocks(self, x: torch.Tensor, batch_heads) -> torch.Tensor:
+        """(B H K, 1, L, C) -> (B, H, N, C)."""
+        return self.unpad(x.reshape(*batch_heads, self.blocks * self.block, x.shape[-1]))
+
+    def rotated_back(self, grads: torch.Tensor) -> torch.Tensor:
+        """`unrotate`, of gradients that may be a view of wider rows (then a copy)."""
+        if self.phases is None:
+            return grads
+        grads = grads if grads.stride(-1) == 1 and grads.stride(-2) % 2 == 0 else grads.contiguous()
+        self.unrotate(grads)
+        return grads
+
+
+def window_bias(distance: torch.Tensor, window: int, log_decay, dtype: torch.dtype) -> torch.Tensor:
+    """The scores' additive bias at these query-key distances: -inf outside [0, W), else the decay's
+    d log gamma, (H, 1, ...) per head, or 0."""
+    inside = (distance >= 0) & (distance < window)
+    bias = torch.zeros(distance.shape, dtype=dtype, device=distance.device)
+    if log_decay is not None:   # gamma^(m - n)
+        bias = distance.clamp_min(0).to(dtype) * log_decay.to(dtype)[:, None, None, None]
+    return bias.masked_fill(~inside, float("-inf"))

@@ -18,6 +18,15 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True, params=["flash", "blocked"])
+def kernel(request, monkeypatch):
+    """Every test on both of the band's kernels: torch's CPU flash-attention kernel (what CPU runs) and
+    the blocked torch products (what other devices run)."""
+    if request.param == "blocked":
+        monkeypatch.setattr(band, "FLASH_DEVICES", ())
+    return request.param
+
+
 def masked_scores(q, k, window: int, log_decay):
     n = q.shape[-2]
     scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
@@ -50,8 +59,10 @@ def test_band_matches_masked_softmax_in_float64(monkeypatch, n, window, group_sc
 
 @pytest.mark.parametrize("n, window, group_scores", [(11, 3, 1), (11, 4, 1 << 22), (6, 9, 1 << 22)])
 @pytest.mark.parametrize("log_decay", DECAYS)
-def test_band_gradients_of_output_and_log_normaliser(monkeypatch, n, window, group_scores, log_decay):
+@pytest.mark.parametrize("flash_rows", [1 << 14, 1])   # the flash backward's heads in one group, one by one
+def test_band_gradients_of_output_and_log_normaliser(monkeypatch, n, window, group_scores, log_decay, flash_rows):
     monkeypatch.setattr(band, "GROUP_SCORES", group_scores)
+    monkeypatch.setattr(band, "FLASH_ROWS", flash_rows)
     q, k, v = inputs(n, dim=2)
 
     def both(q, k, v):
@@ -62,6 +73,30 @@ def test_band_gradients_of_output_and_log_normaliser(monkeypatch, n, window, gro
     out, _ = band_attention(q, k, v, window, log_decay)
     out.sum().backward()   # the log-normaliser unused: its gradient is None
     assert all(t.grad is not None and t.grad.isfinite().all() for t in (q, k, v))
+
+
+def test_values_of_another_width_match_masked_softmax():
+    """Values wider than the keys (the flash kernel takes equal widths: the blocked products run)."""
+    q, k, _ = inputs(40, dim=4)
+    v = torch.randn(1, 2, 40, 6, dtype=torch.float64)
+    out, lse = band_attention(q, k, v, 5, DECAYS[1])
+    scores = masked_scores(q, k, 5, DECAYS[1])
+    torch.testing.assert_close(out, torch.softmax(scores, -1) @ v)
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1))
+
+
+@pytest.mark.parametrize("log_decay", DECAYS)
+def test_inputs_of_any_strides_give_the_same_outputs_and_gradients(log_decay):
+    """Rows that are not dense (a convolution's (B, C, N) output seen as (B, H, N, D)) are read as rows."""
+    dense = inputs(20, dim=4)   # one block: the heads' rows as views, not copies
+    strided = [t.detach().transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_() for t in dense]
+    weight = torch.randn(1, 2, 20, 4, dtype=torch.float64)
+    results = []
+    for q, k, v in (dense, strided):
+        out, lse = band_attention(q, k, v, 5, log_decay)
+        results.append((out, lse, *torch.autograd.grad((out * weight).sum() + lse.sum(), (q, k, v))))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want)
 
 
 class LargestTensor(TorchDispatchMode):
@@ -85,6 +120,32 @@ def test_no_tensor_grows_with_n_squared(monkeypatch):
         out, lse = band_attention(q, k, v, window)
         (out.sum() + lse.sum()).backward()
     assert largest.numel < n * n // 64, "an (N, N)-sized tensor appeared"
+
+
+class FlashCalls(LargestTensor):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in (band.FLASH_FORWARD.default, band.FLASH_BACKWARD.default)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("log_decay", DECAYS)
+def test_cpu_runs_the_flash_kernel_on_views_of_the_rows(kernel, log_decay):
+    """On CPU: two kernel calls each way (own block, previous block), no band or scores made: no tensor
+    beyond the inputs' size (a decay's masks, one (L, L) per block, are the queries' size at L = D; the
+    lse's gradient takes one more column)."""
+    if kernel == "blocked":
+        pytest.skip("the flash kernel's layout")
+    n, window, dim = 2048, 8, band.MIN_BLOCK   # blocks of L = 32 rows
+    q, k, v = (t.detach().float().requires_grad_() for t in inputs(n, dim=dim))
+    with FlashCalls() as mode:
+        out, lse = band_attention(q, k, v, window, log_decay, rotary_offset=3)
+        (out.sum() + lse.sum()).backward()
+    assert mode.calls == 4
+    assert mode.numel <= q.numel() * (dim + 1) // dim, "a band or scores tensor appeared"
 
 
 def test_merge_is_one_softmax_over_both_sets_of_keys():
