@@ -244,8 +244,9 @@ def merge_into(out, lse, other, other_lse) -> None:
     lse.copy_(torch.logaddexp(lse, other_lse))
 
 
-FLASH_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+# torch's own CPU kernel behind SDPA, not a public API: where a torch lacks it, the blocked products serve
+FLASH_FORWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
 class Band:
@@ -265,7 +266,7 @@ class Band:
         per_block = q.shape[:-2].numel() * self.block * width
         self.group_blocks = max(1, min(self.blocks, GROUP_SCORES // max(1, per_block)))
         # the kernel takes values as wide as the keys only
-        self.flash = q.device.type in FLASH_DEVICES and value_dim == dim
+        self.flash = q.device.type in FLASH_DEVICES and value_dim == dim and FLASH_BACKWARD is not None
         if self.flash:   # blocks 1.. reach into the previous block
             self.previous, self.log_decay = self.blocks > 1 and window > 1, log_decay
             self.device, self.dtype = q.device, q.dtype
