@@ -38,6 +38,10 @@ def machine_info(device: torch.device) -> dict:
             "torch_default_threads": torch.get_num_threads()}
 
 
+ALLOCATOR = {False: "as imported: no allocator or other process-wide setting",
+             True: "glibc keeps freed memory (--keep-freed-memory, as in train.py)"}
+
+
 def header(settings: Settings, machine: dict) -> str:
     threads = settings.threads or f"torch's default, {machine['torch_default_threads']}"
     return "\n".join([
@@ -45,7 +49,7 @@ def header(settings: Settings, machine: dict) -> str:
         f"device: {machine['device']} ({machine['name']}), torch {machine['torch']}"
         + "".join(f", {package} {machine[package]}" for package in ("triton", "fla") if package in machine)
         + f", threads: {threads} "
-        f"(of {machine['cpus_allowed']} CPUs allowed); as imported: no allocator or other process-wide setting",
+        f"(of {machine['cpus_allowed']} CPUs allowed); " + ALLOCATOR[settings.keep_freed_memory],
         f"attention: b={settings.batch}, h={settings.heads}, D={settings.head_dim}, M={settings.num_features}, "
         f"causal chunk C={settings.chunk_size}, dtypes {','.join(settings.dtypes)}, "
         f"masks {','.join(settings.masks)}, passes {','.join(settings.passes)}",
@@ -64,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = Report()
     report.add(header(settings, machine))
     started = time.perf_counter()
-    runner = ChildRunner()
+    runner = ChildRunner(keep_freed_memory=settings.keep_freed_memory)
     records: list[dict] = []
 
     def save() -> None:

@@ -172,6 +172,10 @@ class Settings:
     kernel_methods: tuple[str, ...] = option(KERNEL_METHODS, "ops of the kernels section", names(KERNEL_METHODS))
     kernel_features: tuple[int, ...] = option((64, 256), "feature counts M of the kernels section",
                                               lambda text: int_list(text, high=MAX_SIZE))
+    keep_freed_memory: bool = option(False, "CPU: each measuring process keeps freed memory in glibc's heap, as "
+                                     "train.py does (linattn_lm.device.keep_freed_memory), so that large temporaries "
+                                     "stop page-faulting afresh on every pass; default: as imported", bool,
+                                     action="store_true")
     out: str = option("bench_results/bench", "output prefix: writes OUT.json, OUT.md and OUT.png", str)
     overwrite: bool = option(False, "replace the results of an earlier run at --out (refused without it)", bool,
                              action="store_true")

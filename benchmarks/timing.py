@@ -1,8 +1,8 @@
 """How it is measured: timers, peak memory, one fresh process per config, and the time budget.
 
-Nothing here changes process-wide settings (allocator, environment): each config runs as a user who
-imports the library gets it.  The only setting a child takes is `torch.set_num_threads`, and only
-when --threads asks for it.
+By default nothing here changes process-wide settings (allocator, environment): each config runs as a
+user who imports the library gets it.  A child takes `torch.set_num_threads` when --threads asks for it,
+and glibc's keep-freed-memory setting (train.py's) when --keep-freed-memory does.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from linattn_lm.device import peak_memory_mb, release_free_memory, reset_peak_memory
+from linattn_lm.device import keep_freed_memory, peak_memory_mb, release_free_memory, reset_peak_memory
 
 SLOW_RUN_S = 1.0               # runs longer than this are timed at most SLOW_RUN_REPEATS times
 SLOW_RUN_REPEATS = 3
@@ -148,10 +148,12 @@ def available_memory_bytes(device: torch.device) -> int:
 # One fresh process per config
 # ---------------------------------------------------------------------------------------------
 
-def child_main(run_task: Callable[[dict], dict], task: dict, connection) -> None:
+def child_main(run_task: Callable[[dict], dict], task: dict, connection, keep_freed: bool = False) -> None:
     """Entry point of a forked child: run one task and send back its result dict (or an error)."""
     start = time.perf_counter()
     try:
+        if keep_freed and not keep_freed_memory():
+            raise RuntimeError("--keep-freed-memory needs glibc's mallopt, which this system lacks")
         if task["threads"]:
             torch.set_num_threads(task["threads"])
         torch.manual_seed(0)
@@ -168,14 +170,16 @@ class ChildRunner:
     """Runs each task in a fresh process forked from a server that has imported torch and linattn
     once (a plain subprocess would pay ~5 s of imports per config)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, keep_freed_memory: bool = False) -> None:
+        self.keep_freed = keep_freed_memory
         self.context = multiprocessing.get_context("forkserver")
         self.context.set_forkserver_preload(["torch", "linattn", "benchmarks.sections", "benchmarks.block",
                                              "benchmarks.kernels"])
 
     def run(self, run_task: Callable[[dict], dict], task: dict, timeout_s: float) -> dict:
         receiver, sender = self.context.Pipe(duplex=False)
-        process = self.context.Process(target=child_main, args=(run_task, task, sender), daemon=True)
+        process = self.context.Process(target=child_main, args=(run_task, task, sender, self.keep_freed),
+                                       daemon=True)
         start = time.perf_counter()
         process.start()
         sender.close()

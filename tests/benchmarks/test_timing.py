@@ -1,3 +1,7 @@
+import multiprocessing
+import resource
+import sys
+
 import pytest
 import torch
 
@@ -56,3 +60,25 @@ def test_saved_bytes_count_what_backward_still_keeps():
     so only sin's saved input (x) is kept for backward."""
     x = torch.randn(64, 32, requires_grad=True)
     assert timing.saved_tensor_bytes(lambda: (x.exp(), x.sin())[1]) == x.nbytes
+
+
+def refill_faults(task: dict) -> dict:
+    """Minor page faults of filling a 48 MiB tensor allocated after a 64 MiB one was freed."""
+    torch.empty(2 ** 24).fill_(1.0)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.empty(3 * 2 ** 22).fill_(1.0)
+    return {"faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and minor-fault counts")
+@pytest.mark.parametrize("keep_freed", [False, True])
+def test_keep_freed_memory_stops_a_large_temporary_page_faulting_afresh(keep_freed):
+    """--keep-freed-memory reaches the measuring process: a freed 64 MiB block is reused, where glibc's
+    default gives it back to the OS and the next large temporary faults in afresh (12,288 pages of 4 KiB)."""
+    receiver, sender = multiprocessing.get_context("fork").Pipe(duplex=False)
+    child = multiprocessing.get_context("fork").Process(
+        target=timing.child_main, args=(refill_faults, {"threads": 1}, sender, keep_freed))
+    child.start()
+    result = receiver.recv()
+    child.join()
+    assert (result["faults"] < 1000) if keep_freed else (result["faults"] > 10_000), result
