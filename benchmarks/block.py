@@ -10,8 +10,8 @@ import torch
 
 from linattn_lm.device import autocast
 
-from .methods import build_block, is_softmax
-from .report import Report, fmt, markdown_table, note, timed_line
+from .methods import block_parts, build_block, is_softmax
+from .report import Report, endpoint_slope, fmt, markdown_table, note, timed_line
 from .settings import Settings
 from .timing import MB, ChildRunner, History, median_time, one_call_peak, run_budgeted, time_call
 
@@ -19,6 +19,10 @@ from .timing import MB, ChildRunner, History, median_time, one_call_peak, run_bu
 # at most, from MEMORY_FROM_N on.
 SPEEDUP_TARGETS = {"favor-post": {16384: 1.0, 65536: 2.0}, "elu-post": {65536: 3.0}}
 MEMORY_LIMIT, MEMORY_FROM_N, MEMORY_JUDGED = 2.0, 4096, "favor-post"
+# Issue 45: a block with a window or decay against the same block without it.  On CPU: time and peak at
+# OPTION_CPU_N, and the log-log time slope over OPTION_SLOPE_SPAN; on CUDA: time at every N.
+OPTION_TIME_LIMIT, OPTION_PEAK_LIMIT, OPTION_CPU_N = 1.3, 1.5, 8192
+OPTION_SLOPE_LIMIT, OPTION_SLOPE_SPAN = 1.1, (4096, 16384)
 
 
 def block_task(task: dict) -> dict:
@@ -78,6 +82,30 @@ def comparisons(records: list[dict], softmax: str = "softmax") -> list[dict]:
     return rows
 
 
+def option_rows(records: list[dict], device_type: str) -> list[dict]:
+    """Per block with options (+window, +decay, +short_conv), dtype and N: its time and peak over those of
+    the same block without them in this run, its time slope over OPTION_SLOPE_SPAN beside the plain
+    block's, and issue 45's verdicts where they are set (None elsewhere)."""
+    rows = []
+    for record in records:
+        plain_name = block_parts(record["block"])[0]
+        plain = find(records, plain_name, record["dtype"], record["n"])
+        if plain_name == record["block"] or "train_s" not in record or plain is None:
+            continue
+        time_ratio = record["train_s"] / plain["train_s"]
+        peak_ratio = record["train_peak_bytes"] / max(plain["train_peak_bytes"], 1)
+        slopes = [endpoint_slope([r for r in records if (r["block"], r["dtype"]) == (name, record["dtype"])],
+                                 "train_s", OPTION_SLOPE_SPAN) for name in (record["block"], plain_name)]
+        judged_here = device_type == "cuda" or record["n"] == OPTION_CPU_N
+        rows.append({"block": record["block"], "dtype": record["dtype"], "n": record["n"], "time_ratio": time_ratio,
+                     "peak_ratio": peak_ratio, "slope": slopes[0], "plain_slope": slopes[1],
+                     "time_met": time_ratio <= OPTION_TIME_LIMIT if judged_here else None,
+                     "peak_met": peak_ratio <= OPTION_PEAK_LIMIT if judged_here and device_type != "cuda" else None,
+                     "slope_met": None if device_type == "cuda" or slopes[0] is None
+                     else slopes[0] <= OPTION_SLOPE_LIMIT})
+    return rows
+
+
 def judge(rows: list[dict]) -> list[dict]:
     """Issue 34's block targets, for the blocks that have them, at the N where they are set."""
     judged = []
@@ -117,6 +145,20 @@ def run_block(settings: Settings, device: torch.device, runner: ChildRunner, rep
             ["block", "dtype", "N", "softmax time / its time", "its peak / softmax peak"],
             [[r["block"], r["dtype"], r["n"], fmt(r["speedup"], digits=2, suffix="×"),
               fmt(r["memory_ratio"], digits=2, suffix="×")] for r in rows]))
+    options = option_rows(records, device.type)
+    if options:
+        span = "-".join(f"{n // 1024}k" for n in OPTION_SLOPE_SPAN)
+        report.section("Each option against the same block without it (issue 45's targets, this run)")
+        report.add(f"Targets: time at most {OPTION_TIME_LIMIT:g}× the plain block's"
+                   + (" at every N." if device.type == "cuda" else
+                      f" and peak at most {OPTION_PEAK_LIMIT:g}× at N={OPTION_CPU_N}; time slope {span} at most "
+                      f"{OPTION_SLOPE_LIMIT:g} (the plain block's beside it).") + "\n")
+        report.add(markdown_table(
+            ["block", "dtype", "N", "time / plain", "peak / plain", f"slope {span} (plain)", "time", "peak", "slope"],
+            [[r["block"], r["dtype"], r["n"], fmt(r["time_ratio"], digits=2, suffix="×"),
+              fmt(r["peak_ratio"], digits=2, suffix="×"),
+              f"{fmt(r['slope'], digits=2)} ({fmt(r['plain_slope'], digits=2)})", verdict(r["time_met"]),
+              verdict(r["peak_met"]), verdict(r["slope_met"])] for r in options]))
     targets = judge(rows)
     if targets:
         report.section("Targets of issue 34 for the blocks (against softmax, measured in this run)")
@@ -126,4 +168,4 @@ def run_block(settings: Settings, device: torch.device, runner: ChildRunner, rep
             [[t["block"], t["dtype"], t["n"], fmt(t["speedup"], digits=2, suffix="×"),
               fmt(t["speedup_target"], digits=1, suffix="×") if t["speedup_target"] else "—", verdict(t["speed_met"]),
               fmt(t["memory_ratio"], digits=2, suffix="×"), verdict(t["memory_met"])] for t in targets]))
-    return {"records": records, "comparisons": rows, "targets": targets}
+    return {"records": records, "comparisons": rows, "targets": targets, "options": options}

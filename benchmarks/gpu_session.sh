@@ -10,7 +10,8 @@
 #   profile   torch.profiler: one FAVOR+ post forward + backward at 64k beside one bare chunk_gla
 #   blocks    the block table: softmax, FAVOR+ post, elu post at 4k / 16k / 64k, bf16
 #   kernels   the op against chunk_gla at M = 64 and 256
-# Then, within what is left of BUDGET_S (plenty when .gpu-cache/ was carried in): `pytest -m gpu` and the
+# Then, within what is left of BUDGET_S (plenty when .gpu-cache/ was carried in): the gap-closers' table
+# (FAVOR+ with a window or decay beside the same block without it, issue 45), `pytest -m gpu` and the
 # model section.  A stage that would end past the budget is skipped and says so.  --dry-run (on CPU)
 # prints each stage's limit and command, checks that the command parses (pytest collects its tests,
 # the benchmark takes its flags) and that the limits fit the budget.
@@ -28,7 +29,7 @@ parse="python3 -c 'import sys; from benchmarks.settings import parse_settings; p
 declare -A run check flags
 # the budgeted stages in order, "name limit_s", then those that take what is left
 stages=("setup 30" "warm 150" "accuracy 110" "profile 40" "blocks 120" "kernels 90")
-later=("gpu_tests 300" "model 300")
+later=("gap 150" "gpu_tests 300" "model 300")
 run[setup]="if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 --target /tmp/linattn-site .whl/*.whl || { echo 'error: the wheels in .whl/ did not install'; exit 1; }; fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -42,10 +43,12 @@ run[profile]="python3 -m benchmarks.gpu_checks profile --length 65536 --out $out
 flags[blocks]="--sections block --block-methods softmax,favor-post,elu-post --out $out/blocks"
 flags[kernels]="--sections kernels --kernel-methods linattn-fla-log,fla-gla --kernel-features 64,256 --out $out/kernels"
 flags[model]="--preset gpu-targets --sections model --out $out/model"
+flags[gap]="--sections block --block-methods favor-post,favor-post+window=64,favor-pre,favor-pre+window=64,\
+favor-pre+decay=retnet --out $out/gap"
 run[gpu_tests]="$pytest_gpu --deselect tests/linattn/ops/linear_attention/test_fla_kernels_bf16.py"
 for name in accuracy gpu_tests; do check[$name]="${run[$name]} --collect-only | grep -q 'collected'"; done
 check[profile]="${run[profile]} --check"
-for name in blocks kernels model; do
+for name in blocks kernels gap model; do
     run[$name]="$bench ${flags[$name]}"
     check[$name]="$parse ${run[$name]#python3 -m benchmarks } --device cpu"   # the flags, on this machine
 done

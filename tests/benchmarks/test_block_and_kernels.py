@@ -63,6 +63,29 @@ def test_block_comparisons_pair_each_linear_block_with_softmax_at_its_n_and_dtyp
     assert [(t["speed_met"], t["memory_met"]) for t in judged] == [(None, False), (True, True), (False, None)]
 
 
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_each_option_is_judged_against_the_same_block_without_it(device_type):
+    """Issue 45: time <= 1.3x and peak <= 1.5x the plain block's at 8k on CPU (and a 4k-16k slope <= 1.1),
+    time <= 1.3x at every N on CUDA; the window-only control is paired with softmax."""
+    records = [record("favor-pre", 4096, 1.0, 100), record("favor-pre+window=64", 4096, 1.2, 120),
+               record("favor-pre", 8192, 2.0, 200), record("favor-pre+window=64", 8192, 2.8, 250),
+               record("favor-pre", 16384, 4.0, 400), record("favor-pre+window=64", 16384, 4.8, 700),
+               record("softmax", 8192, 3.0, 300), record("softmax+window=64", 8192, 0.6, 290)]
+    rows = {(r["block"], r["n"]): r for r in block.option_rows(records, device_type)}
+    assert set(rows) == {("favor-pre+window=64", n) for n in (4096, 8192, 16384)} | {("softmax+window=64", 8192)}
+    windowed = rows["favor-pre+window=64", 8192]
+    assert windowed["time_ratio"] == pytest.approx(1.4) and windowed["peak_ratio"] == pytest.approx(1.25)
+    assert windowed["slope"] == pytest.approx(1.0) and windowed["plain_slope"] == pytest.approx(1.0)
+    verdicts = {key: (r["time_met"], r["peak_met"], r["slope_met"]) for key, r in rows.items()}
+    if device_type == "cpu":
+        assert verdicts["favor-pre+window=64", 8192] == (False, True, True)
+        assert verdicts["favor-pre+window=64", 4096] == (None, None, True)
+        assert verdicts["softmax+window=64", 8192] == (True, True, None)
+    else:
+        assert [verdicts["favor-pre+window=64", n][0] for n in (4096, 8192, 16384)] == [True, False, True]
+        assert {v[1:] for v in verdicts.values()} == {(None, None)}
+
+
 def test_the_model_table_judges_favor_posts_tokens_per_second_against_softmaxs():
     def lm(kind, context, tokens):
         return {"model": kind, "n": context, "tokens_per_s": tokens, "batch": 4, "peak_bytes": 2 ** 20}
