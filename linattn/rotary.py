@@ -65,10 +65,18 @@ def rotary_angles(length: int, dim: int, *, offset: int = 0, base: float = DEFAU
     positions = torch.arange(length, dtype=torch.int64, device=device) + offset
     angles = torch.zeros(length, dim // 2, dtype=torch.float64, device=device)
     digits = max(1, math.ceil((offset + length).bit_length() / _DIGIT_BITS))
-    for j, row in enumerate(_digit_angles(dim, float(base))[:digits]):
+    for j, row in enumerate(_digit_table(dim, float(base), str(device))[:digits]):
         digit = (positions >> (_DIGIT_BITS * j)) & (2 ** _DIGIT_BITS - 1)
-        angles += digit.to(torch.float64).unsqueeze(-1) * torch.tensor(row, dtype=torch.float64, device=device)
+        angles += digit.to(torch.float64).unsqueeze(-1) * row
     return angles
+
+
+@lru_cache(maxsize=32)
+def _digit_table(dim: int, base: float, device: str) -> torch.Tensor:
+    # _digit_angles on the device, copied there once: a copy from host memory makes the host wait for the
+    # device, which decoding (a new offset each step) would otherwise do at every step.
+    with torch.inference_mode(False):
+        return torch.tensor(_digit_angles(dim, base), dtype=torch.float64, device=device)
 
 
 @lru_cache(maxsize=8)   # training repeats a few (offset, length) pairs; decoding misses, at O(dim) each

@@ -81,3 +81,15 @@ def test_phases_first_made_under_inference_mode_serve_a_training_call():
         apply_rotary(x, offset=3)
     y = apply_rotary(x.clone().requires_grad_(), offset=3)
     y.sum().backward()
+
+
+def test_a_new_offset_copies_nothing_from_the_host(monkeypatch):
+    """Decoding asks for a new offset each step: after the first call the angles are built on the device
+    alone (a copy from host memory would make the host wait for a GPU at every step)."""
+    from linattn import rotary
+    rotary.rotary_angles(4, 8, offset=3, device="meta")
+    built = []
+    monkeypatch.setattr(torch, "tensor", lambda *args, **kwargs: built.append(kwargs) or torch.as_tensor(*args))
+    for offset in (4, 2 ** 40):
+        assert rotary.rotary_angles(4, 8, offset=offset, device="meta").device.type == "meta"
+    assert built == []
