@@ -288,3 +288,13 @@ def test_initial_state_refuses_a_dtype_or_device_it_cannot_keep(options, message
     with pytest.raises(ValueError, match=message):
         initial_state(1, 1, 2, 2, **options)
     assert initial_state(1, 1, 2, 2, dtype=torch.float64, device="cpu").kv.dtype == torch.float64
+
+
+def test_the_fla_route_refuses_more_batch_x_heads_than_its_grids_take(monkeypatch):
+    """fla puts B x H on a CUDA grid's second axis (at most 65,535): one line saying to split the batch,
+    not CUDA's "invalid argument"."""
+    from linattn.ops.linear_attention import dispatch
+    monkeypatch.setattr(dispatch, "resolve", lambda *args, **kwargs: "fla")
+    q, k = torch.rand(2, 2 ** 15 + 1, 1, 2), torch.rand(2, 2 ** 15 + 1, 1, 2)
+    with pytest.raises(ValueError, match="split the batch"):
+        linear_attention(q, k, torch.rand(2, 2 ** 15 + 1, 1, 1), causal=True, rotary=False)

@@ -104,6 +104,17 @@ def resolve(backend: str, device: torch.device, float64: bool = False, *, log_sp
     return backend
 
 
+FLA_MAX_BATCH_HEADS = 65535   # fla's kernels put B x H on a CUDA grid's second or third axis
+
+
+def check_fla_grid(batch_heads: int) -> None:
+    """fla's launches take at most FLA_MAX_BATCH_HEADS (batch x heads) rows a call; beyond, a clear error
+    instead of CUDA's "invalid argument"."""
+    if batch_heads > FLA_MAX_BATCH_HEADS:
+        raise ValueError(f"backend='fla' takes at most {FLA_MAX_BATCH_HEADS:,} batch x heads in one call (fla's "
+                         f"grids), got {batch_heads:,}; split the batch into calls")
+
+
 def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rotary: bool, offset: int,
                              chunk_size: int, rope_base: float, return_state: bool, backend: str, log_space: bool,
                              nonnegative_features: bool = True, check_range: bool = True,
@@ -119,6 +130,8 @@ def compute_linear_attention(phi_q, phi_k, v: torch.Tensor, *, causal: bool, rot
     dtype = compute_dtype(*feature_tensors(phi_q, phi_k), v)
     resolved = resolve(backend, v.device, float64=dtype == torch.float64, log_space=log_space, causal=causal)
     tokens, rows = v.shape[-2], v.shape[:-1].numel()
+    if resolved == "fla":
+        check_fla_grid(v.shape[:-2].numel())
     attend = implementation(log_space, resolved, causal, rows)
     phi_q, phi_k, v = guard_features(phi_q, phi_k, v, dtype, log_space=log_space,
                                      nonnegative_features=nonnegative_features, check_range=check_range,
