@@ -139,3 +139,26 @@ def test_a_step_with_negative_features_gives_nan(debug):
         linear_attention_step(-phi, phi, v, None, rotary=False)
     linattn.set_debug(False)
     assert linear_attention_step(-phi, phi, v, None, rotary=False)[0].isnan().all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [{}, {"window": 64}, {"decay": "retnet"}])
+@pytest.mark.parametrize("name", ["favor", "elu"])
+def test_gpu_the_fla_route_never_waits_for_the_device(name, options):
+    """What the dispatch mode above cannot see: a copy from host memory (torch.tensor(..., device=cuda))
+    makes the host wait too.  CUDA's sync debug mode raises on any synchronisation, in forward + backward
+    of the block in bf16 (after a first call, which may build its caches)."""
+    block = LinearAttention(512, 8, feature_map=name, rope="post", backend="fla", **options).cuda()
+    x = torch.randn(2, 1024, 512, device="cuda", requires_grad=True)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            block(x).float().square().mean().backward()
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
