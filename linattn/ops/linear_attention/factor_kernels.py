@@ -429,7 +429,9 @@ class LogFactors(torch.autograd.Function):
     def forward(ctx, b, b_shift, a, a_shift, phases, dot, guard, limit, floor, log_decay):
         work = _sums_dtype(a)
         batch, length, heads, width = a.shape
-        bounds = torch.tensor([limit, floor], dtype=work, device=a.device)
+        # filled on the device: a tensor built from host values would make the host wait for the GPU
+        bounds = torch.full((2,), floor, dtype=work, device=a.device)
+        bounds[0] = limit
         phases, key_rows = _phase_table(phases, length, work)
         rotary = phases is not None
         rate = log_decay.detach().to(work).contiguous() if log_decay is not None else None
@@ -670,7 +672,7 @@ class PlainFactors(torch.autograd.Function):
         carry = torch.cat([torch.zeros_like(chunk_sums[:, :1]), chunk_sums[:, :-1].cumsum(1)], 1)
         q, k = (phi_k.new_empty(phi_k.shape, dtype=dot) for _ in range(2))
         den = phi_k.new_empty(batch, length, heads, dtype=work)
-        rotary, guard = table is not None, torch.tensor([guard], dtype=work, device=phi_k.device)
+        rotary, guard = table is not None, torch.full((1,), guard, dtype=work, device=phi_k.device)
         _factors_launch(_plain_factors_kernel, phi_k, phi_q, phi_k, table if rotary else carry, key_rows, carry,
                         guard, q, k, den, strides=(*phi_q.stride(), *phi_k.stride()), ROTARY=rotary)
         ctx.save_for_backward(phi_q, phi_k, table, carry, guard, den)
