@@ -111,3 +111,16 @@ def test_the_elu_blocks_fla_route_takes_the_kernels_features(monkeypatch, dtype)
     assert fused_q.dtype == mapped_q.dtype == fused_v.dtype == dtype and torch.equal(fused_v, mapped_v)
     for got, want in ((fused_q, mapped_q), (fused_k, mapped_k)):
         torch.testing.assert_close(got, want, **TOLERANCES[dtype])
+
+
+@pytest.mark.gpu
+def test_gpu_the_kernel_offsets_past_two_to_the_31():
+    """B H N M = 2^31 + 2^24 bf16 elements, a strided view: int32 offsets would wrap (the interpreter's, in
+    numpy, do not).  The last batch against the map and its cast on it alone, and its gradient."""
+    qkv = torch.randn(17, 65536, 8 * 256 * 2, device="cuda", dtype=torch.bfloat16)
+    x = qkv[..., :8 * 256].unflatten(-1, (8, 256)).transpose(1, 2)
+    got = kernels.pointwise_features(x, "elu", torch.bfloat16)
+    want = EluFeatureMap(256)(x[-1:], is_query=True).bfloat16()
+    torch.testing.assert_close(got[-1:], want, **TOLERANCES[torch.bfloat16])
+    grad = kernels.pointwise_features_backward(got, x, "elu")
+    torch.testing.assert_close(grad[-1:], got[-1:] * torch.where(x[-1:] > 0, 1.0, want), **TOLERANCES[torch.bfloat16])
