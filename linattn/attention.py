@@ -349,7 +349,8 @@ class LinearAttention(_Projections):
         values, else the map's float32, float64 for float64), where the route's kernels run (CUDA, or
         Triton's interpreter on CPU): the map's formula and the cast are then one kernel
         (ops/pointwise/kernels.py) instead of the map's forward and a cast.  None elsewhere."""
-        if self.feature_map.pointwise is None or not self._kernel_route(v):
+        fm = self.feature_map
+        if fm.log_space or fm.pointwise is None or not self._kernel_route(v):   # log-features go as they are
             return None
         if not triton_installed() or not (v.is_cuda or fla_kernels.kernels_run_on(v)):
             return None
