@@ -18,8 +18,9 @@ from .checks import (as_device, check_finite_values, check_flags, check_positive
                      check_state_tensors, check_window, debug_enabled, is_integer, is_real)
 from .feature_maps import FeatureMap, check_feature_map, make_feature_map
 from .functional import DEFAULT_CHUNK_SIZE, LinearState, check_chunk_size, check_state, run_linear_attention
-from .ops.linear_attention import dispatch
-from .ops.linear_attention.common import feature_tensors
+from .ops.linear_attention import dispatch, fla_kernels
+from .ops.linear_attention.backends import triton_installed
+from .ops.linear_attention.common import compute_dtype, feature_tensors
 from .ops.linear_attention.fla_kernels import HALF_DOTS
 from .ops.linear_attention.memory import check_fits
 from .ops.linear_attention.recurrent import recurrent_step
@@ -239,13 +240,18 @@ class LinearAttention(_Projections):
         raise AttributeError(f"a LinearAttention's decay is fixed at construction (its buffer is made for it): "
                              f"build a new block with decay={value!r}")
 
-    def _features(self, q, k, offset: int, projected: bool = False):
+    def _features(self, q, k, offset: int, projected: bool = False, fused: torch.dtype | None = None):
         """phi(q), phi(k); log-features where the map has them (exact at any input scale), as its
         LogProjection where it has one and `projected` (the torch backend's causal op then never
-        holds the (B, H, N, M) log-features)."""
+        holds the (B, H, N, M) log-features).  `fused`: the dtype of the fla route's features where a
+        pointwise map's are computed with their cast in one kernel (`_fused_dtype`), else None."""
         if self.rope == "pre":
             q = rotate(q, offset=offset, base=self.rope_base)
             k = rotate(k, offset=offset, base=self.rope_base)
+        if fused is not None:
+            from .ops.pointwise.kernels import pointwise_features   # here: triton, like fla, is a GPU dependency
+            formula = self.feature_map.pointwise
+            return pointwise_features(q, formula, fused), pointwise_features(k, formula, fused)
         return self._mapped(q, k, projected)
 
     def _mapped(self, q, k, projected: bool):
@@ -303,7 +309,8 @@ class LinearAttention(_Projections):
         """The op on this block's features: sum_n w_mn v_n (and the state), before the RMSNorm."""
         if self.window or self.decay:
             return self._window_decay_values(q, k, v, offset, return_state)
-        phi_q, phi_k, values = self._op_inputs(*self._features(q, k, offset, projected=self.causal), v)
+        features = self._features(q, k, offset, projected=self.causal, fused=self._fused_dtype(v))
+        phi_q, phi_k, values = self._op_inputs(*features, v)
         return run_linear_attention(phi_q, phi_k, values, causal=self.causal, rotary=self.rope == "post",
                                     offset=offset, chunk_size=self.chunk_size, rope_base=self.rope_base,
                                     return_state=return_state, backend=self.backend,
@@ -319,9 +326,7 @@ class LinearAttention(_Projections):
           tensor cores on the fla backend).
         * Plain features on the fla route go to bf16 with bf16 values: the kernels multiply on tensor
           cores (float32 sums) only when every input is bf16, as flash-linear-attention's layers run.
-          Not fp16: fla writes the sums in that dtype, and they outgrow fp16's range.
-          The route is backend "fla", or "auto" on CUDA, for causal blocks, decided from the names
-          (which torch.compile traces; resolving would ask the machine).
+          Not fp16: fla writes the sums in that dtype, and they outgrow fp16's range (`_kernel_route`).
         * Otherwise v goes to the features' dtype: the torch and cpp backends sum in float32 anyway
           (under autocast the op casts v there itself; doing it here lets a bf16/fp16 block run
           without autocast, with the same numbers).
@@ -329,12 +334,27 @@ class LinearAttention(_Projections):
         dtype = feature_tensors(phi_q, phi_k)[0].dtype
         if v.dtype == dtype or self.feature_map.log_space:
             return phi_q, phi_k, v
-        device = v.device.type
-        # fla's kernels are causal only: a non-causal call takes torch's entry, which sums in float32
-        kernel_route = self.causal and (self.backend == "fla" or (self.backend == "auto" and device == "cuda"))
-        if kernel_route and v.dtype == HALF_DOTS:
+        if self._kernel_route(v) and v.dtype == HALF_DOTS:
             return phi_q.to(v.dtype), phi_k.to(v.dtype), v
         return phi_q, phi_k, v.to(dtype)
+
+    def _kernel_route(self, v: torch.Tensor) -> bool:
+        """Whether the call takes fla's kernels: backend "fla", or "auto" on CUDA, for causal blocks (fla's
+        kernels are causal only: a non-causal call takes torch's entry, which sums in float32), decided
+        from the names (which torch.compile traces; resolving would ask the machine)."""
+        return self.causal and (self.backend == "fla" or (self.backend == "auto" and v.device.type == "cuda"))
+
+    def _fused_dtype(self, v: torch.Tensor) -> torch.dtype | None:
+        """The dtype `_op_inputs` hands the fla route a pointwise map's features in (bf16 beside bf16
+        values, else the map's float32, float64 for float64), where the route's kernels run (CUDA, or
+        Triton's interpreter on CPU): the map's formula and the cast are then one kernel
+        (ops/pointwise/kernels.py) instead of the map's forward and a cast.  None elsewhere."""
+        fm = self.feature_map
+        if fm.log_space or fm.pointwise is None or not self._kernel_route(v):   # log-features go as they are
+            return None
+        if not triton_installed() or not (v.is_cuda or fla_kernels.kernels_run_on(v)):
+            return None
+        return v.dtype if v.dtype == HALF_DOTS else compute_dtype(v)
 
     def _window_decay_values(self, q, k, v, offset: int, return_state: bool):
         """`_weighted_values` with a window or a decay (ops/window_decay), in float32 (float64 stays).

@@ -15,13 +15,13 @@ import inspect
 import math
 
 import torch
-import torch.nn.functional as F
 from performer_pytorch.performer_pytorch import gaussian_orthogonal_random_matrix
 from torch import nn
 
 from .checks import check_positive_integer, is_integer
 from .ops.linear_attention.common import LogProjection
 from .ops.linear_attention.memory import check_fits
+from .ops.pointwise import POINTWISE, elu_plus_one
 
 FEATURE_MAPS: dict[str, type["FeatureMap"]] = {}
 
@@ -199,6 +199,7 @@ def check_feature_map(feature_map, head_dim: int | None = None, *, heads: int | 
         with torch.no_grad():
             features = {is_query: probed(feature_map, "forward", x, is_query) for is_query in (True, False)}
             check_signs(feature_map, features)
+            check_pointwise(feature_map, x, features)
             if feature_map.log_space:
                 for is_query in (True, False):
                     check_logs_match(feature_map, features[is_query], probed(feature_map, "log_features", x, is_query),
@@ -257,6 +258,19 @@ def check_signs(feature_map: FeatureMap, features: dict[bool, torch.Tensor]) -> 
                              f"{kernel.min().item():.3g}); the kernel must be >= 0")
 
 
+def check_pointwise(feature_map: FeatureMap, x: torch.Tensor, features: dict[bool, torch.Tensor]) -> None:
+    """A map that names a pointwise formula gives its features: the fla route computes them from the name."""
+    name, formula = type(feature_map).__name__, feature_map.pointwise
+    if formula is None:
+        return
+    if formula not in POINTWISE:
+        raise ValueError(f"{name} declares pointwise = {formula!r}; set it to one of {sorted(POINTWISE)} or None")
+    for is_query, values in features.items():
+        if not torch.allclose(values, POINTWISE[formula](_float(x)).to(values.dtype)):
+            raise ValueError(f"{name}.forward(x, is_query={is_query}) is not its pointwise formula {formula!r}; "
+                             "set pointwise = None in a map whose forward computes something else")
+
+
 def check_logs_match(feature_map: FeatureMap, values: torch.Tensor, logs: torch.Tensor, is_query: bool) -> None:
     """log_features = log(forward) up to a per-row constant (FeatureMap's contract)."""
     compared = values > SMALLEST_COMPARED
@@ -280,10 +294,16 @@ class FeatureMap(nn.Module):
     `nonnegative_features = False` declares a map whose single features may be negative while its
     kernel phi(q) . phi(k) is positive for every q, k (taylor's 1 + s + s^2/2 >= 1/2): the
     per-feature check of the plain path is then skipped, and the denominator stays positive because
-    each of its terms is.  Checks that probe a map for non-negative features read this attribute."""
+    each of its terms is.  Checks that probe a map for non-negative features read this attribute.
+
+    `pointwise` names the formula of ops/pointwise (POINTWISE) that gives a plain map's features from
+    each input entry, queries and keys alike (elu's "elu"), or is None.  The fla route then computes
+    them and their cast to fla's dtype in one Triton kernel instead of calling forward; a subclass whose
+    forward computes something else sets it to None (`check_feature_map` checks the two agree)."""
 
     log_space = False
     nonnegative_features = True
+    pointwise: str | None = None
 
     def __init__(self, head_dim: int):
         super().__init__()
@@ -322,11 +342,14 @@ def _float(x: torch.Tensor) -> torch.Tensor:
 @register_feature_map("elu")
 class EluFeatureMap(FeatureMap):
     """elu(x) + 1 (Katharopoulos et al., 2020).  Input bound: none past float's own (the op computes
-    plain features at any scale); below x = -17.3 a float32 feature rounds to exactly 0."""
+    plain features at any scale); below x = -17.3 a float32 feature rounds to exactly 0 (e^x on the
+    fla route, whose kernel computes it: ops/pointwise/kernels.py)."""
+
+    pointwise = "elu"
 
     def forward(self, x, *, is_query):
         with torch.autocast(x.device.type, enabled=False):
-            return F.elu(_float(x)) + 1
+            return elu_plus_one(_float(x))
 
 
 @register_feature_map("softmax")

@@ -532,6 +532,16 @@ def test_check_feature_map_passes_maps_that_keep_the_contract(forward, logs, non
     assert linattn.check_feature_map(fm) is fm
 
 
+@pytest.mark.parametrize("pointwise, word", [("elu", "is not its pointwise formula"), ("relu", "pointwise = 'relu'")])
+def test_check_feature_map_refuses_a_pointwise_name_its_forward_does_not_keep(pointwise, word):
+    """The fla route computes a pointwise map's features from the formula's name, not from its forward:
+    a forward that computes something else (a subclass that kept the name), or a name without a formula."""
+    fm = Probed(8, torch.relu)
+    fm.pointwise = pointwise
+    with pytest.raises(ValueError, match=re.escape(word)):
+        linattn.check_feature_map(fm)
+
+
 def test_check_feature_map_refuses_a_map_made_for_another_block():
     fm = make_feature_map("taylor", 8, heads=2, options={"dim": 4})
     with pytest.raises(ValueError, match="heads"):

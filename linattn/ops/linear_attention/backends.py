@@ -15,6 +15,11 @@ def fla_installed() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
+def triton_installed() -> bool:
+    """triton, in which fla's kernels and the route's own (factor_kernels.py, ops/pointwise) are written."""
+    return importlib.util.find_spec("triton") is not None
+
+
 _warned = False
 
 
