@@ -6,10 +6,11 @@ sums, log sum_{n<=t} e^(a_n), so that the denominator needs no second call of fl
 both decayed, F_t = max(F_{t-1} + log gamma, a_t) and L likewise, into fla's gates), the pair scales P,
 the decays, the row scale Q, the denominator and the two exponentials, rotated and cast for fla; the
 backward recomputes them from b, a and the saved L, P, Q, with L's reverse scan.  For plain features
-(`plain_factors`) the same in linear terms: the keys' running sums S, the denominator phi_q . S, and
-fla's q = R phi_q / den (the call's output is then Eq. 19's), k = R phi_k; backward in two kernels (the
-queries' walking each chunk forward, the keys' walking it back).  No torch scan along N (torch's cummax
-along a non-last dimension runs on CUDA as one thread per column walking every row).
+(`plain_factors`) the same in linear terms: the keys' running sums S (with a decay per head,
+S_t = gamma S_{t-1} + phi_k_t), the denominator phi_q . S, and fla's q = R phi_q / den (the call's
+output is then Eq. 19's), k = R phi_k; backward in two kernels (the queries' walking each chunk forward,
+the keys' walking it back); their chunks' carries by common.linear_carries.  No torch scan along N
+(torch's cummax along a non-last dimension runs on CUDA as one thread per column walking every row).
 
 Each program takes one chunk of CHUNK tokens of one head, token by token, the head's M features as
 (even, odd) halves, so that a rotation pair is one lane, and starts from the carry of every earlier
