@@ -263,6 +263,41 @@ def chunk_carries(summary: torch.Tensor, scan, log_decay: torch.Tensor | None = 
     return torch.cat([torch.full_like(summary[:, :1], float("-inf")), before], 1)
 
 
+def linear_carries(summary: torch.Tensor, log_decay: torch.Tensor | None = None, chunk: int = 1,
+                   reverse: bool = False) -> torch.Tensor:
+    """What each chunk carries in of a running sum from the chunks before it (after it, `reverse`): the
+    sum of the chunks' summaries (B, K, H, M) but its own, 0 where none.  With a decay (H,) log gamma,
+    each summary weighted by gamma to the tokens between, as `chunk_carries` frames them: the positive
+    and the negative parts each carried as log-sums in float64 (no power of gamma formed, so nothing
+    under- or overflows however many chunks), their difference in the summaries' dtype.  Differentiable:
+    its gradient is the carries of the other direction."""
+    if log_decay is None:
+        total = (summary.flip(1) if reverse else summary).cumsum(1)
+        before = torch.cat([torch.zeros_like(total[:, :1]), total[:, :-1]], 1)
+        return before.flip(1) if reverse else before
+    return _LinearCarries.apply(summary, log_decay, chunk, reverse)
+
+
+class _LinearCarries(torch.autograd.Function):
+    """`linear_carries` with a decay: a linear map whose transpose is the reverse direction's carries."""
+
+    @staticmethod
+    def forward(ctx, summary, log_decay, chunk, reverse):
+        ctx.other_way = (log_decay, chunk, not reverse)
+        return _decayed_carries(summary, log_decay, chunk, reverse)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _decayed_carries(grad, *ctx.other_way), None, None, None
+
+
+def _decayed_carries(summary, log_decay, chunk: int, reverse: bool) -> torch.Tensor:
+    def carried(part):
+        return chunk_carries(part.log(), lambda t: t.logcumsumexp(1), log_decay, chunk, reverse).exp()
+    parts = summary.detach().double()
+    return (carried(parts.clamp_min(0)) - carried((-parts).clamp_min(0))).to(summary.dtype)
+
+
 def same_rotation(phases: torch.Tensor) -> bool:
     """Whether `query_key_phases` (or a slice of it) rotates queries and keys at the same positions."""
     return phases.stride(0) == 0

@@ -6,10 +6,11 @@ sums, log sum_{n<=t} e^(a_n), so that the denominator needs no second call of fl
 both decayed, F_t = max(F_{t-1} + log gamma, a_t) and L likewise, into fla's gates), the pair scales P,
 the decays, the row scale Q, the denominator and the two exponentials, rotated and cast for fla; the
 backward recomputes them from b, a and the saved L, P, Q, with L's reverse scan.  For plain features
-(`plain_factors`) the same in linear terms: the keys' running sums S, the denominator phi_q . S, and
-fla's q = R phi_q / den (the call's output is then Eq. 19's), k = R phi_k; backward in two kernels (the
-queries' walking each chunk forward, the keys' walking it back).  No torch scan along N (torch's cummax
-along a non-last dimension runs on CUDA as one thread per column walking every row).
+(`plain_factors`) the same in linear terms: the keys' running sums S (with a decay per head,
+S_t = gamma S_{t-1} + phi_k_t), the denominator phi_q . S, and fla's q = R phi_q / den (the call's
+output is then Eq. 19's), k = R phi_k; backward in two kernels (the queries' walking each chunk forward,
+the keys' walking it back); their chunks' carries by common.linear_carries.  No torch scan along N
+(torch's cummax along a non-last dimension runs on CUDA as one thread per column walking every row).
 
 Each program takes one chunk of CHUNK tokens of one head, token by token, the head's M features as
 (even, odd) halves, so that a rotation pair is one lane, and starts from the carry of every earlier
@@ -28,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import DECAY_FLOOR, chunk_carries, same_rotation
+from .common import DECAY_FLOOR, chunk_carries, linear_carries, same_rotation
 from .stable import NUMERATOR_CAP
 
 CHUNK = 64     # tokens per program (fla's chunk)
@@ -505,14 +506,14 @@ def _plain_row(ptr, offset, even, stride_m, valid_e, valid_o, CT: tl.constexpr):
 
 
 @triton.jit
-def _plain_start(carry_ptr, guard_ptr, chunk, head, batch, even, width, heads, chunks, sq_b, sq_h, sk_b, sk_h,
-                 CT: tl.constexpr):
-    """A plain program's keys' sums before its chunk (even, odd halves), the denominator's guard, and its
-    head's offsets in the queries and keys."""
+def _plain_start(carry_ptr, guard_ptr, rate_ptr, chunk, head, batch, even, width, heads, chunks, sq_b, sq_h, sk_b,
+                 sk_h, DECAY: tl.constexpr, CT: tl.constexpr):
+    """A plain program's keys' sums at the token before its chunk (even, odd halves), the denominator's
+    guard, its head's gamma (1 without a decay), and its head's offsets in the queries and keys."""
     carry = ((batch.to(tl.int64) * chunks + chunk) * heads + head) * width + even
     sums_e, sums_o = _load_pair(carry_ptr, carry, even < width, even + 1 < width, 0.0, CT)
-    return (sums_e, sums_o, tl.load(guard_ptr), batch.to(tl.int64) * sq_b + head.to(tl.int64) * sq_h,
-            batch.to(tl.int64) * sk_b + head.to(tl.int64) * sk_h)
+    return (sums_e, sums_o, tl.load(guard_ptr), tl.exp(_rate(rate_ptr, head, DECAY, CT)),
+            batch.to(tl.int64) * sq_b + head.to(tl.int64) * sq_h, batch.to(tl.int64) * sk_b + head.to(tl.int64) * sk_h)
 
 
 @triton.jit
@@ -532,11 +533,12 @@ def _store_chunk_sums(ptr, chunk, head, batch, even, width, heads, chunks, total
 
 
 @triton.jit
-def _plain_summary_kernel(k_ptr, out_ptr, length, width, heads, chunks, sk_b, sk_t, sk_h, sk_m,
-                          CHUNK: tl.constexpr, PAIRS: tl.constexpr):
-    """Each chunk's sum of the key features, (B, chunks, H, M)."""
+def _plain_summary_kernel(k_ptr, rate_ptr, out_ptr, length, width, heads, chunks, sk_b, sk_t, sk_h, sk_m,
+                          DECAY: tl.constexpr, CHUNK: tl.constexpr, PAIRS: tl.constexpr):
+    """Each chunk's (decayed) sum of the key features at its last token, (B, chunks, H, M)."""
     chunk, head, batch, pairs, even = _program(PAIRS)
     CT: tl.constexpr = out_ptr.dtype.element_ty
+    gamma = tl.exp(_rate(rate_ptr, head, DECAY, CT))
     base = batch.to(tl.int64) * sk_b + head.to(tl.int64) * sk_h
     total_e = tl.zeros([PAIRS], CT)
     total_o = total_e
@@ -544,53 +546,61 @@ def _plain_summary_kernel(k_ptr, out_ptr, length, width, heads, chunks, sk_b, sk
     for i in range(CHUNK):
         t, inside, row, valid_e, valid_o = _token(first + i, length, batch, heads, head, even, width)
         k_e, k_o = _plain_row(k_ptr, base + t * sk_t, even, sk_m, valid_e, valid_o, CT)
-        total_e, total_o = total_e + k_e, total_o + k_o
+        total_e, total_o = total_e * gamma + k_e, total_o * gamma + k_o
     _store_chunk_sums(out_ptr, chunk, head, batch, even, width, heads, chunks, total_e, total_o)
 
 
 @triton.jit
-def _plain_factors_kernel(q_ptr, k_ptr, phases_ptr, key_rows, carry_ptr, guard_ptr, q_out_ptr, k_out_ptr, den_ptr,
-                          length, width, heads, chunks, sq_b, sq_t, sq_h, sq_m, sk_b, sk_t, sk_h, sk_m,
-                          ROTARY: tl.constexpr, CHUNK: tl.constexpr, PAIRS: tl.constexpr):
-    """fla's q = R phi_q / den and k = R phi_k (in the dots' dtype), and den = phi_q . sum_{n<=t} phi_k."""
+def _plain_factors_kernel(q_ptr, k_ptr, phases_ptr, key_rows, carry_ptr, guard_ptr, rate_ptr, q_out_ptr, k_out_ptr,
+                          den_ptr, last_ptr, length, width, heads, chunks, sq_b, sq_t, sq_h, sq_m, sk_b, sk_t, sk_h,
+                          sk_m, ROTARY: tl.constexpr, DECAY: tl.constexpr, CHUNK: tl.constexpr, PAIRS: tl.constexpr):
+    """fla's q = R phi_q / den and k = R phi_k (in the dots' dtype), den = phi_q . S_t with the keys' sums
+    S_t = gamma S_{t-1} + phi_k_t (gamma 1 without a decay), and S at the last token (B, H, M)."""
     chunk, head, batch, pairs, even = _program(PAIRS)
     CT: tl.constexpr = den_ptr.dtype.element_ty
-    sums_e, sums_o, guard, base_q, base_k = _plain_start(carry_ptr, guard_ptr, chunk, head, batch, even, width,
-                                                         heads, chunks, sq_b, sq_h, sk_b, sk_h, CT)
+    sums_e, sums_o, guard, gamma, base_q, base_k = _plain_start(carry_ptr, guard_ptr, rate_ptr, chunk, head, batch,
+                                                                even, width, heads, chunks, sq_b, sq_h, sk_b, sk_h,
+                                                                DECAY, CT)
     first = chunk.to(tl.int64) * CHUNK
     for i in range(CHUNK):
         t, inside, row, valid_e, valid_o = _token(first + i, length, batch, heads, head, even, width)
         q_e, q_o, k_e, k_o = _plain_token(q_ptr, k_ptr, base_q + t * sq_t, base_k + t * sk_t, even, sq_m, sk_m,
                                           valid_e, valid_o, CT)
-        sums_e, sums_o = sums_e + k_e, sums_o + k_o
+        sums_e, sums_o = sums_e * gamma + k_e, sums_o * gamma + k_o
         den = tl.sum(q_e * sums_e, 0) + tl.sum(q_o * sums_o, 0)
         inverse = 1.0 / _maximum(den, guard)   # common.divide's guard
         _store_query_and_key(q_out_ptr, k_out_ptr, phases_ptr, t, key_rows, pairs, width, row, valid_e, valid_o,
                              q_e * inverse, q_o * inverse, k_e, k_o, ROTARY)
         tl.store(den_ptr + row, den, mask=inside)
+        last = (batch.to(tl.int64) * heads + head) * width + even
+        tl.store(last_ptr + last, sums_e, mask=valid_e & (t == length - 1))
+        tl.store(last_ptr + last + 1, sums_o, mask=valid_o & (t == length - 1))
 
 
 @triton.jit
-def _plain_query_grad_kernel(q_ptr, k_ptr, phases_ptr, carry_ptr, guard_ptr, den_ptr, grad_q_ptr, grad_den_ptr,
-                             grad_phi_q_ptr, weight_ptr, chunk_sums_ptr, length, width, heads, chunks,
+def _plain_query_grad_kernel(q_ptr, k_ptr, phases_ptr, carry_ptr, guard_ptr, rate_ptr, den_ptr, grad_q_ptr,
+                             grad_den_ptr, grad_phi_q_ptr, weight_ptr, chunk_sums_ptr, length, width, heads, chunks,
                              sq_b, sq_t, sq_h, sq_m, sk_b, sk_t, sk_h, sk_m, gq_b, gq_t, gq_h, gq_m,
-                             ROTARY: tl.constexpr, CHUNK: tl.constexpr, PAIRS: tl.constexpr):
+                             ROTARY: tl.constexpr, DECAY: tl.constexpr, CHUNK: tl.constexpr, PAIRS: tl.constexpr):
     """d phi_q = u / d + w S_t with u = R^T d q, d the guarded denominator and w = d loss / d den (its
-    own gradient and -u . phi_q / d^2 where unguarded); w per row, and each chunk's sum of w phi_q (what
-    the keys' gradient sums from the later rows)."""
+    own gradient and -u . phi_q / d^2 where unguarded); w per row, and each chunk's sum of
+    gamma^(t - first) w phi_q at its first token (what the keys' gradient sums from the later rows; the
+    powers below CHUNK, each term's relative to the first row's)."""
     chunk, head, batch, pairs, even = _program(PAIRS)
     CT: tl.constexpr = den_ptr.dtype.element_ty
-    sums_e, sums_o, guard, base_q, base_k = _plain_start(carry_ptr, guard_ptr, chunk, head, batch, even, width,
-                                                         heads, chunks, sq_b, sq_h, sk_b, sk_h, CT)
+    sums_e, sums_o, guard, gamma, base_q, base_k = _plain_start(carry_ptr, guard_ptr, rate_ptr, chunk, head, batch,
+                                                                even, width, heads, chunks, sq_b, sq_h, sk_b, sk_h,
+                                                                DECAY, CT)
     base_grad = batch.to(tl.int64) * gq_b + head.to(tl.int64) * gq_h
     total_e = tl.zeros([PAIRS], CT)
     total_o = total_e
+    power = tl.full([], 1.0, CT)
     first = chunk.to(tl.int64) * CHUNK
     for i in range(CHUNK):
         t, inside, row, valid_e, valid_o = _token(first + i, length, batch, heads, head, even, width)
         q_e, q_o, k_e, k_o = _plain_token(q_ptr, k_ptr, base_q + t * sq_t, base_k + t * sk_t, even, sq_m, sk_m,
                                           valid_e, valid_o, CT)
-        sums_e, sums_o = sums_e + k_e, sums_o + k_o
+        sums_e, sums_o = sums_e * gamma + k_e, sums_o * gamma + k_o
         den = tl.load(den_ptr + row, mask=inside, other=1.0)
         guarded = _maximum(den, guard)
         u_e, u_o = _load_pair(grad_q_ptr, row * width + even, valid_e, valid_o, 0.0, CT)
@@ -603,18 +613,20 @@ def _plain_query_grad_kernel(q_ptr, k_ptr, phases_ptr, carry_ptr, guard_ptr, den
         tl.store(grad_phi_q_ptr + offset + even * gq_m, grad_e, mask=valid_e)
         tl.store(grad_phi_q_ptr + offset + (even + 1) * gq_m, grad_o, mask=valid_o)
         tl.store(weight_ptr + row, weight, mask=inside)
-        total_e, total_o = total_e + weight * q_e, total_o + weight * q_o
+        total_e, total_o = total_e + (power * weight) * q_e, total_o + (power * weight) * q_o
+        power = power * gamma
     _store_chunk_sums(chunk_sums_ptr, chunk, head, batch, even, width, heads, chunks, total_e, total_o)
 
 
 @triton.jit
-def _plain_key_grad_kernel(q_ptr, phases_ptr, key_rows, weight_ptr, after_ptr, grad_k_ptr, grad_phi_k_ptr,
+def _plain_key_grad_kernel(q_ptr, phases_ptr, key_rows, rate_ptr, weight_ptr, after_ptr, grad_k_ptr, grad_phi_k_ptr,
                            length, width, heads, chunks, sq_b, sq_t, sq_h, sq_m, gk_b, gk_t, gk_h, gk_m,
-                           ROTARY: tl.constexpr, CHUNK: tl.constexpr, PAIRS: tl.constexpr):
-    """d phi_k = R^T d k + sum_{t' >= t} w_t' phi_q t', from the chunk's last token (later chunks' part
-    carried in as `after`)."""
+                           ROTARY: tl.constexpr, DECAY: tl.constexpr, CHUNK: tl.constexpr, PAIRS: tl.constexpr):
+    """d phi_k = R^T d k + T_t, T_t = gamma T_{t+1} + w_t phi_q_t (sum_{t' >= t} gamma^(t' - t) w_t' phi_q_t'),
+    from the chunk's last token (later chunks' part carried in as `after`, T at the token after it)."""
     chunk, head, batch, pairs, even = _program(PAIRS)
     CT: tl.constexpr = after_ptr.dtype.element_ty
+    gamma = tl.exp(_rate(rate_ptr, head, DECAY, CT))
     carry = ((batch.to(tl.int64) * chunks + chunk) * heads + head) * width + even
     total_e, total_o = _load_pair(after_ptr, carry, even < width, even + 1 < width, 0.0, CT)
     base_q = batch.to(tl.int64) * sq_b + head.to(tl.int64) * sq_h
@@ -624,7 +636,7 @@ def _plain_key_grad_kernel(q_ptr, phases_ptr, key_rows, weight_ptr, after_ptr, g
         t, inside, row, valid_e, valid_o = _token(first + (CHUNK - 1 - j), length, batch, heads, head, even, width)
         q_e, q_o = _plain_row(q_ptr, base_q + t * sq_t, even, sq_m, valid_e, valid_o, CT)
         weight = tl.load(weight_ptr + row, mask=inside, other=0.0)
-        total_e, total_o = total_e + weight * q_e, total_o + weight * q_o
+        total_e, total_o = total_e * gamma + weight * q_e, total_o * gamma + weight * q_o
         grad_e, grad_o = _load_pair(grad_k_ptr, row * width + even, valid_e, valid_o, 0.0, CT)
         if ROTARY:
             grad_e, grad_o = _rotated_at(phases_ptr, key_rows + t, pairs, width, valid_e, grad_e, grad_o, True)
@@ -642,61 +654,59 @@ def _phase_table(phases, length: int, work: torch.dtype):
     return torch.view_as_real(phases[:1] if key_rows == 0 else phases).to(work).flatten(0, 1).contiguous(), key_rows
 
 
-def plain_factors(phi_q, phi_k, phases, *, dot: torch.dtype, guard: float):
+def plain_factors(phi_q, phi_k, phases, *, dot: torch.dtype, guard: float, log_decay: torch.Tensor | None = None):
     """fla's inputs for Eq. 19 in one call, from plain features phi_q, phi_k (B, T, H, M) in fla's layout
     (any strides, any float dtype): q = R phi_q / den and k = R phi_k in `dot` (rotated by the queries'
-    and keys' `phases` (2, T, M/2) complex, or None), the denominator den = phi_q . sum_{n<=t} phi_k
-    (B, T, H) (in float32, float64 for float64 features; divided by at least `guard`), and the keys'
-    sums at the last token (B, H, M), by the fused kernels."""
-    return PlainFactors.apply(phi_q, phi_k, phases, dot, guard)
-
-
-def _later(chunk_sums: torch.Tensor) -> torch.Tensor:
-    """What each chunk carries in from the chunks after it: the sums of their summaries."""
-    total = chunk_sums.flip(1).cumsum(1).flip(1)
-    return torch.cat([total[:, 1:], torch.zeros_like(total[:, :1])], 1)
+    and keys' `phases` (2, T, M/2) complex, or None), the denominator den = phi_q . S (B, T, H) (in
+    float32, float64 for float64 features; divided by at least `guard`) with the keys' sums
+    S_t = sum_{n<=t} phi_k_n, or with log_decay (H,) log gamma (a constant) gamma S_{t-1} + phi_k_t, and S
+    at the last token (B, H, M), by the fused kernels."""
+    return PlainFactors.apply(phi_q, phi_k, phases, dot, guard, log_decay)
 
 
 class PlainFactors(torch.autograd.Function):
     """`plain_factors`: one pass forward (after the keys' chunk sums), two backward (the queries' with
-    their chunk sums, the keys' from the last token)."""
+    their chunk sums, the keys' from the last token); the chunks' carries by common.linear_carries."""
 
     @staticmethod
-    def forward(ctx, phi_q, phi_k, phases, dot, guard):
+    def forward(ctx, phi_q, phi_k, phases, dot, guard, log_decay):
         work = _sums_dtype(phi_k)
         batch, length, heads, width = phi_k.shape
         table, key_rows = _phase_table(phases, length, work)
         chunks = triton.cdiv(length, CHUNK)
+        guard = torch.full((1,), guard, dtype=work, device=phi_k.device)   # filled there: no wait for the GPU
+        rate = log_decay.detach().to(work).contiguous() if log_decay is not None else None
+        flags = dict(ROTARY=table is not None, DECAY=rate is not None)
         chunk_sums = phi_k.new_empty(batch, chunks, heads, width, dtype=work)
-        _factors_launch(_plain_summary_kernel, phi_k, phi_k, chunk_sums, strides=phi_k.stride())
-        carry = torch.cat([torch.zeros_like(chunk_sums[:, :1]), chunk_sums[:, :-1].cumsum(1)], 1)
+        _factors_launch(_plain_summary_kernel, phi_k, phi_k, _or(rate, guard), chunk_sums, strides=phi_k.stride(),
+                        DECAY=flags["DECAY"])
+        carry = linear_carries(chunk_sums, rate, CHUNK)
         q, k = (phi_k.new_empty(phi_k.shape, dtype=dot) for _ in range(2))
         den = phi_k.new_empty(batch, length, heads, dtype=work)
-        rotary, guard = table is not None, torch.full((1,), guard, dtype=work, device=phi_k.device)
-        _factors_launch(_plain_factors_kernel, phi_k, phi_q, phi_k, table if rotary else carry, key_rows, carry,
-                        guard, q, k, den, strides=(*phi_q.stride(), *phi_k.stride()), ROTARY=rotary)
-        ctx.save_for_backward(phi_q, phi_k, table, carry, guard, den)
+        last_sums = phi_k.new_empty(batch, heads, width, dtype=work)
+        _factors_launch(_plain_factors_kernel, phi_k, phi_q, phi_k, _or(table, carry), key_rows, carry, guard,
+                        _or(rate, guard), q, k, den, last_sums, strides=(*phi_q.stride(), *phi_k.stride()), **flags)
+        ctx.save_for_backward(phi_q, phi_k, table, carry, guard, rate, den)
         ctx.key_rows = key_rows
         ctx.set_materialize_grads(False)
-        last_sums = carry[:, -1] + chunk_sums[:, -1]
         ctx.mark_non_differentiable(last_sums)
         return q, k, den, last_sums
 
     @staticmethod
     def backward(ctx, grad_q, grad_k, grad_den, _):
-        phi_q, phi_k, table, carry, guard, den = ctx.saved_tensors
-        batch, chunks, heads, width = carry.shape
+        phi_q, phi_k, table, carry, guard, rate, den = ctx.saved_tensors
         grad_q, grad_k = (torch.zeros(phi_k.shape, dtype=den.dtype, device=den.device) if grad is None
                           else grad.contiguous() for grad in (grad_q, grad_k))
         grad_den = torch.zeros_like(den) if grad_den is None else grad_den.contiguous()
-        rotary = table is not None
-        table = table if rotary else carry
+        flags = dict(ROTARY=table is not None, DECAY=rate is not None)
+        table, gamma = _or(table, carry), _or(rate, guard)
         grad_phi_q, grad_phi_k = torch.empty_like(phi_q), torch.empty_like(phi_k)
         weight = torch.empty_like(den)
         chunk_sums = torch.empty_like(carry)
-        _factors_launch(_plain_query_grad_kernel, phi_k, phi_q, phi_k, table, carry, guard, den, grad_q,
+        _factors_launch(_plain_query_grad_kernel, phi_k, phi_q, phi_k, table, carry, guard, gamma, den, grad_q,
                         grad_den, grad_phi_q, weight, chunk_sums,
-                        strides=(*phi_q.stride(), *phi_k.stride(), *grad_phi_q.stride()), ROTARY=rotary)
-        _factors_launch(_plain_key_grad_kernel, phi_k, phi_q, table, ctx.key_rows, weight, _later(chunk_sums),
-                        grad_k, grad_phi_k, strides=(*phi_q.stride(), *grad_phi_k.stride()), ROTARY=rotary)
-        return grad_phi_q, grad_phi_k, None, None, None
+                        strides=(*phi_q.stride(), *phi_k.stride(), *grad_phi_q.stride()), **flags)
+        after = linear_carries(chunk_sums, rate, CHUNK, reverse=True)
+        _factors_launch(_plain_key_grad_kernel, phi_k, phi_q, table, ctx.key_rows, gamma, weight, after,
+                        grad_k, grad_phi_k, strides=(*phi_q.stride(), *grad_phi_k.stride()), **flags)
+        return grad_phi_q, grad_phi_k, None, None, None, None

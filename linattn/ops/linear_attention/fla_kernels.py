@@ -1,8 +1,8 @@
 """Eq. 19 on flash-linear-attention's chunk kernels: the `fla` backend (causal calls on CUDA; `pip
 install 'linattn[gpu]'`), the default of backend="auto" on CUDA.  Eq. 19 is one call of fla per forward
-(the numerator, its queries divided by the denominator for plain features; the denominator from
-factor_kernels.py's kernels; a plain pass with a decay calls fla for each), with glue that scans
-nothing along the sequence with torch and reads nothing on the host.
+(the numerator, its queries divided by the denominator for plain features, with or without a decay;
+the denominator from factor_kernels.py's kernels), with glue that scans nothing along the sequence
+with torch and reads nothing on the host.
 
 Derivation: docs/derivations.md, "Eq. 19 on fla's kernels (fla_kernels.py)"."""
 from __future__ import annotations
@@ -12,13 +12,12 @@ from torch.utils.checkpoint import checkpoint
 
 from ...rotary import rotate_pairs
 from .common import (DECAY_FLOOR, LogProjection, chunk_carries, compute_dtype, denominator_guard, divide,
-                     feature_tensors, first_derivatives_only, guard_log_features, log_feature_floor, log_feature_limit, log_normalizer,
-                     plain_log_normalizer, query_key_phases)
+                     feature_tensors, first_derivatives_only, guard_log_features, linear_carries, log_feature_floor,
+                     log_feature_limit, log_normalizer, plain_log_normalizer, query_key_phases)
 from .recurrent import LinearState
 from .stable import numerator_query
 
 TILE = 16   # fla's smallest tile: tl.dot's least width, to which K and V are padded
-ONES = TILE   # the denominator's values: a column of ones, as wide as fla's smallest tile
 HALF_DOTS = torch.bfloat16   # the half dtype fla's dots take from the values (not fp16: `dtypes`)
 
 
@@ -104,29 +103,31 @@ def plain_attention(phi_q, phi_k, v, *, causal: bool, rotary: bool, offset: int,
     """Plain features (dispatch.py's call shape; causal, N >= 1: the table routes the rest): queries rotated
     at offset.., keys at key_offset.. (None: offset); with return_log_normalizer the rows' log-denominators
     last, (B, H, N) in the work dtype.  One call of fla: the denominator from the keys' running sums
-    (`plain_factors`), the queries divided by it before the call.  log_decay (H,) log gamma: fla's
-    constant gates (`chunk_simple_gla`), numerator and denominator one call each."""
+    (`plain_factors`), the queries divided by it before the call.  log_decay (H,) log gamma: the sums
+    decayed, and fla's constant gates (`chunk_simple_gla`) for the numerator."""
     del causal, chunk_size   # causal by the table; fla picks its own chunks
     n, m = phi_q.shape[-2:]
     key_offset = int(offset) if key_offset is None else int(key_offset)
     work, dot = dtypes(v, phi_q, phi_k)
+    # fla takes its gate in float32: the denominator's sums take that very gamma, so both weigh alike
+    gate = None if log_decay is None else log_decay.detach().float()
+    rate = None if gate is None else gate.to(work)
     with torch.autocast(v.device.type, enabled=False):
         phases = query_key_phases(n, m, offset=int(offset), key_offset=key_offset, base=rope_base, device=v.device,
                                   dtype=work) if rotary else None
         values = fla_layout(v).to(dot)
-        if log_decay is not None:
-            return decayed_plain_attention(phi_q, phi_k, v, values, phases, log_decay, work=work, dot=dot,
-                                           return_state=return_state, position=key_offset + n,
-                                           return_log_normalizer=return_log_normalizer)
         q, k = fla_layout(phi_q), fla_layout(phi_k)
         if kernels_run_on(v):
             from .factor_kernels import plain_factors as kernel_plain_factors
-            factors = kernel_plain_factors(q, k, phases, dot=dot, guard=denominator_guard(work))
+            factors = kernel_plain_factors(q, k, phases, dot=dot, guard=denominator_guard(work), log_decay=rate)
         else:   # torch's glue (CPU outside Triton's interpreter): the factors recomputed for backward
-            factors = checkpoint(plain_factors, q, k, phases, work=work, dot=dot, use_reentrant=False,
+            factors = checkpoint(plain_factors, q, k, phases, work=work, dot=dot, log_decay=rate, use_reentrant=False,
                                  preserve_rng_state=False)
         q_num, k_num, denominator, sums = factors
-        out, kv = plain_linear_attention(q_num, k_num, values, return_state=return_state)
+        if gate is None:
+            out, kv = plain_linear_attention(q_num, k_num, values, return_state=return_state)
+        else:
+            out, kv = decayed_linear_attention(q_num, k_num, values, gate, return_state=return_state)
     result = finish(out, v, kv=kv, sums=sums, work=work, position=key_offset + n)
     return with_log_normalizer(result, denominator, work) if return_log_normalizer else result
 
@@ -137,44 +138,19 @@ def with_log_normalizer(result, denominator, work: torch.dtype):
     return (*result, lse) if isinstance(result, tuple) else (result, lse)
 
 
-def plain_factors(q, k, phases, *, work: torch.dtype, dot: torch.dtype):
+def plain_factors(q, k, phases, *, work: torch.dtype, dot: torch.dtype, log_decay: torch.Tensor | None = None):
     """fla's inputs for Eq. 19 in one call from plain features in fla's layout (B, T, H, M): q = R phi_q /
     den and k = R phi_k in `dot` (phases: the queries' and keys' rotations (2, T, M/2), or None), the
-    denominator den = phi_q . sum_{n<=t} phi_k (B, T, H) in `work`, and the keys' sums at the last token.
-    Torch's glue: the reference of factor_kernels.plain_factors, and the route on CPU outside Triton's
-    interpreter."""
+    denominator den = phi_q . S (B, T, H) in `work`, and S at the last token, S_t = sum_{n<=t} phi_k_n, or
+    with log_decay (H,) log gamma (a constant) gamma S_{t-1} + phi_k_t (`decayed_sums`).  Torch's glue: the
+    reference of factor_kernels.plain_factors, and the route on CPU outside Triton's interpreter."""
     q, k = q.to(work), k.to(work)
-    sums = k.cumsum(1)
+    sums = k.cumsum(1) if log_decay is None else decayed_sums(k, log_decay)
     denominator = (q * sums).sum(-1)
     q = divide(q, denominator)
     if phases is not None:
         q, k = rotated(q, phases[0]), rotated(k, phases[1])
     return q.to(dot), k.to(dot), denominator, sums[:, -1].detach()
-
-
-def decayed_plain_attention(phi_q, phi_k, v, values, phases, log_decay, *, work, dot, return_state: bool,
-                            position: int, return_log_normalizer: bool):
-    """`plain_attention` with a decay per head: fla's `chunk_simple_gla` on the rotated features with the
-    values and on the unrotated ones with a block of ones (the denominator), the two divided."""
-    def attend(q, k, values):
-        return decayed_linear_attention(q, k, values, log_decay.float(), return_state=return_state)
-    q_num, k_num, q_den, k_den = checkpoint(rotated_and_unrotated, phi_q, phi_k, phases, work=work, dot=dot,
-                                            use_reentrant=False, preserve_rng_state=False)
-    numerator, kv = attend(q_num, k_num, values)
-    denominator, sums = attend(q_den, k_den, values.new_ones(*values.shape[:-1], ONES))
-    denominator, sums = denominator[..., 0], None if sums is None else sums[..., 0]
-    result = finish(divide(numerator, denominator), v, kv=kv, sums=sums, work=work, position=position)
-    return with_log_normalizer(result, denominator, work) if return_log_normalizer else result
-
-
-def rotated_and_unrotated(phi_q, phi_k, phases, *, work: torch.dtype, dot: torch.dtype):
-    """fla's inputs in its layout and in `dot`: the rotated features for the numerator (phases: the
-    queries' and keys' rotations (2, T, M/2)), the features for the denominator (the same tensors unrotated)."""
-    q, k = fla_layout(phi_q), fla_layout(phi_k)
-    q_den, k_den = q.to(dot), k.to(dot)
-    if phases is None:
-        return q_den, k_den, q_den, k_den
-    return rotated(q.to(work), phases[0]).to(dot), rotated(k.to(work), phases[1]).to(dot), q_den, k_den
 
 
 def logspace_attention(b, a, v, *, causal: bool, rotary: bool, offset: int, rope_base: float,
@@ -274,20 +250,37 @@ def key_scales(a: torch.Tensor, log_decay: torch.Tensor | None = None) -> tuple[
     the index), across them by `chunk_carries`."""
     if log_decay is None:
         return a.detach().cummax(1).values, a.logcumsumexp(1)
-    length, size = a.shape[1], GLUE_CHUNK
-    padded = torch.nn.functional.pad(a, (0, 0, 0, 0, 0, -length % size), value=float("-inf"))
-    rows = torch.arange(size, device=a.device)
-    lags = (rows[:, None] - rows).to(a.dtype)   # (t, n) within a chunk
-    steps = torch.where(lags[..., None] >= 0, lags[..., None] * log_decay, float("-inf"))[..., None]   # (t, n, H, 1)
-    terms = padded.unflatten(1, (-1, size)).unsqueeze(2) + steps   # (B, K, t, n, H, M)
+    chunks, steps, ahead = glue_chunks(a, log_decay, float("-inf"))
+    terms = chunks.unsqueeze(2) + steps[..., None]   # (B, K, t, n, H, M)
     inside_max, inside_sums = terms.detach().amax(3), terms.logsumexp(3)
-    carry_max, carry_sums = (chunk_carries(x[:, :, -1], scan, log_decay, size)[:, :, None]
+    carry_max, carry_sums = (chunk_carries(x[:, :, -1], scan, log_decay, GLUE_CHUNK)[:, :, None]
                              for x, scan in ((inside_max, lambda t: t.cummax(1).values),
                                              (inside_sums, lambda t: t.logcumsumexp(1))))
-    ahead = ((rows + 1).to(a.dtype)[:, None] * log_decay)[..., None]   # (t, H, 1): from the carry's token
-    scale = torch.maximum(carry_max + ahead, inside_max)
-    sums = torch.logaddexp(carry_sums + ahead, inside_sums)
-    return scale.flatten(1, 2)[:, :length], sums.flatten(1, 2)[:, :length]
+    scale = torch.maximum(carry_max + ahead[..., None], inside_max)
+    sums = torch.logaddexp(carry_sums + ahead[..., None], inside_sums)
+    return scale.flatten(1, 2)[:, :a.shape[1]], sums.flatten(1, 2)[:, :a.shape[1]]
+
+
+def decayed_sums(k: torch.Tensor, log_decay: torch.Tensor) -> torch.Tensor:
+    """S_t = gamma S_{t-1} + k_t (S_0 = k_0) of plain features k (B, T, H, M) in fla's layout, log_decay (H,)
+    log gamma: within chunks of GLUE_CHUNK tokens from a table of gamma^(t - n), across them by
+    common.linear_carries (no power of gamma beyond a chunk's is formed)."""
+    chunks, steps, ahead = glue_chunks(k, log_decay, 0.0)
+    inside = torch.einsum("tnh,bknhm->bkthm", steps.exp(), chunks)
+    carry = linear_carries(inside[:, :, -1], log_decay, GLUE_CHUNK)[:, :, None]   # S before each chunk
+    return (inside + carry * ahead.exp()[..., None]).flatten(1, 2)[:, :k.shape[1]]
+
+
+def glue_chunks(x: torch.Tensor, log_decay: torch.Tensor, fill: float):
+    """x (B, T, H, M) in chunks of GLUE_CHUNK tokens, (B, K, GLUE_CHUNK, H, M), the last padded with `fill`;
+    the decay's log-weights within a chunk, (t - n) log gamma (t, n, H) (-inf for n > t); and each row's
+    from the token before its chunk, (t + 1) log gamma (t, H)."""
+    size = GLUE_CHUNK
+    padded = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, -x.shape[1] % size), value=fill)
+    rows = torch.arange(size, device=x.device)
+    lags = (rows[:, None] - rows).to(x.dtype)[..., None]   # (t, n, 1) within a chunk
+    steps = torch.where(lags >= 0, lags.clamp_min(0) * log_decay, float("-inf"))
+    return padded.unflatten(1, (-1, size)), steps, (rows + 1).to(x.dtype)[:, None] * log_decay
 
 
 def log_factors(b, a, phases, *, work: torch.dtype, dot: torch.dtype, log_decay: torch.Tensor | None = None):

@@ -21,6 +21,7 @@ from linattn.functional import linear_attention, linear_attention_step
 from linattn.ops.linear_attention import dispatch, fla_kernels, torch_logspace, torch_plain
 from linattn.ops.linear_attention.common import (LogProjection, denominator_guard, guard_log_features,
                                                  query_key_phases)
+from linattn.ops.linear_attention.naive import reference_attention
 from linattn.ops.linear_attention.stable import NUMERATOR_CAP, pair_max
 from linattn.ops.window_decay import window as window_decay
 
@@ -142,9 +143,9 @@ def test_key_offset_and_log_normalizer_match_the_torch_backend(fla_reference, lo
         out, state, lse = call(backend, log_space, tensors, rotary=rotary, offset=offset, key_offset=key_offset,
                                return_state=True, return_log_normalizer=True, **options)
         loss = (out * weights).sum() + (lse * lse_weights).sum()
-        results.append([out, lse, state.kv, *torch.autograd.grad(loss, tensors)])
+        results.append([out, lse, state.kv, state.k_sum, *torch.autograd.grad(loss, tensors)])
         assert state.position == key_offset + 9
-    for name, g, w in zip(("out", "log-normaliser", "state", "d q", "d k", "dv"), *results):
+    for name, g, w in zip(("out", "log-normaliser", "kv", "k_sum", "d q", "d k", "dv"), *results):
         torch.testing.assert_close(g, w.to(g.dtype), rtol=1e-10, atol=1e-12, msg=name)
 
 
@@ -152,24 +153,27 @@ def test_key_offset_and_log_normalizer_match_the_torch_backend(fla_reference, lo
                                                       (40, "glue", 3, None),
                                                       pytest.param(40, "fused", 7, 2, marks=pytest.mark.fused)])
 @pytest.mark.parametrize("rotary", [True, False], ids=["post", "unrotated"])
-def test_decay_matches_the_torch_backend(request, fla_reference, rotary, offset, key_offset, n, route):
+@pytest.mark.parametrize("log_space", [True, False], ids=["log", "plain"])
+def test_decay_matches_the_torch_backend(request, fla_reference, log_space, rotary, offset, key_offset, n, route):
     """The fla route's decay (in fla's gates and the denominator's sums) as the torch backend's (inside its
-    chunks): outputs, log-normalisers, states (in the frame of the keys' next position) and gradients, on torch's
+    chunks): outputs, log-normalisers, states (log-features: in the frame of the keys' next position; plain
+    features: the decayed sums at the last key, as a block's step continues them) and gradients, on torch's
     glue (40 tokens: chunks of 16 carried) and on the fused kernels (chunks of 8)."""
     if route == "fused":
         request.getfixturevalue("small_chunks")
-    tensors = features(n, 8, 4, log_space=True, scale=3.0)
-    log_decay = torch.tensor([-0.1, -0.4], dtype=torch.float64)
+    tensors = features(n, 8, 4, log_space=log_space, scale=3.0 if log_space else 1.0)
+    log_decay = torch.tensor([-0.125, -0.375], dtype=torch.float64)   # exact in fla's float32 g_gamma
     gen = torch.Generator().manual_seed(6)
     weights, lse_weights = (torch.randn(B, H, n, *size, generator=gen, dtype=torch.float64) for size in ((4,), ()))
     results = []
     for backend in ("fla", "torch"):
-        out, state, lse = call(backend, True, tensors, rotary=rotary, offset=offset, key_offset=key_offset,
+        out, state, lse = call(backend, log_space, tensors, rotary=rotary, offset=offset, key_offset=key_offset,
                                return_state=True, return_log_normalizer=True, log_decay=log_decay)
         loss = (out * weights).sum() + (lse * lse_weights).sum()
-        results.append([out, lse, state.kv, state.k_sum, state.log_scale, *torch.autograd.grad(loss, tensors)])
-    names = ("out", "log-normaliser", "kv", "k_sum", "log_scale", "d q", "d k", "dv")
-    for name, g, w in zip(names, *results):
+        parts = [state.kv, state.k_sum] + ([state.log_scale] if log_space else [])
+        results.append([out, lse, *parts, *torch.autograd.grad(loss, tensors)])
+    names = ("out", "log-normaliser", "kv", "k_sum", *(("log_scale",) if log_space else ()), "d q", "d k", "dv")
+    for name, g, w in zip(names, *results, strict=True):
         torch.testing.assert_close(g, w.to(g.dtype), rtol=1e-10, atol=1e-12, msg=name)
 
 
@@ -189,6 +193,22 @@ def test_state_equals_torch_backends_and_decoding_continues_from_it(fla_referenc
     for n in range(20, 24):
         step, state = linear_attention_step(*(t[..., n, :] for t in tensors), state, rotary=True, log_space=log_space)
         torch.testing.assert_close(step, whole[..., n, :], rtol=1e-10, atol=1e-12)
+
+
+def test_a_decayed_plain_blocks_steps_continue_its_parallel_pass_on_fla(fla_reference, monkeypatch):
+    """An elu block with RetNet's decays on the fla route (torch's glue, 40 tokens: its chunks of 16 carried):
+    a forward pass over 36 tokens, then steps from its state, give the whole sequence's forward pass (to
+    float32's rounding of gamma, which fla's gate takes and the steps do not)."""
+    for module in (dispatch, window_decay):   # fla on CPU in float64: the stand-in
+        monkeypatch.setattr(module, "resolve", lambda backend, *args, **kwargs: backend)
+    block = LinearAttention(16, 2, feature_map="elu", rope="post", decay="retnet", backend="fla").double()
+    x = torch.randn(B, 40, 16, dtype=torch.float64)
+    whole = block(x)
+    out, state = block(x[:, :36], return_state=True)
+    torch.testing.assert_close(out, whole[:, :36], rtol=1e-10, atol=1e-12)
+    for t in range(36, 40):
+        step, state = block.step(x[:, t], state)
+        torch.testing.assert_close(step, whole[:, t], rtol=1e-7, atol=1e-9)
 
 
 @pytest.mark.parametrize("log_space", [True, False], ids=["log", "plain"])
@@ -301,13 +321,14 @@ class KeepsItsInputs(torch.autograd.Function):
 
 
 @pytest.mark.fused
-@pytest.mark.parametrize("inputs,most", [("log", 6.8), ("plain", 2.8), ("projection", 8.9)])
+@pytest.mark.parametrize("inputs,most", [("log", 6.8), ("plain", 2.8), ("plain-decay", 2.8), ("projection", 8.9)])
 def test_a_layer_keeps_its_inputs_and_flas_and_the_factors_scales_for_backward(monkeypatch, inputs, most):
     """In units of one (B, H, N, M) float32 tensor, at M = Dv, rotated: what fla keeps of its calls
     (log-features: the numerator's q, k, v in bf16 and float32 decays, the half numerator for the division;
     plain features: q, k, v in bf16), the phases, and for backward of factor_kernels.py the log-features
     b, a (2.0), L (1.0), P (0.5, per pair) and Q; or the plain bf16 features (1.0), the denominator and
-    the keys' chunk sums (plain_factors: 2.8; two calls of fla, numerator and denominator, kept 3.6).
+    the keys' chunk sums (plain_factors: 2.8, with a decay too; two calls of fla, numerator and denominator,
+    kept 3.6).
     FAVOR+'s block hands over a `LogProjection` (M = 4D here, as in the benchmark's block): its logits
     are kept too (8.9).  Before the fused kernels, the factors were recomputed in backward: 7.6, 3.6 and
     5.6 (the projection's logits recomputed from its (B, H, N, D) inputs); before issue 34, 5.0, 3.0, 3.0."""
@@ -315,9 +336,12 @@ def test_a_layer_keeps_its_inputs_and_flas_and_the_factors_scales_for_backward(m
                         lambda q, k, v, g, *, return_state: (KeepsItsInputs.apply(q, k, v, g), None))
     monkeypatch.setattr(fla_kernels, "plain_linear_attention",
                         lambda q, k, v, *, return_state: (KeepsItsInputs.apply(q, k, v), None))
+    monkeypatch.setattr(fla_kernels, "decayed_linear_attention",
+                        lambda q, k, v, gate, *, return_state: (KeepsItsInputs.apply(q, k, v), None))
+    plain = inputs.startswith("plain")
     n, m = 64, 64   # one chunk: the units are ratios to (B, H, N, M)
-    q, k, v = features(n, m, m, log_space=inputs != "plain", dtype=torch.float32)
-    if inputs == "plain":
+    q, k, v = features(n, m, m, log_space=not plain, dtype=torch.float32)
+    if plain:
         q, k = (t.detach().bfloat16().requires_grad_() for t in (q, k))
     if inputs == "projection":
         weight = torch.randn(m, m // 4, dtype=torch.float32)
@@ -329,7 +353,8 @@ def test_a_layer_keeps_its_inputs_and_flas_and_the_factors_scales_for_backward(m
         kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = call("fla", inputs != "plain", [q, k, v])
+        decay = dict(log_decay=torch.tensor([-0.1, -0.2])) if inputs == "plain-decay" else {}
+        out = call("fla", not plain, [q, k, v], **decay)
     units = sum(kept.values()) / (B * H * n * m * 4)
     assert units <= most, units
     if inputs == "projection":   # and the gradient still reaches the projection's inputs
@@ -366,8 +391,7 @@ def test_the_window_and_decays_linear_part_multiplies_bf16_values_in_bf16(monkey
         q_hat, k_hat, phi_q, phi_k, v.to(values), window=window, log_decay=torch.tensor([-0.1, -0.2]),
         log_gain=torch.zeros(H) if window else None, rotary=True, log_space=log_space, offset=0, rope_base=10000.0,
         chunk_size=4, backend="fla", return_state=False)
-    calls = 1 if log_space else 2   # plain features with a decay: the numerator's call and the denominator's
-    assert seen == [(dots, dots, dots)] * calls and out.dtype == torch.float32
+    assert seen == [(dots, dots, dots)] and out.dtype == torch.float32   # one call: the denominator takes none
 
 
 def record_kernel_dtypes(monkeypatch) -> list:
@@ -464,16 +488,20 @@ def test_the_factor_kernels_give_torchs_glue_and_its_gradients(small_chunks, inp
 
 
 PLAIN_FACTORS = ("q", "k", "denominator", "last sums", "d phi_q", "d phi_k")   # plain_factors' and the gradients
+PLAIN_DECAY = torch.tensor([-0.3, -2.0], dtype=torch.float64)   # per head: mild, and e^-16 a chunk of 8
 
 
 @INTERPRETED_OR_CUDA
-@pytest.mark.parametrize("rotary,m,length,key_offset", [(True, 14, 21, 11), (True, 8, 8, 3), (False, 7, 9, 3)],
-                         ids=["post-offset", "post", "unrotated"])
-def test_the_plain_factor_kernels_give_torchs_glue_and_its_gradients(small_chunks, rotary, m, length, key_offset):
+@pytest.mark.parametrize("rotary,m,length,key_offset,decay", [
+    (True, 14, 21, 11, False), (True, 8, 8, 3, False), (False, 7, 9, 3, False), (True, 14, 21, 11, True),
+    (False, 7, 30, 3, True)], ids=["post-offset", "post", "unrotated", "post-offset-decay", "unrotated-decay"])
+def test_the_plain_factor_kernels_give_torchs_glue_and_its_gradients(small_chunks, rotary, m, length, key_offset,
+                                                                     decay):
     """factor_kernels.plain_factors against fla_kernels.plain_factors (torch ops) in float64: fla's q (divided
     by the denominator), k, the denominator, the keys' last sums, and the gradients of a weighted sum of
     q, k and the denominator; strided inputs in fla's layout, several chunks and a ragged one, a row of M
-    features that is no power of 2, a zero denominator (the guard's), keys rotated at their own offset."""
+    features that is no power of 2, a zero denominator (the guard's), keys rotated at their own offset,
+    the sums decayed per head (carried across chunks, and in the glue across its chunks of 16)."""
     gen = torch.Generator().manual_seed(4)
     phi_q, phi_k = ((torch.rand(3, 2, length, m, generator=gen, dtype=torch.float64))[1:].to(KERNEL_DEVICE)
                     .requires_grad_() for _ in range(2))
@@ -481,15 +509,45 @@ def test_the_plain_factor_kernels_give_torchs_glue_and_its_gradients(small_chunk
         phi_q[0, 1, :2] = 0   # rows whose denominator is 0
     phases = phases_at(length, m, 3, key_offset) if rotary else None
     inputs = [fla_kernels.fla_layout(t) for t in (phi_q, phi_k)]
+    rate = PLAIN_DECAY.to(KERNEL_DEVICE) if decay else None
     got = factor_kernels_module().plain_factors(*inputs, phases, dot=torch.float64,
-                                                guard=denominator_guard(torch.float64))
-    want = fla_kernels.plain_factors(*inputs, phases, work=torch.float64, dot=torch.float64)
+                                                guard=denominator_guard(torch.float64), log_decay=rate)
+    want = fla_kernels.plain_factors(*inputs, phases, work=torch.float64, dot=torch.float64, log_decay=rate)
     weights = [torch.randn_like(want[i]) for i in range(3)]
     runs = [[*out, *torch.autograd.grad(sum((out[i] * w).sum() for i, w in enumerate(weights)), (phi_q, phi_k))]
             for out in (got, want)]
     assert (want[2] == 0).any()
     for name, g, w in zip(PLAIN_FACTORS, *runs, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=name)
+    if decay:   # and the glue's denominator as its definition has it: sum_n gamma^(t - n) phi_q_t . phi_k_n
+        lags = torch.arange(length, dtype=torch.float64, device=KERNEL_DEVICE)
+        lags = (lags[:, None] - lags).clamp_min(0)
+        weights = torch.exp(lags * rate[:, None, None]).tril()   # (H, t, n)
+        torch.testing.assert_close(want[2], torch.einsum("bhtm,bhnm,htn->bth", phi_q, phi_k, weights), rtol=1e-12,
+                                   atol=1e-13)
+
+
+@pytest.mark.fused
+@INTERPRETED_OR_CUDA
+def test_the_plain_decay_on_the_factor_kernels_is_exact_far_along(fla_reference, small_chunks, monkeypatch):
+    """Plain features with a decay on the route's own kernels (chunks of 8, float32) at positions past 1e5,
+    against the float64 reference: outputs, log-normalisers (with the queries' lead over their keys) and
+    the state (the decayed sums at the last key).  One head's gamma^N (e^-240) is far below float32's
+    range, so a decay folded into the features would lose it; carried between chunks it stays exact."""
+    monkeypatch.setattr(dispatch, "resolve", lambda backend, *args, **kwargs: backend)
+    gen = torch.Generator().manual_seed(9)
+    n = 120
+    phi_q, phi_k = (torch.rand(1, 2, n, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, 2, n, 4, generator=gen, dtype=torch.float64)
+    log_decay = torch.tensor([-2.0, -2.0 ** -5], dtype=torch.float64)
+    options = dict(causal=True, rotary=True, offset=10 ** 5 + 7, key_offset=10 ** 5, return_log_normalizer=True)
+    out, state, lse = linear_attention(*(t.float() for t in (phi_q, phi_k, v)), log_decay=log_decay.float(),
+                                       backend="fla", return_state=True, **options)
+    want, want_lse = reference_attention(phi_q, phi_k, v, log_decay=log_decay, **options)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-5)
+    weights = torch.exp(torch.arange(n - 1, -1, -1, dtype=torch.float64) * log_decay[:, None])   # (H, N)
+    torch.testing.assert_close(state.k_sum.double(), (weights[:, :, None] * phi_k).sum(-2), rtol=1e-5, atol=1e-6)
 
 
 def factor_kernels_module():
