@@ -96,12 +96,14 @@ def option_rows(records: list[dict], device_type: str) -> list[dict]:
         peak_ratio = record["train_peak_bytes"] / max(plain["train_peak_bytes"], 1)
         slopes = [endpoint_slope([r for r in records if (r["block"], r["dtype"]) == (name, record["dtype"])],
                                  "train_s", OPTION_SLOPE_SPAN) for name in (record["block"], plain_name)]
-        judged_here = device_type == "cuda" or record["n"] == OPTION_CPU_N
+        # the window-only control is judged against softmax (comparisons); the slope once per block, at OPTION_CPU_N
+        linear = not is_softmax(record["block"])
+        judged_here = linear and (device_type == "cuda" or record["n"] == OPTION_CPU_N)
         rows.append({"block": record["block"], "dtype": record["dtype"], "n": record["n"], "time_ratio": time_ratio,
                      "peak_ratio": peak_ratio, "slope": slopes[0], "plain_slope": slopes[1],
                      "time_met": time_ratio <= OPTION_TIME_LIMIT if judged_here else None,
                      "peak_met": peak_ratio <= OPTION_PEAK_LIMIT if judged_here and device_type != "cuda" else None,
-                     "slope_met": None if device_type == "cuda" or slopes[0] is None
+                     "slope_met": None if device_type == "cuda" or not judged_here or slopes[0] is None
                      else slopes[0] <= OPTION_SLOPE_LIMIT})
     return rows
 

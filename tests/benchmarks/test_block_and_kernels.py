@@ -66,7 +66,7 @@ def test_block_comparisons_pair_each_linear_block_with_softmax_at_its_n_and_dtyp
 @pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 def test_each_option_is_judged_against_the_same_block_without_it(device_type):
     """Issue 45: time <= 1.3x and peak <= 1.5x the plain block's at 8k on CPU (and a 4k-16k slope <= 1.1),
-    time <= 1.3x at every N on CUDA; the window-only control is paired with softmax."""
+    time <= 1.3x at every N on CUDA; the window-only control's ratios to softmax are shown, not judged."""
     records = [record("favor-pre", 4096, 1.0, 100), record("favor-pre+window=64", 4096, 1.2, 120),
                record("favor-pre", 8192, 2.0, 200), record("favor-pre+window=64", 8192, 2.8, 250),
                record("favor-pre", 16384, 4.0, 400), record("favor-pre+window=64", 16384, 4.8, 700),
@@ -79,10 +79,11 @@ def test_each_option_is_judged_against_the_same_block_without_it(device_type):
     verdicts = {key: (r["time_met"], r["peak_met"], r["slope_met"]) for key, r in rows.items()}
     if device_type == "cpu":
         assert verdicts["favor-pre+window=64", 8192] == (False, True, True)
-        assert verdicts["favor-pre+window=64", 4096] == (None, None, True)
-        assert verdicts["softmax+window=64", 8192] == (True, True, None)
+        assert verdicts["favor-pre+window=64", 4096] == (None, None, None)   # judged once, at 8k
+        assert verdicts["softmax+window=64", 8192] == (None, None, None)     # judged against softmax
     else:
         assert [verdicts["favor-pre+window=64", n][0] for n in (4096, 8192, 16384)] == [True, False, True]
+        assert verdicts["softmax+window=64", 8192] == (None, None, None)
         assert {v[1:] for v in verdicts.values()} == {(None, None)}
 
 
