@@ -6,6 +6,8 @@ reported apart.  Peak memory counts as much as time: the table gives both ratios
 targets are judged for favor-post and elu-post against softmax."""
 from __future__ import annotations
 
+import resource
+
 import torch
 
 from linattn_lm.device import autocast
@@ -19,6 +21,7 @@ from .timing import MB, ChildRunner, History, median_time, one_call_peak, run_bu
 # at most, from MEMORY_FROM_N on.
 SPEEDUP_TARGETS = {"favor-post": {16384: 1.0, 65536: 2.0}, "elu-post": {65536: 3.0}}
 MEMORY_LIMIT, MEMORY_FROM_N, MEMORY_JUDGED = 2.0, 4096, "favor-post"
+PAGE = resource.getpagesize()
 # Issue 45: a block with a window or decay against the same block without it.  On CPU: time and peak at
 # OPTION_CPU_N, and the log-log time slope over OPTION_SLOPE_SPAN; on CUDA: time at every N.
 OPTION_TIME_LIMIT, OPTION_PEAK_LIMIT, OPTION_CPU_N = 1.3, 1.5, 8192
@@ -40,10 +43,18 @@ def block_task(task: dict) -> dict:
         out.backward(grad.to(out.dtype))
 
     first_call_s = time_call(step, device)
+    faults = minor_page_faults()
     timing = median_time(step, repeats=task["repeats"], warmup=task["warmup"], device=device)
+    faults = (minor_page_faults() - faults) / (task["warmup"] + timing.repeats)
     baseline, peak = one_call_peak(step, device)
     return {"train_s": timing.seconds, "train_repeats": timing.repeats, "first_call_s": first_call_s,
-            "train_baseline_bytes": baseline, "train_peak_bytes": peak}
+            "train_baseline_bytes": baseline, "train_peak_bytes": peak, "page_faults_per_call": faults}
+
+
+def minor_page_faults() -> int:
+    """The process's minor page faults so far: memory the OS maps in afresh (on CPU, what glibc handed
+    back and a large temporary then touches again; --keep-freed-memory), a count no machine's speed moves."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def block_sweep(settings: Settings, device: torch.device, runner: ChildRunner, report: Report) -> list[dict]:
@@ -135,12 +146,14 @@ def run_block(settings: Settings, device: torch.device, runner: ChildRunner, rep
                "that option; softmax = SoftmaxAttention(rope=True, backend='sdpa'); bf16 = autocast over float32 "
                f"weights. Median of {settings.repeats} after {settings.warmup} warm-up; first call = the first "
                "forward + backward of a fresh process (kernel compile and autotune), not in the median. Peak: "
-               "memory above what was allocated before one call of its own.\n")
+               "memory above what was allocated before one call of its own. Page faults: memory the OS mapped in "
+               "afresh per timed call (on CPU, what glibc handed back, touched again; --keep-freed-memory).\n")
     records = block_sweep(settings, device, runner, report)
     report.add(markdown_table(
-        ["block", "dtype", "N", "fwd+bwd ms", "peak MB", "first call s", "note"],
+        ["block", "dtype", "N", "fwd+bwd ms", "peak MB", "page faults MB / call", "first call s", "note"],
         [[r["block"], r["dtype"], r["n"], fmt(r.get("train_s"), 1e3, 2), fmt(r.get("train_peak_bytes"), 1 / MB, 0),
-          fmt(r.get("first_call_s"), digits=1), note(r)] for r in records]))
+          fmt(r.get("page_faults_per_call"), PAGE / MB, 0), fmt(r.get("first_call_s"), digits=1), note(r)]
+         for r in records]))
     rows = comparisons(records)
     if rows:
         report.add("\n" + markdown_table(
