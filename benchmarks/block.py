@@ -7,6 +7,7 @@ targets are judged for favor-post and elu-post against softmax."""
 from __future__ import annotations
 
 import resource
+import statistics
 
 import torch
 
@@ -15,7 +16,7 @@ from linattn_lm.device import autocast
 from .methods import block_parts, build_block, is_softmax
 from .report import Report, endpoint_slope, fmt, markdown_table, note, timed_line
 from .settings import Settings
-from .timing import MB, ChildRunner, History, median_time, one_call_peak, run_budgeted, time_call
+from .timing import MB, ChildRunner, History, child_timeout, median_time, one_call_peak, run_budgeted, time_call
 
 # Issue 34: softmax's time over the block's, at least, per block and N; favor-post's peak over softmax's,
 # at most, from MEMORY_FROM_N on.
@@ -58,21 +59,43 @@ def minor_page_faults() -> int:
 
 
 def block_sweep(settings: Settings, device: torch.device, runner: ChildRunner, report: Report) -> list[dict]:
-    """Every block at every N and dtype, small N first; each config in a fresh process."""
+    """Every block at every N and dtype, small N first; each config in a fresh process.  With several
+    --rounds the whole sweep runs again, each config once per round, and a config's record holds the
+    median over rounds (`by_rounds`); a config skipped or failed in the first round is not run again."""
     configs = [(name, dtype) for dtype in settings.dtypes for name in settings.block_methods]
     histories = {config: History(assume_quadratic=is_softmax(config[0])) for config in configs}
-    records = []
-    for n in settings.lengths:
-        for name, dtype in configs:
-            task = {"device": str(device), "threads": settings.threads, "block": name, "dtype": dtype, "n": n,
-                    "dim": settings.heads * settings.head_dim, "heads": settings.heads,
-                    "num_features": settings.num_features, "repeats": settings.repeats, "warmup": settings.warmup}
-            result = run_budgeted(runner, block_task, task, histories[(name, dtype)], n, settings.budget_s,
-                                  device, "train_peak_bytes")
-            record = {"block": name, "dtype": dtype, "n": n, **result}
-            report.progress(f"  N={n:>6}  {name:<18} {dtype}  " + timed_line(record))
-            records.append(record)
-    return records
+    rounds: dict[tuple, list[dict]] = {}
+    for round_index in range(settings.rounds):
+        for n in settings.lengths:
+            for name, dtype in configs:
+                first = rounds.get((name, dtype, n))
+                if first and "train_s" not in first[0]:
+                    continue
+                task = {"device": str(device), "threads": settings.threads, "block": name, "dtype": dtype, "n": n,
+                        "dim": settings.heads * settings.head_dim, "heads": settings.heads,
+                        "num_features": settings.num_features, "repeats": settings.repeats,
+                        "warmup": settings.warmup}
+                result = run_budgeted(runner, block_task, task, histories[(name, dtype)], n,
+                                      settings.budget_s, device, "train_peak_bytes") if not first else \
+                    runner.run(block_task, task, child_timeout(settings.budget_s))
+                record = {"block": name, "dtype": dtype, "n": n, **result}
+                prefix = f"  round {round_index + 1}/{settings.rounds}" if settings.rounds > 1 else ""
+                report.progress(f"{prefix}  N={n:>6}  {name:<18} {dtype}  " + timed_line(record))
+                rounds.setdefault((name, dtype, n), []).append(record)
+    return [by_rounds(records) for records in rounds.values()]
+
+
+MEASURED = ("train_s", "train_peak_bytes", "page_faults_per_call", "first_call_s")
+
+
+def by_rounds(records: list[dict]) -> dict:
+    """One config's record over its rounds: each measured value's median (the first round's record where
+    a later round failed), with the rounds' times kept as `train_s_rounds`."""
+    timed = [r for r in records if "train_s" in r]
+    if len(records) == 1 or len(timed) < len(records):
+        return records[0]
+    merged = {**records[0], **{key: statistics.median(r[key] for r in timed) for key in MEASURED}}
+    return {**merged, "train_s_rounds": [r["train_s"] for r in timed]}
 
 
 def find(records: list[dict], name: str, dtype: str, n: int) -> dict | None:
@@ -144,7 +167,9 @@ def run_block(settings: Settings, device: torch.device, runner: ChildRunner, rep
     report.section("Block: the blocks as imported, forward + backward")
     report.add(f"x of shape (1, N, {dim}), {settings.heads} heads, M={settings.num_features} for maps with "
                "that option; softmax = SoftmaxAttention(rope=True, backend='sdpa'); bf16 = autocast over float32 "
-               f"weights. Median of {settings.repeats} after {settings.warmup} warm-up; first call = the first "
+               f"weights. Median of {settings.repeats} after {settings.warmup} warm-up"
+               + (f", then each value's median over {settings.rounds} rounds of the whole sweep" if settings.rounds > 1
+                  else "") + "; first call = the first "
                "forward + backward of a fresh process (kernel compile and autotune), not in the median. Peak: "
                "memory above what was allocated before one call of its own. Page faults: memory the OS mapped in "
                "afresh per timed call (on CPU, what glibc handed back, touched again; --keep-freed-memory).\n")

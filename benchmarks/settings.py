@@ -152,6 +152,9 @@ class Settings:
     chunk_size: int = option(64, "chunk C of linattn's torch causal path", positive_int)
     repeats: int = option(5, "timed runs per config and pass (at most 3 for runs over 1 s)", whole(1, MAX_REPEATS))
     warmup: int = option(1, "untimed runs before timing", whole(0, MAX_REPEATS))
+    rounds: int = option(1, "block section: run the whole sweep this many times (each config in a fresh process "
+                         "each time) and give each config's median over the rounds, so that a slow spell of a "
+                         "shared machine hits one round of every config, not every run of one", whole(1, 100))
     budget_s: float = option(90.0, "skip a config predicted to take longer than this many seconds", seconds)
     decode_contexts: tuple[int, ...] = option(tuple(1024 * 2 ** p for p in range(6)),
                                               "context lengths of the decode section", int_list)

@@ -46,6 +46,32 @@ def test_a_block_task_times_forward_and_backward_and_reports_first_call_and_peak
     assert result["train_peak_bytes"] >= 0 and result["page_faults_per_call"] >= 0
 
 
+def test_rounds_give_each_config_its_median_and_do_not_rerun_a_skipped_one():
+    """--rounds 3: the sweep runs three times, each config's record holds the median of each value over
+    the rounds (its times kept); a config that failed in the first round is not run again."""
+    from benchmarks.report import Report
+    from benchmarks.settings import Settings
+    times = {"favor-pre": iter([3.0, 1.0, 2.0]), "elu-pre": iter([5.0])}
+
+    class Runner:
+        calls = []
+
+        def run(self, run_task, task, timeout_s):
+            self.calls.append(task["block"])
+            if task["block"] == "elu-pre":
+                return {"error": "RuntimeError: out of memory"}
+            seconds = next(times[task["block"]])
+            return {"train_s": seconds, "train_peak_bytes": 10 * seconds, "page_faults_per_call": 0.0,
+                    "first_call_s": 0.1, "train_repeats": 2, "elapsed_s": 1.0}
+
+    settings = Settings(device="cpu", lengths=(64,), rounds=3, block_methods=("favor-pre", "elu-pre"))
+    runner = Runner()
+    records = {r["block"]: r for r in block.block_sweep(settings, torch.device("cpu"), runner, Report())}
+    assert runner.calls == ["favor-pre", "elu-pre", "favor-pre", "favor-pre"]
+    assert records["favor-pre"]["train_s"] == 2.0 and records["favor-pre"]["train_peak_bytes"] == 20.0
+    assert records["favor-pre"]["train_s_rounds"] == [3.0, 1.0, 2.0] and "error" in records["elu-pre"]
+
+
 def record(name, n, seconds, peak, dtype="bf16"):
     return {"block": name, "dtype": dtype, "n": n, "train_s": seconds, "train_peak_bytes": peak}
 
