@@ -517,11 +517,13 @@ def _plain_start(carry_ptr, guard_ptr, rate_ptr, chunk, head, batch, even, width
 
 
 @triton.jit
-def _plain_token(q_ptr, k_ptr, q_offset, k_offset, even, sq_m, sk_m, valid_e, valid_o, CT: tl.constexpr):
-    """A token's query and key features, (even, odd) halves each."""
+def _plain_token(q_ptr, k_ptr, q_offset, k_offset, even, sq_m, sk_m, valid_e, valid_o, sums_e, sums_o, gamma,
+                 CT: tl.constexpr):
+    """A token's query and key features, (even, odd) halves each, and the keys' sums with it,
+    S_t = gamma S_{t-1} + phi_k_t."""
     q_e, q_o = _plain_row(q_ptr, q_offset, even, sq_m, valid_e, valid_o, CT)
     k_e, k_o = _plain_row(k_ptr, k_offset, even, sk_m, valid_e, valid_o, CT)
-    return q_e, q_o, k_e, k_o
+    return q_e, q_o, k_e, k_o, sums_e * gamma + k_e, sums_o * gamma + k_o
 
 
 @triton.jit
@@ -564,9 +566,8 @@ def _plain_factors_kernel(q_ptr, k_ptr, phases_ptr, key_rows, carry_ptr, guard_p
     first = chunk.to(tl.int64) * CHUNK
     for i in range(CHUNK):
         t, inside, row, valid_e, valid_o = _token(first + i, length, batch, heads, head, even, width)
-        q_e, q_o, k_e, k_o = _plain_token(q_ptr, k_ptr, base_q + t * sq_t, base_k + t * sk_t, even, sq_m, sk_m,
-                                          valid_e, valid_o, CT)
-        sums_e, sums_o = sums_e * gamma + k_e, sums_o * gamma + k_o
+        q_e, q_o, k_e, k_o, sums_e, sums_o = _plain_token(q_ptr, k_ptr, base_q + t * sq_t, base_k + t * sk_t, even,
+                                                          sq_m, sk_m, valid_e, valid_o, sums_e, sums_o, gamma, CT)
         den = tl.sum(q_e * sums_e, 0) + tl.sum(q_o * sums_o, 0)
         inverse = 1.0 / _maximum(den, guard)   # common.divide's guard
         _store_query_and_key(q_out_ptr, k_out_ptr, phases_ptr, t, key_rows, pairs, width, row, valid_e, valid_o,
@@ -598,9 +599,8 @@ def _plain_query_grad_kernel(q_ptr, k_ptr, phases_ptr, carry_ptr, guard_ptr, rat
     first = chunk.to(tl.int64) * CHUNK
     for i in range(CHUNK):
         t, inside, row, valid_e, valid_o = _token(first + i, length, batch, heads, head, even, width)
-        q_e, q_o, k_e, k_o = _plain_token(q_ptr, k_ptr, base_q + t * sq_t, base_k + t * sk_t, even, sq_m, sk_m,
-                                          valid_e, valid_o, CT)
-        sums_e, sums_o = sums_e * gamma + k_e, sums_o * gamma + k_o
+        q_e, q_o, k_e, k_o, sums_e, sums_o = _plain_token(q_ptr, k_ptr, base_q + t * sq_t, base_k + t * sk_t, even,
+                                                          sq_m, sk_m, valid_e, valid_o, sums_e, sums_o, gamma, CT)
         den = tl.load(den_ptr + row, mask=inside, other=1.0)
         guarded = _maximum(den, guard)
         u_e, u_o = _load_pair(grad_q_ptr, row * width + even, valid_e, valid_o, 0.0, CT)
