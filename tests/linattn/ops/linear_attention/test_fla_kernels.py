@@ -466,8 +466,8 @@ def small_chunks(monkeypatch):
 @INTERPRETED_OR_CUDA
 @pytest.mark.parametrize("inputs", ["tensor", "projection"])
 @pytest.mark.parametrize("rotary,m", [(True, 14), (False, 7)], ids=["post", "unrotated"])
-@pytest.mark.parametrize("length,key_offset,decay", [(1, 3, False), (21, 3, False), (8, 0, False), (21, 11, False),
-                                                     (21, 11, True)])
+# (21, 11) holds three chunks and a key offset; CI's time allows no second such case beside it
+@pytest.mark.parametrize("length,key_offset,decay", [(1, 3, False), (8, 0, False), (21, 11, False), (21, 11, True)])
 def test_the_factor_kernels_give_torchs_glue_and_its_gradients(small_chunks, inputs, rotary, m, length, key_offset,
                                                                decay):
     """factor_kernels.py against fla_kernels.log_factors (torch ops) in float64: fla's q, k and decays,
