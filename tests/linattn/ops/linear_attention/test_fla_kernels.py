@@ -290,7 +290,7 @@ def test_keys_of_exactly_zero_before_a_features_first_real_key_leave_the_decays_
     absorb every later step of the chunk (the stand-in does what its kernels do here).  Rows before
     the first real key are 0/0 in exact terms; each backend gives its own finite value there."""
     fake_fla(monkeypatch, chunk_cumsum=True)
-    b, a, v = (t.detach() for t in features(150, 8, 4, log_space=True))
+    b, a, v = (t.detach() for t in features(70, 8, 4, log_space=True))   # a chunk of fla's 64 and a ragged one
     a[..., :3, :] = float("-inf")
     got = call("fla", True, [b, guard_log_features(a, a.dtype), v])   # the floor the public entry gives -inf
     want = linear_attention(b, a, v, causal=True, rotary=True, backend="torch", log_space=True, chunk_size=8)
@@ -463,11 +463,20 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(factor_kernels, "CHUNK", 8)
 
 
+def factor_kernel_cases():
+    """Every inputs x placement pair at one and at eight tokens; at three chunks with a key offset (the
+    interpreter's slowest), each inputs and each placement once with the decay and once without."""
+    short = [(i, r, length, offset, False) for i in ("tensor", "projection") for r in ("post", "unrotated")
+             for length, offset in ((1, 3), (8, 0))]
+    long = [("tensor", "post", False), ("projection", "unrotated", False), ("projection", "post", True),
+            ("tensor", "unrotated", True)]
+    return [pytest.param(i, r == "post", 14 if r == "post" else 7, length, offset, decay,
+                         id=f"{length}-{offset}-{decay}-{r}-{i}")
+            for i, r, length, offset, decay in short + [(i, r, 21, 11, d) for i, r, d in long]]
+
+
 @INTERPRETED_OR_CUDA
-@pytest.mark.parametrize("inputs", ["tensor", "projection"])
-@pytest.mark.parametrize("rotary,m", [(True, 14), (False, 7)], ids=["post", "unrotated"])
-# (21, 11) holds three chunks and a key offset; CI's time allows no second such case beside it
-@pytest.mark.parametrize("length,key_offset,decay", [(1, 3, False), (8, 0, False), (21, 11, False), (21, 11, True)])
+@pytest.mark.parametrize("inputs,rotary,m,length,key_offset,decay", factor_kernel_cases())
 def test_the_factor_kernels_give_torchs_glue_and_its_gradients(small_chunks, inputs, rotary, m, length, key_offset,
                                                                decay):
     """factor_kernels.py against fla_kernels.log_factors (torch ops) in float64: fla's q, k and decays,
@@ -562,7 +571,7 @@ def test_the_factor_kernels_guard_tensors_as_common_does(small_chunks):
     def guarded_glue(b, a, *args, **options):
         return fla_kernels.log_factors(guard_log_features(b, torch.float64), guard_log_features(a, torch.float64),
                                        *args, **options)
-    b, a = factor_inputs(20, 8, inputs="tensor")
+    b, a = factor_inputs(17, 8, inputs="tensor", heads=2)   # three chunks, the last of one token
     with torch.no_grad():
         a[0, 1, :11, 2] = float("-inf")
     got, got_grads, weights = factors_and_grads(partial(fla_kernels.fused_log_factors, guard=True), [b, a],
@@ -572,7 +581,7 @@ def test_the_factor_kernels_guard_tensors_as_common_does(small_chunks):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
     with torch.no_grad():
         b[1, 0, 15, 5] = 1e17   # beyond 2^52
-        phases = phases_at(20, 8, 3, 3)
+        phases = phases_at(17, 8, 3, 3)
         got = fla_kernels.fused_log_factors(b, a, phases, work=torch.float64, dot=torch.float64, guard=True)
         want = guarded_glue(b, a, phases, work=torch.float64, dot=torch.float64)
     assert got[3][1, 15, 0].isnan() and got[3].isfinite().sum() == got[3].numel() - 1
@@ -705,7 +714,7 @@ def fla_in_the_interpreter(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("log_space,m,scale", [(True, 32, 8.0), (False, 16, 0.5)], ids=["log", "plain"])
+@pytest.mark.parametrize("log_space,m,scale", [(True, 16, 8.0), (False, 16, 0.5)], ids=["log", "plain"])
 def test_flas_own_kernels_give_the_torch_backends_outputs_gradients_and_state(fla_in_the_interpreter, log_space,
                                                                               m, scale):
     """Two of fla's 64-token chunks, the values padded to fla's tiles (Dv = 24 -> 32), offset 3: fla's
