@@ -2,8 +2,8 @@
 states and gradients against the float64 reference on both CPU backends (rotary on and off, key offsets, chunks
 that divide N and that do not, log-features and FAVOR+'s projection, irregular chunks), gradcheck, decoding
 equal to the parallel pass, exactness far into a sequence (where the fold it replaced was not; on the fla
-route too, its glue and its own kernels), the custom op (its compiled run: test_log_normalizer.py), and bad
-input.  The fla route's other decay tests: test_fla_kernels.py."""
+route too, its glue and its own kernels), the custom op (its compiled run: test_functional_log_normalizer.py),
+and bad input.  The fla route's other decay tests: test_fla_kernels.py."""
 import math
 import os
 from functools import partial

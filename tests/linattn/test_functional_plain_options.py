@@ -11,7 +11,7 @@ from linattn import LinearAttention, functional
 from linattn.custom_ops import linear_attention_op
 from linattn.ops.linear_attention.naive import reference_attention
 from linattn.rotary import apply_rotary
-from tests.linattn.ops.linear_attention.test_log_normalizer import check_compiled_matches_eager, check_gradients_match
+from tests.linattn.test_functional_log_normalizer import check_compiled_matches_eager, check_gradients_match
 
 PLAIN_MAPS = ("elu", "taylor")
 OPTIONS = {"taylor": {"dim": 4}}   # head dim 8; taylor's M = 1 + 4 + 10, padded to 16

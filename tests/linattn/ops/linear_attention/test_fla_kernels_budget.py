@@ -20,7 +20,7 @@ The budget of each route (`ROUTES`; docs/results/fla-glue.md has the counts):
   full-size tensors' worth (each op's full-size inputs and outputs at their dtypes' sizes);
 * `fla_calls` calls of fla per forward: one (the numerator; the denominator is factor_kernels.py's,
   for plain features divided into the queries before the call).
-Printed by `TRITON_INTERPRET=1 PYTHONPATH=. python tests/linattn/ops/linear_attention/test_fla_budget.py`."""
+Printed by `TRITON_INTERPRET=1 PYTHONPATH=. python tests/linattn/ops/linear_attention/test_fla_kernels_budget.py`."""
 import os
 import sys
 import types
@@ -269,7 +269,7 @@ def test_the_fla_route_calls_fla_once_an_output_a_forward(counted):
     assert counts.fla_calls == budget.fla_calls, counts.fla_calls
 
 
-if __name__ == "__main__":   # TRITON_INTERPRET=1 PYTHONPATH=. python tests/linattn/ops/linear_attention/test_fla_budget.py
+if __name__ == "__main__":   # TRITON_INTERPRET=1 PYTHONPATH=. python tests/linattn/ops/linear_attention/test_fla_kernels_budget.py
     for what, (forward_backward, _) in ROUTES.items():
         counts = count(forward_backward)
         ops = {name: n for name, n in sorted(counts.ops.items()) if name != "host reads"}
