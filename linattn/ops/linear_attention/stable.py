@@ -12,7 +12,7 @@ import torch
 
 # The margins of every log-space implementation (the C++ kernel reads them from here).
 JUMP_LIMIT = 30.0      # a row whose running max grew more than this within its chunk is computed exactly
-NUMERATOR_CAP = 30.0   # numerator query factors are capped at e^30 (saturation beyond float32, see above)
+NUMERATOR_CAP = 30.0   # numerator query factors are capped at e^30 (saturation beyond float32: docs/derivations.md)
 PAIR_SPREAD = 20.0     # pairs whose key scales differ by more take their own numerator exponential
 
 
