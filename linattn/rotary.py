@@ -150,8 +150,16 @@ def check_rotary_input(x) -> None:
                          f"got shape {tuple(x.shape)}")
 
 
-def rotate_pairs(x: torch.Tensor, phases: torch.Tensor) -> torch.Tensor:
+def rotate_pairs(x: torch.Tensor, phases: torch.Tensor, *, dense: bool = False) -> torch.Tensor:
     """x (..., N, dim) with each pair (2i, 2i+1) multiplied, as a complex number, by `phases`
-    (N, dim/2): one pass over memory.  x's last dimension must be contiguous."""
+    (N, dim/2): one pass over memory.  x's last dimension must be contiguous.  `dense`: the result is
+    contiguous whatever x's strides (a view of a projection's heads, say), still in one pass (no
+    autograd: for tensors that a custom backward handles)."""
     pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * phases).flatten(-2)
+    if not dense or torch.compiler.is_compiling():   # a traced graph takes no out= (inductor fuses the copy)
+        rotated = torch.view_as_real(pairs * phases).flatten(-2)
+        return rotated.contiguous() if dense else rotated
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    with torch.no_grad():
+        torch.mul(pairs, phases, out=torch.view_as_complex(out.unflatten(-1, (-1, 2))))
+    return out

@@ -227,9 +227,9 @@ def flash_backward_heads(layout: "Band", log_decay, q, k, v, out, lse, grad_out,
         near_lses[layout.blocks - 1::layout.blocks] = float("inf")
         near = FLASH_BACKWARD(d_outs[1:], queries[1:], keys[:-1], values[:-1], outs[1:], near_lses, 0.0, False,
                               attn_mask=near_mask, scale=layout.scale)
-        grad_q[1:] += near[0]
-        grad_k[:-1] += near[1]
-        grad_v[:-1] += near[2]
+        grad_q[1:].add_(near[0])   # not `+=` on a slice, which copies the sum back onto itself
+        grad_k[:-1].add_(near[1])
+        grad_v[:-1].add_(near[2])
         del near
     grad_q, grad_k, grad_v = (layout.from_blocks(g, q.shape[:2]) for g in (grad_q, grad_k, grad_v))
     if extra:
@@ -367,8 +367,9 @@ class Band:
     def flash_inputs(self, q, k, v, extra: bool = False):
         """Queries, keys and values (B H, K, L, .), rotated where the layout rotates; `extra`: one more
         column, 0 in q and k (the scores stay) and 1 in v."""
-        if self.phases is not None:
-            q, k = (rotate_pairs(x.contiguous(), self.phases[:self.n]) for x in (q, k))
+        if self.phases is not None:   # rotated into dense rows, which the blocks then view
+            q, k = (rotate_pairs(x if pairs_view(x) else x.contiguous(), self.phases[:self.n], dense=True)
+                    for x in (q, k))
         if extra:
             q, k, v = F.pad(q, (0, 1)), F.pad(k, (0, 1)), F.pad(v, (0, 1), value=1.0)
         return self.to_blocks(q), self.to_blocks(k), self.to_blocks(v)
@@ -391,9 +392,15 @@ class Band:
         """`unrotate`, of gradients that may be a view of wider rows (then a copy)."""
         if self.phases is None:
             return grads
-        grads = grads if grads.stride(-1) == 1 and grads.stride(-2) % 2 == 0 else grads.contiguous()
+        grads = grads if pairs_view(grads) else grads.contiguous()
         self.unrotate(grads)
         return grads
+
+
+def pairs_view(x: torch.Tensor) -> bool:
+    """Whether x's rows of pairs can be viewed as complex numbers as they lie (view_as_complex's rule on
+    strides; the offsets met here, heads of an even width and whole blocks, are even too)."""
+    return x.stride(-1) == 1 and all(stride % 2 == 0 for stride in x.stride()[:-1])
 
 
 def window_bias(distance: torch.Tensor, window: int, log_decay, dtype: torch.dtype) -> torch.Tensor:
