@@ -392,9 +392,21 @@ def test_redrawing_keeps_the_projection_a_pending_backward_holds():
     """Two training calls before one backward (weight sharing, summed micro-batches) with a redraw
     between them: the first call's graph keeps the projection it used."""
     block = LinearAttention(16, 2, feature_map_options={"redraw_interval": 1}).train()
-    x = torch.randn(1, 5, 16)
-    (block(x) + block(x)).sum().backward()
-    assert block.feature_map.draws == 2 and block.to_qkv.weight.grad.isfinite().all()
+    x = torch.randn(1, 5, 16, requires_grad=True)
+    outputs, projections = [], []
+    for _ in range(2):   # each training call redraws first, then uses the projection it drew
+        outputs.append(block(x))
+        projections.append(block.feature_map.projection.clone())
+    sum(outputs).sum().backward()
+    assert block.feature_map.draws == 2 and not torch.equal(*projections)
+    want = torch.zeros_like(x)
+    for projection in projections:   # each call's gradient, by a copy that holds only its projection
+        alone = copy.deepcopy(block).eval()
+        alone.feature_map.projection = projection
+        x_alone = x.detach().requires_grad_()
+        alone(x_alone).sum().backward()
+        want += x_alone.grad
+    torch.testing.assert_close(x.grad, want)
 
 
 def test_xformers_backend_gives_a_clear_error_without_cuda():
@@ -419,7 +431,7 @@ def test_bf16_autocast_runs_and_stays_close_to_fp32(block):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = block(x)
     assert torch.isfinite(y).all()
-    torch.testing.assert_close(y.float(), block(x), rtol=0.1, atol=0.05)
+    torch.testing.assert_close(y.float(), block(x), rtol=2e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("block", [LinearAttention(32, 4), SoftmaxAttention(32, 4)], ids=["linear", "softmax"])

@@ -116,6 +116,8 @@ def test_a_half_precision_block_runs_forward_and_backward_close_to_float32(featu
     assert all(g is not None and g.isfinite().all() for g in gradients.values()), gradients
     assert relative_error(out, want) < HALF_BOUND[dtype]
     assert relative_error(x_half.grad, x_full.grad) < HALF_BOUND[dtype]
+    for (name, p_half), p_full in zip(half.named_parameters(), full.parameters()):
+        assert relative_error(p_half.grad, p_full.grad) < HALF_BOUND[dtype], name
 
 
 @pytest.mark.parametrize("normalization", NORMALIZATIONS)

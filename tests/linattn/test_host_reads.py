@@ -14,9 +14,10 @@ from linattn.attention import NORMALIZATIONS, ROPE_PLACEMENTS
 from linattn.functional import linear_attention, linear_attention_step
 from linattn.ops.linear_attention.cpp_logspace import unavailable
 
-# (nonzero's output shape is the data's: on a GPU it synchronises as a value read does)
+# (nonzero's output shape is the data's: on a GPU it synchronises as a value read does; equal answers a bool)
 HOST_READS = (torch.ops.aten._local_scalar_dense, torch.ops.aten.is_nonzero, torch.ops.aten.item,
-              torch.ops.aten.nonzero)
+              torch.ops.aten.nonzero, torch.ops.aten.equal)
+BLOCK_OPTIONS = ({}, {"window": 4}, {"decay": "retnet"}, {"window": 4, "decay": "retnet"}, {"short_conv": 3})
 
 
 class HostReads(TorchDispatchMode):
@@ -45,10 +46,13 @@ BACKENDS = ["torch", pytest.param("cpp", marks=pytest.mark.skipif(unavailable() 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", available_feature_maps())
 def test_no_linear_block_reads_a_value_on_forward_or_backward(name, backend):
-    for rope, normalization, causal in itertools.product(ROPE_PLACEMENTS, NORMALIZATIONS, (True, False)):
+    for rope, normalization, causal, options in itertools.product(ROPE_PLACEMENTS, NORMALIZATIONS, (True, False),
+                                                                  BLOCK_OPTIONS):
+        if not causal and options:   # window, decay and the convolution are causal attention's options
+            continue
         block = LinearAttention(32, 2, feature_map=name, rope=rope, normalization=normalization, causal=causal,
-                                backend=backend, chunk_size=8)
-        assert reads_of_forward_and_backward(block) == [], (rope, normalization, causal)
+                                backend=backend, chunk_size=8, **options)
+        assert reads_of_forward_and_backward(block) == [], (rope, normalization, causal, options)
 
 
 @pytest.mark.parametrize("rotary", [True, False])

@@ -132,8 +132,7 @@ def test_defaults_are_todays_block(fm):
     ({"window": -1}, "window"), ({"window": 2.5}, "window"), ({"window": True}, "window"),
     ({"decay": "exponential"}, "decay"), ({"decay": [0.5]}, "decay"), ({"decay": [0.0, 0.5]}, "decay"),
     ({"decay": [0.5, 1.5]}, "decay"), ({"decay": 0.5}, "decay"), ({"decay": [0.5, float("nan")]}, "decay"),
-    ({"window": 4, "causal": False}, "causal"), ({"decay": "retnet", "causal": False}, "causal"),
-    ({"window": 4, "backend": "triton"}, "backend")])
+    ({"window": 4, "causal": False}, "causal"), ({"decay": "retnet", "causal": False}, "causal")])
 def test_bad_options(options, word):
     with pytest.raises(ValueError, match=word):
         LinearAttention(16, 2, **options)

@@ -157,6 +157,7 @@ def test_a_nan_key_poisons_the_running_maximum_as_on_the_torch_backend():
     v = log_features(1, 2, 12, 3, scale=1, seed=2)
     (cpp_out, cpp_state), (torch_out, torch_state) = both_backends(
         b, a, v, causal=True, rotary=True, log_space=True, chunk_size=4, return_state=True)
+    assert cpp_state.log_scale.isnan().any() and cpp_out[:, 1, 5:].isnan().any()   # it does poison
     assert torch.equal(cpp_state.log_scale.isnan(), torch_state.log_scale.isnan())
     assert torch.equal(cpp_out.isnan(), torch_out.isnan())
 

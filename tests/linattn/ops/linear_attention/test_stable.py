@@ -204,7 +204,8 @@ def test_rotated_block_is_exact_where_eq19_is_in_range_and_never_zero():
     y = block(x)
     exact = block.double()(x.double())
     assert not (y == 0).all(-1).any()
-    torch.testing.assert_close(y.double(), exact, rtol=1e-3, atol=1e-3 * exact.abs().max().item())
+    row_error = (y.double() - exact).abs().amax(-1)   # each row against its own scale (rows span 15 to 1e14)
+    assert (row_error <= 1e-3 * exact.abs().amax(-1)).all(), row_error.max()
 
 
 @pytest.mark.parametrize("rotary", [True, False])

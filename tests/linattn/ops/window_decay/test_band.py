@@ -61,6 +61,7 @@ def test_band_matches_masked_softmax_in_float64(monkeypatch, n, window, group_sc
 @pytest.mark.parametrize("log_decay", DECAYS)
 @pytest.mark.parametrize("flash_rows", [1 << 14, 1])   # the flash backward's heads in one group, one by one
 def test_band_gradients_of_output_and_log_normaliser(monkeypatch, n, window, group_scores, log_decay, flash_rows):
+    monkeypatch.setattr(band, "MIN_BLOCK", 4)   # blocks of max(W, 4) rows: the window reaches the block before
     monkeypatch.setattr(band, "GROUP_SCORES", group_scores)
     monkeypatch.setattr(band, "FLASH_ROWS", flash_rows)
     q, k, v = inputs(n, dim=2)
@@ -86,9 +87,10 @@ def test_values_of_another_width_match_masked_softmax():
 
 
 @pytest.mark.parametrize("log_decay", DECAYS)
-def test_inputs_of_any_strides_give_the_same_outputs_and_gradients(log_decay):
+def test_inputs_of_any_strides_give_the_same_outputs_and_gradients(monkeypatch, log_decay):
     """Rows that are not dense (a convolution's (B, C, N) output seen as (B, H, N, D)) are read as rows."""
-    dense = inputs(20, dim=4)   # one block: the heads' rows as views, not copies
+    monkeypatch.setattr(band, "MIN_BLOCK", 4)   # four blocks of 5 rows
+    dense = inputs(20, dim=4)
     strided = [t.detach().transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_() for t in dense]
     weight = torch.randn(1, 2, 20, 4, dtype=torch.float64)
     results = []
@@ -221,6 +223,7 @@ def test_rotation_and_merge_inside_the_pass_match_the_explicit_softmax(monkeypat
 @pytest.mark.parametrize("n, window, group_scores", [(11, 3, 1), (13, 4, 1 << 22), (10, 1, 1)])
 @pytest.mark.parametrize("log_decay", DECAYS)
 def test_rotation_and_merge_inside_the_pass_by_gradcheck(monkeypatch, n, window, group_scores, log_decay):
+    monkeypatch.setattr(band, "MIN_BLOCK", 4)   # several blocks: the window reaches the block before
     monkeypatch.setattr(band, "GROUP_SCORES", group_scores)
     q, k, v = inputs(n, dim=4, seed=n + 1)
     other, other_lse = with_other(n, window, dim=4)

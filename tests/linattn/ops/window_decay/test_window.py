@@ -81,10 +81,11 @@ def test_gradients_follow_the_definition_at_every_scale(window, decay, rotary, s
         return [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]   # no window: no scores
 
     reference = gradients(lambda *args: window_decay_reference(*args[:5], **args[5]), torch.float64)
-    # Relative to the largest gradient of any input: with a window and features near 1e-30 the linear part
-    # weighs e^-138 beside the window, which float32 does not hold, and its features' gradients (1e-30 of
-    # the others') come out 0 (docs/gap-closers.md, "Bounds").
-    largest = max(want.abs().amax().item() for want in reference)
     for name, got, want in zip(("q", "k", "phi_q", "phi_k", "v"), gradients(parallel, torch.float32), reference):
         assert got.isfinite().all(), name
-        assert (got.double() - want).abs().amax().item() < TOLERANCE["gradient"] * largest, name
+        # each input against its own largest entry; but with a window and features near 1e-30 or 1e-10 the
+        # linear part weighs e^-138 (or far less than 1) beside the window, which float32 does not hold,
+        # and its features' gradients come out 0 (docs/gap-closers.md, "Bounds")
+        if window and scale <= 1e-10 and name.startswith("phi"):
+            continue
+        assert (got.double() - want).abs().amax().item() <= TOLERANCE["gradient"] * want.abs().amax().item(), name
