@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from linattn import LinearAttention
-from linattn.rotary import apply_rotary, rotary_frequencies, rotary_phases
+from linattn.rotary import apply_rotary, rotary_frequencies, rotary_phases, rotate_pairs
 
 
 def test_rope_pairs_adjacent_coordinates_with_standard_angles():
@@ -93,3 +93,14 @@ def test_a_new_offset_copies_nothing_from_the_host(monkeypatch):
     for offset in (4, 2 ** 40):
         assert rotary.rotary_angles(4, 8, offset=offset, device="meta").device.type == "meta"
     assert built == []
+
+
+def test_rotating_into_dense_rows_gives_the_same_pairs_from_a_view_of_heads():
+    """rotate_pairs(..., dense=True) (the window's band): one pass into contiguous rows, from (B, H, N, D)
+    heads viewed in a (B, N, H D) projection, the same values as the plain rotation."""
+    projection = torch.randn(2, 7, 3 * 8, dtype=torch.float64)
+    heads = projection.unflatten(-1, (3, 8)).transpose(1, 2)   # (2, 3, 7, 8), not contiguous
+    phases = rotary_phases(7, 8, offset=5, dtype=torch.float64)
+    dense = rotate_pairs(heads, phases, dense=True)
+    assert dense.is_contiguous() and not heads.is_contiguous()
+    torch.testing.assert_close(dense, rotate_pairs(heads, phases), rtol=0, atol=0)
