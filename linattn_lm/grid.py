@@ -52,7 +52,7 @@ from .evaluate import bpc_table
 from .grid_record import (DIGEST_KEY, FIT_KEYS, RECORD_KEYS, REPORT_TITLE, RESULT_NAME, damaged, read_record,
                           record_problem)
 from .grid_report import write_report
-from .mqar import held_out_scores
+from .mqar import held_out_lines, held_out_scores
 from .ngram import reference_bpc
 from .runlock import GRID_MARKER, LOCK_NAME, DirectoryLock, check_can_write, check_not_nested
 from .device import keep_freed_memory
@@ -155,6 +155,8 @@ def mqar_scores(result: TrainResult, config: TrainConfig) -> dict[str, Any]:
     model = config.model
     scores = held_out_scores(result.model.eval(), model.vocab_size, model.seq_len, config.task.mqar_kv_pairs,
                              config.optim.batch_size, model.seed, next(result.model.parameters()).device, result.dtype)
+    for line in held_out_lines(scores):   # what the report scores, beside the training's last estimate
+        print(f"{config.run.run_name}: {line}", flush=True)
     return {**scores, "state_size": result.state_size}
 
 

@@ -145,6 +145,12 @@ def held_out_scores(model: torch.nn.Module, vocab_size: int, seq_len: int, kv_pa
     return scores
 
 
+def held_out_lines(scores: dict[str, dict[str, float]]) -> list[str]:
+    """`held_out_scores` as lines of text, one per split (eval.py and grid.py print them)."""
+    return [f"{split}: accuracy {score['accuracy']:.1%} at the queries, {score['bits']:.4f} bits per query "
+            f"({HELD_OUT_BATCHES} held-out batches)" for split, score in scores.items()]
+
+
 def evaluate_queries(model: torch.nn.Module, batches: MqarBatches, config: TrainConfig, ctx: Distributed,
                      dtype: str, first_batch: int = 0) -> tuple[float, float]:
     """--task mqar's estimate, as `evaluate`'s: (bits per query, accuracy) at the query positions."""

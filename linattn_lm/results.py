@@ -109,8 +109,8 @@ class TrainResult:
         return bool(self.stop_signal)
 
     def summary(self) -> str:
-        recall = (f"val accuracy {self.val_accuracy:.1%} at the queries (state {self.state_size}) | "
-                  if not math.isnan(self.val_accuracy) else "")
+        recall = (f"val accuracy {self.val_accuracy:.1%} at the queries, last estimate "
+                  f"(state {self.state_size}) | " if not math.isnan(self.val_accuracy) else "")
         if not self.val_steps:
             score = "no val estimate yet"
         else:

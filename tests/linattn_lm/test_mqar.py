@@ -140,7 +140,7 @@ def test_a_run_logs_accuracy_and_resumes_exactly(tmp_path: Path, run_main, scala
               "--ckpt-interval", "0", "--decay-steps", "12"]
     code, out, err = run_main(training.main, [*common, "--steps", "12", "--run-name", "whole"])
     assert code == 0, err
-    assert "MQAR (synthetic): 4 key-value pairs" in out and "at the queries (state 16 x 16)" in out
+    assert "MQAR (synthetic): 4 key-value pairs" in out and "at the queries, last estimate (state 16 x 16)" in out
     assert [step for step, _ in scalars(tmp_path / "whole", "val/accuracy")] == [6, 12]
     assert run_main(training.main, [*common, "--steps", "7", "--run-name", "split"])[0] == 0
     assert run_main(training.main, [*common, "--steps", "12", "--run-name", "split", "--resume"])[0] == 0
@@ -159,10 +159,13 @@ def test_a_run_logs_accuracy_and_resumes_exactly(tmp_path: Path, run_main, scala
 def test_a_grid_of_the_task_reports_recall_beside_the_state(tmp_path: Path, run_main) -> None:
     argv = ["--preset", "mqar-tiny", "--threads", "1", "--out-dir", str(tmp_path), "--run-name", "g", "--steps", "4",
             "--eval-interval", "4", "--variants", "softmax-rope,linear-favor-pre+softmax_layers=1"]
-    code, _, err = run_main(grid.main, argv)
+    code, out, err = run_main(grid.main, argv)
     assert code == 0, err
     record = json.loads((tmp_path / "g" / "softmax-rope" / "seed-0" / "result.json").read_text())
     assert 0 <= record["mqar"]["test"]["accuracy"] <= 1 and "train_bytes" not in record
+    # the held-out scores the report takes are printed, beside the training's last estimate
+    assert f"softmax-rope/seed-0: val: accuracy {record['mqar']['val']['accuracy']:.1%} at the queries" in out
+    assert "at the queries, last estimate" in out
     assert record["scores"]["val"]["32"] == record["mqar"]["val"]["bits"]
     report = (tmp_path / "g" / "results.md").read_text()
     assert "## Multi-query associative recall" in report and "n-gram" not in report
