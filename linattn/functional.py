@@ -51,8 +51,9 @@ def linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, 
     of causal log-space calls on CPU), "fla" (flash-linear-attention's kernels for causal calls on
     CUDA) or "auto" (fla on CUDA where it is installed, but not for float64; cpp for causal log-space
     calls on CPU where it builds; torch elsewhere); `ops/linear_attention/dispatch.py` has the table of
-    what runs, docs/backends.md the story.  Input values are not read on the host unless debug mode is on (`linattn.set_debug`):
-    negative features and log-features out of range give NaN rows instead of an error.  `log_space=True`:
+    what runs, docs/backends.md the story.  Input values are not read on the host unless debug mode is
+    on (`linattn.set_debug`): negative features and log-features out of range give NaN rows instead of
+    an error.  `log_space=True`:
     phi_q and phi_k hold log-features, and the stabilised algorithm of `ops/linear_attention/stable.py`
     runs, on every backend; each
     may also be a `LogProjection` (inputs @ weight^T + shift), which the torch backend's causal pass

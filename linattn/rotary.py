@@ -150,11 +150,19 @@ def check_rotary_input(x) -> None:
                          f"got shape {tuple(x.shape)}")
 
 
+def pairs_view(x: torch.Tensor) -> bool:
+    """Whether x's rows of pairs can be viewed as complex numbers as they lie (view_as_complex's rule on
+    strides; the offsets of heads of an even width, and of whole rows, are even too)."""
+    return x.stride(-1) == 1 and all(stride % 2 == 0 for stride in x.stride()[:-1])
+
+
 def rotate_pairs(x: torch.Tensor, phases: torch.Tensor, *, dense: bool = False) -> torch.Tensor:
     """x (..., N, dim) with each pair (2i, 2i+1) multiplied, as a complex number, by `phases`
     (N, dim/2): one pass over memory.  x's last dimension must be contiguous.  `dense`: the result is
-    contiguous whatever x's strides (a view of a projection's heads, say), still in one pass (no
-    autograd: for tensors that a custom backward handles)."""
+    contiguous, from x of any strides (a view of a projection's heads: still one pass; rows that cannot
+    be viewed as pairs are copied first), with no autograd: for tensors that a custom backward handles."""
+    if dense and not pairs_view(x):
+        x = x.contiguous()
     pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
     if not dense or torch.compiler.is_compiling():   # a traced graph takes no out= (inductor fuses the copy)
         rotated = torch.view_as_real(pairs * phases).flatten(-2)

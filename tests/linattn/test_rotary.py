@@ -104,3 +104,6 @@ def test_rotating_into_dense_rows_gives_the_same_pairs_from_a_view_of_heads():
     dense = rotate_pairs(heads, phases, dense=True)
     assert dense.is_contiguous() and not heads.is_contiguous()
     torch.testing.assert_close(dense, rotate_pairs(heads, phases), rtol=0, atol=0)
+    odd = torch.randn(2, 3, 7, 9, dtype=torch.float64)[..., :8]   # rows 9 apart: no view as pairs
+    torch.testing.assert_close(rotate_pairs(odd, phases, dense=True), rotate_pairs(odd.contiguous(), phases),
+                               rtol=0, atol=0)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...rotary import DEFAULT_BASE, rotary_phases, rotate_pairs
+from ...rotary import DEFAULT_BASE, pairs_view, rotary_phases, rotate_pairs
 
 MIN_BLOCK = 32            # the queries' blocks have at least this many rows (fewer, larger products)
 GROUP_SCORES = 1 << 20    # scores computed at once, at most (about): 4 MB in float32
@@ -368,8 +368,7 @@ class Band:
         """Queries, keys and values (B H, K, L, .), rotated where the layout rotates; `extra`: one more
         column, 0 in q and k (the scores stay) and 1 in v."""
         if self.phases is not None:   # rotated into dense rows, which the blocks then view
-            q, k = (rotate_pairs(x if pairs_view(x) else x.contiguous(), self.phases[:self.n], dense=True)
-                    for x in (q, k))
+            q, k = (rotate_pairs(x, self.phases[:self.n], dense=True) for x in (q, k))
         if extra:
             q, k, v = F.pad(q, (0, 1)), F.pad(k, (0, 1)), F.pad(v, (0, 1), value=1.0)
         return self.to_blocks(q), self.to_blocks(k), self.to_blocks(v)
@@ -395,12 +394,6 @@ class Band:
         grads = grads if pairs_view(grads) else grads.contiguous()
         self.unrotate(grads)
         return grads
-
-
-def pairs_view(x: torch.Tensor) -> bool:
-    """Whether x's rows of pairs can be viewed as complex numbers as they lie (view_as_complex's rule on
-    strides; the offsets met here, heads of an even width and whole blocks, are even too)."""
-    return x.stride(-1) == 1 and all(stride % 2 == 0 for stride in x.stride()[:-1])
 
 
 def window_bias(distance: torch.Tensor, window: int, log_decay, dtype: torch.dtype) -> torch.Tensor:

@@ -1,9 +1,8 @@
 """The torch-side work of the fla route, counted on CPU (issues 34 and 47).  fla's kernels are replaced
-by stand-ins with fla's signatures whose own work is not counted; the route's own Triton kernels are
-not run (test_fla_kernels.py checks what they compute), each launch counted as one op that moves its full-size
-tensor arguments once each (a
-custom op, as ops/pointwise's, is one op that moves its inputs and outputs); a
-dispatch mode counts the torch ops on (B, H, N, M)-sized tensors in one forward + backward of each
+by stand-ins with fla's signatures whose own work is not counted; factor_kernels.py's kernels are not
+run (test_fla_kernels.py checks what they compute), each launch counted as one op that moves its
+full-size tensor arguments once each (a custom op, as ops/pointwise's, is one op that moves its inputs
+and outputs, run in Triton's interpreter); a dispatch mode counts the torch ops on (B, H, N, M)-sized tensors in one forward + backward of each
 route: the FAVOR+ `post` block (M = 4 head_dim, as in the benchmark's block, with M > Dv so that only
 M-sized tensors count), the bare op on (B, H, N, M) log-feature tensors (not fla's layout), and the
 windowed and decayed blocks (FAVOR+ `post` + window, `pre` + decay; elu features, M = head_dim = Dv,
@@ -218,7 +217,7 @@ ROUTES = {
 @pytest.fixture(params=list(ROUTES), scope="module")   # one count serves every test of a route's budget
 def counted(request) -> tuple[CountFullSize, Budget]:
     if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("counts the route with the factor kernels in Triton's interpreter (CPU)")
+        pytest.skip("counts the route on CPU, its pointwise kernels in Triton's interpreter")
     forward_backward, budget = ROUTES[request.param]
     return count(forward_backward), budget
 
