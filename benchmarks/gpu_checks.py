@@ -1,8 +1,8 @@
 """python -m benchmarks.gpu_checks {warm,profile} [--check]: two stages of benchmarks/gpu_session.sh.
 
-warm: one forward + backward of every shape the session measures (the blocks of the block table at a
-short length, the op and fla's chunk_gla at M = 64 and 256), so that fla autotunes each key once, into
-Triton's cache, which the session saves for later runs to carry in.  profile: a torch.profiler summary
+warm: one forward + backward of every shape the session measures (the block table's linear blocks, plain
+or with a window or decay, at a short length; the op and fla's chunk_gla at M = 64 and 256), so that fla
+autotunes each key once, into Triton's cache, which the session saves for later runs to carry in.  profile: a torch.profiler summary
 (CUDA time by kernel) of one FAVOR+ `post` block forward + backward at N = 65536 beside one bare
 chunk_gla of the same size.  --check parses the arguments and stops (the session's --dry-run)."""
 from __future__ import annotations
@@ -12,18 +12,18 @@ import sys
 
 import torch
 
-from linattn import LinearAttention
+from benchmarks.methods import build_block
 from linattn.functional import linear_attention
 
-WIDTH, HEADS, HEAD_DIM = 512, 8, 64
-BLOCKS = {"favor-post": ("favor", {"num_features": 256}), "elu-post": ("elu", {})}
+WIDTH, HEADS, HEAD_DIM, NUM_FEATURES = 512, 8, 64, 256
+# the block table's linear blocks (gpu_session.sh), in two groups that warm side by side
+BLOCKS = {"blocks": ("favor-post", "favor-pre", "elu-post"),
+          "options": ("favor-post+window=64", "favor-pre+window=64", "favor-pre+decay=retnet")}
 FEATURES = (64, 256)
 
 
 def block(name: str) -> torch.nn.Module:
-    feature_map, options = BLOCKS[name]
-    return LinearAttention(WIDTH, HEADS, feature_map=feature_map, feature_map_options=options, rope="post",
-                           backend="fla").cuda()
+    return build_block(name, WIDTH, HEADS, NUM_FEATURES).cuda()
 
 
 def block_step(module: torch.nn.Module, n: int) -> None:
@@ -48,8 +48,8 @@ def chunk_gla_step(m: int, n: int) -> None:
 
 
 def warm(what: str) -> None:
-    if what == "blocks":
-        for name in BLOCKS:
+    if what in BLOCKS:
+        for name in BLOCKS[what]:
             block_step(block(name), 4096)
     else:
         for m in FEATURES:
@@ -61,7 +61,7 @@ def warm(what: str) -> None:
 
 def profile(n: int, out: str) -> None:
     from torch.profiler import ProfilerActivity, profile as profiler
-    module = block("favor-post")
+    module = block("favor-post-fla")
     block_step(module, n)   # warm
     chunk_gla_step(256, n)
     torch.cuda.synchronize()
@@ -83,7 +83,7 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_checks")
     sub = parser.add_subparsers(dest="command", required=True)
     warm_parser = sub.add_parser("warm")
-    warm_parser.add_argument("what", choices=("blocks", "kernels"))
+    warm_parser.add_argument("what", choices=(*BLOCKS, "kernels"))
     profile_parser = sub.add_parser("profile")
     profile_parser.add_argument("--length", type=int, default=65536)
     profile_parser.add_argument("--out", required=True)
