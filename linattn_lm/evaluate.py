@@ -276,9 +276,10 @@ def record_ar_split(path: Path, split: str, rows: dict[int, dict[str, Any]]) -> 
 
 def score_mqar_run(model: ByteLM, checkpoint: dict[str, Any], args: argparse.Namespace, device: torch.device) -> str:
     """A --task mqar run's scores on its held-out val and test streams (grid.py's), as text."""
-    if args.seq_len or args.max_bytes or args.data_dir or args.weight_sums or args.ar_split:
-        raise ValueError("this is a --task mqar run, scored on its seeded held-out streams at its own length: drop "
-                         "--seq-len, --max-bytes, --data-dir, --weight-sums and --ar-split")
+    if args.seq_len or args.max_bytes or args.data_dir or args.weight_sums or args.ar_split or args.generate is not None:
+        raise ValueError("this is a --task mqar run, scored on its seeded held-out streams at its own length (its "
+                         "tokens are MQAR ids, not text): drop --seq-len, --max-bytes, --data-dir, --weight-sums, "
+                         "--ar-split and --generate")
     config, task = model.config, saved_section(checkpoint["config"], "task")
     batch_size = saved_section(checkpoint["config"], "optim").batch_size
     scores = held_out_scores(model, config.vocab_size, config.seq_len, task.mqar_kv_pairs, batch_size, config.seed,
@@ -302,10 +303,12 @@ def check_windows_fit(model: ByteLM, seq_lens: list[int], length: int, *, flag: 
     score nothing, so they need no data.  `flag`: --seq-len gave the lengths; `cut`: --max-bytes cut
     the split short."""
     scored = [seq_len for seq_len in seq_lens if not beyond_learned_positions(model, seq_len)]
-    if scored:
-        longest = max(scored)
-        check_window_fits(length, longest, asked=f"--seq-len {longest}" if flag else f"the training seq_len {longest}",
-                          fix="pass a smaller --seq-len" + (" or a larger --max-bytes" if cut else ""))
+    if not scored:   # a table of n/a alone: nothing asked for can be scored
+        raise ValueError(f"--seq-len {','.join(map(str, seq_lens))}: this model's {learned_positions_note(model)}, so "
+                         f"no length asked for can be scored; include one of at most {model.config.seq_len}")
+    longest = max(scored)
+    check_window_fits(length, longest, asked=f"--seq-len {longest}" if flag else f"the training seq_len {longest}",
+                      fix="pass a smaller --seq-len" + (" or a larger --max-bytes" if cut else ""))
 
 
 def non_finite_scores(model: ByteLM, rows: list[tuple[int, float, float]]) -> list[str]:
@@ -376,11 +379,11 @@ def main(argv: list[str] | None = None) -> int:
         resolve_dtype(args.dtype, device)
         print(f"checkpoint: {path} (step {checkpoint['step']}, {config.variant}, "
               f"{model.num_parameters():,} parameters, trained at seq_len {config.seq_len})")
-        if args.generate is not None:
-            print(sample_text(model, args, device))
-            return 0
         if saved_section(checkpoint["config"], "task").task == "mqar":
             print(score_mqar_run(model, checkpoint, args, device))
+            return 0
+        if args.generate is not None:
+            print(sample_text(model, args, device))
             return 0
         if args.weight_sums:
             linear_blocks(model)   # a softmax run is refused before any data is read
@@ -389,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         data = split.data[:args.max_bytes] if args.max_bytes else split.data
         print(f"data: {split.description} from {data_dir}, {args.split} split, "
               f"{len(data):,} of {len(split):,} bytes")
+        if split.description != checkpoint["data"]:   # prepared again since, or --data-dir: other bytes
+            print(f"note: the run trained on {checkpoint['data']}, not on these data")
         seq_lens = args.seq_len or [config.seq_len]
         check_windows_fit(model, seq_lens, len(data), flag=bool(args.seq_len), cut=len(data) < len(split))
         if args.weight_sums:

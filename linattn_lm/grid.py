@@ -49,8 +49,8 @@ from .settings import TrainConfig, field_default
 from .data import check_window_fits, load_split
 from .errors import EXIT_INTERRUPTED, EXIT_SIGNAL_BASE, UsageError
 from .evaluate import bpc_table
-from .grid_record import (DIGEST_KEY, FIT_KEYS, RECORD_KEYS, REPORT_TITLE, RESULT_NAME, damaged, read_record,
-                          record_problem)
+from .grid_record import (DIGEST_KEY, FIT_KEYS, RECORD_KEYS, REPORT_TITLE, RESULT_NAME, damaged, is_count,
+                          is_list_of, read_record, record_problem)
 from .grid_report import write_report
 from .mqar import held_out_lines, held_out_scores
 from .ngram import reference_bpc
@@ -121,9 +121,15 @@ def saved_record(key: tuple[int, str], config: TrainConfig, multiples: list[int]
         print(f"{config.run.run_dir}: its checkpoint changed after result.json was written, so that result is "
               "not used (a --resume that lists the run scores it again)", file=sys.stderr)
         return None
+    differences = config_differences(record["config"], config.flat(), saved_as="result.json")
+    if record["steps"] != config.optim.steps:
+        differences.append(f"steps: result.json {record['steps']}, now {config.optim.steps}")
+    if differences:   # said, so that a report that leaves the run out never does so in silence
+        print(f"{path}: written for other settings ({'; '.join(differences[:3])}), so that result is not used "
+              "(a --resume that lists the run trains and scores it again)", file=sys.stderr)
+        return None
     wanted = {str(multiple * config.model.seq_len) for multiple in multiples}
-    if config_differences(record["config"], config.flat()) or record["steps"] != config.optim.steps or any(
-            not wanted <= set(record["scores"].get(split, {})) for split in EVAL_SPLITS):
+    if any(not wanted <= set(record["scores"].get(split, {})) for split in EVAL_SPLITS):
         return None
     return record
 
@@ -349,12 +355,20 @@ def started_settings(grid_dir: Path) -> dict[str, Any] | None:
                               "--run-name of a grid, or write {} into it and give the grid's flags again")
     if "flags" not in marker:
         return None
-    shapes = {"flags": dict, "variants": list, "seeds": list, "eval_multiples": list, "resolved": (dict, type(None))}
-    wrong_key = next((key for key, kind in shapes.items() if not isinstance(marker.get(key), kind)), None)
-    if wrong_key:
+    wrong_key = next((key for key, valid in MARKER_SHAPES.items() if not valid(marker.get(key))), None)
+    if wrong_key:   # an empty list too: read as "the defaults" it would start runs the grid never listed
         raise CheckpointError(f"{path} is damaged: its {wrong_key!r} is {marker.get(wrong_key)!r}; write {{}} into it "
                               "and give the grid's flags again")
     return marker
+
+
+MARKER_SHAPES = {
+    "flags": lambda value: isinstance(value, dict),
+    "resolved": lambda value: value is None or isinstance(value, dict),
+    "variants": lambda value: bool(value) and is_list_of(value, lambda item: isinstance(item, str) and item != ""),
+    "seeds": lambda value: bool(value) and is_list_of(value, is_count),
+    "eval_multiples": lambda value: bool(value) and is_list_of(value, lambda item: is_count(item) and item >= 1),
+}
 
 
 def continued_flags(recorded: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:

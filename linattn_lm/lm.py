@@ -107,6 +107,10 @@ class ModelConfig:
         for name in ("window", "short_conv"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = none), got {getattr(self, name)}")
+        if self.short_conv > self.seq_len:   # its taps beyond the context only ever see the zero padding
+            raise ValueError(f"short_conv {self.short_conv} is longer than seq_len {self.seq_len}: the causal "
+                             f"convolution's kernel must fit the context; use a short_conv of at most {self.seq_len} "
+                             "(3 in Based)")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_head ({self.n_head})")
         if self.mlp_ratio <= 0 or self.mlp_hidden < 1:
@@ -189,7 +193,7 @@ class ModelConfig:
             factors = ()
         if len(factors) != self.n_head or not all(0 < factor <= 1 for factor in factors):
             raise ValueError(f"decay must be retnet or {self.n_head} numbers in (0, 1] separated by commas (one per "
-                             f"head), got {self.decay!r}")
+                             f"head; in a variant name joined with '_', +decay=0.9_0.99), got {self.decay!r}")
         # One spelling per value: the text names the run (and a grid's variant), so 1,0.5 and 1.0,0.50 would be
         # two runs of one model; and a factor 1 for every head is no decay, the default, named without it.
         canonical = ",".join(map(str, factors))

@@ -29,6 +29,7 @@ def parameter_bytes(model: Any) -> int:
     per_layer = 4 * d * d + 2 * d * hidden + hidden + d + 4 * d
     if model.attention == "linear":
         per_layer += model.num_features * model.head_dim
+    per_layer += 3 * d * model.short_conv   # the depthwise convolution on q, k and v, no bias
     count = 2 * model.vocab_size * d + model.n_layer * per_layer + 2 * d + model.abs_pos * model.seq_len * d
     return 4 * count
 

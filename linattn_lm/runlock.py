@@ -145,6 +145,12 @@ def owner_kind(directory: Path) -> str | None:
     return "run" if any(next(directory.glob(pattern), None) for pattern in RUN_FILES) else None
 
 
+def enclosing_grid(directory: Path | str) -> Path | None:
+    """The grid directory a run directory lies in (grid.py's runs do), else None."""
+    return next((place for place in Path(directory).expanduser().resolve().parents
+                 if (place / GRID_MARKER).is_file()), None)
+
+
 def check_not_nested(directory: Path | str, *, itself: bool = False) -> None:
     """Refuse to start a run or grid inside another run's or grid's directory (its logs, checkpoint and
     reports would mix with theirs, and a grid would read its runs as its own); `itself`: the directory
@@ -157,6 +163,20 @@ def check_not_nested(directory: Path | str, *, itself: bool = False) -> None:
             raise UsageError(f"{directory} is {'' if place == directory else 'inside '}the {kind} directory {place}; "
                              "a run or grid writes only into a directory of its own: choose an --out-dir / "
                              "--run-name outside it")
+    below = owned_below(directory) if itself and directory.is_dir() else None
+    if below:   # its logs would mix with theirs (TensorBoard reads a folder's runs together)
+        raise UsageError(f"{directory} holds the {owner_kind(below)} directory {below}; a run writes only into a "
+                         "directory of its own: choose an --out-dir / --run-name beside it")
+
+
+def owned_below(directory: Path, depth: int = 3) -> Path | None:
+    """A run's or grid's directory at most `depth` levels below `directory` (a grid's runs lie 2 down), else None."""
+    for level in range(1, depth + 1):
+        for pattern in (GRID_MARKER, *RUN_FILES):
+            found = next(directory.glob("*/" * level + pattern), None)
+            if found is not None:
+                return found.parent
+    return None
 
 
 def check_can_write(directory: Path | str) -> None:

@@ -4,6 +4,7 @@ A preset sets sizes and schedule; flags given explicitly override it (`python tr
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import sys
@@ -29,7 +30,7 @@ from .lm import BITS_PER_NAT, ByteLM, bits_per_byte, lm_loss, state_size
 from .process import Distributed, StopRequest, data_parallel, distributed, launched_rank
 from .results import RunFailed, RunStats, TrainResult, TrainingDiverged, exit_code, run_reporting_errors
 from .resume import load_for_resume, restore_rng, resume_settings, rng_states, schedule_note
-from .runlock import DirectoryLock, check_can_write, check_not_nested
+from .runlock import DirectoryLock, check_can_write, check_not_nested, enclosing_grid
 from .scoring import TRAIN_ESTIMATE_FIRST_BATCH, evaluate
 from .settings import TrainConfig
 from .text import sample_prompt, text_sample
@@ -492,8 +493,12 @@ def main(argv: list[str] | None = None) -> int:
             check_not_nested(config.run.run_dir, itself=True)
         if launched_rank() == 0:   # the job's other ranks write nothing there
             check_can_write(config.run.run_dir)
-        with distributed(config.run.device) as ctx:
-            return exit_code(train(config, ctx, resume=args.resume))
+        # A grid's run trained further here: its grid is locked meanwhile, as grid.py locks it, so that the
+        # grid cannot train or score the run at the same time (an unlocked grid is locked, and left as it was).
+        grid_dir = enclosing_grid(config.run.run_dir) if args.resume and launched_rank() == 0 else None
+        with DirectoryLock(grid_dir, created=[]) if grid_dir else contextlib.nullcontext():
+            with distributed(config.run.device) as ctx:
+                return exit_code(train(config, ctx, resume=args.resume))
     return run_reporting_errors(run)
 
 

@@ -29,6 +29,9 @@ from typing import Any, Callable
 import numpy as np
 import pooch
 
+# Run as a script from data/enwik8/, as train.py runs from the root: the repository's packages import
+# without an install too (their dependencies installed).
+sys.path.append(str(Path(__file__).resolve().parents[2]))
 from linattn_lm.data import (ENWIK8_SHA256, ENWIK8_SIZE, META_FORMAT_VERSION, META_NAME, SPLITS, VOCAB_SIZE,
                              DataError, DataNotFoundError, load_meta, load_split, shown)
 from linattn_lm.errors import EXIT_USAGE, Parser

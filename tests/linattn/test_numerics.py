@@ -192,3 +192,16 @@ def test_step_refuses_log_features_beyond_the_bound(debug):
     block = LinearAttention(32, 4).eval()
     with pytest.raises(ValueError, match="log-features reach"):
         block.step(torch.randn(2, 32) * 1e4)
+
+
+@pytest.mark.parametrize("value, enabled", [("1", True), ("true", True), ("On", True), ("0", False), ("", False),
+                                            ("false", False), ("off", False)])
+def test_the_debug_environment_variable_reads_on_and_off_words(value, enabled):
+    from linattn.checks import debug_from_environment
+    assert debug_from_environment(value) is enabled
+
+
+def test_another_debug_word_is_off_with_a_warning():
+    from linattn.checks import debug_from_environment
+    with pytest.warns(UserWarning, match="LINATTN_DEBUG"):
+        assert debug_from_environment("banana") is False

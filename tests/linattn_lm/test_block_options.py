@@ -126,6 +126,8 @@ def test_bad_block_options_in_names(name: str, message: str) -> None:
     ({"attention": "softmax", "decay": "retnet"}, "--decay"),
     ({"attention": "softmax", "softmax_layers": "1"}, "--softmax-layers"),
     ({"attention": "softmax", "window": -1}, "window"),
+    ({"short_conv": 257}, "seq_len"),                    # the cpu preset's context is 256
+    ({"attention": "softmax", "short_conv": 257}, "seq_len"),
     ({**variant_flags("softmax-rope+window=8+decay=retnet")}, "--decay"),
 ])
 def test_bad_block_settings(given: dict, message: str) -> None:

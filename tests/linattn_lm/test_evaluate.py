@@ -22,12 +22,12 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-def write_checkpoint(path: Path, model: ByteLM, data_dir: Path) -> Path:
-    """A checkpoint as train.py writes it, for a model built here."""
+def write_checkpoint(path: Path, model: ByteLM, data_dir: Path, data: str = "test") -> Path:
+    """A checkpoint as train.py writes it, for a model built here (`data`: what it says it trained on)."""
     config = TrainConfig(model=model.config, run=RunConfig(data_dir=str(data_dir), run_name="test"))
     config.optim.decay_steps = config.optim.steps   # as config_from_flags resolves it
     save_checkpoint(path, dict(config=asdict(config), step=0, model=model.state_dict(), optimizer={},
-                               loader={}, rng=[], stats={}, data="test", log_window={}))
+                               loader={}, rng=[], stats={}, data=data, log_window={}))
     return path
 
 
@@ -72,6 +72,18 @@ def test_bpc_equals_hand_computation(data_dir: Path, tmp_path: Path, run_main, m
     assert ngram.format_reference(lines) in out
 
 
+def test_scoring_on_other_data_than_the_run_trained_on_says_so(data_dir: Path, tmp_path: Path, run_main,
+                                                               make_model) -> None:
+    model = make_model(seq_len=16)
+    argv = ["--max-bytes", "200", "--seq-len", "16"]
+    ckpt = write_checkpoint(tmp_path / "same.pt", model, data_dir, data=load_split(data_dir, "train").description)
+    code, out, _ = run_main(evaluate.main, [str(ckpt), *argv])
+    assert code == 0 and "note:" not in out
+    ckpt = write_checkpoint(tmp_path / "other.pt", model, data_dir, data="enwik8 (100,000,000 bytes)")
+    code, out, _ = run_main(evaluate.main, [str(ckpt), *argv])
+    assert code == 0 and "note: the run trained on enwik8 (100,000,000 bytes), not on these data" in out
+
+
 def test_uniform_model_scores_eight_bits(data_dir: Path, make_model) -> None:
     model = make_model()
     torch.nn.init.zeros_(model.head.weight)   # all logits 0: every byte has probability 1/256
@@ -86,6 +98,8 @@ def test_extrapolation_table_marks_learned_positions(data_dir: Path, tmp_path: P
     rows = table(out)
     assert code == 0 and rows[32] == "n/a" and float(rows[16]) > 0
     assert "learned absolute positions cover 16 bytes only" in out
+    code, _, err = run_main(evaluate.main, [str(ckpt), "--max-bytes", "300", "--seq-len", "32", "64"])
+    assert code == 2 and "at most 16" in err and len(err.strip().splitlines()) == 1, err   # nothing scorable
 
 
 def test_generate_is_reproducible(data_dir: Path, tmp_path: Path, run_main, make_model) -> None:

@@ -13,6 +13,7 @@ import pytest
 
 from linattn_lm import grid, presets, load_checkpoint, save_checkpoint, training
 from linattn_lm.checkpoint import CheckpointError, recorded_digest
+from linattn_lm.runlock import DirectoryLock
 from linattn_lm.data import load_split
 from linattn_lm.ngram import reference_bpc
 from linattn_lm.variants import default_variants, variant_flags
@@ -134,6 +135,20 @@ def test_resume_and_report_take_the_grids_recorded_settings(data_dir: Path, tiny
     (tmp_path / "g" / grid.GRID_MARKER).write_text('{"flags": {}, "variants": "x"}')
     code, _, err = run_main(grid.main, [*where, "--resume"])
     assert code == 2 and "damaged" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("edit", [{"variants": []}, {"seeds": []}, {"eval_multiples": []}, {"seeds": [-1]},
+                                  {"seeds": [True]}, {"eval_multiples": [0]}, {"variants": [""]}, {"variants": [3]}])
+def test_an_edited_marker_with_an_empty_or_wrong_list_is_damaged(tmp_path, edit):
+    """An empty list would read as the defaults (every registered variant, seed 0) and start runs the
+    grid never listed; a seed or multiple out of range would be blamed on flags nobody gave."""
+    marker = {"flags": {}, "resolved": None, "variants": ["softmax-rope"], "seeds": [0], "eval_multiples": [1]}
+    (tmp_path / grid.GRID_MARKER).write_text(json.dumps({**marker, **edit}))
+    key = next(iter(edit))
+    with pytest.raises(CheckpointError, match=f"damaged: its '{key}'"):
+        grid.started_settings(tmp_path)
+    (tmp_path / grid.GRID_MARKER).write_text(json.dumps(marker))
+    assert grid.started_settings(tmp_path) == marker
 
 
 def started_grid(tmp_path: Path, data_dir: Path) -> tuple[Path, dict]:
@@ -444,6 +459,23 @@ def test_report_only_tabulates_the_finished_runs_and_trains_nothing(data_dir: Pa
     assert "## Fit" not in report   # records from before the train-split estimate
 
 
+@pytest.mark.parametrize("change, key", [(lambda r: r["config"].update(lr=0.5), "lr"),
+                                         (lambda r: r.update(steps=1), "steps")])
+def test_report_only_says_which_result_it_leaves_out_for_other_settings(change, key, data_dir: Path, tiny: list[str],
+                                                                        tmp_path: Path, run_main) -> None:
+    """A result.json written for other settings than the grid's is not reported, and a line names it."""
+    given = dict(preset="tiny", data_dir=str(data_dir), out_dir=str(tmp_path), run_name="g")
+    for variant in ("linear-elu-post", "linear-elu-none"):
+        write_finished_run(given, variant, 0, 3.0)
+    result = tmp_path / "g" / "linear-elu-post" / "seed-0" / grid.RESULT_NAME
+    damage(result, change)
+    argv = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "g", "--report-only",
+            "--variants", "linear-elu-post,linear-elu-none"]
+    code, out, err = run_main(grid.main, argv)
+    assert code == 0 and "1 of 2 runs finished" in out, out + err
+    assert f"{result}: written for other settings ({key}: result.json" in err and "not used" in err, err
+
+
 def test_the_report_gives_passes_and_the_train_val_gap_where_records_have_them(data_dir: Path, tiny: list[str],
                                                                                tmp_path: Path, run_main) -> None:
     given = dict(preset="tiny", data_dir=str(data_dir), out_dir=str(tmp_path), run_name="g")
@@ -674,8 +706,13 @@ def test_a_grid_run_trained_further_by_train_py_is_scored_again_by_resume(data_d
     common = [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path), "--run-name", "g", "--eval-interval", "2"]
     assert run_main(grid.main, [*common, "--steps", "4", "--variants", "linear-elu-post,softmax-rope"])[0] == 0
     run_dir = tmp_path / "g" / "linear-elu-post" / "seed-0"
-    code, _, err = run_main(training.main, ["--out-dir", str(tmp_path), "--run-name", "g/linear-elu-post/seed-0",
-                                            "--threads", "1", "--resume", "--steps", "6", "--decay-steps", "4"])
+    further = ["--out-dir", str(tmp_path), "--run-name", "g/linear-elu-post/seed-0", "--threads", "1", "--resume",
+               "--steps", "6", "--decay-steps", "4"]
+    with DirectoryLock(tmp_path / "g"):   # the grid at work: train.py waits its turn, and changes nothing
+        before = recorded_digest(run_dir / "ckpt.pt")
+        code, _, err = run_main(training.main, further)
+        assert code == 2 and "in use" in err and recorded_digest(run_dir / "ckpt.pt") == before, err
+    code, _, err = run_main(training.main, further)
     assert code == 0, err
     code, _, err = run_main(grid.main, ["--out-dir", str(tmp_path), "--run-name", "g", "--resume"])
     assert code == 2 and "pass --steps 6" in err, err

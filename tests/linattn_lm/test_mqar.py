@@ -152,8 +152,9 @@ def test_a_run_logs_accuracy_and_resumes_exactly(tmp_path: Path, run_main, scala
     assert scalars(tmp_path / "whole", "val/accuracy")[-1] == scalars(tmp_path / "split", "val/accuracy")[-1]
     code, out, _ = run_main(evaluate.main, [str(tmp_path / "whole"), "--threads", "1"])
     assert code == 0 and "test: accuracy" in out and "decoding state 16 x 16" in out
-    code, _, err = run_main(evaluate.main, [str(tmp_path / "whole"), "--threads", "1", "--ar-split"])
-    assert code == 2 and "mqar run" in err
+    for mode in (["--ar-split"], ["--generate", "hi"]):   # its tokens are MQAR ids, not bytes to print
+        code, _, err = run_main(evaluate.main, [str(tmp_path / "whole"), "--threads", "1", *mode])
+        assert code == 2 and "mqar run" in err and mode[0] in err, err
 
 
 def test_a_grid_of_the_task_reports_recall_beside_the_state(tmp_path: Path, run_main) -> None:

@@ -665,7 +665,8 @@ def test_a_checkpoint_in_another_runs_directory_is_refused_naming_its_run(place:
 
 @pytest.mark.parametrize("run_name, inside", [
     ("run/x", "inside the run directory"), ("grid/x", "inside the grid directory"), ("grid", "is the grid directory"),
-    ("grid/softmax-rope/seed-0/x", "inside the run directory")])
+    ("grid/softmax-rope/seed-0/x", "inside the run directory"), ("nest", "holds the run directory"),
+    ("grids", "holds the grid directory")])
 def test_a_run_refuses_to_start_inside_another_runs_or_grids_directory(run_name: str, inside: str, data_dir: Path,
                                                                       tiny: list[str], tmp_path: Path,
                                                                       run_main) -> None:
@@ -674,6 +675,10 @@ def test_a_run_refuses_to_start_inside_another_runs_or_grids_directory(run_name:
     (tmp_path / "grid" / "softmax-rope" / "seed-0").mkdir(parents=True)
     (tmp_path / "grid" / "softmax-rope" / "seed-0" / "ckpt.pt").write_text("")
     (tmp_path / "grid" / ".linattn-grid").write_text("{}")
+    (tmp_path / "nest" / "a").mkdir(parents=True)   # runs and grids below a fresh run's directory
+    (tmp_path / "nest" / "a" / "ckpt.pt").write_text("")
+    (tmp_path / "grids" / "g").mkdir(parents=True)
+    (tmp_path / "grids" / "g" / ".linattn-grid").write_text("{}")
     before = sorted(tmp_path.rglob("*"))
     code, _, err = run_main(training.main, [*tiny, "--data-dir", str(data_dir), "--out-dir", str(tmp_path),
                                             "--run-name", run_name])
