@@ -267,8 +267,10 @@ def resolve(settings: Settings) -> Settings:
     try:   # the folder of a run that will start anyway, and a probe that it takes files
         out.parent.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=out.parent).close()
-    except OSError as error:
-        raise BadSetting(f"--out {settings.out}: cannot write into {out.parent} ({error.strerror}); "
+    except OSError as error:   # mkdir over a file says "File exists": the file is what is in the way
+        blocking = next((folder for folder in (out.parent, *out.parent.parents) if folder.is_file()), None)
+        why = f"{blocking} is a file, not a folder" if blocking else error.strerror
+        raise BadSetting(f"--out {settings.out}: cannot write into {out.parent} ({why}); "
                          "give a writable file prefix such as bench_results/bench") from None
     if out.is_dir():
         raise BadSetting(f"--out {settings.out} is a folder; give a file prefix such as {out / 'bench'}")

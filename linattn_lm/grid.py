@@ -298,8 +298,10 @@ def parse_grid_flags(given: dict[str, Any], args: Any) -> tuple[dict[tuple[int, 
     seeds = listed(args.seeds, default_seeds, int, "--seeds", "integer seeds")
     multiples = sorted({1, *listed(args.eval_multiples, before["eval_multiples"], int, "--eval-multiples",
                                    "integers")})
-    if any(seed < 0 for seed in seeds) or any(multiple < 1 for multiple in multiples):
-        raise ValueError(f"--seeds must be >= 0 and --eval-multiples >= 1, got {seeds} and {multiples}")
+    if any(seed < 0 for seed in seeds):
+        raise ValueError(f"--seeds must be >= 0, got {args.seeds}")
+    if any(multiple < 1 for multiple in multiples):
+        raise ValueError(f"--eval-multiples must be >= 1, got {args.eval_multiples}")
     variants = listed(args.variants, before["variants"] or default_variants(), str, "--variants", "variant names")
     configs = run_configs(given, variants, seeds)
     every_variant = list(dict.fromkeys([*before["variants"], *variants]))

@@ -108,10 +108,12 @@ def test_a_method_too_large_to_build_is_refused_in_one_line(monkeypatch, capsys,
 def test_an_output_prefix_that_cannot_be_written_is_refused_before_any_run(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    for out in (str(blocker / "bench"), str(tmp_path)):
+    for out, why in ((blocker / "bench", "is a file, not a folder"), (blocker / "deeper" / "bench", "is a file"),
+                     (tmp_path, "is a folder")):
         with pytest.raises(SystemExit):
-            parse_settings(["--out", out])
-        assert "--out" in capsys.readouterr().err
+            parse_settings(["--out", str(out)])
+        err = capsys.readouterr().err
+        assert "--out" in err and why in err, err
 
 
 def test_results_of_an_earlier_run_are_replaced_only_with_overwrite(tmp_path, capsys):

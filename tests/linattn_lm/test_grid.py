@@ -356,8 +356,8 @@ def test_config_differences_take_an_absent_setting_as_its_default() -> None:
     (["--seeds", "0,x"], "--seeds must list distinct integer seeds"),
     (["--seeds", "0,0"], "--seeds must list distinct"),
     (["--seeds", "0,1", "--seed", "3"], "give either --seed or --seeds"),
-    (["--seeds", "-1"], "--seeds must be >= 0"),
-    (["--eval-multiples", "0"], "--eval-multiples >= 1"),
+    (["--seeds", "-1"], "--seeds must be >= 0, got -1"),
+    (["--eval-multiples", "0"], "--eval-multiples must be >= 1, got 0"),
     (["--variants", "softmax-rope,softmax-abs", "--chunk-size", "32"], "--chunk-size applies to linear variants only"),
 ])
 def test_grid_rejects_bad_flags(argv: list[str], message: str, run_main) -> None:
