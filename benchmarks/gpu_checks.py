@@ -2,8 +2,8 @@
 
 warm: one forward + backward of every shape the session measures (the block table's linear blocks, plain
 or with a window or decay, at a short length; the op and fla's chunk_gla at M = 64 and 256), so that fla
-autotunes each key once, into Triton's cache, which the session saves for later runs to carry in.  profile: a torch.profiler summary
-(CUDA time by kernel) of one FAVOR+ `post` block forward + backward at N = 65536 beside one bare
+autotunes each key once, into Triton's cache, which the session saves for later runs to carry in.
+profile: a torch.profiler summary (CUDA time by kernel) of one FAVOR+ `post` block forward + backward at N = 65536 beside one bare
 chunk_gla of the same size.  --check parses the arguments and stops (the session's --dry-run)."""
 from __future__ import annotations
 

@@ -11,14 +11,16 @@ import torch
 # Data checks (non-negative features, the log-features' range, a decoding state's finiteness) read tensor
 # values on the host: a device synchronisation each, so they run only in debug mode.  Without it bad
 # values still never pass silently: the rows they reach come out NaN (docs/backends.md).
-DEBUG_WORDS = {**dict.fromkeys(("", "0", "false", "no", "off"), False), **dict.fromkeys(("1", "true", "yes", "on"), True)}
+DEBUG_WORDS = {**dict.fromkeys(("", "0", "false", "no", "off"), False),
+               **dict.fromkeys(("1", "true", "yes", "on"), True)}
 
 
 def debug_from_environment(value: str) -> bool:
     """LINATTN_DEBUG's value read as on or off; another word is taken as off, with a warning (at import,
     where an error would stop every program that imports the library)."""
-    if value.strip().lower() in DEBUG_WORDS:
-        return DEBUG_WORDS[value.strip().lower()]
+    word = value.strip().lower()
+    if word in DEBUG_WORDS:
+        return DEBUG_WORDS[word]
     warnings.warn(f"LINATTN_DEBUG={value!r} is not 1 or 0 (nor true/false, yes/no, on/off): debug mode stays off",
                   stacklevel=2)
     return False

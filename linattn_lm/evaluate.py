@@ -276,7 +276,8 @@ def record_ar_split(path: Path, split: str, rows: dict[int, dict[str, Any]]) -> 
 
 def score_mqar_run(model: ByteLM, checkpoint: dict[str, Any], args: argparse.Namespace, device: torch.device) -> str:
     """A --task mqar run's scores on its held-out val and test streams (grid.py's), as text."""
-    if args.seq_len or args.max_bytes or args.data_dir or args.weight_sums or args.ar_split or args.generate is not None:
+    if (args.seq_len or args.max_bytes or args.data_dir or args.weight_sums or args.ar_split
+            or args.generate is not None):
         raise ValueError("this is a --task mqar run, scored on its seeded held-out streams at its own length (its "
                          "tokens are MQAR ids, not text): drop --seq-len, --max-bytes, --data-dir, --weight-sums, "
                          "--ar-split and --generate")

@@ -148,7 +148,7 @@ def owner_kind(directory: Path) -> str | None:
 def enclosing_grid(directory: Path | str) -> Path | None:
     """The grid directory a run directory lies in (grid.py's runs do), else None."""
     return next((place for place in Path(directory).expanduser().resolve().parents
-                 if (place / GRID_MARKER).is_file()), None)
+                 if owner_kind(place) == "grid"), None)
 
 
 def check_not_nested(directory: Path | str, *, itself: bool = False) -> None:
