@@ -24,7 +24,8 @@ budget=${BUDGET_S:-580}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=$PWD/.gpu-cache
 pytest_gpu="python3 -m pytest -m gpu -v -rfE --durations=15 -o faulthandler_timeout=150 -p no:cacheprovider"
-bench="python3 -m benchmarks --device cuda --dtypes bf16 --lengths 4096,16384,65536 --overwrite"
+bench="python3 -m benchmarks --device cuda --dtypes bf16 --overwrite"
+lengths="--lengths 4096,16384,65536"   # the block and kernels sections'; the model section has its contexts
 parse="python3 -c 'import sys; from benchmarks.settings import parse_settings; parse_settings(sys.argv[1:])'"
 declare -A run check flags
 # the budgeted stages in order, "name limit_s", then those that take what is left
@@ -41,9 +42,9 @@ run[warm]="$warm blocks & first=\$!; $warm options & second=\$!; $warm kernels &
 check[warm]="$warm blocks --check && $warm options --check && $warm kernels --check"
 run[accuracy]="$pytest_gpu -n 0 -s tests/linattn/ops/linear_attention/test_fla_kernels_bf16.py"
 run[profile]="python3 -m benchmarks.gpu_checks profile --length 65536 --out $out/profile.txt"
-flags[blocks]="--sections block --block-methods softmax,softmax+window=64,favor-post,favor-post+window=64,\
+flags[blocks]="$lengths --sections block --block-methods softmax,softmax+window=64,favor-post,favor-post+window=64,\
 favor-pre,favor-pre+window=64,favor-pre+decay=retnet,elu-post --out $out/blocks"
-flags[kernels]="--sections kernels --kernel-methods linattn-fla-log,fla-gla --kernel-features 64,256 --out $out/kernels"
+flags[kernels]="$lengths --sections kernels --kernel-methods linattn-fla-log,fla-gla --kernel-features 64,256 --out $out/kernels"
 flags[model]="--preset gpu-targets --sections model --out $out/model"
 run[gpu_tests]="$pytest_gpu -n 6 --deselect tests/linattn/ops/linear_attention/test_fla_kernels_bf16.py"
 for name in accuracy gpu_tests; do check[$name]="${run[$name]} --collect-only | grep -q 'collected'"; done

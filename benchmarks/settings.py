@@ -231,6 +231,18 @@ def show_preset(values: dict) -> str:
     return " ".join(f"{flag_name(key)} {show(value)}" for key, value in values.items()) or "the defaults"
 
 
+# The settings that only some sections read: given for none of the chosen sections, a flag is a mistake
+# (--block-methods with --sections attention), as train.py refuses a flag its task does not read.
+SECTION_ONLY = {"methods": ("attention",), "masks": ("attention",), "passes": ("attention",),
+                "backends": ("attention", "efficiency"), "chunk_size": ("attention", "efficiency"),
+                "lengths": ("attention", "efficiency", "block", "kernels"),
+                "decode_contexts": ("decode",), "decode_steps": ("decode",),
+                **{name: ("model",) for name in ("model_contexts", "model_tokens", "model_steps", "model_methods",
+                                                 "model_size")},
+                "block_methods": ("block",), "rounds": ("block",),
+                "kernel_methods": ("kernels",), "kernel_features": ("kernels",)}
+
+
 def parse_settings(argv: list[str] | None = None) -> Settings:
     parser = build_parser()
     preset, _ = parser.parse_known_args(argv)
@@ -239,9 +251,26 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
     del args["preset"]
     settings = Settings(**args)
     try:
+        check_flags_read(given_flags(parser, argv), settings.sections)
         return resolve(settings)
     except BadSetting as error:
         parser.error(str(error))
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
+    """The settings named on the command line, not by the preset or the defaults: argparse leaves an
+    attribute the namespace already holds unless its flag is given."""
+    unset = object()
+    probe = parser.parse_args(argv, argparse.Namespace(**{spec.name: unset for spec in fields(Settings)}))
+    return {name for name, value in vars(probe).items() if value is not unset}
+
+
+def check_flags_read(given: set[str], sections: tuple[str, ...]) -> None:
+    for name in sorted(given & set(SECTION_ONLY)):
+        readers = SECTION_ONLY[name]
+        if not set(readers) & set(sections):
+            raise BadSetting(f"{flag_name(name)} is read by the {' and '.join(readers)} section(s) only, not by "
+                             f"--sections {','.join(sections)}: add one of them to --sections, or drop the flag")
 
 
 def resolve(settings: Settings) -> Settings:

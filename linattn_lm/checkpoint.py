@@ -116,28 +116,28 @@ def recorded_digest(path: Path) -> str | None:
     return hex_digits.decode("ascii")
 
 
-def is_zip(path: Path) -> bool:
-    with open(path, "rb") as file:
-        return file.read(4) == ZIP_START
-
-
 REPLACE_HINT = "train.py keeps one checkpoint per run: use a copy of it, or start the run again"
 unsealed_warned: set[Path] = set()
 
 
-def verify_digest(path: Path) -> None:
-    """Refuse a checkpoint whose bytes differ from those it was sealed with; warn, once per file, of
-    one written before checkpoints were sealed (it is read unverified, as it always was)."""
+def verify_digest(path: Path) -> bool:
+    """Refuse a checkpoint whose bytes differ from those it was sealed with.  Returns False for one
+    written before checkpoints were sealed (read unverified, as it always was)."""
     recorded = recorded_digest(path)
     if recorded is None:
-        if path not in unsealed_warned and is_zip(path):
-            unsealed_warned.add(path)
-            print(f"warning: {path} carries no digest (written before checkpoints were sealed), so it is read "
-                  "unverified; its next save seals it", file=sys.stderr)
-        return
+        return False
     if file_sha256(path, path.stat().st_size - 64) != recorded:
         raise CheckpointError(f"{path} is damaged: its bytes no longer match the sha256 it was written with (a "
                               f"changed byte, a disk error or an edit); {REPLACE_HINT}")
+    return True
+
+
+def warn_unsealed(path: Path) -> None:
+    """Once per file: a checkpoint of train.py's format that carries no digest."""
+    if path not in unsealed_warned:
+        unsealed_warned.add(path)
+        print(f"warning: {path} carries no digest (written before checkpoints were sealed), so it is read "
+              "unverified; its next save seals it", file=sys.stderr)
 
 
 def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu") -> dict[str, Any]:
@@ -147,7 +147,7 @@ def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu") 
         raise CheckpointError(f"{path} is a directory, not a checkpoint file: move it away or give another run")
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
-    verify_digest(path)
+    sealed = verify_digest(path)
     try:
         with warnings.catch_warnings():   # a foreign pickle's protocol warning would precede the error below
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
@@ -164,6 +164,8 @@ def load_checkpoint(path: Path | str, map_location: str | torch.device = "cpu") 
         kind = "" if type(version) is int else f" (a {type(version).__name__}, not a number)"
         raise CheckpointError(f"{path} has checkpoint version {version!r}{kind}; this code reads version "
                               f"{CHECKPOINT_VERSION}: read it with the linattn that wrote it, or start a new run")
+    if not sealed:   # warned only now: a foreign file's one line is its error
+        warn_unsealed(path)
     return checkpoint
 
 

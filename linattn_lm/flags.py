@@ -135,7 +135,12 @@ def given_settings(args: Any) -> dict[str, Any]:
     """The config fields given explicitly (an argparse Namespace's), options as a dict."""
     given = {key: value for key, value in vars(args).items() if key in FIELDS and value is not None}
     if "feature_map_options" in given:
-        given["feature_map_options"] = dict(given["feature_map_options"])
+        pairs = given["feature_map_options"]
+        given["feature_map_options"] = dict(pairs)
+        keys = [key for key, _ in pairs]
+        repeated = sorted({key for key in keys if keys.count(key) > 1})
+        if repeated:   # the last would win unseen: a typo in one of them, more often than a choice
+            raise ValueError(f"--feature-map-option {', '.join(repeated)} given more than once; give each key once")
     if is_preset_file(given.get("preset", "")):   # recorded absolute, as data_dir is: found from any directory
         given["preset"] = str(Path(given["preset"]).expanduser().resolve())
     return given

@@ -361,6 +361,11 @@ def started_settings(grid_dir: Path) -> dict[str, Any] | None:
     if wrong_key:   # an empty list too: read as "the defaults" it would start runs the grid never listed
         raise CheckpointError(f"{path} is damaged: its {wrong_key!r} is {marker.get(wrong_key)!r}; write {{}} into it "
                               "and give the grid's flags again")
+    try:   # else a wrong value (lr 'abc') reads below as a preset changed in the code
+        merged_flags(marker["flags"]).check_types()
+    except ValueError as error:
+        raise CheckpointError(f"{path}: its flags do not load ({error}); continue the grid with the code it "
+                              "started with, or write {} into it and give the grid's flags again") from None
     return marker
 
 

@@ -189,6 +189,12 @@ class TrainConfig:
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
 
+    def check_types(self) -> None:
+        """Every section's fields hold their declared types (settings read back from a file may hold
+        anything); the other checks need the machine (validate)."""
+        for name in SECTIONS:
+            check_types(getattr(self, name))
+
     def validate(self, *, probe_map: bool = True) -> None:
         """Every section's checks, then the memory a training step needs, estimated before
         anything is allocated; the feature map is built (once, to check its options) last.

@@ -12,6 +12,8 @@ def test_a_preset_is_the_flags_it_stands_for_and_flags_override_it(tmp_path):
                                "--lengths", "2048,8192,16384", "--budget-s", "600"] + out)
     assert parse_settings(["--preset", "cpu-targets"] + out) == explicit
     assert parse_settings(["--preset", "cpu-targets", "--threads", "1"] + out).threads == 1
+    # a preset's values for sections left out are no flags given: quick sets the model section's, too
+    assert parse_settings(["--preset", "quick", "--sections", "decode"] + out).model_steps == 2
 
 
 def test_lengths_default_to_the_device_and_run_small_to_large(tmp_path):
@@ -34,7 +36,10 @@ def test_lengths_default_to_the_device_and_run_small_to_large(tmp_path):
     (["--device", "tpu"], "one of auto, cpu, cuda"),
     (["--methods", "favor-post", "--num-features", "7"], "method favor-post (causal) cannot run"),
     (["--methods", "elu-*", "--head-dim", "5"], "method elu-post (causal) cannot run"),
-    (["--sections", "decode", "--methods", "sdpa", "--num-features", "255"], "method favor-post (causal) cannot run"),
+    (["--sections", "decode", "--num-features", "255"], "method favor-post (causal) cannot run"),
+    (["--sections", "attention", "--block-methods", "softmax"], "--block-methods is read by the block"),
+    (["--sections", "decode,model", "--lengths", "256"], "add one of them to --sections"),
+    (["--sections", "block", "--rounds", "2", "--model-steps", "2"], "--model-steps is read by the model"),
     (["--sections", "model", "--model-contexts", "96,128", "--model-tokens", "128"],
      "--model-tokens 128 is not a whole number of sequences at context(s) 96"),
     (["--sections", "block", "--block-methods", "softmax,favor-sideways"],

@@ -67,6 +67,11 @@ def test_a_checkpoint_from_before_the_digest_loads_with_a_one_line_warning(tmp_p
     save_checkpoint(path, payload)   # sealed by the next save
     load_checkpoint(path)
     assert capsys.readouterr().err == ""
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": torch.zeros(2)}, foreign)   # unsealed too, but no checkpoint of train.py's
+    with pytest.raises(CheckpointError, match="not a linattn"):
+        load_checkpoint(foreign)
+    assert capsys.readouterr().err == ""   # its error alone, no warning line before it
 
 
 def test_an_optimiser_state_this_optimiser_would_not_keep_is_refused(tmp_path: Path) -> None:

@@ -50,3 +50,12 @@ def test_a_flag_reaches_its_setting_in_config_from_argv() -> None:
     """train.py -> training.main -> flags.config_from_argv -> the trainer: the config holds it."""
     args, config = config_from_argv(build_parser(), ["--preset", "tiny", "--lr", "0.002"])
     assert config.optim.lr == 0.002 and config.optim.warmup == PRESETS["tiny"]["warmup"] and not args.resume
+
+
+def test_a_feature_map_option_given_twice_is_refused() -> None:
+    """The last of two --feature-map-option num_features=... would win without a word."""
+    argv = ["--preset", "tiny", "--feature-map-option", "num_features=16", "--feature-map-option", "num_features=32"]
+    with pytest.raises(ValueError, match="more than once"):
+        config_from_argv(build_parser(), argv)
+    _, config = config_from_argv(build_parser(), argv[:4])
+    assert config.model.feature_map_options["num_features"] == 16

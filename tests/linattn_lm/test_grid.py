@@ -151,6 +151,15 @@ def test_an_edited_marker_with_an_empty_or_wrong_list_is_damaged(tmp_path, edit)
     assert grid.started_settings(tmp_path) == marker
 
 
+@pytest.mark.parametrize("flags", [{"lr": "abc"}, {"steps": 2.5}, {"no_such_setting": 1}])
+def test_a_marker_whose_flags_do_not_load_is_named_not_blamed_on_the_code(tmp_path, flags):
+    """lr 'abc' would resolve to other values than the marker recorded, read as a preset changed in the code."""
+    marker = {"flags": flags, "resolved": {}, "variants": ["softmax-rope"], "seeds": [0], "eval_multiples": [1]}
+    (tmp_path / grid.GRID_MARKER).write_text(json.dumps(marker))
+    with pytest.raises(CheckpointError, match="do not load"):
+        grid.started_settings(tmp_path)
+
+
 def started_grid(tmp_path: Path, data_dir: Path) -> tuple[Path, dict]:
     """A grid directory whose marker records a tiny grid of 4 steps (flags and what they resolve to)."""
     grid_dir = tmp_path / "g"
