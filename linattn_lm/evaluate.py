@@ -284,7 +284,7 @@ def score_mqar_run(model: ByteLM, checkpoint: dict[str, Any], args: argparse.Nam
     config, task = model.config, saved_section(checkpoint["config"], "task")
     batch_size = saved_section(checkpoint["config"], "optim").batch_size
     scores = held_out_scores(model, config.vocab_size, config.seq_len, task.mqar_kv_pairs, batch_size, config.seed,
-                             device, args.dtype)
+                             device, args.dtype, task.mqar_filler)
     return "\n".join([f"MQAR, {task.mqar_kv_pairs} key-value pairs; decoding state {state_size(config)}",
                       *held_out_lines(scores)])
 

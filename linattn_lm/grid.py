@@ -160,7 +160,8 @@ def mqar_scores(result: TrainResult, config: TrainConfig) -> dict[str, Any]:
     whole-split scores), and the decoding state they came from."""
     model = config.model
     scores = held_out_scores(result.model.eval(), model.vocab_size, model.seq_len, config.task.mqar_kv_pairs,
-                             config.optim.batch_size, model.seed, next(result.model.parameters()).device, result.dtype)
+                             config.optim.batch_size, model.seed, next(result.model.parameters()).device, result.dtype,
+                             config.task.mqar_filler)
     for line in held_out_lines(scores):   # what the report scores, beside the training's last estimate
         print(f"{config.run.run_name}: {line}", flush=True)
     return {**scores, "state_size": result.state_size}

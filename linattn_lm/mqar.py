@@ -3,8 +3,10 @@
 A sequence opens with D key-value pairs (k_1 v_1 ... k_D v_D), keys drawn without replacement from
 [1, V/2) and values from [V/2, V); each key is then queried once, later in the sequence: the model
 sees k_i again and must predict v_i.  As in Zoology, the queries sit at gaps drawn with probability
-proportional to g^(a-1) (a = 0.01: mostly soon after the pairs), every other position holds a random
-token, and only the query positions are scored (loss and accuracy): the rest carry the ignored target.
+proportional to g^(a-1) (a = 0.01: mostly soon after the pairs), and only the query positions are scored
+(loss and accuracy): the rest carry the ignored target.  Every other position holds the filler: a random
+token of the whole vocabulary (`random`, the default of Zoology's generator: a filler may repeat a key,
+which makes the task harder) or token 0, never a key (`zeros`, what Zoology's published configurations set).
 The data is a function of the seed: batch i of a stream is drawn from np.random.default_rng([seed,
 stream, i]), so resuming costs nothing and every variant with a seed sees the same sequences.
 """
@@ -25,12 +27,13 @@ IGNORED = -100   # the target of a position that is no query (F.cross_entropy's 
 STREAMS = {"train": 0, "val": 1, "test": 2}
 
 
-def describe(vocab_size: int, seq_len: int, kv_pairs: int) -> str:
-    return f"MQAR (synthetic): {kv_pairs} key-value pairs, vocab {vocab_size}, {seq_len} tokens"
+def describe(vocab_size: int, seq_len: int, kv_pairs: int, filler: str = "random") -> str:
+    filled = "" if filler == "random" else f", {filler} between"
+    return f"MQAR (synthetic): {kv_pairs} key-value pairs, vocab {vocab_size}, {seq_len} tokens{filled}"
 
 
 def draw_batch(rng: np.random.Generator, rows: int, vocab_size: int, seq_len: int,
-               kv_pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
+               kv_pairs: int, filler: str = "random") -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y) int64 (rows, seq_len): the sequences and their targets, IGNORED except at the queries."""
     half, context = vocab_size // 2, 2 * kv_pairs
     keys = 1 + rng.random((rows, half - 1)).argsort(axis=1)[:, :kv_pairs]        # without replacement
@@ -39,7 +42,8 @@ def draw_batch(rng: np.random.Generator, rows: int, vocab_size: int, seq_len: in
     log_p = (POWER_A - 1) * np.log(np.arange(1, space + 1))
     gumbel = -np.log(-np.log(rng.random((rows, space))))
     slots = np.argsort(-(log_p + gumbel), axis=1)[:, :kv_pairs]   # Gumbel top-k: weighted, without replacement
-    tokens = rng.integers(0, vocab_size, (rows, seq_len))
+    # drawn last, so that both fillers give the same pairs and queries
+    tokens = rng.integers(0, vocab_size, (rows, seq_len)) if filler == "random" else np.zeros((rows, seq_len), np.int64)
     tokens[:, 0:context:2], tokens[:, 1:context:2] = keys, values
     queries = context + 2 * slots
     np.put_along_axis(tokens, queries, keys, axis=1)
@@ -79,8 +83,9 @@ class MqarBatches:
     is (seed, batches_drawn)."""
 
     def __init__(self, vocab_size: int, seq_len: int, kv_pairs: int, batch_size: int, *, seed: int,
-                 stream: str, rank: int = 0, world_size: int = 1) -> None:
+                 stream: str, rank: int = 0, world_size: int = 1, filler: str = "random") -> None:
         self.vocab_size, self.seq_len, self.kv_pairs, self.batch_size = vocab_size, seq_len, kv_pairs, batch_size
+        self.filler = filler   # not in state_dict: the run's config holds it, and --resume checks it there
         self.seed, self.stream, self.rank, self.world_size = seed, STREAMS[stream], rank, world_size
         self.batches_drawn = 0
 
@@ -95,7 +100,8 @@ class MqarBatches:
     def batch_at(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch `index` of the stream (this rank's rows), without moving the iterator."""
         rng = np.random.default_rng([self.seed, self.stream, index])
-        x, y = draw_batch(rng, self.batch_size * self.world_size, self.vocab_size, self.seq_len, self.kv_pairs)
+        x, y = draw_batch(rng, self.batch_size * self.world_size, self.vocab_size, self.seq_len, self.kv_pairs,
+                          self.filler)
         rows = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
         return x[rows], y[rows]
 
@@ -133,12 +139,13 @@ HELD_OUT_BATCHES = 64   # batches of each held-out stream a finished run is scor
 
 
 def held_out_scores(model: torch.nn.Module, vocab_size: int, seq_len: int, kv_pairs: int, batch_size: int,
-                    seed: int, device: torch.device, dtype: str = "auto") -> dict[str, dict[str, float]]:
+                    seed: int, device: torch.device, dtype: str = "auto",
+                    filler: str = "random") -> dict[str, dict[str, float]]:
     """A finished run's scores on the first HELD_OUT_BATCHES batches of its val and test streams:
     split -> {bits: per query, accuracy: at the queries}, the whole-split scores of the task."""
     scores = {}
     for split in ("val", "test"):
-        stream = MqarBatches(vocab_size, seq_len, kv_pairs, batch_size, seed=seed, stream=split)
+        stream = MqarBatches(vocab_size, seq_len, kv_pairs, batch_size, seed=seed, stream=split, filler=filler)
         nats, correct, count = query_scores(model, (stream.batch_at(i) for i in range(HELD_OUT_BATCHES)), device,
                                             dtype)
         scores[split] = {"bits": nats / count / np.log(2), "accuracy": correct / count}

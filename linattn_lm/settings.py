@@ -143,6 +143,7 @@ class RunConfig:
 
 
 TASKS = ("enwik8", "mqar")
+MQAR_FILLERS = ("random", "zeros")   # linattn_lm/mqar.py draws them
 
 
 def check_mqar_settings(vocab_size: int, seq_len: int, kv_pairs: int) -> None:
@@ -168,11 +169,17 @@ class TaskConfig:
                                   "mqar-tiny, the default preset with --task mqar)")
     mqar_kv_pairs: int = setting(8, "mqar: key-value pairs per sequence, each queried once; its vocabulary is "
                                     "--vocab-size, its length --seq-len")
+    mqar_filler: str = setting("random", "mqar: what fills the positions between the pairs and queries: random "
+                                         "(tokens of the whole vocabulary, which may repeat a key; Zoology's "
+                                         "generator default) or zeros (token 0, never a key; Zoology's published "
+                                         "configurations)")
 
     def validate(self) -> None:
         check_types(self)
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.mqar_filler not in MQAR_FILLERS:
+            raise ValueError(f"mqar_filler must be one of {', '.join(MQAR_FILLERS)}, got {self.mqar_filler!r}")
 
 
 SECTIONS = {"model": ModelConfig, "optim": OptimConfig, "log": LogConfig, "run": RunConfig, "task": TaskConfig}

@@ -128,11 +128,11 @@ class Trainer:
         if config.task.task == "mqar":   # synthetic: the seed is the data, there is no split and no text
             model = config.model
             streams = dict(batch_size=config.optim.batch_size // ctx.world_size, seed=model.seed, rank=ctx.rank,
-                           world_size=ctx.world_size)
+                           world_size=ctx.world_size, filler=config.task.mqar_filler)
             sizes = (model.vocab_size, model.seq_len, config.task.mqar_kv_pairs)
             self.train_batches = mqar.MqarBatches(*sizes, **streams, stream="train")
             self.val_batches = mqar.MqarBatches(*sizes, **streams, stream="val")
-            self.val_split, self.data, self.train_bytes = None, mqar.describe(*sizes), 0
+            self.val_split, self.data, self.train_bytes = None, mqar.describe(*sizes, config.task.mqar_filler), 0
             self.log(f"data: {self.data}")
             return
         self.data_dir = str(config.run.data_path)

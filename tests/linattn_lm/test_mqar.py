@@ -38,6 +38,21 @@ def test_sequences_are_pairs_then_one_query_per_key() -> None:
         assert all(0 <= token < VOCAB for token in row_x)
 
 
+def test_the_zeros_filler_changes_only_the_positions_between_pairs_and_queries() -> None:
+    """Zoology's published configurations: token 0 (never a key) where the default draws random tokens,
+    with the same pairs and queries."""
+    random_x, random_y = draw_batch(np.random.default_rng(0), 50, VOCAB, SEQ_LEN, PAIRS)
+    zeros_x, zeros_y = draw_batch(np.random.default_rng(0), 50, VOCAB, SEQ_LEN, PAIRS, "zeros")
+    assert torch.equal(random_y, zeros_y)
+    kept = zeros_y != IGNORED
+    kept[:, :2 * PAIRS] = True
+    assert torch.equal(zeros_x[kept], random_x[kept]) and (zeros_x[~kept] == 0).all()
+    assert (random_x[~kept] != 0).any()
+    batches = MqarBatches(VOCAB, SEQ_LEN, PAIRS, 4, seed=3, stream="val", filler="zeros")
+    assert torch.equal(batches.batch_at(1)[1], MqarBatches(VOCAB, SEQ_LEN, PAIRS, 4, seed=3, stream="val").batch_at(1)[1])
+    assert (batches.batch_at(1)[0] == 0).any()
+
+
 def test_queries_come_mostly_soon_after_the_pairs() -> None:
     """Zoology's power law (a = 0.01): the first query slot is drawn far more often than the last."""
     _, y = draw_batch(np.random.default_rng(1), 2000, VOCAB, SEQ_LEN, PAIRS)
@@ -76,6 +91,14 @@ def test_the_task_takes_any_vocabulary_its_pairs_fit_and_enwik8_one_id_per_byte(
     assert config_from_flags({"preset": "mqar", "vocab_size": 64}).model.vocab_size == 64
     with pytest.raises(ValueError, match="per byte"):
         config_from_flags({"preset": "cpu", "vocab_size": 64})
+
+
+def test_a_filler_is_one_of_two_and_given_for_mqar_only() -> None:
+    assert config_from_flags({"preset": "mqar"}).task.mqar_filler == "random"
+    with pytest.raises(ValueError, match="mqar_filler"):
+        config_from_flags({"preset": "mqar", "mqar_filler": "noise"})
+    with pytest.raises(ValueError, match="--mqar-filler"):
+        config_from_flags({"preset": "cpu", "mqar_filler": "zeros"})
 
 
 class Oracle(nn.Module):
@@ -179,6 +202,8 @@ def test_a_grid_of_the_task_reports_recall_beside_the_state(tmp_path: Path, run_
     assert "| linear-favor-pre+softmax_layers=1 | 0 |" in report and "| 16 x 16; 32 x 2 x 16 KV cache |" in report
     code, _, err = run_main(grid.main, [*argv, "--resume"])   # finished: kept as it is
     assert code == 0, err
+    code, _, err = run_main(grid.main, [*argv, "--resume", "--mqar-filler", "zeros"])   # other data: refused
+    assert code == 2 and "--mqar-filler" in err, err
     code, _, err = run_main(grid.main, [*argv[:-2], "--run-name", "h", "--eval-multiples", "1,2",
                                         "--variants", "softmax-rope"])
     assert code == 2 and "--eval-multiples" in err
