@@ -34,7 +34,7 @@ from .flags import finite_float, integer
 from .cli import DefaultsFormatter, load_imports, one_line_warnings
 from .grid_record import AR_SPLIT_KEYS, DIGEST_KEY, FAR_CLASSES, FAR_MATCHES, RESULT_NAME, read_record
 from .lm import ByteLM, bits_per_byte, lm_loss, state_size
-from .mqar import held_out_lines, held_out_scores
+from .mqar import describe, held_out_lines, held_out_scores
 from .ngram import format_reference, reference_bpc
 from .device import DTYPES, autocast, keep_freed_memory, resolve_device, resolve_dtype
 from .errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, Parser, is_out_of_memory
@@ -285,7 +285,8 @@ def score_mqar_run(model: ByteLM, checkpoint: dict[str, Any], args: argparse.Nam
     batch_size = saved_section(checkpoint["config"], "optim").batch_size
     scores = held_out_scores(model, config.vocab_size, config.seq_len, task.mqar_kv_pairs, batch_size, config.seed,
                              device, args.dtype, task.mqar_filler)
-    return "\n".join([f"MQAR, {task.mqar_kv_pairs} key-value pairs; decoding state {state_size(config)}",
+    data = describe(config.vocab_size, config.seq_len, task.mqar_kv_pairs, task.mqar_filler)
+    return "\n".join([f"{data}; decoding state {state_size(config)}",
                       *held_out_lines(scores)])
 
 
