@@ -44,7 +44,8 @@ run[accuracy]="$pytest_gpu -n 0 -s tests/linattn/ops/linear_attention/test_fla_k
 run[profile]="python3 -m benchmarks.gpu_checks profile --length 65536 --out $out/profile.txt"
 flags[blocks]="$lengths --sections block --block-methods softmax,softmax+window=64,favor-post,favor-post+window=64,\
 favor-pre,favor-pre+window=64,favor-pre+decay=retnet,elu-post --out $out/blocks"
-flags[kernels]="$lengths --sections kernels --kernel-methods linattn-fla-log,fla-gla --kernel-features 64,256 --out $out/kernels"
+flags[kernels]="$lengths --sections kernels --kernel-methods linattn-fla-log,fla-gla --kernel-features 64,256 \
+--out $out/kernels"
 flags[model]="--preset gpu-targets --sections model --out $out/model"
 run[gpu_tests]="$pytest_gpu -n 6 --deselect tests/linattn/ops/linear_attention/test_fla_kernels_bf16.py"
 for name in accuracy gpu_tests; do check[$name]="${run[$name]} --collect-only | grep -q 'collected'"; done

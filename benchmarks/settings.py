@@ -258,19 +258,24 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
 
 
 def given_flags(parser: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
-    """The settings named on the command line, not by the preset or the defaults: argparse leaves an
-    attribute the namespace already holds unless its flag is given."""
+    """The settings named on the command line, not by the preset or the defaults.
+
+    Args: parser: `build_parser`'s; argv: the arguments (None: sys.argv's).
+    Returns: the names of the Settings fields whose flags were given (argparse leaves an attribute the
+        namespace already holds unless its flag is given)."""
     unset = object()
     probe = parser.parse_args(argv, argparse.Namespace(**{spec.name: unset for spec in fields(Settings)}))
-    return {name for name, value in vars(probe).items() if value is not unset}
+    return {spec.name for spec in fields(Settings) if getattr(probe, spec.name) is not unset}
 
 
 def check_flags_read(given: set[str], sections: tuple[str, ...]) -> None:
+    """Refuse a flag given for sections that none of the chosen ones is (SECTION_ONLY)."""
     for name in sorted(given & set(SECTION_ONLY)):
         readers = SECTION_ONLY[name]
         if not set(readers) & set(sections):
-            raise BadSetting(f"{flag_name(name)} is read by the {' and '.join(readers)} section(s) only, not by "
-                             f"--sections {','.join(sections)}: add one of them to --sections, or drop the flag")
+            raise BadSetting(f"{flag_name(name)} is read only by the {', '.join(readers[:-1])}"
+                             f"{' or ' if len(readers) > 1 else ''}{readers[-1]} section, not by --sections "
+                             f"{','.join(sections)}: add one of them to --sections, or drop the flag")
 
 
 def resolve(settings: Settings) -> Settings:

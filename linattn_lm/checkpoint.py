@@ -121,8 +121,10 @@ unsealed_warned: set[Path] = set()
 
 
 def verify_digest(path: Path) -> bool:
-    """Refuse a checkpoint whose bytes differ from those it was sealed with.  Returns False for one
-    written before checkpoints were sealed (read unverified, as it always was)."""
+    """Refuse a checkpoint whose bytes differ from those it was sealed with.
+
+    Returns: True for a sealed checkpoint whose bytes match; False for one written before checkpoints
+        were sealed (read unverified, as it always was)."""
     recorded = recorded_digest(path)
     if recorded is None:
         return False
@@ -446,5 +448,6 @@ def recorded_config(values: Any) -> TrainConfig:
     config.optim.validate()
     config.log.validate()
     config.run.check_fields()
+    config.task.validate()
     config.model.validate()
     return config

@@ -282,9 +282,10 @@ def score_mqar_run(model: ByteLM, checkpoint: dict[str, Any], args: argparse.Nam
                          "tokens are MQAR ids, not text): drop --seq-len, --max-bytes, --data-dir, --weight-sums, "
                          "--ar-split and --generate")
     config, task = model.config, saved_section(checkpoint["config"], "task")
+    task.validate()   # saved_section checks types only: an edited filler would be drawn as another
     batch_size = saved_section(checkpoint["config"], "optim").batch_size
-    scores = held_out_scores(model, config.vocab_size, config.seq_len, task.mqar_kv_pairs, batch_size, config.seed,
-                             device, args.dtype, task.mqar_filler)
+    scores = held_out_scores(model, config.vocab_size, config.seq_len, task.mqar_kv_pairs, task.mqar_filler,
+                             batch_size, config.seed, device, args.dtype)
     data = describe(config.vocab_size, config.seq_len, task.mqar_kv_pairs, task.mqar_filler)
     return "\n".join([f"{data}; decoding state {state_size(config)}",
                       *held_out_lines(scores)])

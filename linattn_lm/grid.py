@@ -160,8 +160,8 @@ def mqar_scores(result: TrainResult, config: TrainConfig) -> dict[str, Any]:
     whole-split scores), and the decoding state they came from."""
     model = config.model
     scores = held_out_scores(result.model.eval(), model.vocab_size, model.seq_len, config.task.mqar_kv_pairs,
-                             config.optim.batch_size, model.seed, next(result.model.parameters()).device, result.dtype,
-                             config.task.mqar_filler)
+                             config.task.mqar_filler, config.optim.batch_size, model.seed,
+                             next(result.model.parameters()).device, result.dtype)
     for line in held_out_lines(scores):   # what the report scores, beside the training's last estimate
         print(f"{config.run.run_name}: {line}", flush=True)
     return {**scores, "state_size": result.state_size}
@@ -364,7 +364,7 @@ def started_settings(grid_dir: Path) -> dict[str, Any] | None:
                               "and give the grid's flags again")
     try:   # else a wrong value (lr 'abc') reads below as a preset changed in the code
         merged_flags(marker["flags"]).check_types()
-    except ValueError as error:
+    except (ValueError, TypeError, AttributeError) as error:   # TypeError, AttributeError: a value of another kind
         raise CheckpointError(f"{path}: its flags do not load ({error}); continue the grid with the code it "
                               "started with, or write {} into it and give the grid's flags again") from None
     return marker

@@ -83,7 +83,7 @@ class MqarBatches:
     is (seed, batches_drawn)."""
 
     def __init__(self, vocab_size: int, seq_len: int, kv_pairs: int, batch_size: int, *, seed: int,
-                 stream: str, rank: int = 0, world_size: int = 1, filler: str = "random") -> None:
+                 stream: str, filler: str, rank: int = 0, world_size: int = 1) -> None:
         self.vocab_size, self.seq_len, self.kv_pairs, self.batch_size = vocab_size, seq_len, kv_pairs, batch_size
         self.filler = filler   # not in state_dict: the run's config holds it, and --resume checks it there
         self.seed, self.stream, self.rank, self.world_size = seed, STREAMS[stream], rank, world_size
@@ -138,9 +138,9 @@ def query_scores(model: torch.nn.Module, batches: Iterable[tuple[torch.Tensor, t
 HELD_OUT_BATCHES = 64   # batches of each held-out stream a finished run is scored on (grid.py)
 
 
-def held_out_scores(model: torch.nn.Module, vocab_size: int, seq_len: int, kv_pairs: int, batch_size: int,
-                    seed: int, device: torch.device, dtype: str = "auto",
-                    filler: str = "random") -> dict[str, dict[str, float]]:
+def held_out_scores(model: torch.nn.Module, vocab_size: int, seq_len: int, kv_pairs: int, filler: str,
+                    batch_size: int, seed: int, device: torch.device,
+                    dtype: str = "auto") -> dict[str, dict[str, float]]:
     """A finished run's scores on the first HELD_OUT_BATCHES batches of its val and test streams:
     split -> {bits: per query, accuracy: at the queries}, the whole-split scores of the task."""
     scores = {}

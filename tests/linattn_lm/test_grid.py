@@ -151,7 +151,8 @@ def test_an_edited_marker_with_an_empty_or_wrong_list_is_damaged(tmp_path, edit)
     assert grid.started_settings(tmp_path) == marker
 
 
-@pytest.mark.parametrize("flags", [{"lr": "abc"}, {"steps": 2.5}, {"no_such_setting": 1}])
+@pytest.mark.parametrize("flags", [{"lr": "abc"}, {"steps": 2.5}, {"no_such_setting": 1}, {"preset": 3},
+                                   {"feature_map_options": "ab"}])
 def test_a_marker_whose_flags_do_not_load_is_named_not_blamed_on_the_code(tmp_path, flags):
     """lr 'abc' would resolve to other values than the marker recorded, read as a preset changed in the code."""
     marker = {"flags": flags, "resolved": {}, "variants": ["softmax-rope"], "seeds": [0], "eval_multiples": [1]}

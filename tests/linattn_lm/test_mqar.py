@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from linattn_lm import config_from_flags, evaluate, grid, load_checkpoint, training
+from linattn_lm.checkpoint import save_checkpoint
 from linattn_lm.settings import check_mqar_settings
 from linattn_lm.mqar import IGNORED, MqarBatches, draw_batch, position_only_accuracy, query_scores
 
@@ -48,9 +49,9 @@ def test_the_zeros_filler_changes_only_the_positions_between_pairs_and_queries()
     kept[:, :2 * PAIRS] = True
     assert torch.equal(zeros_x[kept], random_x[kept]) and (zeros_x[~kept] == 0).all()
     assert (random_x[~kept] != 0).any()
-    batches = MqarBatches(VOCAB, SEQ_LEN, PAIRS, 4, seed=3, stream="val", filler="zeros")
-    assert torch.equal(batches.batch_at(1)[1], MqarBatches(VOCAB, SEQ_LEN, PAIRS, 4, seed=3, stream="val").batch_at(1)[1])
-    assert (batches.batch_at(1)[0] == 0).any()
+    zeros, random = (MqarBatches(VOCAB, SEQ_LEN, PAIRS, 4, seed=3, stream="val", filler=filler).batch_at(1)
+                     for filler in ("zeros", "random"))
+    assert torch.equal(zeros[1], random[1]) and (zeros[0] == 0).any() and not (random[0] == 0).any()
 
 
 def test_queries_come_mostly_soon_after_the_pairs() -> None:
@@ -62,12 +63,13 @@ def test_queries_come_mostly_soon_after_the_pairs() -> None:
 
 
 def test_streams_are_seeded_and_split_across_ranks() -> None:
-    make = lambda **kw: MqarBatches(VOCAB, SEQ_LEN, PAIRS, 4, **{"seed": 3, "stream": "train", **kw})
+    make = lambda **kw: MqarBatches(VOCAB, SEQ_LEN, PAIRS, 4, **{"seed": 3, "stream": "train", "filler": "random",
+                                                                  **kw})
     a, b = make(), make()
     assert all(torch.equal(u, v) for u, v in zip(next(a), next(b)))
     assert not torch.equal(make().batch_at(0)[0], make(stream="val").batch_at(0)[0])
     assert not torch.equal(make().batch_at(0)[0], make(seed=4).batch_at(0)[0])
-    whole = MqarBatches(VOCAB, SEQ_LEN, PAIRS, 8, seed=3, stream="train").batch_at(5)[0]
+    whole = MqarBatches(VOCAB, SEQ_LEN, PAIRS, 8, seed=3, stream="train", filler="random").batch_at(5)[0]
     ranks = [make(rank=r, world_size=2).batch_at(5)[0] for r in (0, 1)]
     assert torch.equal(torch.cat(ranks), whole)
     resumed = make()
@@ -178,6 +180,21 @@ def test_a_run_logs_accuracy_and_resumes_exactly(tmp_path: Path, run_main, scala
     for mode in (["--ar-split"], ["--generate", "hi"]):   # its tokens are MQAR ids, not bytes to print
         code, _, err = run_main(evaluate.main, [str(tmp_path / "whole"), "--threads", "1", *mode])
         assert code == 2 and "mqar run" in err and mode[0] in err, err
+
+
+def test_a_zeros_run_names_its_filler_and_an_edited_filler_is_refused(tmp_path: Path, run_main) -> None:
+    argv = ["--preset", "mqar-tiny", "--threads", "1", "--out-dir", str(tmp_path), "--run-name", "z", "--steps", "2",
+            "--eval-interval", "2", "--mqar-filler", "zeros"]
+    code, out, err = run_main(training.main, argv)
+    assert code == 0 and "32 tokens, zeros between" in out, err
+    code, out, err = run_main(evaluate.main, [str(tmp_path / "z"), "--threads", "1"])
+    assert code == 0 and "zeros between" in out, err
+    checkpoint = load_checkpoint(tmp_path / "z")
+    checkpoint["config"]["task"]["mqar_filler"] = "noise"
+    save_checkpoint(tmp_path / "z" / "ckpt.pt", {k: v for k, v in checkpoint.items() if k not in ("format", "version")})
+    for main, extra in ((evaluate.main, []), (training.main, ["--resume", "--steps", "4"])):
+        code, _, err = run_main(main, [str(tmp_path / "z"), "--threads", "1"] if main is evaluate.main else argv + extra)
+        assert code != 0 and "mqar_filler" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_a_grid_of_the_task_reports_recall_beside_the_state(tmp_path: Path, run_main) -> None:
