@@ -192,8 +192,9 @@ def test_a_zeros_run_names_its_filler_and_an_edited_filler_is_refused(tmp_path: 
     checkpoint = load_checkpoint(tmp_path / "z")
     checkpoint["config"]["task"]["mqar_filler"] = "noise"
     save_checkpoint(tmp_path / "z" / "ckpt.pt", {k: v for k, v in checkpoint.items() if k not in ("format", "version")})
-    for main, extra in ((evaluate.main, []), (training.main, ["--resume", "--steps", "4"])):
-        code, _, err = run_main(main, [str(tmp_path / "z"), "--threads", "1"] if main is evaluate.main else argv + extra)
+    for main, args in ((evaluate.main, [str(tmp_path / "z"), "--threads", "1"]),
+                       (training.main, [*argv, "--resume", "--steps", "4"])):
+        code, _, err = run_main(main, args)
         assert code != 0 and "mqar_filler" in err and len(err.strip().splitlines()) == 1, err
 
 
