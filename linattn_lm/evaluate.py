@@ -40,6 +40,7 @@ from .device import DTYPES, autocast, keep_freed_memory, resolve_device, resolve
 from .errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, Parser, is_out_of_memory
 from .files import write_atomically
 from .scoring import summed_loss
+from .settings import TaskConfig
 from .text import decode_bytes, encode_text
 from .weight_sums import format_rows, linear_blocks, weight_sum_rows
 
@@ -274,15 +275,15 @@ def record_ar_split(path: Path, split: str, rows: dict[int, dict[str, Any]]) -> 
     return f"AR split recorded in {record_path}"
 
 
-def score_mqar_run(model: ByteLM, checkpoint: dict[str, Any], args: argparse.Namespace, device: torch.device) -> str:
+def score_mqar_run(model: ByteLM, checkpoint: dict[str, Any], task: TaskConfig, args: argparse.Namespace,
+                   device: torch.device) -> str:
     """A --task mqar run's scores on its held-out val and test streams (grid.py's), as text."""
     if (args.seq_len or args.max_bytes or args.data_dir or args.weight_sums or args.ar_split
             or args.generate is not None):
         raise ValueError("this is a --task mqar run, scored on its seeded held-out streams at its own length (its "
                          "tokens are MQAR ids, not text): drop --seq-len, --max-bytes, --data-dir, --weight-sums, "
                          "--ar-split and --generate")
-    config, task = model.config, saved_section(checkpoint["config"], "task")
-    task.validate()   # saved_section checks types only: an edited filler would be drawn as another
+    config = model.config
     batch_size = saved_section(checkpoint["config"], "optim").batch_size
     scores = held_out_scores(model, config.vocab_size, config.seq_len, task.mqar_kv_pairs, task.mqar_filler,
                              batch_size, config.seed, device, args.dtype)
@@ -382,8 +383,10 @@ def main(argv: list[str] | None = None) -> int:
         resolve_dtype(args.dtype, device)
         print(f"checkpoint: {path} (step {checkpoint['step']}, {config.variant}, "
               f"{model.num_parameters():,} parameters, trained at seq_len {config.seq_len})")
-        if saved_section(checkpoint["config"], "task").task == "mqar":
-            print(score_mqar_run(model, checkpoint, args, device))
+        task = saved_section(checkpoint["config"], "task")
+        task.validate()   # saved_section checks types only: an edited filler would be drawn as another
+        if task.task == "mqar":
+            print(score_mqar_run(model, checkpoint, task, args, device))
             return 0
         if args.generate is not None:
             print(sample_text(model, args, device))

@@ -27,7 +27,7 @@ IGNORED = -100   # the target of a position that is no query (F.cross_entropy's 
 STREAMS = {"train": 0, "val": 1, "test": 2}
 
 
-def describe(vocab_size: int, seq_len: int, kv_pairs: int, filler: str = "random") -> str:
+def describe(vocab_size: int, seq_len: int, kv_pairs: int, filler: str) -> str:
     filled = "" if filler == "random" else f", {filler} between"
     return f"MQAR (synthetic): {kv_pairs} key-value pairs, vocab {vocab_size}, {seq_len} tokens{filled}"
 
